@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture
+def tiny_llama(tokenizer):
+    return build_llama(tokenizer)
+
+
+@pytest.fixture
+def tiny_qwen2(tokenizer):
+    return build_qwen2(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama and its tokenizer saved to disk, for code paths that take a model path."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_llama(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
