@@ -1,3 +1,12 @@
-"""trl_es: Evolution Strategies fine-tuning of LLMs, as a member of the Hugging Face TRL family."""
+"""trl_es: Evolution Strategies fine-tuning of LLMs, as a member of the Hugging Face TRL family.
+
+>>> from trl_es import ESConfig, ESTrainer   # instead of: from trl import GRPOConfig, GRPOTrainer
+"""
 
 __version__ = "0.1.0"
+
+from .es.seedlog import replay
+from .trainer.es_config import ESConfig
+from .trainer.es_trainer import ESTrainer
+
+__all__ = ["ESConfig", "ESTrainer", "replay", "__version__"]

@@ -1,0 +1,44 @@
+"""Diagnostics of the ES-vs-GRPO fine-tuning papers, usable on any two checkpoints (ES, GRPO or other).
+
+Each diagnostic lives in its own module; formulas and sources are in the docstrings and in ``docs/analysis.md``.
+
+- :mod:`.pass_at_k`: unbiased pass@k (Chen et al. 2021) and its ``evaluate`` metric.
+- :mod:`.drift`: parameter drift ||theta - theta_0||, overall and per module type.
+- :mod:`.kl`: off-task KL drift on completions sampled from the current model.
+- :mod:`.sparsity`: functional sparsity of an update (arXiv 2608.27351).
+- :mod:`.mode_connectivity`: linear mode connectivity, barriers, update cosine (arXiv 2604.01499).
+- :mod:`.diversity`: population success diversity JS_succ (arXiv 2608.27351).
+- :mod:`.report`: :func:`analyze`, all of the above into ``report.json`` and PNG plots.
+"""
+
+from .diversity import binary_entropy, success_diversity, success_diversity_from_matrix
+from .drift import parameter_drift, tensor_drift
+from .kl import encode_prompts, off_task_kl, prompt_texts
+from .mode_connectivity import barrier, interpolate_models, lm_loss_fn, mode_connectivity, update_cosine
+from .pass_at_k import PASS_AT_K_METRIC_PATH, estimate_pass_at_k, load_pass_at_k_metric, mean_pass_at_k, pass_at_k
+from .report import analyze
+from .sparsity import functional_sparsity, reset_small_updates
+
+__all__ = [
+    "PASS_AT_K_METRIC_PATH",
+    "analyze",
+    "barrier",
+    "binary_entropy",
+    "encode_prompts",
+    "estimate_pass_at_k",
+    "functional_sparsity",
+    "interpolate_models",
+    "lm_loss_fn",
+    "load_pass_at_k_metric",
+    "mean_pass_at_k",
+    "mode_connectivity",
+    "off_task_kl",
+    "parameter_drift",
+    "pass_at_k",
+    "prompt_texts",
+    "reset_small_updates",
+    "success_diversity",
+    "success_diversity_from_matrix",
+    "tensor_drift",
+    "update_cosine",
+]

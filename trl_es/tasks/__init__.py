@@ -1,0 +1,120 @@
+"""Tasks with verifiable rewards: dataset builders plus TRL-style reward functions.
+
+Each task gives a :class:`datasets.Dataset` with a ``prompt`` column (conversational by default) and the
+columns its rewards read, and reward functions with TRL's signature, usable unchanged in
+:class:`trl.GRPOTrainer` and :class:`trl_es.ESTrainer`. The small registry below serves the CLI::
+
+    task = get_task("countdown")
+    train = task.build_dataset(200, seed=0)
+    trainer = ESTrainer(model, reward_funcs=task.reward_funcs, train_dataset=train,
+                        args=ESConfig(reward_weights=task.reward_weights, ...))
+
+========== ============================================ ==========================================
+name       dataset builder                              reward functions (weights)
+========== ============================================ ==========================================
+countdown  :func:`~.countdown.make_countdown_dataset`   format (0.1), answer (1.0) - as the paper
+arithmetic :func:`~.arithmetic.make_arithmetic_dataset` :func:`~.arithmetic.arithmetic_reward` (1.0)
+gsm        :func:`~.gsm.make_gsm_dataset`               :func:`~.gsm.gsm_reward` (1.0)
+========== ============================================ ==========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .arithmetic import arithmetic_reward, make_arithmetic_dataset, make_arithmetic_splits
+from .countdown import (
+    ANSWER_WEIGHT,
+    FORMAT_WEIGHT,
+    countdown_answer_reward,
+    countdown_format_reward,
+    countdown_reward,
+    evaluate_expression,
+    load_countdown_json,
+    make_countdown_dataset,
+)
+from .gsm import gsm_reward, make_gsm_dataset
+
+__all__ = [
+    "Task",
+    "TASKS",
+    "get_task",
+    "arithmetic_reward",
+    "make_arithmetic_dataset",
+    "make_arithmetic_splits",
+    "countdown_answer_reward",
+    "countdown_format_reward",
+    "countdown_reward",
+    "evaluate_expression",
+    "load_countdown_json",
+    "make_countdown_dataset",
+    "gsm_reward",
+    "make_gsm_dataset",
+]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task: how to build its dataset and how to reward completions.
+
+    Attributes:
+        name (`str`): Registry name.
+        description (`str`): One line for ``--help`` texts.
+        build_dataset (`Callable[..., datasets.Dataset]`): Called as ``build_dataset(n, seed=0,
+            conversational=True, **options)``; returns ``n`` rows with a ``prompt`` column.
+        reward_funcs (`list[Callable]`): TRL-style reward functions (a list, as TRL's trainers expect).
+        reward_weights (`list[float]`): One weight per reward function; the fitness/reward is the
+            weighted sum (pass as ``reward_weights`` to the trainer config).
+    """
+
+    name: str
+    description: str
+    build_dataset: Callable
+    reward_funcs: list[Callable]
+    reward_weights: list[float]
+
+
+TASKS: dict[str, Task] = {
+    "countdown": Task(
+        name="countdown",
+        description="Countdown (Qiu et al. 2025): reach the target with each given number once, + - * /",
+        build_dataset=make_countdown_dataset,
+        reward_funcs=[countdown_format_reward, countdown_answer_reward],
+        reward_weights=[FORMAT_WEIGHT, ANSWER_WEIGHT],
+    ),
+    "arithmetic": Task(
+        name="arithmetic",
+        description="'What is a + b? Reply with only the number.' (a, b in 1..50); reward: first number correct",
+        build_dataset=make_arithmetic_dataset,
+        reward_funcs=[arithmetic_reward],
+        reward_weights=[1.0],
+    ),
+    "gsm": Task(
+        name="gsm",
+        description="GSM-style word problems (reasoning-gym gsm_symbolic), graded with math-verify",
+        build_dataset=make_gsm_dataset,
+        reward_funcs=[gsm_reward],
+        reward_weights=[1.0],
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """Look up a task by name.
+
+    Args:
+        name (`str`): One of ``"countdown"``, ``"arithmetic"``, ``"gsm"``.
+
+    Returns:
+        `Task`: Its dataset builder, reward functions and reward weights (fresh lists, safe to edit).
+
+    Raises:
+        ValueError: If ``name`` is not a registered task (the message lists the allowed names).
+    """
+    try:
+        task = TASKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}") from None
+    # Fresh lists, so a caller that edits them does not change the registry.
+    return replace(task, reward_funcs=list(task.reward_funcs), reward_weights=list(task.reward_weights))

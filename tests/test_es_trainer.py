@@ -1,0 +1,364 @@
+"""ESTrainer / ESConfig on tiny models: the TRL integration, exactness guarantees, bad input."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import build_llama, build_qwen2
+from transformers import AutoModelForCausalLM
+
+from trl_es import ESConfig, ESTrainer, replay
+from trl_es.es import SEED_LOG_NAME
+
+SMALL_TABLE = 1 << 20
+
+
+def es_args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        population_size=4,
+        prompt_batch_size=4,
+        max_completion_length=6,
+        sigma=0.02,
+        learning_rate=0.02,
+        report_to=[],
+        save_strategy="no",
+        noise_table_size=SMALL_TABLE,
+        disable_tqdm=True,
+        seed=0,
+    )
+    defaults.update(kwargs)
+    return ESConfig(**defaults)
+
+
+def prompts(n=8, conversational=False, offset=0):
+    if conversational:
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write: {i}"}] for i in range(offset, offset + n)]})
+    return Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(offset, offset + n)]})
+
+
+def text(c):
+    return c if isinstance(c, str) else c[0]["content"]
+
+
+def share_a(completions, **kwargs):
+    """Share of the character 'a' in each completion."""
+    return [text(c).count("a") / max(1, len(text(c))) for c in completions]
+
+
+def mean_code(completions, **kwargs):
+    """Mean character code / 128: a reward that differs between almost any two completions."""
+    return [sum(map(ord, text(c))) / (128 * max(1, len(text(c)))) for c in completions]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def assert_changed(a, b):
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_default_config_constructs_on_cpu(tmp_path):
+    args = ESConfig(output_dir=str(tmp_path))
+    assert (args.population_size, args.sigma, args.learning_rate) == (30, 1e-3, 5e-4)
+    assert args.fitness_shaping == "zscore" and args.temperature == 0.0 and args.es_optimizer == "es"
+    assert args.bf16 is False and args.weight_decay == 0.0 and args.max_grad_norm == 0.0
+    assert args.lr_scheduler_type == "constant"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"population_size": 1}, "population_size must be >= 2"),
+        ({"sigma": 0.0}, "sigma must be > 0"),
+        ({"sigma": -1.0}, "sigma must be > 0"),
+        ({"antithetic": True, "population_size": 5}, "antithetic=True needs an even population_size"),
+        ({"fitness_shaping": "softmax"}, "fitness_shaping must be one of"),
+        ({"es_optimizer": "sgd"}, "es_optimizer must be one of"),
+        ({"awd_penalty": "l3"}, "awd_penalty must be one of"),
+        ({"awd_lambda": 10.0, "learning_rate": 0.2}, "learning_rate \\* awd_lambda < 1"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"noise_table_size": 10}, "noise_table_size must be 0 or"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        es_args(tmp_path, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_learning_raises_reward(tmp_path, tokenizer):
+    """With fixed seeds, ES raises the share of 'a' in greedy completions of a random tiny Llama."""
+    args = es_args(tmp_path, max_steps=10, population_size=8, antithetic=True, prompt_batch_size=8,
+                   max_completion_length=8)
+    trainer = ESTrainer(build_llama(tokenizer), share_a, args=args, train_dataset=prompts(32),
+                        eval_dataset=prompts(16, offset=100), processing_class=tokenizer)
+    before = trainer.evaluate()["eval_reward"]
+    trainer.train()
+    after = trainer.evaluate()["eval_reward"]
+    assert before < 0.05
+    assert after > before + 0.3
+    assert len(trainer.seed_log.records) == 10 and trainer.state.global_step == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_steps_updates_and_replay_is_bitwise(tmp_path, tokenizer, dtype):
+    model = build_llama(tokenizer, dtype=dtype)
+    base = snapshot(model)
+    args = es_args(tmp_path, max_steps=3, antithetic=True, fitness_shaping="centered_rank")
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(8, conversational=True),
+                        processing_class=tokenizer)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    log_path = os.path.join(args.output_dir, SEED_LOG_NAME)
+    records = [json.loads(line) for line in open(log_path)][1:]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(len(r["members"]) == 4 for r in records)
+    trained = snapshot(trainer.model)
+    assert_changed(trained, base)
+    fresh = build_llama(tokenizer, dtype=dtype)
+    assert_bitwise(snapshot(fresh), base)
+    replay(fresh, args.output_dir)
+    assert_bitwise(snapshot(fresh), trained)
+
+
+def test_equal_fitness_gives_zero_update(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    trainer = ESTrainer(model, lambda completions, **kw: [1.0] * len(completions), args=es_args(tmp_path),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    trainer.train()
+    assert_bitwise(snapshot(trainer.model), base)
+    assert all(set(r["coefficients"]) == {0.0} for r in trainer.seed_log.records)
+
+
+def test_rewards_see_completion_only_and_extra_columns(tmp_path, tokenizer):
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, target, trainer_state, **kwargs):
+        seen.setdefault("calls", 0)
+        seen["calls"] += 1
+        seen["prompts"], seen["completions"], seen["ids"], seen["target"] = prompts, completions, completion_ids, target
+        return [0.0] * len(completions)
+
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(4)], "target": list(range(4))})
+    trainer = ESTrainer(build_llama(tokenizer), spy, args=es_args(tmp_path, max_steps=1, num_generations=2),
+                        train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    assert seen["calls"] == 4  # one call per member
+    assert len(seen["completions"]) == 8  # 4 prompts x 2 generations
+    assert sorted(seen["target"]) == sorted(2 * list(range(4)))
+    for prompt, completion, ids in zip(seen["prompts"], seen["completions"], seen["ids"]):
+        assert not completion.startswith(prompt)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == completion
+        assert len(ids) <= 6
+
+
+def test_reward_weights_and_none_rewards(tmp_path, tokenizer):
+    def half(completions, **kw):
+        return [0.5] * len(completions)
+
+    def none_reward(completions, **kw):
+        return [None] * len(completions)
+
+    trainer = ESTrainer(build_llama(tokenizer), [half, none_reward], args=es_args(tmp_path, reward_weights=[2.0, 1.0]),
+                        train_dataset=prompts(), eval_dataset=prompts(4, offset=50), processing_class=tokenizer)
+    metrics = trainer.evaluate()
+    assert metrics["eval_reward"] == pytest.approx(1.0)
+    assert metrics["eval_rewards/half/mean"] == pytest.approx(0.5)
+    assert "eval_rewards/none_reward/mean" not in metrics
+
+
+def test_logs_and_eval(tmp_path, tokenizer):
+    trainer = ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path, max_steps=2, eval_strategy="steps",
+                        eval_steps=2), train_dataset=prompts(), eval_dataset=prompts(4, offset=9),
+                        processing_class=tokenizer)
+    trainer.train()
+    train_logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert [h["step"] for h in train_logs] == [1, 2]
+    for key in ("reward_std", "reward_min", "reward_max", "rewards/share_a/mean", "time/generation_and_reward",
+                "time/perturb", "time/restore", "time/update", "completions_per_second", "drift/l2"):
+        assert key in train_logs[0], key
+    assert train_logs[0]["reward_min"] <= train_logs[0]["reward"] <= train_logs[0]["reward_max"]
+    assert any("eval_reward" in h for h in trainer.state.log_history)
+
+
+def test_checkpoint_loads_and_resume_matches_uninterrupted(tmp_path, tokenizer):
+    data = prompts(8, conversational=True)
+    full = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "full", max_steps=4),
+                     train_dataset=data, processing_class=tokenizer)
+    full.train()
+
+    args = es_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2)
+    first = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=data, processing_class=tokenizer)
+    first.train()
+    checkpoint = os.path.join(args.output_dir, "checkpoint-2")
+    assert os.path.exists(os.path.join(checkpoint, SEED_LOG_NAME))
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert_bitwise(snapshot(replay(build_llama(tokenizer), checkpoint)), snapshot(loaded))
+
+    resumed = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=data, processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 4
+    assert_bitwise(snapshot(resumed.model), snapshot(full.model))
+    assert [r["step"] for r in resumed.seed_log.records] == [1, 2, 3, 4]
+
+
+def test_torch_optimizer_path(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    es = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "es", max_steps=2), train_dataset=prompts(),
+                   processing_class=tokenizer)
+    es.train()
+    sgd = ESTrainer(model, mean_code, args=es_args(tmp_path / "sgd", max_steps=2, es_optimizer="torch", optim="sgd"),
+                    train_dataset=prompts(), processing_class=tokenizer)
+    sgd.train()
+    # SGD on the ES gradient estimate reproduces the reference update (to fp32 rounding).
+    for (name, a), b in zip(es.model.state_dict().items(), sgd.model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    adam = ESTrainer(build_llama(tokenizer), mean_code,
+                     args=es_args(tmp_path / "adam", max_steps=2, es_optimizer="torch", learning_rate=1e-3),
+                     train_dataset=prompts(), processing_class=tokenizer)
+    adam.train()
+    assert_changed(snapshot(adam.model), base)
+    assert len(adam.optimizer.state) > 0  # AdamW state exists for the fp32 masters
+
+
+def test_peft_perturbs_adapter_only(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    model = build_qwen2(tokenizer)
+    base = snapshot(model)
+    trainer = ESTrainer(model, mean_code, args=es_args(tmp_path, max_steps=2, sigma=0.1, learning_rate=0.1),
+                        train_dataset=prompts(), processing_class=tokenizer,
+                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    names = [e.name for e in trainer.es_params.entries]
+    assert names and all("lora_" in n for n in names)
+    trainer.train()
+    state = trainer.model.state_dict()
+    for key, value in base.items():  # base weights untouched
+        peft_key = "base_model.model." + re.sub(r"(q_proj|v_proj)\.", r"\1.base_layer.", key)
+        assert torch.equal(state[peft_key], value), key
+    assert any(not torch.equal(state[n], trainer.anchor[n]) for n in names)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (Dataset.from_dict({"question": ["a", "b"]}), "must have a 'prompt' column"),
+        (Dataset.from_dict({"prompt": []}), "is empty"),
+    ],
+)
+def test_bad_dataset(tmp_path, tokenizer, data, message):
+    with pytest.raises(ValueError, match=message):
+        ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path), train_dataset=data,
+                  processing_class=tokenizer)
+
+
+def wrong_count(completions, **kwargs):
+    return [0.0]
+
+
+def not_numbers(completions, **kwargs):
+    return ["good"] * len(completions)
+
+
+class Interrupt:
+    __name__ = "interrupt"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, completions, **kwargs):
+        self.calls += 1
+        if self.calls == 3:
+            raise KeyboardInterrupt
+        return share_a(completions)
+
+
+@pytest.mark.parametrize(
+    "reward, error, message",
+    [
+        (wrong_count, ValueError, "returned 1 rewards, but 4 were expected"),
+        (not_numbers, TypeError, "expected a number"),
+        (Interrupt(), KeyboardInterrupt, ""),
+    ],
+)
+def test_failing_reward_leaves_weights_unchanged(tmp_path, tokenizer, reward, error, message):
+    model = build_llama(tokenizer, dtype=torch.bfloat16)
+    base = snapshot(model)
+    trainer = ESTrainer(model, reward, args=es_args(tmp_path), train_dataset=prompts(), processing_class=tokenizer)
+    with pytest.raises(error, match=message):
+        trainer.train()
+    assert_bitwise(snapshot(trainer.model), base)
+    assert trainer.seed_log.records == []
+
+
+def test_generation_error_leaves_weights_unchanged(tmp_path, tokenizer, monkeypatch):
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    trainer = ESTrainer(model, share_a, args=es_args(tmp_path), train_dataset=prompts(), processing_class=tokenizer)
+
+    def broken_generate(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(model, "generate", broken_generate)
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.train()
+    assert_bitwise(snapshot(trainer.model), base)
+
+
+def test_nan_member_is_ranked_worst(tmp_path, tokenizer, caplog):
+    calls = {"n": 0}
+
+    def sometimes_none(completions, **kwargs):
+        calls["n"] += 1
+        return [None] * len(completions) if calls["n"] == 2 else mean_code(completions)
+
+    trainer = ESTrainer(build_llama(tokenizer), sometimes_none, args=es_args(tmp_path, max_steps=1),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    trainer.train()
+    coefficients = trainer.seed_log.records[0]["coefficients"]
+    assert coefficients[1] == min(coefficients)
+    assert "NaN fitness" in caplog.text
+    assert trainer.state.log_history[0]["num_nan_members"] == 1
+
+
+def test_reward_weights_length_error(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries"):
+        ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path, reward_weights=[1.0, 2.0]),
+                  train_dataset=prompts(), processing_class=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------- TRL compatibility
+def test_same_dataset_and_reward_run_in_grpo_and_es(tmp_path, tokenizer):
+    from trl import GRPOConfig, GRPOTrainer
+
+    data = prompts(8, conversational=True)
+    grpo = GRPOTrainer(
+        model=build_llama(tokenizer), reward_funcs=share_a, train_dataset=data, processing_class=tokenizer,
+        args=GRPOConfig(output_dir=str(tmp_path / "grpo"), bf16=False, max_steps=1, per_device_train_batch_size=4,
+                        num_generations=2, max_completion_length=6, report_to=[], save_strategy="no",
+                        disable_tqdm=True),
+    )
+    grpo.train()
+    assert grpo.state.global_step == 1
+    es = ESTrainer(model=build_llama(tokenizer), reward_funcs=share_a, train_dataset=data, processing_class=tokenizer,
+                   args=es_args(tmp_path / "es", max_steps=1))
+    es.train()
+    assert es.state.global_step == 1
+    assert "rewards/share_a/mean" in es.state.log_history[0]
+    assert any(k.startswith("rewards/share_a") for k in grpo.state.log_history[0])

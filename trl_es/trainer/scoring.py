@@ -1,0 +1,279 @@
+"""Generation and reward scoring shared by the trainers (prompts in TRL's dataset formats, rewards with TRL's signature).
+
+Reward functions follow TRL's GRPOTrainer contract: ``f(prompts, completions, completion_ids, **columns)`` returns one
+``float`` (or ``None``, "not applicable") per completion; extra dataset columns arrive as keyword arguments, one value
+per completion. Rewards see the completion only (never prompt + completion), in the same format as the prompt
+(a string, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
+from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
+
+
+def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
+    """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
+
+    Raises:
+        ValueError: naming ``field_name``.
+    """
+    if dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{field_name} must have a 'prompt' column (TRL's standard or conversational prompt format); "
+            f"found columns {list(columns)}."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{field_name} is empty: ES needs at least one prompt.")
+
+
+def prompt_texts(rows: Sequence[dict], processing_class, chat_template_kwargs: dict | None = None) -> list[str]:
+    """The prompt strings given to the model: conversational prompts go through the chat template.
+
+    Args:
+        rows (`Sequence[dict]`): Dataset rows, each with a ``prompt`` (string or list of messages).
+        processing_class: The tokenizer.
+
+    Returns:
+        `list[str]`: One string per row.
+    """
+    for row in rows:
+        if "prompt" not in row:
+            raise ValueError(f"Dataset row without a 'prompt' field: keys {sorted(row)}.")
+    kwargs = chat_template_kwargs or {}
+    return [maybe_apply_chat_template({"prompt": row["prompt"]}, processing_class, **kwargs)["prompt"] for row in rows]
+
+
+def build_generation_config(
+    processing_class,
+    max_completion_length: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generation_kwargs: dict | None = None,
+) -> GenerationConfig:
+    """A ``GenerationConfig``: greedy when ``temperature == 0`` (the ES reference's decoding), sampling otherwise."""
+    pad = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
+    kwargs = {
+        "max_new_tokens": max_completion_length,
+        "pad_token_id": pad,
+        "eos_token_id": processing_class.eos_token_id,
+        "do_sample": temperature > 0,
+    }
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+    kwargs.update(generation_kwargs or {})
+    return GenerationConfig(**kwargs)
+
+
+@torch.no_grad()
+def generate_completions(
+    model: nn.Module,
+    processing_class,
+    prompts: Sequence[str],
+    generation_config: GenerationConfig,
+    num_generations: int = 1,
+    **generate_kwargs,
+) -> tuple[list[str], list[list[int]]]:
+    """Generate ``num_generations`` completions for each prompt in one left-padded batch.
+
+    Args:
+        model (`nn.Module`): A causal LM.
+        processing_class: Its tokenizer.
+        prompts (`Sequence[str]`): Prompt strings (already through the chat template).
+        generation_config (`GenerationConfig`): Decoding settings.
+        num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
+
+    Returns:
+        `(texts, ids)`: ``len(prompts) * num_generations`` completion strings (special tokens removed) and token id
+        lists, each cut after the first EOS token (included, as GRPOTrainer does).
+    """
+    repeated = [p for p in prompts for _ in range(num_generations)]
+    inputs = processing_class(
+        text=repeated, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        output = model.generate(**inputs, generation_config=generation_config, **generate_kwargs)
+    finally:
+        model.train(was_training)
+    completion = output[:, inputs["input_ids"].shape[1] :].tolist()
+    eos = processing_class.eos_token_id
+    ids = [row[: row.index(eos) + 1] if eos in row else row for row in completion]
+    texts = processing_class.batch_decode(ids, skip_special_tokens=True)
+    return texts, ids
+
+
+def _as_float(value, name: str) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    raise TypeError(
+        f"Reward function {name!r} returned {value!r} of type {type(value).__name__}; expected a number (int/float) "
+        "or None for each completion."
+    )
+
+
+class RewardScorer:
+    """Scores completions with TRL-style reward functions and reward models.
+
+    Args:
+        reward_funcs: A callable, a reward model (``PreTrainedModel`` for sequence classification, or its id/path),
+            or a list of them.
+        reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
+        reward_processing_classes: Tokenizers of the reward models (loaded from the model path when ``None``).
+
+    Raises:
+        ValueError: if ``reward_weights`` has the wrong length, or no reward function is given.
+    """
+
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None):
+        if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
+            raise ValueError("reward_funcs must be a callable, a reward model, or a non-empty list of them.")
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        self.reward_funcs: list = []
+        for func in funcs:
+            if isinstance(func, str):
+                func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
+            if not (callable(func) or isinstance(func, nn.Module)):
+                raise TypeError(f"reward_funcs entries must be callables or reward models, got {type(func).__name__}.")
+            self.reward_funcs.append(func)
+        self.names = [
+            f.config._name_or_path.split("/")[-1] if isinstance(f, PreTrainedModel) else getattr(f, "__name__", type(f).__name__)
+            for f in self.reward_funcs
+        ]
+        if reward_weights is None:
+            reward_weights = [1.0] * len(self.reward_funcs)
+        if len(reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(reward_weights)} entries but there are {len(self.reward_funcs)} reward "
+                "functions; give one weight per reward function."
+            )
+        self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
+        classes = reward_processing_classes
+        if classes is not None and not isinstance(classes, list):
+            classes = [classes]
+        classes = classes or [None] * len(self.reward_funcs)
+        if len(classes) != len(self.reward_funcs):
+            raise ValueError("reward_processing_classes must have one entry per reward function.")
+        self.processing_classes = []
+        for func, cls in zip(self.reward_funcs, classes, strict=True):
+            if isinstance(func, PreTrainedModel) and cls is None:
+                cls = AutoTokenizer.from_pretrained(func.config._name_or_path)
+            if cls is not None and cls.pad_token_id is None:
+                cls.pad_token = cls.eos_token
+            if isinstance(func, PreTrainedModel):
+                func.config.pad_token_id = cls.pad_token_id
+                func.eval()
+            self.processing_classes.append(cls)
+
+    def __call__(
+        self, rows: Sequence[dict], completions: Sequence, completion_ids: Sequence[list[int]], **extra
+    ) -> torch.Tensor:
+        """Score completions; ``rows[j]`` is the dataset row of completion ``j`` (repeat rows for several generations).
+
+        Returns:
+            `torch.Tensor`: Shape ``(len(completions), num_funcs)``, float32; NaN where a function returned ``None``.
+
+        Raises:
+            ValueError / TypeError: if a function returns the wrong number of values or non-numbers.
+        """
+        n = len(completions)
+        prompts = [row["prompt"] for row in rows]
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        rewards = torch.zeros(n, len(self.reward_funcs), dtype=torch.float32)
+        for i, (func, cls, name) in enumerate(zip(self.reward_funcs, self.processing_classes, self.names, strict=True)):
+            if isinstance(func, nn.Module):
+                rewards[:, i] = self._score_with_model(func, cls, prompts, completions)
+                continue
+            output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+            if inspect.isawaitable(output):
+                raise TypeError(f"Reward function {name!r} is async; ESTrainer calls reward functions synchronously.")
+            output = list(output) if output is not None else None
+            if output is None or len(output) != n:
+                got = "None" if output is None else len(output)
+                raise ValueError(
+                    f"Reward function {name!r} returned {got} rewards, but {n} were expected (one per completion)."
+                )
+            rewards[:, i] = torch.tensor([_as_float(v, name) for v in output], dtype=torch.float32)
+        return rewards
+
+    @torch.no_grad()
+    def _score_with_model(self, model, tokenizer, prompts, completions) -> torch.Tensor:
+        # As GRPOTrainer: a reward model scores the prompt + completion pair (it judges the answer in context).
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions, strict=True)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        device = next(model.parameters()).device
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        return model(**inputs).logits[:, 0].float().cpu()
+
+    def weighted(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """``sum_f w_f * r_f`` per completion, skipping ``None`` (NaN) rewards as GRPO does; NaN if all are ``None``.
+
+        Returns:
+            `torch.Tensor`: Shape ``(num_completions,)``, float32.
+        """
+        weighted = (rewards_per_func * self.weights[None, :]).nansum(dim=1)
+        all_nan = torch.isnan(rewards_per_func).all(dim=1)
+        return torch.where(all_nan, torch.full_like(weighted, math.nan), weighted)
+
+
+def completions_for_rewards(texts: Sequence[str], rows: Sequence[dict]) -> list:
+    """Completions in the prompt's format: a string, or ``[{"role": "assistant", "content": text}]``."""
+    return [
+        [{"role": "assistant", "content": text}] if is_conversational({"prompt": row["prompt"]}) else text
+        for text, row in zip(texts, rows, strict=True)
+    ]
+
+
+def score_model(
+    model: nn.Module,
+    processing_class,
+    rows: Sequence[dict],
+    scorer: RewardScorer,
+    generation_config: GenerationConfig,
+    num_generations: int = 1,
+    chat_template_kwargs: dict | None = None,
+    reward_kwargs: dict | None = None,
+) -> dict:
+    """Generate for ``rows`` and score: the whole rollout of one (possibly perturbed) model on a prompt batch.
+
+    Returns:
+        `dict`: ``rewards_per_func`` (``(len(rows) * num_generations, F)`` float32), ``rewards`` (weighted, same
+        length), ``completions`` (texts), ``completion_ids``, ``num_tokens`` (completion tokens generated).
+    """
+    prompts = prompt_texts(rows, processing_class, chat_template_kwargs)
+    texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations)
+    repeated_rows = [row for row in rows for _ in range(num_generations)]
+    completions = completions_for_rewards(texts, repeated_rows)
+    per_func = scorer(repeated_rows, completions, ids, **(reward_kwargs or {}))
+    return {
+        "rewards_per_func": per_func,
+        "rewards": scorer.weighted(per_func),
+        "completions": texts,
+        "completion_ids": ids,
+        "num_tokens": sum(len(i) for i in ids),
+    }
+
+
+RewardFunc = Callable[..., list]
