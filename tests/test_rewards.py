@@ -155,7 +155,7 @@ def test_format_score_without_prefill():
 
 def test_format_reward_trl_signature_both_formats():
     completions = ["r</think>\n<answer>1</answer>", [{"role": "assistant", "content": "<answer>1</answer>"}], "x"]
-    out = format_reward(["p"] * 3, completions, completion_ids=None, trainer_state=None, log_extra=print, target=[1] * 3)
+    out = format_reward(["p"] * 3, completions, completion_ids=None, trainer_state=None, target=[1] * 3)
     assert out == [1.0, 0.5, 0.0]
     assert all(isinstance(v, float) for v in out)
     assert not any(math.isnan(v) for v in out)

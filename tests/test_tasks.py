@@ -9,7 +9,11 @@ from fractions import Fraction
 import pytest
 
 from trl_es.tasks import TASKS, get_task
-from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset, make_arithmetic_splits
+from trl_es.tasks.arithmetic import (
+    arithmetic_reward,
+    make_arithmetic_dataset,
+    make_arithmetic_splits,
+)
 from trl_es.tasks.countdown import (
     countdown_answer_reward,
     countdown_answer_score,
@@ -20,7 +24,12 @@ from trl_es.tasks.countdown import (
     load_countdown_json,
     make_countdown_dataset,
 )
-from trl_es.tasks.gsm import extract_final_answer, gsm_answer_score, gsm_reward, make_gsm_dataset
+from trl_es.tasks.gsm import (
+    extract_final_answer,
+    gsm_answer_score,
+    gsm_reward,
+    make_gsm_dataset,
+)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CANDIDATES = [os.path.join(base, "shared", "data", "countdown_paper.json") for base in (_REPO, os.path.dirname(_REPO))]
@@ -147,7 +156,7 @@ def test_countdown_hostile_inputs_return_zero_quickly():
 def test_countdown_reward_functions_both_formats():
     good, half = wrap("(44 + 19) + 35"), "<answer>44</answer>"
     completions = [good, [{"role": "assistant", "content": good}], half, ""]
-    kwargs = dict(numbers=[NUMS] * 4, target=[str(TARGET)] * 4, trainer_state=None, log_extra=None, log_metric=None)
+    kwargs = {"numbers": [NUMS] * 4, "target": [str(TARGET)] * 4, "trainer_state": None, "log_extra": None}
     assert countdown_answer_reward(["p"] * 4, completions, None, **kwargs) == [1.0, 1.0, 0.0, 0.0]
     assert countdown_format_reward(["p"] * 4, completions, None, **kwargs) == [1.0, 1.0, 0.5, 0.0]
     assert countdown_reward(["p"] * 4, completions, None, **kwargs) == pytest.approx([1.1, 1.1, 0.05, 0.0])
@@ -284,7 +293,7 @@ def test_make_arithmetic_dataset():
 def test_make_arithmetic_splits_disjoint():
     train, held_out = make_arithmetic_splits(500, n_eval=200, seed=0)
     assert len(train) == 500 and len(held_out) == 200
-    questions = [p[0]["content"] for p in train["prompt"] + held_out["prompt"]]
+    questions = [p[0]["content"] for p in list(train["prompt"]) + list(held_out["prompt"])]
     assert len(set(questions)) == 700
     again = make_arithmetic_splits(500, n_eval=200, seed=0)
     assert again[1].to_list() == held_out.to_list()

@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "EMBEDDED_GGUF_FILE",
     "EMBEDDED_MODEL",
     "EMBEDDED_PACKAGE",
-    "EMBEDDED_GGUF_FILE",
     "cache_dir",
     "embedded_gguf_location",
     "embedded_model_path",
-    "resolve_model_path",
     "load_model_and_tokenizer",
+    "resolve_model_path",
 ]
 
 #: Alias of the embedded default model, accepted wherever a model name or path is.
@@ -154,6 +154,8 @@ def embedded_model_path() -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.parent / f".{path.name}.lock")):
         if not _is_valid_cache(path):  # another process may have built it while we waited
+            for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # from a killed build; we hold the lock
+                shutil.rmtree(leftover, ignore_errors=True)
             model, tokenizer = _load_gguf()
             _write_cache(model, tokenizer, path)
     return str(path)

@@ -27,11 +27,11 @@ __all__ = [
     "extract_boxed",
     "find_numbers",
     "first_number",
-    "last_number",
-    "parse_number",
-    "numbers_close",
-    "think_answer_format_score",
     "format_reward",
+    "last_number",
+    "numbers_close",
+    "parse_number",
+    "think_answer_format_score",
 ]
 
 #: Default absolute tolerance of :func:`numbers_close`; the reference ES paper's Countdown grader

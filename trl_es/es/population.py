@@ -9,6 +9,7 @@ and restores them bitwise, also when the rollout raises (``KeyboardInterrupt`` i
 from __future__ import annotations
 
 import hashlib
+import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -50,15 +51,33 @@ def member_indices(population_size: int, rank: int, world_size: int) -> list[int
 
 
 class PopulationBackend(ABC):
-    """How a population is put into the model and scored.
+    """How a population is put into the model, scored, and turned into an update.
+
+    A backend defines the perturbation ``eps_i`` of a member, so it also owns the update that moves the weights
+    along ``sum_i z_i eps_i`` (:meth:`update_`, :meth:`gradient_`). The default (full-rank Gaussian noise) delegates
+    to :class:`TrainedParameters`. ``name`` is recorded in the seed log so ``replay`` applies the same update.
 
     Attributes:
         timings (`dict[str, float]`): Seconds spent in the last :meth:`evaluate` outside the rollout
             (``"perturb"``, ``"restore"``).
     """
 
+    name = "sequential"
+
     def __init__(self):
         self.timings: dict[str, float] = {}
+
+    def describe(self) -> dict:
+        """JSON-serializable facts needed to replay this backend's updates (written into the seed log header)."""
+        return {"name": self.name}
+
+    def update_(self, params: TrainedParameters, noise: NoiseSource, members, coefficients, learning_rate) -> None:
+        """``theta <- theta + alpha / N * sum_i z_i eps_i`` in fp32 (see :meth:`TrainedParameters.es_update_`)."""
+        params.es_update_(noise, members, coefficients, learning_rate)
+
+    def gradient_(self, params: TrainedParameters, noise: NoiseSource, members, coefficients) -> None:
+        """Store ``-(1/N) sum_i z_i eps_i`` in the masters' ``.grad`` (see :meth:`TrainedParameters.es_gradient_`)."""
+        params.es_gradient_(noise, members, coefficients)
 
     @abstractmethod
     def evaluate(
@@ -79,6 +98,9 @@ class PopulationBackend(ABC):
             indices (`Sequence[int]`): The members this process evaluates.
             sigma (`float`): Noise scale.
             rollout (`Callable[[int], float]`): Scores the model in its current state; receives the member index.
+                It also has ``rollout.stacked(indices) -> dict[int, float]``: one generate call over the prompt batch
+                repeated once per listed member (member ``indices[k]`` owns rows ``[k * B, (k + 1) * B)``), for
+                backends that apply a different perturbation to each block of rows.
 
         Returns:
             `dict[int, float]`: Fitness by member index.
@@ -106,3 +128,22 @@ class SequentialPopulation(PopulationBackend):
                 params.restore_()
                 self.timings["restore"] += time.perf_counter() - start
         return fitness
+
+
+POPULATION_BACKENDS: dict[str, str] = {
+    "sequential": "trl_es.es.population:SequentialPopulation",
+    "batched_lowrank": "trl_es.es.lowrank:BatchedLowRankPopulation",
+}
+"""Registered backends: name -> ``module:class`` (imported when first used)."""
+
+
+def make_population_backend(name: str, **kwargs) -> PopulationBackend:
+    """Build a registered backend by name (``ESConfig.population_backend``).
+
+    Raises:
+        ValueError: for an unknown name, listing the registered ones.
+    """
+    if name not in POPULATION_BACKENDS:
+        raise ValueError(f"population_backend must be one of {tuple(POPULATION_BACKENDS)}, got {name!r}.")
+    module_name, class_name = POPULATION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(**kwargs)

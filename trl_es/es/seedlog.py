@@ -81,10 +81,15 @@ class SeedLog:
         return cls(header=header, records=lines[1:])
 
 
-def apply_record(params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2") -> None:
-    """Apply one logged iteration to ``params``: the ES step, then AWD if the record has ``awd_shrink > 0``."""
+def apply_record(
+    params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2", backend=None
+) -> None:
+    """Apply one logged iteration to ``params``: the ES step (of ``backend``), then AWD if ``awd_shrink > 0``."""
     members = [Member(seed, sign) for seed, sign in record["members"]]
-    params.es_update_(noise, members, record["coefficients"], record["learning_rate"])
+    if backend is None:
+        params.es_update_(noise, members, record["coefficients"], record["learning_rate"])
+    else:
+        backend.update_(params, noise, members, record["coefficients"], record["learning_rate"])
     if record.get("awd_shrink", 0.0) > 0:
         params.anchored_weight_decay_(anchor, record["awd_shrink"], penalty)
 
@@ -120,8 +125,12 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     anchor = {n: t.detach().float().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
     noise = noise_source_from_description(log.header["noise"])
     penalty = log.header.get("awd_penalty", "l2")
+    from .population import make_population_backend
+
+    backend_facts = dict(log.header.get("population_backend", {"name": "sequential"}))
+    backend = make_population_backend(backend_facts.pop("name"), **backend_facts)
     for record in log.records:
         if max_step is not None and record["step"] > max_step:
             break
-        apply_record(params, noise, record, anchor, penalty)
+        apply_record(params, noise, record, anchor, penalty, backend)
     return model

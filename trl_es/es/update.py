@@ -161,11 +161,10 @@ class TrainedParameters:
                 pieces = noise.pieces(member.seed, e.name, e.numel, e.start, e.start + flat_param.numel(),
                                       device=flat_param.device)
                 for lo, hi, eps in pieces:
-                    if flat_master.dtype == torch.float32:
-                        perturbed = torch.add(flat_master[lo:hi], eps, alpha=scale)
+                    if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
+                        torch.add(flat_master[lo:hi], eps, alpha=scale, out=flat_param[lo:hi])  # one pass
                     else:
-                        perturbed = torch.add(flat_master[lo:hi].float(), eps, alpha=scale)
-                    flat_param[lo:hi].copy_(perturbed)
+                        flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
         self._perturbed = True
 
     # ------------------------------------------------------------------ the ES step

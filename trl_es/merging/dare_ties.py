@@ -14,6 +14,11 @@ For one module with deltas ``Delta_1..Delta_K``, coefficients ``w_{l,k}`` and de
 then takes no part in the vote nor in the average, so the search space contains the base model (all weights 0) and
 every single adapter (weight 1 on it, 0 elsewhere, density 1). With equal positive weights both are the same.
 
+The disjoint mean divides by the *number* of agreeing adapters (TIES; peft), not by their weights: a small positive
+weight still counts in the denominator and dilutes the others, and only a weight of exactly 0 (with the weighted
+election) removes an adapter. The merge is therefore not continuous in a weight at 0; the search copes with it (it
+raises the weights it keeps), but a genome with small weights is not "almost" the merge without those adapters.
+
 The DARE drop mask of a module is drawn from the global torch RNG (as peft does) inside ``torch.random.fork_rng``,
 seeded from ``(seed, module name)``: a merge is a deterministic function of ``(deltas, genome, seed)``, and the
 caller's RNG streams are left untouched.
@@ -51,7 +56,9 @@ def seeded_rng(seed: int | None, device: torch.device):
     if seed is None:
         yield
         return
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     with torch.random.fork_rng(devices=devices):
         torch.random.default_generator.manual_seed(seed)
         if devices:
@@ -124,13 +131,16 @@ def merge_module_deltas(
     """
     for name in module_names if module_names is not None else delta_set.module_names:
         weights, density = genome.coefficients(name)
-        yield name, dare_ties_merge(
-            delta_set.deltas(name, device),
-            weights,
-            density,
-            seed=None if genome.seed is None else module_seed(genome.seed, name),
-            majority_sign_method=genome.majority_sign_method,
-            sign_election=genome.sign_election,
+        yield (
+            name,
+            dare_ties_merge(
+                delta_set.deltas(name, device),
+                weights,
+                density,
+                seed=None if genome.seed is None else module_seed(genome.seed, name),
+                majority_sign_method=genome.majority_sign_method,
+                sign_election=genome.sign_election,
+            ),
         )
 
 

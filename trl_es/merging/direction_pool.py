@@ -21,7 +21,9 @@ DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 POOL_NAME = "direction_pool.json"
 
 
-def split_buckets(dataset, num_buckets: int, seed: int = 42, split_key: Callable[[dict], object] | None = None) -> list:
+def split_buckets(
+    dataset, num_buckets: int, seed: int = 42, split_key: Callable[[dict], object] | None = None
+) -> list:
     """Split a dataset into ``num_buckets`` disjoint buckets of (almost) equal size.
 
     Args:
@@ -152,11 +154,19 @@ def build_direction_pool(
         )
         result = trainer.train()
         trainer.save_model(adapter_dir)
+        moved = any(p.detach().abs().max().item() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
+        if not moved:
+            logger.warning(
+                f"Direction pool: adapter {k} is still zero after {result.global_step} GRPO steps (its LoRA B is "
+                "zero-initialized and every group had equal rewards, so no gradient): give it more steps, more "
+                "generations per prompt, a higher temperature, or easier prompts."
+            )
         rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
         records.append(
             {
                 "adapter": adapter_dir,
                 "bucket_size": len(bucket),
+                "nonzero_delta": moved,
                 "steps": int(result.global_step),
                 "reward_first_step": rewards[0] if rewards else None,
                 "reward_last_step": rewards[-1] if rewards else None,

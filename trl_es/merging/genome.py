@@ -55,9 +55,7 @@ def group_modules(module_names: Sequence[str], granularity: str) -> tuple[list[s
     if any(layer_index(n) is None for n in module_names):
         names.append("other")
     position = {name: i for i, name in enumerate(names)}
-    groups = {
-        n: position[f"layer.{layer_index(n)}" if layer_index(n) is not None else "other"] for n in module_names
-    }
+    groups = {n: position[f"layer.{layer_index(n)}" if layer_index(n) is not None else "other"] for n in module_names}
     return names, groups
 
 
@@ -195,7 +193,9 @@ class GenomeSpace:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}.")
         if self.search_density and not dlo <= self.density <= dhi:
-            raise ValueError(f"density {self.density} (the initial density) must lie within density_bounds {self.density_bounds}.")
+            raise ValueError(
+                f"density {self.density} (the initial density) must lie within density_bounds {self.density_bounds}."
+            )
 
     @classmethod
     def from_modules(

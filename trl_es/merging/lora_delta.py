@@ -67,8 +67,9 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
         `dict[str, LoraFactors]`: By module name relative to the base model, in ``named_modules`` order.
 
     Raises:
-        ValueError: for LoRA variants whose delta is not ``scaling * B @ A`` (DoRA, ``lora_bias``) and for LoRA on
-            layers other than linear ones (embeddings, convolutions).
+        ValueError: for LoRA variants whose delta is not ``scaling * B @ A`` (DoRA, ``lora_bias``), LoRA on
+            embeddings, or an adapter without LoRA layers.
+        TypeError: for LoRA on layers other than peft's ``lora.Linear`` (convolutions, quantized layers).
     """
     if adapter_name is None:
         adapter_name = peft_model.active_adapter
@@ -77,11 +78,13 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
     factors: dict[str, LoraFactors] = {}
     for name, layer in _lora_layers(peft_model):
         if adapter_name in getattr(layer, "lora_embedding_A", {}):
-            raise ValueError(f"Module {name!r}: LoRA on embeddings is not supported by the merge (linear layers only).")
+            raise ValueError(
+                f"Module {name!r}: LoRA on embeddings is not supported by the merge (linear layers only)."
+            )
         if adapter_name not in layer.lora_A:
             continue
         if not isinstance(layer, LoraLinear):
-            raise ValueError(
+            raise TypeError(
                 f"Module {name!r} is a {type(layer).__name__}; only peft `lora.Linear` layers are supported."
             )
         if layer.use_dora.get(adapter_name, False) or layer.lora_bias.get(adapter_name, False):
@@ -116,7 +119,9 @@ class LoraDeltaSet:
         if len(factors) < 1:
             raise ValueError("LoraDeltaSet needs at least one adapter.")
         self.factors = [dict(f) for f in factors]
-        self.adapter_names = list(adapter_names) if adapter_names is not None else [f"adapter_{k}" for k in range(len(factors))]
+        self.adapter_names = (
+            list(adapter_names) if adapter_names is not None else [f"adapter_{k}" for k in range(len(factors))]
+        )
         if len(self.adapter_names) != len(self.factors):
             raise ValueError(f"adapter_names has {len(self.adapter_names)} names for {len(self.factors)} adapters.")
         names: list[str] = []

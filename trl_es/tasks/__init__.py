@@ -23,7 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .arithmetic import arithmetic_reward, make_arithmetic_dataset, make_arithmetic_splits
+from .arithmetic import (
+    arithmetic_reward,
+    make_arithmetic_dataset,
+    make_arithmetic_splits,
+)
 from .countdown import (
     ANSWER_WEIGHT,
     FORMAT_WEIGHT,
@@ -37,19 +41,19 @@ from .countdown import (
 from .gsm import gsm_reward, make_gsm_dataset
 
 __all__ = [
-    "Task",
     "TASKS",
-    "get_task",
+    "Task",
     "arithmetic_reward",
-    "make_arithmetic_dataset",
-    "make_arithmetic_splits",
     "countdown_answer_reward",
     "countdown_format_reward",
     "countdown_reward",
     "evaluate_expression",
-    "load_countdown_json",
-    "make_countdown_dataset",
+    "get_task",
     "gsm_reward",
+    "load_countdown_json",
+    "make_arithmetic_dataset",
+    "make_arithmetic_splits",
+    "make_countdown_dataset",
     "make_gsm_dataset",
 ]
 

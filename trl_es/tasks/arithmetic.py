@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 from ..rewards import completion_text, first_number, numbers_close
 
-__all__ = ["ALLOWED_OPS", "arithmetic_question", "make_arithmetic_dataset", "make_arithmetic_splits", "arithmetic_reward"]
+__all__ = [
+    "ALLOWED_OPS",
+    "arithmetic_question",
+    "arithmetic_reward",
+    "make_arithmetic_dataset",
+    "make_arithmetic_splits",
+]
 
 #: Operators a problem may use.
 ALLOWED_OPS = ("+", "-", "*")

@@ -28,21 +28,27 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
-from ..rewards import completion_text, extract_answer_tag, numbers_close, parse_number, think_answer_format_score
+from ..rewards import (
+    completion_text,
+    extract_answer_tag,
+    numbers_close,
+    parse_number,
+    think_answer_format_score,
+)
 
 __all__ = [
-    "FORMAT_WEIGHT",
     "ANSWER_WEIGHT",
+    "FORMAT_WEIGHT",
     "MAX_EXPRESSION_LENGTH",
-    "countdown_prompt_text",
-    "countdown_user_message",
-    "evaluate_expression",
+    "countdown_answer_reward",
     "countdown_answer_score",
     "countdown_format_reward",
-    "countdown_answer_reward",
+    "countdown_prompt_text",
     "countdown_reward",
-    "make_countdown_dataset",
+    "countdown_user_message",
+    "evaluate_expression",
     "load_countdown_json",
+    "make_countdown_dataset",
 ]
 
 #: Weight of the format reward in the paper's total reward.
@@ -73,7 +79,7 @@ def _numpy_style(numbers: Sequence[int]) -> str:
     return "[" + " ".join(str(x).rjust(width) for x in numbers) + "]"
 
 
-def countdown_prompt_text(numbers: Sequence[int], target: int | float | str) -> str:
+def countdown_prompt_text(numbers: Sequence[int], target: float | str) -> str:
     """The paper's plain-text Countdown prompt, ending inside the think block (``...\\n<think>``).
 
     Args:
@@ -87,7 +93,7 @@ def countdown_prompt_text(numbers: Sequence[int], target: int | float | str) -> 
     return f"{_SYSTEM_TEXT}{task}Let me solve this step by step.\n<think>"
 
 
-def countdown_user_message(numbers: Sequence[int], target: int | float | str) -> str:
+def countdown_user_message(numbers: Sequence[int], target: float | str) -> str:
     """The Countdown instruction as a chat user message (numbers printed as ``[44, 19, 35]``).
 
     Args:
@@ -182,14 +188,14 @@ def evaluate_expression(
         raise ValueError("expression is nested too deeply") from None
 
 
-def _target_value(target: int | float | str) -> float:
+def _target_value(target: float | str) -> float:
     value = parse_number(target)
     if value is None:
         raise ValueError(f"target must be a number or a string holding one (e.g. 98, '27.4', '-11'), got {target!r}")
     return value
 
 
-def countdown_answer_score(text: str, numbers: Sequence[int], target: int | float | str) -> float:
+def countdown_answer_score(text: str, numbers: Sequence[int], target: float | str) -> float:
     """Answer score of one completion: 1.0 if its last ``<answer>`` expression is a correct solution, else 0.0.
 
     Correct means: :func:`evaluate_expression` accepts it with ``numbers`` (each number exactly once, only

@@ -44,7 +44,7 @@ def extract_final_answer(text: str) -> str | None:
     return None if answer is None else answer.strip()
 
 
-def gsm_answer_score(text: str, answer: str | int | float) -> float:
+def gsm_answer_score(text: str, answer: str | float) -> float:
     """Score one completion: 1.0 if its final answer (:func:`extract_final_answer`) is mathematically equal
     to ``answer`` according to ``math_verify.verify``, else 0.0.
 

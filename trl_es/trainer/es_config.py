@@ -8,11 +8,11 @@ from typing import Any
 from trl.trainer.base_config import _BaseConfig
 
 from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
+from ..es.population import POPULATION_BACKENDS
 from ..es.shaping import FITNESS_SHAPINGS
 from ..es.update import AWD_PENALTIES
 
 ES_OPTIMIZERS = ("es", "torch")
-POPULATION_BACKENDS = ("sequential",)
 
 
 @dataclass
@@ -141,9 +141,19 @@ class ESConfig(_BaseConfig):
     population_backend: str = field(
         default="sequential",
         metadata={
-            "help": "How members are evaluated: 'sequential' (perturb in place, generate, restore, one member at a "
-            "time).",
+            "help": "How members are evaluated: 'sequential' (perturb the weights in place with full-rank noise, "
+            "generate, restore, one member at a time) or 'batched_lowrank' (EGGROLL, arXiv 2511.16652: rank-"
+            "noise_rank perturbations applied per batch row, all members of a process in one generate call; trains "
+            "only nn.Linear weights, select them with include_parameters, e.g. r'proj\\.weight$').",
             "choices": list(POPULATION_BACKENDS),
+        },
+    )
+    noise_rank: int = field(
+        default=1,
+        metadata={
+            "help": "Rank r >= 1 of each member's perturbation of each weight with population_backend="
+            "'batched_lowrank': E_i = sigma / sqrt(r) * A_i B_i^T (EGGROLL, arXiv 2511.16652). Extra cost per "
+            "token and Linear is O(r (in + out)). Ignored by 'sequential'."
         },
     )
 
@@ -209,8 +219,10 @@ class ESConfig(_BaseConfig):
             raise ValueError(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
         if self.population_backend not in POPULATION_BACKENDS:
             raise ValueError(
-                f"population_backend must be one of {POPULATION_BACKENDS}, got {self.population_backend!r}."
+                f"population_backend must be one of {tuple(POPULATION_BACKENDS)}, got {self.population_backend!r}."
             )
+        if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
+            raise ValueError(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         if self.awd_penalty not in AWD_PENALTIES:
             raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
         if self.awd_lambda < 0:

@@ -6,26 +6,59 @@ import math
 import os
 import textwrap
 import time
+import warnings
 from collections import defaultdict
 
 import torch
-from accelerate.utils import gather_object
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..es.noise import make_noise_source
-from ..es.population import SequentialPopulation, member_indices, member_seed, sample_population
+from ..es.population import make_population_backend, member_indices, member_seed, sample_population
 from ..es.seedlog import SEED_LOG_NAME, SeedLog
 from ..es.shaping import shape_fitness
 from ..es.update import TrainedParameters, select_parameters
+from .distributed import (
+    ES_DEEPSPEED_NOTE,
+    all_gather_objects,
+    broadcast_tensors_,
+    es_deepspeed_config,
+    es_parameter_entries,
+    fingerprint,
+    fingerprints_agree,
+    is_zero3_param,
+    release_gathered_,
+    tensor_bytes,
+)
 from .es_config import ESConfig
-from .scoring import RewardScorer, build_generation_config, score_model, validate_dataset
+from .scoring import (
+    RewardScorer,
+    build_generation_config,
+    generate_completions,
+    prompt_texts,
+    score_model,
+    validate_dataset,
+)
+
+logger = logging.get_logger(__name__)
 
 MASTER_WEIGHTS_NAME = "es_master.safetensors"
 ANCHOR_WEIGHTS_NAME = "es_anchor.safetensors"
+
+
+def _fitness_of(rewards: torch.Tensor) -> float:
+    """Mean of the non-NaN rewards, summed in float64 (NaN if there is none).
+
+    A float64 sum of float32 rewards is exact for any realistic batch, so it does not depend on how the completions
+    are split across processes: the sharded (ZeRO-3) fitness, a sum of per-process sums, equals this bitwise.
+    """
+    valid = rewards[~torch.isnan(rewards)].double()
+    return float(valid.sum() / valid.numel()) if valid.numel() else math.nan
 
 
 def identity(features):
@@ -157,15 +190,13 @@ class ESTrainer(_BaseTrainer):
             if isinstance(func, nn.Module):
                 func.to(self.accelerator.device)
 
-        # ES state: built after Trainer placed the model on its device, so the tensors are the final ones.
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        selected = select_parameters(unwrapped, args.include_parameters, args.exclude_parameters)
-        self.es_params = TrainedParameters(selected, torch.float32 if args.fp32_master_weights else None)
+        # ES state: built after Trainer placed the model on its device, so the tensors are the final ones (under
+        # DeepSpeed ZeRO-3 it is rebuilt from the partitions once DeepSpeed has partitioned the model).
         self.noise = make_noise_source(args.noise_table_size)
-        self.population = SequentialPopulation()
-        self.anchor = None  # theta_0 on CPU (fp32): for AWD and drift logging
-        if args.awd_lambda > 0 or args.log_parameter_drift:
-            self.anchor = {n: t.detach().float().cpu().clone() for n, t in self.es_params.master_state_dict().items()}
+        self.population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
+        self._build_es_state()
+        self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
+        self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
         self.seed_log = SeedLog(
             header={
                 "noise": self.noise.describe(),
@@ -177,10 +208,36 @@ class ESTrainer(_BaseTrainer):
                 "master_dtype": "float32" if args.fp32_master_weights else None,
                 "awd_penalty": args.awd_penalty,
                 "parameters": [[e.name, e.numel] for e in self.es_params.entries],
+                "population_backend": self.population.describe(),
             }
         )
         self._metrics = defaultdict(list)
         self.add_callback(_TorchOptimizerSync(self))
+
+    def _build_es_state(self) -> None:
+        """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor."""
+        args = self.args
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        selected = select_parameters(unwrapped, args.include_parameters, args.exclude_parameters)
+        self._es_model_params = [p for _, p in selected]
+        self.es_params = TrainedParameters(
+            es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None
+        )
+        self.anchor = None  # theta_0 on CPU (fp32; under ZeRO-3 the local partition): for AWD and drift logging
+        if args.awd_lambda > 0 or args.log_parameter_drift:
+            self.anchor = {n: t.detach().float().cpu().clone() for n, t in self.es_params.master_state_dict().items()}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (members are then scored by all processes
+        together, each on its share of the prompts; see ``docs/scaling.md``)."""
+        return any(is_zero3_param(p) for p in self._es_model_params)
+
+    def _population_backend_kwargs(self) -> dict:
+        """Backend-specific settings from the config."""
+        if self.args.population_backend == "sequential":
+            return {}
+        return {"noise_rank": self.args.noise_rank}
 
     # ------------------------------------------------------------------ data
     def _set_signature_columns_if_needed(self):
@@ -189,10 +246,108 @@ class ESTrainer(_BaseTrainer):
             self._signature_columns = ["prompt"]
 
     def _gather_prompt_rows(self, rows: list[dict]) -> list[dict]:
-        """Each process loaded its share of the prompt batch; every process needs all of it."""
-        if self.accelerator.num_processes == 1:
+        """Each process loaded its share of the prompt batch; with population parallelism every process needs all of
+        it (``torch.distributed.all_gather_object``, counted in ``comm/bytes``). Sharded (ZeRO-3) processes keep their
+        share: each generates for its own prompts."""
+        if self.accelerator.num_processes == 1 or self.sharded:
             return list(rows)
-        return gather_object(list(rows))
+        parts, nbytes = all_gather_objects(list(rows))
+        self._comm_bytes += nbytes
+        return [row for part in parts for row in part]
+
+    # ------------------------------------------------------------------ distributed preparation
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Prepare the model without gradient machinery: ES has no backward pass and syncs no weights.
+
+        One process: ``Trainer``'s own preparation. Several processes without DeepSpeed (population parallelism):
+        the model goes through ``accelerator.prepare_model(model, evaluation_mode=True)``, i.e. it is *not* wrapped in
+        ``DistributedDataParallel`` (DDP would broadcast the weights once and allocate gradient buckets as large as
+        the model, never used). DeepSpeed: the engine is built without optimizer (see :func:`es_deepspeed_config`).
+        The torch optimizer owning the fp32 masters and the scheduler are ``Trainer``'s, never given to DeepSpeed.
+        Then the processes' weights are checked to be identical (population parallelism needs it).
+        """
+        if not self.is_deepspeed_enabled and self.accelerator.num_processes == 1:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
+            raise NotImplementedError(
+                "Resuming ESTrainer under DeepSpeed is not supported. A checkpoint holds the model (loadable with "
+                "from_pretrained) and the seed log: start a new run from the checkpoint's model, or rebuild the "
+                "weights with trl_es.replay(base_model, checkpoint)."
+            )
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        if self.is_deepspeed_enabled:
+            model = self._prepare_deepspeed_engine(max_steps)
+            self.create_optimizer()
+        else:
+            model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+            self.create_optimizer()
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = model
+        if not self.sharded:
+            self._check_replicas_identical()
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _prepare_deepspeed_engine(self, max_steps: int = 0):
+        """``accelerator.prepare(model)`` under DeepSpeed with the ES config (no optimizer); built once.
+
+        Under ZeRO-3 the ES state is then rebuilt from this process's partitions (``param.ds_tensor``).
+        """
+        if getattr(self, "deepspeed", None) is not None:
+            return self.deepspeed
+        plugin = self.accelerator.state.deepspeed_plugin
+        hf_config = plugin.hf_ds_config
+        hf_config.trainer_config_finalize(self.args, self.model, max_steps)  # fills "auto" values, as deepspeed_init
+        es_deepspeed_config(hf_config.config, self.args.per_device_train_batch_size, self.accelerator.num_processes)
+        if self.args.population_backend != "sequential" and hf_config.config["zero_optimization"].get("stage") == 3:
+            raise ValueError("DeepSpeed ZeRO-3 needs population_backend='sequential' (members perturb partitions).")
+        logger.info(ES_DEEPSPEED_NOTE)
+        engine = self.accelerator.prepare(self.model)
+        self.deepspeed = self.model_wrapped = engine
+        if self.sharded:
+            self._build_es_state()
+            self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
+        return engine
+
+    def _count_forward(self, module, args):
+        self._forward_calls += 1
+
+    def _check_replicas_identical(self) -> None:
+        """Population parallelism needs every process to hold the same weights and masters (DDP would have broadcast
+        rank 0's weights). Compare a 16-byte fingerprint across processes; if they differ, broadcast rank 0's model
+        state, masters and anchor (with a warning)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        state = [t for t in unwrapped.state_dict().values() if isinstance(t, torch.Tensor)]
+        masters = list(self.es_params.master_state_dict().values())
+        digest = fingerprint(state + masters)
+        agree, nbytes = fingerprints_agree(digest, device=self.accelerator.device)
+        self._comm_bytes += nbytes
+        if agree:
+            return
+        warnings.warn(
+            "The processes hold different initial weights: broadcasting process 0's model and ES master (as DDP "
+            "would). Build or load the same model on every process to avoid this.",
+            stacklevel=2,
+        )
+        with torch.no_grad():
+            tensors = list(unwrapped.parameters()) + list(unwrapped.buffers()) + masters
+            if self.anchor is not None:
+                tensors += list(self.anchor.values())
+            self._comm_bytes += broadcast_tensors_(tensors)
+        self.es_params.render_()
+
+    def _sync_model_view(self) -> None:
+        """Under ZeRO-3, drop gathered copies of the trained parameters so the next forward sees the partitions."""
+        if self.sharded:
+            release_gathered_(self._es_model_params)
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
@@ -207,7 +362,16 @@ class ESTrainer(_BaseTrainer):
         return self.optimizer
 
     def _clip_grad_norm(self, model):
-        return torch.nn.utils.clip_grad_norm_(self.es_params.master_parameters(), self.args.max_grad_norm)
+        masters = self.es_params.master_parameters()
+        if not (self.sharded and self.accelerator.num_processes > 1):
+            return torch.nn.utils.clip_grad_norm_(masters, self.args.max_grad_norm)
+        # ZeRO-3: the masters are partitions; the norm is over the whole gradient estimate.
+        grads = [m.grad for m in masters if m.grad is not None]
+        square = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+        square = self.accelerator.reduce(square.reshape(1).to(self.accelerator.device), reduction="sum").cpu()
+        total = square.sqrt()[0]
+        torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)
+        return total
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
@@ -227,14 +391,12 @@ class ESTrainer(_BaseTrainer):
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         results = {}
 
-        def rollout(index: int) -> float:
-            if self.args.temperature > 0:  # the member's samples do not depend on which process scores it
-                torch.manual_seed(member_seed(self.args.seed + 1, step, index))
+        def score(batch_rows):
             start = time.perf_counter()
             out = score_model(
                 unwrapped,
                 self.processing_class,
-                rows,
+                batch_rows,
                 self.reward_scorer,
                 self.generation_config,
                 self.args.num_generations,
@@ -242,10 +404,40 @@ class ESTrainer(_BaseTrainer):
                 reward_kwargs,
             )
             out["seconds"] = time.perf_counter() - start
-            results[index] = out
-            rewards = out["rewards"]
-            return float(rewards.nanmean()) if not torch.isnan(rewards).all() else math.nan
+            return out
 
+        fitness_of = _fitness_of
+        sharded = self.sharded
+
+        def rollout(index: int) -> float:
+            if self.args.temperature > 0:  # the member's samples do not depend on which process scores it
+                # (sharded: each process samples its own prompts, so each has its own stream)
+                torch.manual_seed(member_seed(self.args.seed + 1 + (self.accelerator.process_index << 20) * sharded,
+                                              step, index))
+            self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
+            results[index] = score(rows)
+            return fitness_of(results[index]["rewards"])
+
+        def stacked(indices) -> dict[int, float]:
+            if self.args.temperature > 0:
+                torch.manual_seed(member_seed(self.args.seed + 1, step, -1))
+            out = score(rows * len(indices))
+            width = len(rows) * self.args.num_generations
+            fitness = {}
+            for k, index in enumerate(indices):
+                block = slice(k * width, (k + 1) * width)
+                results[index] = {
+                    "rewards_per_func": out["rewards_per_func"][block],
+                    "rewards": out["rewards"][block],
+                    "completions": out["completions"][block],
+                    "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
+                    "seconds": out["seconds"] / len(indices),
+                }
+                fitness[index] = fitness_of(out["rewards"][block])
+            return fitness
+
+        rollout.stacked = stacked
+        rollout.model = unwrapped  # backends that hook modules (batched low-rank) find the model here
         return rollout, results
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -254,35 +446,83 @@ class ESTrainer(_BaseTrainer):
         step = self.state.global_step  # iterations done so far; this one becomes step + 1
         rows = self._gather_prompt_rows(inputs)
         members = sample_population(args.seed, step, args.population_size, args.antithetic)
-        indices = member_indices(args.population_size, self.accelerator.process_index, self.accelerator.num_processes)
+        world = self.accelerator.num_processes
+        if self.sharded:  # ZeRO-3: every member is scored by all processes together, each on its own prompts
+            indices = list(range(args.population_size))
+        else:  # population parallelism: members i % W == rank, each on the whole prompt batch
+            indices = member_indices(args.population_size, self.accelerator.process_index, world)
 
         start = time.perf_counter()
+        forward_calls = self._forward_calls
         rollout, results = self._rollout(rows, step)
-        local = self.population.evaluate(self.es_params, self.noise, members, indices, args.sigma, rollout)
+        self.population.evaluate(self.es_params, self.noise, members, indices, args.sigma, rollout)
         evaluate_seconds = time.perf_counter() - start
 
-        fitness = torch.zeros(args.population_size, dtype=torch.float64, device=self.accelerator.device)
-        for i, value in local.items():
-            fitness[i] = value
-        if self.accelerator.num_processes > 1:  # N scalars travel, nothing else
-            fitness = self.accelerator.reduce(fitness, reduction="sum")
-        fitness = fitness.cpu()
+        # Per member: reward sums and counts (overall and per function), completions, tokens. Summed over processes
+        # (a few float64 per member travel, nothing else), so the fitness is the mean over all its completions.
+        stats = self._member_stats(results, args.population_size)
+        if world > 1:
+            stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += tensor_bytes(stats)
+        count = stats[:, 1]
+        fitness = torch.where(count > 0, stats[:, 0] / count.clamp(min=1), torch.full_like(count, math.nan))
         coefficients = shape_fitness(fitness, args.fitness_shaping)
 
         start = time.perf_counter()
         learning_rate = self._current_learning_rate()
         if args.es_optimizer == "es":
-            self.es_params.es_update_(self.noise, members, coefficients.tolist(), learning_rate)
+            self.population.update_(self.es_params, self.noise, members, coefficients.tolist(), learning_rate)
             shrink = self._apply_awd(learning_rate)
         else:
-            self.es_params.es_gradient_(self.noise, members, coefficients.tolist())
+            self.population.gradient_(self.es_params, self.noise, members, coefficients.tolist())
             shrink = learning_rate * args.awd_lambda if args.awd_lambda > 0 else 0.0
+        self._sync_model_view()
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients.tolist(), learning_rate, shrink)
 
-        self._record_metrics(fitness, results, evaluate_seconds, update_seconds)
+        self._record_comm(self._forward_calls - forward_calls)
+        self._record_metrics(fitness, stats, results, evaluate_seconds, update_seconds)
         mean = fitness[~torch.isnan(fitness)].mean() if not torch.isnan(fitness).all() else torch.tensor(math.nan)
         return torch.tensor(-float(mean), device=args.device)
+
+    def _member_stats(self, results: dict, population_size: int) -> torch.Tensor:
+        """Columns: reward sum, reward count, completions, completion tokens, then per reward function its sums and
+        its counts (NaN rewards skipped). One row per member, zero for members this process did not score.
+
+        Returns:
+            `torch.Tensor`: Shape ``(population_size, 4 + 2 * F)``, float64.
+        """
+        num_funcs = len(self.reward_func_names)
+        stats = torch.zeros(population_size, 4 + 2 * num_funcs, dtype=torch.float64)
+        for index, out in results.items():
+            rewards = out["rewards"].double()
+            per_func = out["rewards_per_func"].double()
+            stats[index, 0] = rewards.nansum()
+            stats[index, 1] = (~torch.isnan(rewards)).sum()
+            stats[index, 2] = len(out["completions"])
+            stats[index, 3] = out["num_tokens"]
+            stats[index, 4 : 4 + num_funcs] = per_func.nansum(dim=0)
+            stats[index, 4 + num_funcs :] = (~torch.isnan(per_func)).sum(dim=0)
+        return stats
+
+    def _record_comm(self, forward_calls: int) -> None:
+        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration.
+
+        Counted exactly (buffer sizes): the prompt rows gathered (population parallelism), the per-member statistics
+        all-reduced, fingerprint checks. Under ZeRO-3 also: ``generate(synced_gpus=True)``'s one float32 all-reduce
+        per decoding step, and the parameters DeepSpeed all-gathers, estimated as one full gather of every
+        partitioned parameter per forward call (``comm/param_gather_bytes``; an upper bound: small persistent
+        parameters are gathered once per member).
+        """
+        nbytes = self._comm_bytes
+        if self.sharded and self.accelerator.num_processes > 1:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
+            gathered = float(forward_calls * full)
+            self._metrics["comm/param_gather_bytes"].append(gathered)
+            nbytes += 4 * forward_calls + gathered
+        self._metrics["comm/bytes"].append(float(nbytes))
+        self._comm_bytes = 0.0
 
     def _apply_awd(self, learning_rate: float) -> float:
         """Anchored Weight Decay after the ES step (arXiv 2605.30148, Algorithm 1). Returns ``alpha * lambda``."""
@@ -295,7 +535,9 @@ class ESTrainer(_BaseTrainer):
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 
-    def _record_metrics(self, fitness, results, evaluate_seconds, update_seconds):
+    def _record_metrics(self, fitness, stats, results, evaluate_seconds, update_seconds):
+        """Log the population's fitness and rewards (from ``stats``, summed over processes: the same on every
+        process and for any number of processes) and this process's timings and throughput."""
         finite = fitness[~torch.isnan(fitness)]
         if finite.numel():
             self._metrics["reward"].append(float(finite.mean()))
@@ -304,16 +546,15 @@ class ESTrainer(_BaseTrainer):
             self._metrics["reward_max"].append(float(finite.max()))
         self._metrics["num_nan_members"].append(float(torch.isnan(fitness).sum()))
         generation_seconds = sum(r["seconds"] for r in results.values())
+        num_funcs = len(self.reward_func_names)
+        totals = stats.sum(dim=0)
+        for j, name in enumerate(self.reward_func_names):
+            if totals[4 + num_funcs + j] > 0:
+                self._metrics[f"rewards/{name}/mean"].append(float(totals[4 + j] / totals[4 + num_funcs + j]))
         if results:
-            per_func = torch.cat([r["rewards_per_func"] for r in results.values()])
-            for j, name in enumerate(self.reward_func_names):
-                column = per_func[:, j]
-                if not torch.isnan(column).all():
-                    self._metrics[f"rewards/{name}/mean"].append(float(column.nanmean()))
             completions = sum(len(r["completions"]) for r in results.values())
-            tokens = sum(r["num_tokens"] for r in results.values())
             self._metrics["completions_per_second"].append(completions / max(generation_seconds, 1e-9))
-            self._metrics["completion_tokens"].append(float(tokens))
+        self._metrics["completion_tokens"].append(float(totals[3]))
         timings = self.population.timings
         self._metrics["time/generation_and_reward"].append(generation_seconds)
         self._metrics["time/perturb"].append(timings.get("perturb", 0.0))
@@ -323,11 +564,15 @@ class ESTrainer(_BaseTrainer):
 
     def _parameter_drift(self) -> dict[str, float]:
         """``||theta - theta_0||`` and ``||theta - theta_0|| / ||theta_0||`` over the trained parameters (fp64 sums)."""
-        diff_sq, base_sq = 0.0, 0.0
+        sums = torch.zeros(2, dtype=torch.float64)
         for name, master in self.es_params.master_state_dict().items():
             theta0 = self.anchor[name]
-            diff_sq += float((master.detach().float().cpu() - theta0).double().pow(2).sum())
-            base_sq += float(theta0.double().pow(2).sum())
+            sums[0] += (master.detach().float().cpu() - theta0).double().pow(2).sum()
+            sums[1] += theta0.double().pow(2).sum()
+        if self.sharded and self.accelerator.num_processes > 1:  # each process holds a partition
+            sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += tensor_bytes(sums)
+        diff_sq, base_sq = float(sums[0]), float(sums[1])
         norm = math.sqrt(diff_sq)
         return {"drift/l2": norm, "drift/relative": norm / math.sqrt(base_sq) if base_sq > 0 else 0.0}
 
@@ -359,18 +604,29 @@ class ESTrainer(_BaseTrainer):
                 metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
             return metrics
         validate_dataset(dataset, "eval_dataset")
+        if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
+            self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
+        self._sync_model_view()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         rows = [dataset[i] for i in range(rank, len(dataset), world)]
         unwrapped = self.accelerator.unwrap_model(self.model)
         batch = self.args.prompt_batch_size
+        # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
+        # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
+        num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
         sums = torch.zeros(2 + len(self.reward_func_names), dtype=torch.float64)  # total, count, per-function
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
         if self.args.temperature > 0:
             torch.manual_seed(self.args.seed)
         start = time.perf_counter()
-        for first in range(0, len(rows), batch):
+        for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
+            chunk = rows[first : first + batch]
+            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
+                placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
+                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config)
+                continue
             out = score_model(
-                unwrapped, self.processing_class, rows[first : first + batch], self.reward_scorer,
+                unwrapped, self.processing_class, chunk, self.reward_scorer,
                 self.generation_config, self.args.num_generations, self.args.chat_template_kwargs,
                 {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
             )
@@ -405,7 +661,12 @@ class ESTrainer(_BaseTrainer):
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``)."""
+        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``).
+
+        Under ZeRO-3 ``Trainer`` gathers the partitions into one ``from_pretrained``-loadable model (DeepSpeed's
+        ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
+        """
+        self._sync_model_view()
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
@@ -415,6 +676,9 @@ class ESTrainer(_BaseTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.sharded:
+            self._save_es_shards(folder)
+            return
         if not self.args.should_save:
             return
         # The model's weights are a rendering of the master: save the master too when they differ in dtype.
@@ -423,6 +687,36 @@ class ESTrainer(_BaseTrainer):
             save_file({n: t.detach().cpu().contiguous() for n, t in masters.items()}, os.path.join(folder, MASTER_WEIGHTS_NAME))
         if self.anchor is not None:
             save_file({n: t.contiguous() for n, t in self.anchor.items()}, os.path.join(folder, ANCHOR_WEIGHTS_NAME))
+
+    def _save_es_shards(self, folder: str) -> None:
+        """ZeRO-3: every process writes its partitions of the master (when it differs in dtype from the model, i.e.
+        an fp32 master of a 16-bit model) and of the anchor, as ``es_master.rank{r}-of-{W}.safetensors`` with each
+        tensor's ``[start, start + len)`` in the file's metadata. The 16-bit model itself is gathered by ``Trainer``.
+        """
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        os.makedirs(folder, exist_ok=True)
+        metadata = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}
+        suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
+        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
+            masters = {n: t.detach().cpu().contiguous() for n, t in self.es_params.master_state_dict().items()}
+            save_file(masters, os.path.join(folder, MASTER_WEIGHTS_NAME.replace(".safetensors", suffix)), metadata)
+        if self.anchor is not None:
+            anchor = {n: t.contiguous() for n, t in self.anchor.items()}
+            save_file(anchor, os.path.join(folder, ANCHOR_WEIGHTS_NAME.replace(".safetensors", suffix)), metadata)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under DeepSpeed the optimizer is ``Trainer``'s torch optimizer over ES's masters, not DeepSpeed's: save it
+        and the scheduler as without DeepSpeed (per process under ZeRO-3, where the masters are partitions) instead
+        of a DeepSpeed engine checkpoint (which would hold no optimizer and, under ZeRO-3, no weights)."""
+        if not self.is_deepspeed_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        if self.args.es_optimizer == "torch" and (self.sharded or self.args.should_save):
+            name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, name))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)

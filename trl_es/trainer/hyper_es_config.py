@@ -22,7 +22,9 @@ class HyperESConfig(_BaseConfig):
     Only the parameters specific to Hyper-ES are listed here; see [`~transformers.TrainingArguments`] for the rest.
     One *generation* (one CMA-ES ask/tell) is one logged step: ``logging_steps``, ``save_steps`` and
     ``save_total_limit`` count generations. ``bf16`` and ``gradient_checkpointing`` default to ``False`` (no
-    backward pass; runs on CPU). Defaults marked "ours" are this implementation's choices, not the paper's.
+    backward pass; runs on CPU). ``per_device_train_batch_size`` is the number of prompts per ``generate`` call when
+    scoring candidates, ``per_device_eval_batch_size`` the same in ``evaluate``. Defaults marked "ours" are this
+    implementation's choices, not the paper's.
 
     Parameters:
         > Parameters that control the search
@@ -108,16 +110,23 @@ class HyperESConfig(_BaseConfig):
         default=False,
         metadata={"help": "bf16 mixed precision. Default False: Hyper-ES has no backward pass and runs on CPU."},
     )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Unused by Hyper-ES (no backward pass). Default False."}
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Unused by Hyper-ES (no backward pass); resolves to False. Default None, which (unlike TRL's "
+            "True) does not trigger transformers' deprecation warning for this alias of activation_checkpointing."
+        },
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every X generations. Default 1."})
     save_steps: float = field(
-        default=10, metadata={"help": "Save a CMA-ES checkpoint every X generations (save_strategy='steps'). Default 10."}
+        default=10,
+        metadata={"help": "Save a CMA-ES checkpoint every X generations (save_strategy='steps'). Default 10."},
     )
 
     # Search.
-    max_generations: int = field(default=20, metadata={"help": "Number of CMA-ES generations (ask/tell). Default 20 (ours)."})
+    max_generations: int = field(
+        default=20, metadata={"help": "Number of CMA-ES generations (ask/tell). Default 20 (ours)."}
+    )
     population_size: int | None = field(
         default=None,
         metadata={"help": "CMA-ES population size; None = pycma's default 4 + floor(3 ln n) for n coefficients."},
@@ -134,7 +143,9 @@ class HyperESConfig(_BaseConfig):
     )
     final_genome: str = field(
         default="best",
-        metadata={"help": "Genome kept after training: 'best' (best candidate seen) or 'mean' (CMA mean). Default 'best'."},
+        metadata={
+            "help": "Genome kept after training: 'best' (best candidate seen) or 'mean' (CMA mean). Default 'best'."
+        },
     )
 
     # Genome and merge.
@@ -157,7 +168,9 @@ class HyperESConfig(_BaseConfig):
     )
     sign_election: str = field(
         default="weighted",
-        metadata={"help": "TIES sign election on 'weighted' (mergekit) or 'unweighted' (peft) deltas. Default 'weighted'."},
+        metadata={
+            "help": "TIES sign election on 'weighted' (mergekit) or 'unweighted' (peft) deltas. Default 'weighted'."
+        },
     )
     majority_sign_method: str = field(
         default="total", metadata={"help": "TIES majority sign: 'total' or 'frequency'. Default 'total'."}
@@ -170,7 +183,9 @@ class HyperESConfig(_BaseConfig):
     )
     export_lora_rank: int | None = field(
         default=None,
-        metadata={"help": "If set, save_model also writes the merge as a LoRA adapter of this rank (SVD). Default None."},
+        metadata={
+            "help": "If set, save_model also writes the merge as a LoRA adapter of this rank (SVD). Default None."
+        },
     )
 
     # Fitness.
@@ -216,7 +231,9 @@ class HyperESConfig(_BaseConfig):
         if len(self.weight_bounds) != 2 or not self.weight_bounds[0] < self.weight_bounds[1]:
             raise ValueError(f"weight_bounds must be [lo, hi] with lo < hi, got {self.weight_bounds}.")
         if not self.weight_bounds[0] <= self.initial_weight <= self.weight_bounds[1]:
-            raise ValueError(f"initial_weight {self.initial_weight} must lie within weight_bounds {self.weight_bounds}.")
+            raise ValueError(
+                f"initial_weight {self.initial_weight} must lie within weight_bounds {self.weight_bounds}."
+            )
         if len(self.density_bounds) != 2 or not 0.0 < self.density_bounds[0] < self.density_bounds[1] <= 1.0:
             raise ValueError(f"density_bounds must be [lo, hi] with 0 < lo < hi <= 1, got {self.density_bounds}.")
         if not 0.0 < self.density <= 1.0:

@@ -15,6 +15,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -42,18 +43,18 @@ FitnessFn = Callable[[nn.Module, Genome], float]
 class CMASearch:
     """pycma's ask/tell in the unit box ``[0, 1]^n``, maximizing, with a private and checkpointed numpy RNG.
 
-    pycma samples from numpy's *global* RNG (``np.random.randn``) and seeds it from ``opts["seed"]`` (``0``/``None``
-    meaning "from the clock"). Here pycma's own seeding is switched off (``seed=nan``) and the global RNG is swapped
-    for this object's state around every ``ask``/``tell``: the search is reproducible from ``seed`` alone (any
-    integer, 0 included), does not disturb the caller's numpy RNG, and a pickle of this object (pycma's
-    ``CMAEvolutionStrategy`` pickles) resumes bit-for-bit.
+    By default pycma samples from numpy's *global* RNG (``np.random.randn``) and seeds it from ``opts["seed"]``
+    (``0``/``None`` meaning "from the clock"). Here pycma samples from a private ``np.random.RandomState(seed)``
+    (pycma's ``randn`` option; its own seeding is switched off with ``seed=nan``), and the global RNG is also swapped
+    for a private state around every ``ask``/``tell`` in case pycma draws from it elsewhere. So the search is
+    reproducible from ``seed`` alone (any integer, 0 included), does not disturb the caller's numpy RNG, and a pickle
+    of this object (pycma's ``CMAEvolutionStrategy`` pickles, with its sampler's RNG) resumes bit-for-bit.
 
     Args:
         x0 (`np.ndarray`): Initial mean, shape ``(n,)``, in ``[0, 1]``.
         sigma0 (`float`): Initial step size (unit-box units).
         popsize (`int`, *optional*): Population size; pycma's default ``4 + floor(3 ln n)`` when `None`.
         seed (`int`): Seed of the sampling RNG.
-        max_generations (`int`, *optional*): Passed as pycma's ``maxiter``.
         options (`dict`, *optional*): Extra pycma options, applied last.
     """
 
@@ -63,28 +64,28 @@ class CMASearch:
         sigma0: float,
         popsize: int | None = None,
         seed: int = 0,
-        max_generations: int | None = None,
         options: dict | None = None,
     ):
         import cma
 
-        self._rng_state = np.random.RandomState(seed).get_state()
+        self._rng = np.random.RandomState(seed)
+        self._rng_state = np.random.RandomState(seed + 1).get_state()
         opts = {
             "bounds": [0.0, 1.0],
+            "randn": self._rng.randn,  # pickled with the strategy: resume continues the same stream
             "seed": float("nan"),  # no pycma seeding: this object owns the RNG state
             "verbose": -9,
             "verb_log": 0,
             "verb_disp": 0,
             # Rewards are often discrete (accuracy) and greedy decoding makes plateaus common: pycma's flat-fitness
-            # and function-value tolerances would stop the search early, so the budget is max_generations.
+            # and function-value tolerances would stop the search early. The budget (max_generations) is enforced by the
+            # caller's loop, not pycma's ``maxiter``, so a resumed run may extend it.
             "tolflatfitness": 10**9,
             "tolfun": 0.0,
             "tolfunhist": 0.0,
         }
         if popsize is not None:
             opts["popsize"] = int(popsize)
-        if max_generations is not None:
-            opts["maxiter"] = int(max_generations)
         opts.update(options or {})
         with self._numpy_rng():
             self.es = cma.CMAEvolutionStrategy(np.asarray(x0, dtype=np.float64), float(sigma0), opts)
@@ -183,7 +184,7 @@ class HyperESTrainer(_BaseTrainer):
             used, or when the adapters do not fit the model.
     """
 
-    _tag_names = ["trl", "trl-es", "hyper-es", "model-merging"]
+    _tag_names: ClassVar[list[str]] = ["trl", "trl-es", "hyper-es", "model-merging"]
     _name = "Hyper-ES"
 
     def __init__(
@@ -267,7 +268,6 @@ class HyperESTrainer(_BaseTrainer):
             args.sigma0,
             popsize=args.population_size,
             seed=args.seed,
-            max_generations=args.max_generations,
             options=args.cma_options,
         )
 
@@ -299,8 +299,8 @@ class HyperESTrainer(_BaseTrainer):
             indices.append(int(perm[offset]))
         return [dataset[i] for i in indices]
 
-    def _mean_reward(self, rows: list[dict]) -> dict:
-        chunk = max(1, self.args.per_device_train_batch_size)
+    def _mean_reward(self, rows: list[dict], chunk: int) -> dict:
+        chunk = max(1, chunk)
         per_func, rewards = [], []
         for start in range(0, len(rows), chunk):
             out = score_model(
@@ -320,7 +320,8 @@ class HyperESTrainer(_BaseTrainer):
         """Fitness of the model as it is now: ``fitness_fn`` if given, else the mean weighted reward on ``rows``."""
         if self.fitness_fn is not None:
             return float(self.fitness_fn(self.model, genome))
-        return float(torch.nanmean(self._mean_reward(rows)["rewards"]).item())
+        rewards = self._mean_reward(rows, self.args.per_device_train_batch_size)["rewards"]
+        return float(torch.nanmean(rewards).item())
 
     def evaluate_population(self, xs: Sequence[np.ndarray], rows: list[dict], generation: int) -> list[float]:
         """Score every candidate (this process's share under ``torch.distributed``; fitnesses all-reduced).
@@ -346,7 +347,9 @@ class HyperESTrainer(_BaseTrainer):
         finite = [f for f in values if math.isfinite(f)]
         if len(finite) < len(values):
             worst = min(finite) if finite else 0.0
-            logger.warning(f"Generation {generation}: {len(values) - len(finite)} candidate(s) had no reward; scored {worst}.")
+            logger.warning(
+                f"Generation {generation}: {len(values) - len(finite)} candidate(s) had no reward; scored {worst}."
+            )
             values = [f if math.isfinite(f) else worst for f in values]
         return values
 
@@ -374,7 +377,6 @@ class HyperESTrainer(_BaseTrainer):
             self.search = self.new_search()
             self.history = []
             self.state.global_step = 0
-            self.state.log_history = []
         self.state.max_steps = args.max_generations
         self.state.logging_steps = args.logging_steps
         self.state.save_steps = args.save_steps
@@ -464,7 +466,9 @@ class HyperESTrainer(_BaseTrainer):
             with open(os.path.join(folder, STATE_NAME), "wb") as f:
                 pickle.dump(payload, f)
             if self.search.best_x is not None:
-                self.candidate_genome(self.search.best_x, *self.search.best_tag).save_json(os.path.join(folder, GENOME_NAME))
+                self.candidate_genome(self.search.best_x, *self.search.best_tag).save_json(
+                    os.path.join(folder, GENOME_NAME)
+                )
             self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
         return folder
@@ -538,14 +542,18 @@ class HyperESTrainer(_BaseTrainer):
                 if dataset is None:
                     raise ValueError("evaluate needs an eval_dataset (none given here nor to the trainer).")
                 validate_dataset(dataset, "eval_dataset")
-                out = self._mean_reward([dataset[i] for i in range(len(dataset))])
+                out = self._mean_reward(
+                    [dataset[i] for i in range(len(dataset))], self.args.per_device_eval_batch_size
+                )
                 rewards = out["rewards"]
                 metrics = {
                     f"{metric_key_prefix}_reward": float(torch.nanmean(rewards).item()),
                     f"{metric_key_prefix}_reward_std": float(np.nanstd(rewards.numpy())),
                 }
                 for j, name in enumerate(self.scorer.names):
-                    metrics[f"{metric_key_prefix}_rewards/{name}"] = float(torch.nanmean(out["rewards_per_func"][:, j]).item())
+                    metrics[f"{metric_key_prefix}_rewards/{name}"] = float(
+                        torch.nanmean(out["rewards_per_func"][:, j]).item()
+                    )
         metrics[f"{metric_key_prefix}_runtime"] = time.time() - start
         self.log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -1,0 +1,122 @@
+"""Run a short ESTrainer job in one of the multi-process modes; used by ``tests/test_distributed.py``.
+
+Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (population parallelism) or
+``deepspeed --num_gpus 2`` (``--mode zero2`` / ``--mode zero3``). It writes into ``--out``:
+
+- ``result.json`` (process 0): the log history, the evaluation metrics, the class of the prepared model, whether
+  every process held bitwise identical weights after every iteration, and ``comm/bytes`` per iteration;
+- the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``).
+
+On CPU, DeepSpeed goes through accelerate only if the process group is set up first: accelerate's ``PartialState``
+picks no backend for DeepSpeed without a GPU, so this script creates it with ``backend="gloo"`` and passes
+``accelerator_config={"use_configured_state": True}`` (not needed on GPUs).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+MODES = ("plain", "zero2", "zero3")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=MODES, default="plain")
+    parser.add_argument("--model", required=True, help="A saved causal LM folder with its tokenizer.")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--population", type=int, default=4)
+    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+    return parser.parse_args()
+
+
+def mean_code(completions, **kwargs):
+    """Mean character code / 128: differs between almost any two completions."""
+    return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
+
+
+def main():
+    args = parse_args()
+    extra = {}
+    if args.mode in ("zero2", "zero3"):
+        import deepspeed
+        from accelerate import PartialState
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        stage = 3 if args.mode == "zero3" else 2
+        extra = {
+            "deepspeed": {
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+            },
+            "accelerator_config": {"use_configured_state": True},
+        }
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        extra = {"use_cpu": True}  # accelerate: several CPU processes (gloo)
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trl_es import ESConfig, ESTrainer
+    from trl_es.trainer.distributed import fingerprint, fingerprints_agree
+
+    config = ESConfig(
+        output_dir=args.out,
+        max_steps=args.steps,
+        population_size=args.population,
+        prompt_batch_size=4,
+        max_completion_length=6,
+        sigma=0.02,
+        learning_rate=0.02,
+        report_to=[],
+        save_strategy="no",
+        noise_table_size=1 << 20,
+        disable_tqdm=True,
+        seed=0,
+        **extra,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+    evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(5)]})  # 5 rows: uneven over 2 processes
+
+    checks = []
+
+    class ReplicaCheck(TrainerCallback):
+        """After every iteration: do all processes hold bitwise identical model weights and masters?"""
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            if trainer.sharded or not torch.distributed.is_initialized():
+                return
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            tensors = list(model.state_dict().values()) + list(trainer.es_params.master_state_dict().values())
+            checks.append(fingerprints_agree(fingerprint(tensors))[0])
+
+    trainer = ESTrainer(args.model, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
+                        processing_class=tokenizer, callbacks=[ReplicaCheck()])
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(args.out, "model"))
+    if trainer.accelerator.is_main_process:
+        result = {
+            "world_size": trainer.accelerator.num_processes,
+            "sharded": trainer.sharded,
+            "model_wrapped": type(trainer.model_wrapped).__name__,
+            "replicas_identical": checks,
+            "log_history": trainer.state.log_history,
+            "eval": metrics,
+            "comm_bytes": [h["comm/bytes"] for h in trainer.state.log_history if "comm/bytes" in h],
+        }
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

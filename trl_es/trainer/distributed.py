@@ -1,0 +1,208 @@
+"""Multi-process ES: population parallelism and DeepSpeed ZeRO-3 sharded ES.
+
+Two ways to spread an ES iteration over ``W`` processes (see ``docs/scaling.md``):
+
+- **Population parallelism** (plain ``torchrun`` / ``accelerate launch``, or DeepSpeed ZeRO-1/2): every process holds
+  the whole model, scores the members ``i % W == rank`` on the same prompt batch, and the fitness values are summed
+  across processes. Every process then applies the same update from the member seeds: no weights and no gradients
+  travel. The model is *not* wrapped in ``DistributedDataParallel`` (its gradient buckets would cost one more copy
+  of the weights and are never used: ES has no backward pass).
+- **Sharded ES** (DeepSpeed ZeRO-3): the parameters are partitioned across processes. Members are scored one at a
+  time by all processes together, each generating for its own share of the prompts (ZeRO-3 gathers the partitions
+  on the fly); each process perturbs, restores and updates only its own partition.
+
+This module holds the pieces that do not need the trainer: partition bookkeeping, the DeepSpeed config for ES,
+fingerprints that check the replicas agree, and byte-counted collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ES_DEEPSPEED_NOTE = (
+    "ES never steps a DeepSpeed optimizer: the optimizer and scheduler sections are removed, ZeRO stages 1 and 2 "
+    "(which shard optimizer states and gradients, which ES does not have) run as stage 0, and ZeRO-3 runs without "
+    "an optimizer (DeepSpeed's ZeRO-Offload parameter partitioning only)."
+)
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-3 partitions
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DeepSpeed ZeRO-3 partitioned parameter (it has ``ds_tensor`` and ``ds_numel``)."""
+    return hasattr(param, "ds_id") and getattr(param, "ds_tensor", None) is not None
+
+
+def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The locally held elements of a ZeRO-3 parameter.
+
+    DeepSpeed stores rank ``r``'s share of the flattened parameter in ``param.ds_tensor`` (1-D, ``P`` elements, the
+    same ``P`` on every rank): elements ``[r * P, (r + 1) * P)``. The last partitions are padded past
+    ``param.ds_numel``; only the first ``min(P, ds_numel - r * P)`` elements (possibly none) are real.
+
+    Args:
+        param (`torch.Tensor`): A ZeRO-3 parameter.
+
+    Returns:
+        `(local, numel, start)`: ``local`` is a contiguous 1-D view of the real elements of ``param.ds_tensor``
+        (same dtype and device), ``numel`` the number of elements of the whole parameter and ``start`` the flat index
+        of ``local[0]`` in it.
+
+    Raises:
+        ValueError: if ``param`` is not a ZeRO-3 parameter.
+    """
+    if not is_zero3_param(param):
+        raise ValueError("zero3_partition needs a DeepSpeed ZeRO-3 parameter (with ds_tensor and ds_numel).")
+    group = getattr(param, "ds_process_group", None)
+    rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+    partition = param.ds_tensor.data.view(-1)
+    size = partition.numel()
+    numel = int(param.ds_numel)
+    start = min(rank * size, numel)
+    real = max(0, min(size, numel - start))
+    return partition.narrow(0, 0, real), numel, start
+
+
+def es_parameter_entries(selected: Iterable[tuple[str, nn.Parameter]]) -> list[tuple]:
+    """``(name, tensor)`` for whole parameters, ``(name, local, numel, start)`` for ZeRO-3 partitioned ones.
+
+    The result feeds :class:`~trl_es.es.update.TrainedParameters`, which then perturbs and updates only the local
+    elements; the noise of element ``j`` depends only on ``(seed, name, j)``, so a partitioned run moves every
+    element exactly as a single-process run does.
+    """
+    entries = []
+    for name, param in selected:
+        if is_zero3_param(param):
+            local, numel, start = zero3_partition(param)
+            entries.append((name, local, numel, start))
+        else:
+            entries.append((name, param))
+    return entries
+
+
+def release_gathered_(params: Iterable[torch.Tensor]) -> int:
+    """Drop ZeRO-3's gathered full copies of ``params``, so the next forward gathers the current partitions.
+
+    ES writes the partitions (``ds_tensor``) in place. A parameter ZeRO-3 keeps gathered between forwards (the
+    persistent parameters below ``stage3_param_persistence_threshold``, and any still cached from the last forward)
+    would otherwise be seen with its old values. ``param.partition()`` frees the full copy without writing it back
+    (``has_been_updated=False``), so the partitions stay the truth.
+
+    Returns:
+        `int`: How many parameters were released.
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    released = [p for p in params if is_zero3_param(p) and p.ds_status == ZeroParamStatus.AVAILABLE]
+    for param in released:
+        param.partition()
+    return len(released)
+
+
+def es_deepspeed_config(config: dict, micro_batch_size: int, world_size: int) -> dict:
+    """Adapt a DeepSpeed config (in place) to ES, which has no backward pass and never steps a DeepSpeed optimizer.
+
+    - ``optimizer`` and ``scheduler`` are removed: ``deepspeed.initialize`` then builds no optimizer, so no fp32
+      copy, optimizer state or gradient buffer is allocated (ZeRO-3: DeepSpeed's ``DeepSpeedZeRoOffload``, its
+      ZeRO-Inference path; the same path ``transformers``' ``deepspeed_init(..., inference=True)`` takes).
+    - ZeRO stages 1 and 2 shard optimizer states and gradients only, so for ES they are stage 0 (and DeepSpeed
+      refuses them without an optimizer). Every process then holds the whole model: population parallelism. The
+      bf16/fp16 sections are disabled there too: without ZeRO DeepSpeed would wrap the model in its BF16/FP16
+      optimizer, which allocates fp32 copies and gradient buffers. The model keeps the dtype it was loaded in.
+    - ZeRO-3 keeps everything else (parameter partitioning, offload, bf16). ``stage3_gather_16bit_weights_on_model_save``
+      defaults to ``True`` so checkpoints are loadable with ``from_pretrained``.
+    - The batch sizes are set to ES's (the prompts a process loads per iteration); DeepSpeed only checks them.
+
+    Args:
+        config (`dict`): The DeepSpeed config (``accelerator.state.deepspeed_plugin.deepspeed_config``).
+        micro_batch_size (`int`): Prompts per process per iteration (``per_device_train_batch_size``).
+        world_size (`int`): Number of processes.
+
+    Returns:
+        `dict`: ``config``, modified.
+    """
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    zero = config.setdefault("zero_optimization", {})
+    stage = int(zero.get("stage", 0) or 0)
+    if stage in (1, 2):
+        zero["stage"] = 0
+        for key in ("bf16", "fp16"):
+            if key in config:
+                config[key]["enabled"] = False
+    if stage == 3:
+        if zero.get("stage3_gather_16bit_weights_on_model_save") in (None, "auto"):
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
+    config["gradient_accumulation_steps"] = 1
+    config["train_batch_size"] = int(micro_batch_size) * int(world_size)
+    config.pop("gradient_clipping", None)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- replicas agree
+def fingerprint(tensors: Iterable[torch.Tensor]) -> bytes:
+    """A 16-byte BLAKE2b digest of the bytes of ``tensors`` (in order): equal iff bitwise equal (but for collisions).
+
+    Args:
+        tensors (`Iterable[torch.Tensor]`): Any dtypes and devices; copied to CPU one at a time.
+
+    Returns:
+        `bytes`: 16 bytes.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).contiguous().cpu()
+        digest.update(str(flat.dtype).encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return digest.digest()
+
+
+def fingerprints_agree(digest: bytes, device=None) -> tuple[bool, int]:
+    """All-gather every process's 16-byte ``digest`` and tell whether they are all equal.
+
+    Returns:
+        `(agree, bytes)`: ``bytes`` is the size of the gathered buffer on this process.
+    """
+    world = dist.get_world_size()
+    local = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return all(torch.equal(g, gathered[0]) for g in gathered), world * local.numel()
+
+
+def broadcast_tensors_(tensors: Sequence[torch.Tensor], src: int = 0) -> int:
+    """``torch.distributed.broadcast`` each tensor from ``src`` in place. Returns the bytes broadcast."""
+    total = 0
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=src)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- counted collectives
+def all_gather_objects(obj) -> tuple[list, int]:
+    """``torch.distributed.all_gather_object``, also returning the bytes it moves into this process.
+
+    ``all_gather_object`` pickles the object, all-gathers the sizes (one int64 per process), pads every pickle to
+    the largest and all-gathers the padded byte tensors. The count is the size of both gathered buffers:
+    ``8 * W + W * max_pickle_size``.
+
+    Returns:
+        `(objects, bytes)`: one object per process, in rank order, and the bytes counted.
+    """
+    world = dist.get_world_size()
+    objects = [None] * world
+    dist.all_gather_object(objects, obj)
+    largest = max(len(pickle.dumps(o)) for o in objects)
+    return objects, 8 * world + world * largest
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (the buffer a collective on it moves into each process)."""
+    return tensor.numel() * tensor.element_size()
