@@ -9,8 +9,9 @@ greedy) three ways:
 - (c) ``batched_lowrank``: :class:`~trl_es.es.lowrank.BatchedLowRankPopulation`: all members in one ``generate``,
   each row block seeing its own rank-``r`` perturbation (arXiv 2511.16652).
 
-Prints completions per second of each and the ratios (c)/(a) and (c)/(b); with ``--update`` also the time of one
-ES update of each backend. Both backends train the same parameters (``--include``, default the attention and MLP
+Prints completions per second of each and the ratios (c)/(a) and (c)/(b), from wall time and (on CPU) from the
+process's CPU time, which is what wall time would be with ``--threads 1`` on an otherwise idle machine (use it when
+other jobs share the CPU); with ``--update`` also the time of one ES update of each backend. Both backends train the same parameters (``--include``, default the attention and MLP
 projection weights).
 
 Usage::
@@ -136,26 +137,32 @@ def main():
     batched.evaluate(params, noise, members, indices[:2], args.sigma, make_rollout(prompts[:1]))
 
     seconds = {name: float("inf") for name in variants}
+    cpu_seconds = {name: float("inf") for name in variants}
     for _ in range(args.repeats):  # interleaved, best of: robust to other load on the machine
         for name, run in variants.items():
             sync(args.device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with torch.no_grad():
                 run()
             sync(args.device)
             seconds[name] = min(seconds[name], time.perf_counter() - start)
+            cpu_seconds[name] = min(cpu_seconds[name], time.process_time() - cpu_start)
 
     print(f"model={args.model} dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} "
           f"machine={platform.machine()} torch={torch.__version__}")
     print(f"population={args.population} prompts={args.prompts} new_tokens={args.new_tokens} "
           f"noise_rank={args.noise_rank} completions={completions} trained_tensors={len(params.entries)} "
           f"trained_params={params.numel} repeats={args.repeats}")
-    rate = {}
-    for name, s in seconds.items():
-        rate[name] = completions / s
-        print(f"{name:28s} {s:8.2f} s  {rate[name]:9.1f} completions/s")
+    rate, cpu_rate = {}, {}
+    for name in variants:
+        rate[name], cpu_rate[name] = completions / seconds[name], completions / cpu_seconds[name]
+        print(f"{name:26s} wall {seconds[name]:8.2f} s {rate[name]:9.1f} completions/s | "
+              f"process CPU {cpu_seconds[name]:8.2f} s {cpu_rate[name]:9.1f} completions/CPU-s")
     a, b, c = (rate[name] for name in variants)
-    print(f"(c)/(a) = {c / a:.3f}   (c)/(b) = {c / b:.2f}")
+    print(f"wall:        (c)/(a) = {c / a:.3f}   (c)/(b) = {c / b:.2f}")
+    if torch.device(args.device).type == "cpu":  # CPU time: what wall time would be on an otherwise idle machine
+        a, b, c = (cpu_rate[name] for name in variants)
+        print(f"process CPU: (c)/(a) = {c / a:.3f}   (c)/(b) = {c / b:.2f}")
 
     if args.update:
         coefficients = torch.linspace(-1, 1, args.population).tolist()

@@ -362,3 +362,29 @@ def test_same_dataset_and_reward_run_in_grpo_and_es(tmp_path, tokenizer):
     assert es.state.global_step == 1
     assert "rewards/share_a/mean" in es.state.log_history[0]
     assert any(k.startswith("rewards/share_a") for k in grpo.state.log_history[0])
+
+
+def test_reward_model_is_accepted(tmp_path, tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    reward_model = LlamaForSequenceClassification(config)
+    trainer = ESTrainer(build_llama(tokenizer), [reward_model, share_a], args=es_args(tmp_path, max_steps=1),
+                        train_dataset=prompts(), eval_dataset=prompts(4, offset=20), processing_class=tokenizer,
+                        reward_processing_classes=[tokenizer, None])
+    metrics = trainer.evaluate()
+    # The reward model scores prompt + completion (as GRPOTrainer does); check against a direct forward.
+    rows = [prompts(4, offset=20)[i] for i in range(4)]
+    from trl_es.trainer.scoring import generate_completions, prompt_texts
+
+    texts, _ = generate_completions(trainer.model, tokenizer, prompt_texts(rows, tokenizer), trainer.generation_config)
+    inputs = tokenizer([r["prompt"] + t for r, t in zip(rows, texts)], return_tensors="pt", padding=True,
+                       padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        expected = reward_model(**inputs).logits[:, 0].mean().item()
+    assert metrics["eval_rewards/LlamaForSequenceClassification/mean"] == pytest.approx(expected, abs=1e-5)
+    trainer.train()
+    assert trainer.state.global_step == 1

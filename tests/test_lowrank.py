@@ -122,6 +122,10 @@ def test_stacked_forward_matches_materialized_models_row_for_row(tokenizer, nois
             logits = model(**stacked).logits
         after = model(**inputs).logits
     assert torch.equal(after, base)  # hooks gone, weights untouched
+    with backend.perturbed(model, params, noise, members, sigma):  # with autograd: the out-of-place branch
+        with_grad = model(**stacked).logits
+    assert with_grad.requires_grad
+    torch.testing.assert_close(with_grad.detach(), logits, atol=1e-5, rtol=0)
     blocks = []
     for k, member in enumerate(members):
         with torch.no_grad():

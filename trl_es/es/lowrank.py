@@ -100,10 +100,12 @@ class BatchedLowRankPopulation(PopulationBackend):
     ``rollout.stacked(chunk)`` once per chunk of members, and removes the hooks in a ``finally`` block (an
     exception, ``KeyboardInterrupt`` included, leaves no hook behind). The weights are never modified.
 
-    Row map: in ``rollout.stacked(indices)`` member ``indices[k]`` owns the rows ``[k W, (k + 1) W)`` of every
-    batch. ``W`` is inferred at call time as ``batch_size // len(indices)``; batch rows keep their position during
+    Row map: in ``rollout.stacked(indices)`` member ``indices[k]`` owns the rows ``[k n, (k + 1) n)`` of every
+    batch. ``n`` is inferred at call time as ``batch_size // len(indices)``; batch rows keep their position during
     ``generate`` (greedy or sampling, with or without KV cache), so the map holds at every decoding step. A Linear
-    input of shape ``(batch, ..., in)`` is viewed as ``(members, W * ..., in)``: two ``bmm`` per call.
+    input of shape ``(batch, ..., in)`` is viewed as ``(members, n * ..., in)``: one ``bmm`` and one ``baddbmm``
+    per call, no Python loop over members; under ``no_grad`` (as in ``generate``) the ``baddbmm`` adds into the
+    Linear's output in place.
 
     Model lookup: the hooks need the modules, which ``params`` does not hold. :meth:`evaluate` uses
     ``rollout.model`` (set by :class:`~trl_es.ESTrainer`), else the model given to :meth:`bind`. A trained entry is
@@ -248,7 +250,8 @@ class BatchedLowRankPopulation(PopulationBackend):
                 ``stacked`` method, or if the trained parameters are not all Linear weights (see :meth:`targets`).
         """
         self.timings = {"perturb": 0.0, "restore": 0.0}
-        model = getattr(rollout, "model", None) or self._model
+        model = getattr(rollout, "model", None)
+        model = self._model if model is None else model
         if model is None:
             raise ValueError("BatchedLowRankPopulation needs the model: pass a rollout with a `.model` attribute "
                              "(ESTrainer does) or call backend.bind(model) first.")
@@ -359,8 +362,12 @@ def _make_hook(b_stack: torch.Tensor, at_stack: torch.Tensor, count: int, name: 
         x = x.reshape(count, -1, x.shape[-1])
         if x.dtype != b_stack.dtype:
             x = x.to(b_stack.dtype)
-        low = torch.bmm(x, b_stack)  # (M, rows * tokens, r)
+        low = torch.bmm(x, b_stack).to(output.dtype)  # (M, rows * tokens, r)
+        if output.is_contiguous() and not (output.requires_grad and torch.is_grad_enabled()):
+            # in place (generate runs under no_grad): no new activation-sized tensor, one pass over the output
+            output.view(count, -1, output.shape[-1]).baddbmm_(low, at_stack.to(output.dtype))
+            return output
         flat = output.reshape(count, -1, output.shape[-1])
-        return torch.baddbmm(flat, low.to(flat.dtype), at_stack.to(flat.dtype)).view(output.shape)
+        return torch.baddbmm(flat, low, at_stack.to(output.dtype)).view(output.shape)
 
     return hook

@@ -267,7 +267,9 @@ class ESTrainer(_BaseTrainer):
         Then the processes' weights are checked to be identical (population parallelism needs it).
         """
         if not self.is_deepspeed_enabled and self.accelerator.num_processes == 1:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            self._rebind_es_params()
+            return prepared
         if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
             raise NotImplementedError(
                 "Resuming ESTrainer under DeepSpeed is not supported. A checkpoint holds the model (loadable with "
@@ -287,6 +289,7 @@ class ESTrainer(_BaseTrainer):
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
         if not self.sharded:
+            self._rebind_es_params()
             self._check_replicas_identical()
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -316,6 +319,25 @@ class ESTrainer(_BaseTrainer):
             self._build_es_state()
             self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
         return engine
+
+    def _rebind_es_params(self) -> None:
+        """Point the ES entries at the model's current tensors, keeping the masters.
+
+        Preparing may move the parameters to new storage: accelerate's multi-process device is ``cpu:0`` (or
+        ``cuda:r``), and ``model.to(device)`` then allocates new tensors even on the same device.
+
+        Raises:
+            RuntimeError: if a trained parameter changed shape.
+        """
+        named = dict(self.accelerator.unwrap_model(self.model).named_parameters())
+        for entry in self.es_params.entries:
+            current = named[entry.name].data
+            if current.data_ptr() == entry.param.data_ptr():
+                continue
+            if current.shape != entry.param.shape:
+                raise RuntimeError(f"Parameter {entry.name!r} changed shape while the model was prepared.")
+            entry.param = current
+        self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
 
     def _count_forward(self, module, args):
         self._forward_calls += 1

@@ -156,7 +156,8 @@ class RewardScorer:
                 raise TypeError(f"reward_funcs entries must be callables or reward models, got {type(func).__name__}.")
             self.reward_funcs.append(func)
         self.names = [
-            f.config._name_or_path.split("/")[-1] if isinstance(f, PreTrainedModel) else getattr(f, "__name__", type(f).__name__)
+            (f.config._name_or_path.split("/")[-1] if isinstance(f, PreTrainedModel) else getattr(f, "__name__", ""))
+            or type(f).__name__
             for f in self.reward_funcs
         ]
         if reward_weights is None:
