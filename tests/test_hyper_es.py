@@ -258,6 +258,22 @@ def test_layer_granularity_touches_only_its_layer(tiny_llama, delta_set):
     assert torch.allclose(modules[Q0].weight - applier.base[Q0], delta_set.delta(Q0, 2), atol=1e-6)
 
 
+def test_pruned_delta_cache_gives_the_same_merge(tiny_llama, delta_set, monkeypatch):
+    space = GenomeSpace.from_modules(delta_set.module_names, delta_set.adapter_names, "layer", density=0.4, seed=1)
+    plain = MergeApplier(copy.deepcopy(tiny_llama), copy.deepcopy(delta_set))
+    cached = MergeApplier(copy.deepcopy(tiny_llama), copy.deepcopy(delta_set), cache_pruned=True)
+    rng = np.random.default_rng(0)
+    genomes = [space.decode(rng.uniform(0, 1, space.dim)) for _ in range(3)]
+    genomes.append(space.uniform(1.0, density=0.7))  # another density: the cache must be refreshed
+    calls, original = [], LoraDeltaSet.deltas
+    monkeypatch.setattr(LoraDeltaSet, "deltas", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for genome in genomes:
+        a, b = plain.merged_deltas(genome), cached.merged_deltas(genome)
+        assert all(torch.equal(a[n], b[n]) for n in delta_set.module_names)
+    # plain: 14 modules x 4 genomes; cached: 14 on the first genome + 14 after the density change.
+    assert len(calls) == 14 * 4 + 14 * 2
+
+
 # ---- Genome ----
 
 

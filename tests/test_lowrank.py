@@ -188,9 +188,10 @@ def test_batch_not_a_multiple_of_members_raises_and_cleans_up(tokenizer, noise):
     model = build_llama(tokenizer).eval()
     params = TrainedParameters(select_parameters(model, LINEARS))
     inputs = encode(tokenizer, PROMPTS)  # 2 rows for 3 members
-    with pytest.raises(ValueError, match="multiple"):
-        with torch.no_grad(), BatchedLowRankPopulation().perturbed(model, params, noise, members3(), 0.05):
-            model(**inputs)
+    backend = BatchedLowRankPopulation()
+    with pytest.raises(ValueError, match="multiple"), torch.no_grad(), \
+            backend.perturbed(model, params, noise, members3(), 0.05):
+        model(**inputs)
     assert all(not m._forward_hooks for m in model.modules())
 
 
@@ -263,12 +264,12 @@ def test_update_into_bf16_master(tokenizer, noise):
 
 # ---------------------------------------------------------------------------------------------- trainer
 def es_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path / "out"), max_steps=2, population_size=4, prompt_batch_size=4,
-        max_completion_length=6, sigma=0.02, learning_rate=0.02, report_to=[], save_strategy="no",
-        noise_table_size=SMALL_TABLE, disable_tqdm=True, seed=0, population_backend="batched_lowrank",
-        include_parameters=LINEARS,
-    )
+    defaults = {
+        "output_dir": str(tmp_path / "out"), "max_steps": 2, "population_size": 4, "prompt_batch_size": 4,
+        "max_completion_length": 6, "sigma": 0.02, "learning_rate": 0.02, "report_to": [], "save_strategy": "no",
+        "noise_table_size": SMALL_TABLE, "disable_tqdm": True, "seed": 0, "population_backend": "batched_lowrank",
+        "include_parameters": LINEARS,
+    }
     defaults.update(kwargs)
     return ESConfig(**defaults)
 

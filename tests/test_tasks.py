@@ -303,11 +303,11 @@ def test_make_arithmetic_splits_disjoint():
         make_arithmetic_splits(3, n_eval=2, low=1, high=2)
 
 
-def test_arithmetic_reward_first_number_rule():
-    completions = ["8", "8.", "The answer is 8", "3 + 5 = 8", "", "-8", "8.0", "9",
+def test_arithmetic_reward_last_number_rule():
+    completions = ["8", "8.", "The answer is 8", "3 + 5 = 8", "", "-8", "8.0", "9", "8, no 9", "3 + 5 =",
                    [{"role": "assistant", "content": "8"}]]
     out = arithmetic_reward(None, completions, answer=[8] * len(completions), trainer_state=None)
-    assert out == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert out == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     assert arithmetic_reward(None, ["-4", "4", "1,234"], answer=[-4, -4, 1234]) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="'answer'"):
         arithmetic_reward(None, ["1"])

@@ -8,5 +8,7 @@ __version__ = "0.1.0"
 from .es.seedlog import replay
 from .trainer.es_config import ESConfig
 from .trainer.es_trainer import ESTrainer
+from .trainer.hyper_es_config import HyperESConfig
+from .trainer.hyper_es_trainer import HyperESTrainer
 
-__all__ = ["ESConfig", "ESTrainer", "replay", "__version__"]
+__all__ = ["ESConfig", "ESTrainer", "HyperESConfig", "HyperESTrainer", "replay", "__version__"]

@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
+from transformers import TrainerCallback
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from .trainer.es_config import ESConfig
@@ -44,6 +46,11 @@ class TaskArguments:
     )
     eval_before_training: bool = field(default=True, metadata={"help": "Score the held-out split before training."})
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (reward and held-out accuracy)."})
+    time_budget_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Stop training after the iteration that crosses this wall-clock budget (max_steps still "
+                  "caps the run)."},
+    )
 
 
 @dataclass
@@ -158,6 +165,21 @@ def plot_training_curves(log_history: list[dict], accuracy_key: str, path: str) 
     plt.close(fig)
 
 
+class TimeBudgetCallback(TrainerCallback):
+    """Stops training at the end of the first step that ends after ``minutes`` of training wall-clock time."""
+
+    def __init__(self, minutes: float):
+        self.seconds, self.start = 60.0 * minutes, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.start >= self.seconds:
+            control.should_training_stop = True
+            control.should_evaluate = args.eval_strategy != "no"  # end on a held-out point for the curve
+
+
 def train(argv: list[str]) -> dict:
     """``trl-es train``: ES on a task; held-out accuracy before/after, model + seed log + plot in output_dir."""
     from transformers.utils import logging as hf_logging
@@ -174,6 +196,7 @@ def train(argv: list[str]) -> dict:
     trainer = ESTrainer(
         model, task.reward_funcs, args=es_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         processing_class=tokenizer, peft_config=get_peft_config(model_args),
+        callbacks=[TimeBudgetCallback(task_args.time_budget_minutes)] if task_args.time_budget_minutes else None,
     )
     key = _accuracy_key(task)
     results = {"task": task.name, "num_eval_prompts": len(eval_dataset)}
@@ -181,7 +204,9 @@ def train(argv: list[str]) -> dict:
         results["accuracy_before"] = trainer.evaluate()[key]
         trainer.accelerator.print(f"held-out accuracy before training: {results['accuracy_before']:.3f}")
     trainer.train(resume_from_checkpoint=es_args.resume_from_checkpoint)
-    results["accuracy_after"] = trainer.evaluate()[key]
+    last = [h for h in trainer.state.log_history if key in h and h.get("step") == trainer.state.global_step]
+    results["accuracy_after"] = last[-1][key] if last else trainer.evaluate()[key]
+    results["iterations"] = trainer.state.global_step
     trainer.accelerator.print(f"held-out accuracy after training: {results['accuracy_after']:.3f}")
     trainer.save_model(es_args.output_dir)
     if trainer.accelerator.is_main_process:

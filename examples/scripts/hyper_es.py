@@ -68,7 +68,10 @@ class HyperESScriptArguments:
     pool_learning_rate: float = field(default=1e-4, metadata={"help": "GRPO learning rate."})
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (paper: 32)."})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (paper: 64)."})
-    pool_batch_size: int = field(default=8, metadata={"help": "GRPO per_device_train_batch_size."})
+    pool_batch_size: int = field(
+        default=32,
+        metadata={"help": "GRPO per_device_train_batch_size (completions per step, a multiple of the group)."},
+    )
     pool_num_generations: int = field(default=8, metadata={"help": "GRPO completions per prompt (group size)."})
     pool_max_completion_length: int = field(default=32, metadata={"help": "GRPO max completion tokens."})
 

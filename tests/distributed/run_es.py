@@ -5,7 +5,10 @@ Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (popula
 
 - ``result.json`` (process 0): the log history, the evaluation metrics, the class of the prepared model, whether
   every process held bitwise identical weights after every iteration, and ``comm/bytes`` per iteration;
-- the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``).
+- the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``);
+- with ``--save_steps k``, Trainer checkpoints every ``k`` iterations (``checkpoint-k/``).
+
+The data, reward and hyperparameters are fixed here, so every mode must end with the same weights.
 
 On CPU, DeepSpeed goes through accelerate only if the process group is set up first: accelerate's ``PartialState``
 picks no backend for DeepSpeed without a GPU, so this script creates it with ``backend="gloo"`` and passes
@@ -29,6 +32,8 @@ def parse_args():
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--population", type=int, default=4)
+    parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints.")
+    parser.add_argument("--eval_size", type=int, default=9, help="Evaluation prompts (9: uneven over 2 processes).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -38,17 +43,18 @@ def mean_code(completions, **kwargs):
     return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
 
 
-def main():
-    args = parse_args()
+def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
+        eval_size: int = 9) -> dict:
+    """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
-    if args.mode in ("zero2", "zero3"):
+    if mode in ("zero2", "zero3"):
         import deepspeed
         from accelerate import PartialState
 
         deepspeed.init_distributed(dist_backend="gloo")
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
-        stage = 3 if args.mode == "zero3" else 2
+        stage = 3 if mode == "zero3" else 2
         extra = {
             "deepspeed": {
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
@@ -67,24 +73,27 @@ def main():
     from trl_es import ESConfig, ESTrainer
     from trl_es.trainer.distributed import fingerprint, fingerprints_agree
 
+    if save_steps:
+        extra.update(save_strategy="steps", save_steps=save_steps)
+    else:
+        extra.update(save_strategy="no")
     config = ESConfig(
-        output_dir=args.out,
-        max_steps=args.steps,
-        population_size=args.population,
+        output_dir=out,
+        max_steps=steps,
+        population_size=population,
         prompt_batch_size=4,
         max_completion_length=6,
         sigma=0.02,
         learning_rate=0.02,
         report_to=[],
-        save_strategy="no",
         noise_table_size=1 << 20,
         disable_tqdm=True,
         seed=0,
         **extra,
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
-    evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(5)]})  # 5 rows: uneven over 2 processes
+    evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(eval_size)]})
 
     checks = []
 
@@ -98,11 +107,12 @@ def main():
             tensors = list(model.state_dict().values()) + list(trainer.es_params.master_state_dict().values())
             checks.append(fingerprints_agree(fingerprint(tensors))[0])
 
-    trainer = ESTrainer(args.model, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
+    trainer = ESTrainer(model, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()])
     trainer.train()
     metrics = trainer.evaluate()
-    trainer.save_model(os.path.join(args.out, "model"))
+    trainer.save_model(os.path.join(out, "model"))
+    result = {}
     if trainer.accelerator.is_main_process:
         result = {
             "world_size": trainer.accelerator.num_processes,
@@ -113,8 +123,14 @@ def main():
             "eval": metrics,
             "comm_bytes": [h["comm/bytes"] for h in trainer.state.log_history if "comm/bytes" in h],
         }
-        with open(os.path.join(args.out, "result.json"), "w") as f:
+        with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
+    return result
+
+
+def main():
+    args = parse_args()
+    run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size)
     return 0
 
 

@@ -79,7 +79,7 @@ class NoiseSource:
             numel (`int`): Number of elements of the *whole* tensor (not of the partition).
             start (`int`), end (`int` or `None`): The range of flattened element indices held locally;
                 ``end=None`` means ``numel``.
-            device: Device of the returned views.
+            device (`torch.device` or `str` or `None`): Device of the returned views (default CPU).
 
         Yields:
             `(lo, hi, noise)`: ``noise`` (float32, shape ``(hi - lo,)``) is the noise of elements

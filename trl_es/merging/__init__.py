@@ -7,9 +7,11 @@ from .dare_ties import (
     MAJORITY_SIGN_METHODS,
     SIGN_ELECTIONS,
     MergeApplier,
+    dare_prune,
     dare_ties_merge,
     merge_module_deltas,
     module_seed,
+    ties_merge,
 )
 from .direction_pool import DEFAULT_TARGET_MODULES, build_direction_pool, split_buckets
 from .genome import GRANULARITIES, Genome, GenomeSpace, group_modules, layer_index
@@ -26,6 +28,7 @@ __all__ = [
     "LoraFactors",
     "MergeApplier",
     "build_direction_pool",
+    "dare_prune",
     "dare_ties_merge",
     "extract_lora_factors",
     "group_modules",
@@ -35,4 +38,5 @@ __all__ = [
     "module_seed",
     "save_deltas_as_lora",
     "split_buckets",
+    "ties_merge",
 ]

@@ -67,6 +67,66 @@ def seeded_rng(seed: int | None, device: torch.device):
         yield
 
 
+def _check_methods(majority_sign_method: str, sign_election: str) -> None:
+    if sign_election not in SIGN_ELECTIONS:
+        raise ValueError(f"sign_election must be one of {SIGN_ELECTIONS}, got {sign_election!r}.")
+    if majority_sign_method not in MAJORITY_SIGN_METHODS:
+        raise ValueError(f"majority_sign_method must be one of {MAJORITY_SIGN_METHODS}, got {majority_sign_method!r}.")
+
+
+def dare_prune(deltas: torch.Tensor, density: float, seed: int | None = None) -> torch.Tensor:
+    """DARE: keep each entry with probability ``density`` and rescale the kept ones by ``1 / density``.
+
+    Args:
+        deltas (`torch.Tensor`): Shape ``(K, *weight_shape)``, floating point.
+        density (`float`): Keep probability in ``(0, 1]``; ``1`` returns ``deltas`` unchanged.
+        seed (`int`, *optional*): Seed of the drop mask (see [`module_seed`]); ``None`` uses the global RNG.
+
+    Returns:
+        `torch.Tensor`: Same shape and dtype as ``deltas``.
+
+    Raises:
+        ValueError: for a density outside ``(0, 1]``.
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}.")
+    if density >= 1.0:
+        return deltas
+    with seeded_rng(seed, deltas.device):
+        # The loop (one ``prune`` per delta, in order) is merge_utils.dare_ties's: same RNG draws, same masks.
+        return torch.stack([prune(t, density, method="random", rescale=True) for t in deltas])
+
+
+def ties_merge(
+    pruned: torch.Tensor,
+    weights: torch.Tensor | list[float],
+    majority_sign_method: str = "total",
+    sign_election: str = "weighted",
+) -> torch.Tensor:
+    """TIES sign election and disjoint merge of K (DARE-pruned) deltas, weighted by ``weights``.
+
+    Args:
+        pruned (`torch.Tensor`): Shape ``(K, *weight_shape)``.
+        weights (`torch.Tensor` or `list[float]`): Shape ``(K,)``.
+        majority_sign_method (`str`): ``"total"`` or ``"frequency"``.
+        sign_election (`str`): ``"weighted"`` or ``"unweighted"`` (see the module docstring).
+
+    Returns:
+        `torch.Tensor`: ``sum_k w_k pruned_k m_k / max(1, sum_k m_k)``, shape ``weight_shape``.
+
+    Raises:
+        ValueError: for a wrong number of weights or an unknown method.
+    """
+    _check_methods(majority_sign_method, sign_election)
+    weights = torch.as_tensor(weights, dtype=pruned.dtype, device=pruned.device)
+    if weights.shape != (pruned.shape[0],):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected ({pruned.shape[0]},), one per delta.")
+    weighted = pruned * reshape_weight_task_tensors(pruned, weights)
+    vote = weighted if sign_election == "weighted" else pruned
+    mask = calculate_majority_sign_mask(vote, method=majority_sign_method)
+    return disjoint_merge(weighted, mask)
+
+
 def dare_ties_merge(
     deltas: torch.Tensor,
     weights: torch.Tensor | list[float],
@@ -75,7 +135,7 @@ def dare_ties_merge(
     majority_sign_method: str = "total",
     sign_election: str = "weighted",
 ) -> torch.Tensor:
-    """DARE-TIES merge of the K deltas of one module.
+    """DARE-TIES merge of the K deltas of one module: ``ties_merge(dare_prune(deltas, density, seed), weights)``.
 
     Args:
         deltas (`torch.Tensor`): Shape ``(K, *weight_shape)``, floating point (float32 recommended).
@@ -91,25 +151,8 @@ def dare_ties_merge(
     Raises:
         ValueError: for a density outside ``(0, 1]``, a wrong number of weights, or an unknown method.
     """
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}.")
-    if sign_election not in SIGN_ELECTIONS:
-        raise ValueError(f"sign_election must be one of {SIGN_ELECTIONS}, got {sign_election!r}.")
-    if majority_sign_method not in MAJORITY_SIGN_METHODS:
-        raise ValueError(f"majority_sign_method must be one of {MAJORITY_SIGN_METHODS}, got {majority_sign_method!r}.")
-    weights = torch.as_tensor(weights, dtype=deltas.dtype, device=deltas.device)
-    if weights.shape != (deltas.shape[0],):
-        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected ({deltas.shape[0]},), one per delta.")
-    if density < 1.0:
-        with seeded_rng(seed, deltas.device):
-            # The loop (one ``prune`` per delta, in order) is merge_utils.dare_ties's: same RNG draws, same masks.
-            pruned = torch.stack([prune(t, density, method="random", rescale=True) for t in deltas])
-    else:
-        pruned = deltas
-    weighted = pruned * reshape_weight_task_tensors(pruned, weights)
-    vote = weighted if sign_election == "weighted" else pruned
-    mask = calculate_majority_sign_mask(vote, method=majority_sign_method)
-    return disjoint_merge(weighted, mask)
+    _check_methods(majority_sign_method, sign_election)
+    return ties_merge(dare_prune(deltas, density, seed), weights, majority_sign_method, sign_election)
 
 
 def merge_module_deltas(
@@ -117,6 +160,7 @@ def merge_module_deltas(
     genome: Genome,
     module_names: list[str] | None = None,
     device: torch.device | str | None = None,
+    cache: dict | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Merge every module's K deltas with the genome's coefficients, one module at a time.
 
@@ -125,23 +169,23 @@ def merge_module_deltas(
         genome (`Genome`): Weights/densities per group, the merge seed and the sign-election settings.
         module_names (`list[str]`, *optional*): A subset of modules; all by default.
         device: Where to build the deltas (the model's device).
+        cache (`dict`, *optional*): If given, the DARE-pruned deltas of each module are kept in it, keyed by module
+            and reused while ``(density, seed)`` is unchanged (the pruned deltas do not depend on the weights).
 
     Yields:
         `(name, merged)`: ``merged`` is float32 with the shape of the module's weight.
     """
     for name in module_names if module_names is not None else delta_set.module_names:
         weights, density = genome.coefficients(name)
-        yield (
-            name,
-            dare_ties_merge(
-                delta_set.deltas(name, device),
-                weights,
-                density,
-                seed=None if genome.seed is None else module_seed(genome.seed, name),
-                majority_sign_method=genome.majority_sign_method,
-                sign_election=genome.sign_election,
-            ),
-        )
+        seed = None if genome.seed is None else module_seed(genome.seed, name)
+        key = (density, seed)
+        if cache is not None and seed is not None and name in cache and cache[name][0] == key:
+            pruned = cache[name][1]
+        else:
+            pruned = dare_prune(delta_set.deltas(name, device), density, seed)
+            if cache is not None and seed is not None:
+                cache[name] = (key, pruned)
+        yield name, ties_merge(pruned, weights, genome.majority_sign_method, genome.sign_election)
 
 
 class MergeApplier:
@@ -153,12 +197,16 @@ class MergeApplier:
     Args:
         model (`nn.Module`): The base model; its weights are changed in place.
         delta_set (`LoraDeltaSet`): The adapters; their factors are moved to the model's device.
+        cache_pruned (`bool`): Keep every module's DARE-pruned full deltas between candidates (reused while the
+            module's density and seed are unchanged: always, with fixed densities and a shared seed). Saves the
+            ``B @ A`` products and the drop masks per candidate at the cost of ``K`` float32 copies of the targeted
+            weights in memory.
 
     Raises:
         ValueError: if the adapters target modules the model does not have, or with other shapes.
     """
 
-    def __init__(self, model: nn.Module, delta_set: LoraDeltaSet):
+    def __init__(self, model: nn.Module, delta_set: LoraDeltaSet, cache_pruned: bool = False):
         delta_set.check_model(model)
         self.model = model
         self.delta_set = delta_set
@@ -167,12 +215,13 @@ class MergeApplier:
         self.base: dict[str, torch.Tensor] = {name: w.detach().clone() for name, w in self.weights.items()}
         self.device = next(iter(self.weights.values())).device
         delta_set.to(self.device)
+        self.cache: dict | None = {} if cache_pruned else None
         self.state: object = "base"
 
     @torch.no_grad()
     def apply(self, genome: Genome) -> None:
         """Put the DARE-TIES merge of ``genome`` into the model."""
-        for name, merged in merge_module_deltas(self.delta_set, genome, device=self.device):
+        for name, merged in merge_module_deltas(self.delta_set, genome, device=self.device, cache=self.cache):
             self._write(name, merged)
         self.state = genome
 
@@ -226,7 +275,7 @@ class MergeApplier:
     @torch.no_grad()
     def merged_deltas(self, genome: Genome) -> dict[str, torch.Tensor]:
         """The merged delta of every module (float32, on the model's device), without touching the model."""
-        return dict(merge_module_deltas(self.delta_set, genome, device=self.device))
+        return dict(merge_module_deltas(self.delta_set, genome, device=self.device, cache=self.cache))
 
     def _write(self, name: str, delta: torch.Tensor) -> None:
         weight = self.weights[name]

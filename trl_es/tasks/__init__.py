@@ -89,7 +89,7 @@ TASKS: dict[str, Task] = {
     ),
     "arithmetic": Task(
         name="arithmetic",
-        description="'What is a + b? Reply with only the number.' (a, b in 1..50); reward: first number correct",
+        description="'What is a + b? Reply with only the number.' (a, b in 1..50); reward: last number correct",
         build_dataset=make_arithmetic_dataset,
         reward_funcs=[arithmetic_reward],
         reward_weights=[1.0],

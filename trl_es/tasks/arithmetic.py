@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..rewards import completion_text, first_number, numbers_close
+from ..rewards import completion_text, last_number, numbers_close
 
 __all__ = [
     "ALLOWED_OPS",
@@ -146,11 +146,14 @@ def make_arithmetic_splits(
 
 
 def arithmetic_reward(prompts: list, completions: list, completion_ids=None, answer=None, **kwargs) -> list[float]:
-    """TRL reward function: 1.0 if the first number in the completion equals the answer, else 0.0.
+    """TRL reward function: 1.0 if the last number in the completion equals the answer, else 0.0.
 
-    The first number is found by :func:`trl_es.rewards.first_number` (``"-12"``, ``"1,234"`` and ``"7.0"``
-    are numbers; ``"7.0"`` equals 7); a completion without a number scores 0.0. So ``"8"``, ``"8."`` and
-    ``"The answer is 8"`` all score 1.0 for ``3 + 5``, but ``"3 + 5 = 8"`` scores 0.0 (its first number is 3).
+    The last number is found by :func:`trl_es.rewards.last_number` (``"-12"``, ``"1,234"`` and ``"7.0"``
+    are numbers; ``"7.0"`` equals 7); a completion without a number scores 0.0. So ``"8"``, ``"8."``,
+    ``"The answer is 8"`` and ``"3 + 5 = 8"`` all score 1.0 for ``3 + 5``; ``"8, no 9"`` scores 0.0.
+    The *last* number, because SmolLM2-135M-Instruct answers 196 of 200 held-out prompts in the form
+    ``"a + b = c"`` despite "Reply with only the number" (a first-number rule scores it 0.005, the last-number
+    rule 0.28, close to the 0.295 baseline this task was specified with).
 
     Args:
         prompts (`list`): Prompts (unused).
@@ -172,6 +175,6 @@ def arithmetic_reward(prompts: list, completions: list, completion_ids=None, ans
         )
     scores = []
     for c, expected in zip(completions, answer):
-        value = first_number(completion_text(c))
+        value = last_number(completion_text(c))
         scores.append(1.0 if value is not None and numbers_close(value, expected) else 0.0)
     return scores

@@ -135,9 +135,8 @@ def es_deepspeed_config(config: dict, micro_batch_size: int, world_size: int) ->
         for key in ("bf16", "fp16"):
             if key in config:
                 config[key]["enabled"] = False
-    if stage == 3:
-        if zero.get("stage3_gather_16bit_weights_on_model_save") in (None, "auto"):
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if stage == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") in (None, "auto"):
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     config["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
     config["gradient_accumulation_steps"] = 1
     config["train_batch_size"] = int(micro_batch_size) * int(world_size)

@@ -10,16 +10,25 @@ import warnings
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    TrainerCallback,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..es.noise import make_noise_source
-from ..es.population import make_population_backend, member_indices, member_seed, sample_population
+from ..es.population import (
+    make_population_backend,
+    member_indices,
+    member_seed,
+    sample_population,
+)
 from ..es.seedlog import SEED_LOG_NAME, SeedLog
 from ..es.shaping import shape_fitness
 from ..es.update import TrainedParameters, select_parameters
@@ -90,7 +99,7 @@ class ESTrainer(_BaseTrainer):
 
     Args:
         model (`str` or `PreTrainedModel`): A causal LM or its id/path (loaded with ``args.model_init_kwargs``).
-        reward_funcs: A reward function with TRL's signature
+        reward_funcs (`Callable | PreTrainedModel | str | list`): A reward function with TRL's signature
             ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, a sequence-classification
             reward model (or its id/path), or a list of them.
         args (`ESConfig`, *optional*): The configuration; default ``ESConfig(f"{model_name}-ES")``.

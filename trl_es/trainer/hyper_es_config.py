@@ -70,6 +70,11 @@ class HyperESConfig(_BaseConfig):
             two candidates differ only by their coefficients.
         resample_drop_mask (`bool`, *optional*, defaults to `False`):
             Draw a fresh drop-mask seed per candidate instead (recorded in the genome).
+        cache_pruned_deltas (`bool`, *optional*, defaults to `False`):
+            Keep each module's DARE-pruned full deltas in memory between candidates (reused while the module's density
+            and drop-mask seed are unchanged, i.e. always with fixed densities and a shared ``merge_seed``). Skips the
+            ``B @ A`` products and drop masks per candidate, the bulk of a merge's cost, for ``K`` float32 copies of
+            the targeted weights in memory.
         export_lora_rank (`int` or `None`, *optional*, defaults to `None`):
             If set, [`~HyperESTrainer.save_model`] also saves the merged delta as one LoRA adapter of this rank
             (truncated SVD per module) in ``<output_dir>/merged_lora``.
@@ -180,6 +185,13 @@ class HyperESConfig(_BaseConfig):
     )
     resample_drop_mask: bool = field(
         default=False, metadata={"help": "Draw a fresh DARE mask seed per candidate. Default False."}
+    )
+    cache_pruned_deltas: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the DARE-pruned full deltas between candidates (faster; K float32 copies of the targeted "
+            "weights in memory). Default False."
+        },
     )
     export_lora_rank: int | None = field(
         default=None,

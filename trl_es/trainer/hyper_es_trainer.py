@@ -240,7 +240,7 @@ class HyperESTrainer(_BaseTrainer):
             if processing_class is not None
             else None
         )
-        self.applier = MergeApplier(self.model, delta_set)
+        self.applier = MergeApplier(self.model, delta_set, cache_pruned=args.cache_pruned_deltas)
         self.merge_seed = args.merge_seed if args.merge_seed is not None else args.seed
         self.space = GenomeSpace.from_modules(
             delta_set.module_names,
