@@ -47,9 +47,9 @@ def worker(cli) -> dict:
     model, tokenizer = load_model_and_tokenizer(path, dtype=torch.float32)
     dataset = make_arithmetic_dataset(cli.completions * cli.iterations, seed=0)
     out_dir = tempfile.mkdtemp()
-    common = dict(output_dir=out_dir, max_steps=cli.iterations, max_completion_length=cli.new_tokens,
-                  report_to=[], save_strategy="no", disable_tqdm=True, bf16=False, seed=0,
-                  generation_kwargs={"min_new_tokens": cli.new_tokens})
+    common = {"output_dir": out_dir, "max_steps": cli.iterations, "max_completion_length": cli.new_tokens,
+              "report_to": [], "save_strategy": "no", "disable_tqdm": True, "bf16": False, "seed": 0,
+              "generation_kwargs": {"min_new_tokens": cli.new_tokens}}
     info = {"method": cli.worker, "parameters": sum(p.numel() for p in model.parameters())}
     if cli.worker in ("es", "es_no_table"):
         from trl_es import ESConfig, ESTrainer

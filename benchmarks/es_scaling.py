@@ -3,13 +3,14 @@
 For each model, runs the same ES job (arithmetic prompts, greedy decoding, every member generates exactly
 ``--new_tokens`` tokens) with:
 
-- ``W=1``: one process with ``--threads`` torch threads;
+- ``W=1``: one process with one torch thread, and one with ``--threads`` threads (all cores);
 - ``W=2`` population parallelism: ``torchrun --nproc_per_node 2``, ``--threads / 2`` threads each; each process
   scores half of the members on the whole prompt batch;
 - ``W=2`` ZeRO-3 (``--zero3``, tiny model only by default): DeepSpeed ZeRO-3 partitions the weights over the two
   processes; every member is scored by both, each on half of the prompts, gathering the weights on the fly.
 
-It prints the seconds per iteration (mean over the iterations after the first, which includes warm-up) and
+It prints the seconds per iteration (mean over the iterations after the first, which includes warm-up), the
+speedup over one process with one thread, and
 ``comm/bytes`` per iteration as logged by ESTrainer (process 0: the bytes its collectives moved into it; under
 ZeRO-3 this includes DeepSpeed's parameter all-gathers, estimated as one full gather per forward call).
 
@@ -103,10 +104,9 @@ def worker(cli) -> dict | None:
     }
 
 
-def launch(cli, kind: str, mode: str, world: int) -> dict:
+def launch(cli, kind: str, mode: str, world: int, threads: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         result_path = handle.name
-    threads = max(1, cli.threads // world)
     args = [os.path.abspath(__file__), "--worker", "--kind", kind, "--mode", mode, "--result", result_path,
             "--threads", str(threads)]
     for key in ("iterations", "population_size", "prompts", "new_tokens", "noise_table_size"):
@@ -151,16 +151,18 @@ def main():
     rows = []
     zero3 = set(cli.zero3.split(",")) if cli.zero3 != "none" else set()
     for kind in cli.models.split(","):
-        runs = [("plain", 1), ("plain", 2)] + ([("zero3", 2)] if kind in zero3 else [])
+        per_process = max(1, cli.threads // 2)
+        runs = [("plain", 1, 1)] + ([("plain", 1, cli.threads)] if cli.threads > 1 else [])
+        runs += [("plain", 2, per_process)] + ([("zero3", 2, per_process)] if kind in zero3 else [])
         baseline = None
-        for mode, world in runs:
-            result = launch(cli, kind, mode, world)
+        for mode, world, threads in runs:
+            result = launch(cli, kind, mode, world, threads)
             steady = result["durations"][1:] or result["durations"]
             seconds = sum(steady) / len(steady)
             baseline = baseline or seconds
             rows.append((kind, result["parameters"], "ZeRO-3" if mode == "zero3" else "population", world,
                          result["threads"], seconds, baseline / seconds, result["comm_bytes"]))
-            print(f"done: {kind} {mode} W={world}: {seconds:.2f} s/iteration", flush=True)
+            print(f"done: {kind} {mode} W={world} threads={threads}: {seconds:.2f} s/iteration", flush=True)
 
     print(f"\npopulation {cli.population_size}, {cli.prompts} prompts x {cli.new_tokens} new tokens, "
           f"{cli.iterations} iterations, {cli.threads} torch threads in all")

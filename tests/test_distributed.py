@@ -82,8 +82,9 @@ def test_reference_trains(reference, tiny_model_dir):
 
 
 def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_model_dir):
+    """Process 1 starts from different weights: ESTrainer finds out (fingerprints) and broadcasts process 0's."""
     ref_out, ref = reference
-    result = torchrun(tmp_path, tiny_model_dir)
+    result = torchrun(tmp_path, tiny_model_dir, "--skew_rank", "1")
     assert result["world_size"] == 2 and not result["sharded"]
     assert result["model_wrapped"] == "LlamaForCausalLM"  # not DistributedDataParallel
     assert result["replicas_identical"] == [True, True]  # after each iteration, on every process
@@ -95,10 +96,13 @@ def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_mo
     for key in ("reward", "reward_std", "rewards/mean_code/mean", "completion_tokens"):
         assert [h[key] for h in train_logs] == [h[key] for h in ref_logs], key
     # Bytes into each process: 2 prompt rows pickled per process (all the same size here) gathered with their
-    # int64 sizes, the per-member statistics, and on the first iteration the 16-byte weight fingerprints.
+    # int64 sizes, the per-member statistics; on the first iteration also the 16-byte weight fingerprints and the
+    # broadcast of process 0's parameters, buffers, fp32 master and anchor (3 copies of the parameters).
     rows = len(pickle.dumps([{"prompt": "Write: 0"}, {"prompt": "Write: 1"}]))
     per_iteration = 2 * 8 + 2 * rows + STATS_BYTES
-    assert result["comm_bytes"] == [per_iteration + 2 * 16, per_iteration]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    broadcast = sum(3 * p.numel() * 4 for p in model.parameters()) + sum(b.numel() * 4 for b in model.buffers())
+    assert result["comm_bytes"] == [per_iteration + 2 * 16 + broadcast, per_iteration]
     # The seed log, written by process 0, replays to the trained weights.
     rebuilt = replay(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path))
     assert_bitwise({k: v for k, v in rebuilt.state_dict().items()}, weights(tmp_path / "model"))

@@ -208,8 +208,10 @@ def test_non_linear_parameters_are_rejected(tokenizer, noise):
     tied = TrainedParameters(select_parameters(qwen, r"embed_tokens"))
     with pytest.raises(ValueError, match="embed_tokens"):
         backend.evaluate(tied, noise, members3(), [0, 1, 2], 0.05, StackedRollout(qwen, tokenizer))
+    masters = [e.master.clone() for e in norms.entries]
     with pytest.raises(ValueError, match="low-rank update"):
         backend.update_(norms, noise, members3(), [1.0, 0.0, -1.0], 0.1)
+    assert all(torch.equal(m, e.master) for m, e in zip(masters, norms.entries))  # nothing moved, not even q_proj
     with pytest.raises(ValueError, match="bind"):
         backend.evaluate(norms, noise, members3(), [0], 0.05, lambda i: 0.0)
 

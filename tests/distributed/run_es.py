@@ -34,6 +34,8 @@ def parse_args():
     parser.add_argument("--population", type=int, default=4)
     parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints.")
     parser.add_argument("--eval_size", type=int, default=9, help="Evaluation prompts (9: uneven over 2 processes).")
+    parser.add_argument("--skew_rank", type=int, default=-1,
+                        help="Plain mode: this process starts from different weights (ESTrainer must broadcast).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -44,7 +46,7 @@ def mean_code(completions, **kwargs):
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
-        eval_size: int = 9) -> dict:
+        eval_size: int = 9, skew_rank: int = -1) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -107,7 +109,14 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             tensors = list(model.state_dict().values()) + list(trainer.es_params.master_state_dict().values())
             checks.append(fingerprints_agree(fingerprint(tensors))[0])
 
-    trainer = ESTrainer(model, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
+    model_or_path = model
+    if skew_rank >= 0 and int(os.environ.get("RANK", "0")) == skew_rank:
+        from transformers import AutoModelForCausalLM
+
+        model_or_path = AutoModelForCausalLM.from_pretrained(model)
+        with torch.no_grad():
+            model_or_path.model.norm.weight.add_(1.0)
+    trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()])
     trainer.train()
     metrics = trainer.evaluate()
@@ -130,7 +139,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 
 def main():
     args = parse_args()
-    run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size)
+    run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
+        args.skew_rank)
     return 0
 
 

@@ -283,10 +283,11 @@ class BatchedLowRankPopulation(PopulationBackend):
         """
         pairs = [(m, float(c) * m.sign / math.sqrt(self.noise_rank))
                  for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]
-        for e in params.entries:
+        for e in params.entries:  # all checked before any weight moves
             if e.param.dim() != 2 or e.start != 0 or e.param.numel() != e.numel:
                 raise ValueError(f"Cannot apply a low-rank update to {e.name!r} (shape {tuple(e.param.shape)}). "
                                  f"{_SELECT_HINT}")
+        for e in params.entries:
             out_features, in_features = e.param.shape
             device = e.master.device
             total = torch.zeros(out_features, in_features, dtype=torch.float32, device=device)

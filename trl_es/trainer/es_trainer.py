@@ -97,6 +97,13 @@ class ESTrainer(_BaseTrainer):
     place and restored bitwise); the rewards are shaped (z-score by default); and
     ``theta <- theta + alpha / N * sum_i z_i eps_i`` is applied in fp32 (or handed to a torch optimizer).
 
+    Launched on ``W`` processes (``torchrun``, ``accelerate launch``, ``deepspeed``; see ``docs/scaling.md``):
+    without DeepSpeed or with ZeRO-1/2, *population parallelism*: every process holds the whole model (not wrapped in
+    DDP), scores the members ``i % W == rank``, and per-member reward statistics are summed across processes; every
+    process then applies the same update. With DeepSpeed ZeRO-3, *sharded ES*: every member is scored by all
+    processes together, each on its share of the prompts, and each process perturbs, restores and updates only its
+    partition of the parameters. Either way the weights end bitwise as with one process, given the same completions.
+
     Args:
         model (`str` or `PreTrainedModel`): A causal LM or its id/path (loaded with ``args.model_init_kwargs``).
         reward_funcs (`Callable | PreTrainedModel | str | list`): A reward function with TRL's signature
