@@ -163,9 +163,9 @@ def test_countdown_reward_functions_both_formats():
 
 
 def test_countdown_reward_errors():
-    with pytest.raises(ValueError, match="'numbers' column"):
+    with pytest.raises(ValueError, match="needs the dataset column 'numbers'"):
         countdown_answer_reward(["p"], ["x"], target=[1])
-    with pytest.raises(ValueError, match="target has 2 entries"):
+    with pytest.raises(ValueError, match="column 'target' with one entry per completion, got 2 entries for 1"):
         countdown_answer_reward(["p"], ["x"], numbers=[[1]], target=[1, 2])
     with pytest.raises(ValueError, match="target must be a number"):
         countdown_answer_reward(["p"], ["x"], numbers=[[1]], target=["ten"])

@@ -314,3 +314,26 @@ def format_reward(prompts: list, completions: list, completion_ids: list | None 
         `list[float]`: One score in ``{0, 0.1, 0.5, 0.6, 1}`` per completion.
     """
     return [think_answer_format_score(completion_text(c)) for c in completions]
+
+
+def dataset_column(func_name: str, name: str, values, n: int) -> list:
+    """The dataset column ``name`` as a reward function receives it, checked: present and one value per completion.
+
+    Args:
+        func_name (`str`): The reward function's name (for the error message).
+        name (`str`): The column name.
+        values: What the reward function received as ``name=...`` (``None`` when the column is missing).
+        n (`int`): Number of completions.
+
+    Returns:
+        `list`: ``list(values)``.
+
+    Raises:
+        ValueError: If the column is missing or its length is not ``n``.
+    """
+    if values is None or len(values) != n:
+        raise ValueError(
+            f"{func_name} needs the dataset column '{name}' with one entry per completion, got "
+            f"{None if values is None else len(values)} entries for {n} completions"
+        )
+    return list(values)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..rewards import completion_text, last_number, numbers_close
+from ..rewards import completion_text, dataset_column, last_number, numbers_close
 
 __all__ = [
     "ALLOWED_OPS",
@@ -168,11 +168,7 @@ def arithmetic_reward(prompts: list, completions: list, completion_ids=None, ans
     Raises:
         ValueError: If ``answer`` is missing or not as long as ``completions``.
     """
-    if answer is None or len(answer) != len(completions):
-        raise ValueError(
-            "arithmetic_reward needs the dataset column 'answer' with one entry per completion, got "
-            f"{None if answer is None else len(answer)} entries for {len(completions)} completions"
-        )
+    answer = dataset_column("arithmetic_reward", "answer", answer, len(completions))
     scores = []
     for c, expected in zip(completions, answer):
         value = last_number(completion_text(c))

@@ -30,6 +30,7 @@ from fractions import Fraction
 
 from ..rewards import (
     completion_text,
+    dataset_column,
     extract_answer_tag,
     numbers_close,
     parse_number,
@@ -225,14 +226,6 @@ def countdown_answer_score(text: str, numbers: Sequence[int], target: float | st
     return 1.0 if numbers_close(float(value), goal) else 0.0
 
 
-def _column(name: str, values, n: int) -> list:
-    if values is None:
-        raise ValueError(f"the dataset must have a '{name}' column (passed to the reward function as {name}=...)")
-    if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} entries but there are {n} completions")
-    return list(values)
-
-
 def countdown_format_reward(prompts: list, completions: list, completion_ids=None, **kwargs) -> list[float]:
     """TRL reward function: the paper's format score (see :func:`trl_es.rewards.think_answer_format_score`).
 
@@ -269,7 +262,8 @@ def countdown_answer_reward(
         ValueError: If ``numbers``/``target`` are missing, of the wrong length, or a target is not a number.
     """
     n = len(completions)
-    numbers, target = _column("numbers", numbers, n), _column("target", target, n)
+    numbers = dataset_column("countdown_answer_reward", "numbers", numbers, n)
+    target = dataset_column("countdown_answer_reward", "target", target, n)
     return [countdown_answer_score(completion_text(c), nums, t) for c, nums, t in zip(completions, numbers, target)]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from ..rewards import completion_text, extract_answer_tag, extract_boxed, find_numbers
+from ..rewards import completion_text, dataset_column, extract_answer_tag, extract_boxed, find_numbers
 
 __all__ = ["GSM_INSTRUCTION", "MAX_ANSWER_LENGTH", "extract_final_answer", "gsm_answer_score", "gsm_reward",
            "make_gsm_dataset"]
@@ -88,11 +88,7 @@ def gsm_reward(prompts: list, completions: list, completion_ids=None, answer=Non
     Raises:
         ValueError: If ``answer`` is missing or not as long as ``completions``.
     """
-    if answer is None or len(answer) != len(completions):
-        raise ValueError(
-            "gsm_reward needs the dataset column 'answer' with one entry per completion, got "
-            f"{None if answer is None else len(answer)} entries for {len(completions)} completions"
-        )
+    answer = dataset_column("gsm_reward", "answer", answer, len(completions))
     return [gsm_answer_score(completion_text(c), a) for c, a in zip(completions, answer)]
 
 
