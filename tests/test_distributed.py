@@ -1,7 +1,8 @@
 """Multi-process ES on CPU (gloo): population parallelism and DeepSpeed ZeRO-2/3 end bitwise where one process ends.
 
 Every test launches ``tests/distributed/run_es.py`` (2 iterations of a tiny Llama, population 4, 4 prompts, greedy
-decoding) with two processes and compares with the same job run in this process (one process, one thread).
+decoding) with two processes and compares with the same job run in this process (one process, one thread):
+population parallelism (``torchrun``) and ZeRO-2 in fp32, ZeRO-3 with a bf16 model and fp32 master shards.
 """
 
 import json
@@ -12,6 +13,8 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from trl_es import replay
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 import run_es
 
-pytestmark = pytest.mark.distributed
+from trl_es.trainer.distributed import es_deepspeed_config, zero3_partition
 
 STATS_BYTES = 4 * (4 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count) fp64
 
@@ -47,7 +50,8 @@ def deepspeed(out, model_dir, *extra):
 
 
 def weights(path):
-    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def assert_bitwise(a, b):
@@ -61,19 +65,41 @@ def seed_log(path):
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model_dir):
-    """The job in one process (one thread, as the launched processes)."""
-    out = tmp_path_factory.mktemp("single")
+def run_here(out, model_dir, **kwargs):
+    """The job in this process, with one thread as each launched process."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = run_es.run("plain", tiny_model_dir, str(out))
+        return out, run_es.run("plain", model_dir, str(out), **kwargs)
     finally:
         torch.set_num_threads(threads)
-    return out, result
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    return run_here(tmp_path_factory.mktemp("single"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tmp_path_factory, tiny_model_dir):
+    return run_here(tmp_path_factory.mktemp("single-bf16"), tiny_model_dir, dtype="bfloat16", save_steps=2)
+
+
+def reassemble(folder, kind, world=2):
+    """Whole flat tensors from the per-process ZeRO-3 shards ``{kind}.rank{r}-of-{W}.safetensors``."""
+    full = {}
+    for rank in range(world):
+        with safe_open(os.path.join(folder, f"{kind}.rank{rank:05d}-of-{world:05d}.safetensors"), "pt") as f:
+            metadata = f.metadata()
+            for name in f.keys():  # noqa: SIM118
+                start, length, numel = map(int, metadata[name].split(","))
+                tensor = f.get_tensor(name)
+                assert tensor.numel() == length
+                full.setdefault(name, torch.full((numel,), float("nan")))[start : start + length] = tensor
+    return full
+
+
+@pytest.mark.distributed
 def test_reference_trains(reference, tiny_model_dir):
     out, result = reference
     assert result["world_size"] == 1 and result["comm_bytes"] == [0.0, 0.0]
@@ -81,6 +107,7 @@ def test_reference_trains(reference, tiny_model_dir):
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
+@pytest.mark.distributed
 def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_model_dir):
     """Process 1 starts from different weights: ESTrainer finds out (fingerprints) and broadcasts process 0's."""
     ref_out, ref = reference
@@ -108,25 +135,82 @@ def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_mo
     assert_bitwise({k: v for k, v in rebuilt.state_dict().items()}, weights(tmp_path / "model"))
 
 
-def test_zero3_matches_one_process(reference, tmp_path, tiny_model_dir):
-    """Parameters partitioned over 2 processes (loaded under zero.Init); members scored by both together."""
-    ref_out, ref = reference
-    result = deepspeed(tmp_path, tiny_model_dir, "--mode", "zero3", "--save_steps", "2")
+@pytest.mark.distributed
+def test_zero3_matches_one_process(reference_bf16, tmp_path, tiny_model_dir):
+    """A bf16 model partitioned over 2 processes (loaded under zero.Init), fp32 master partitions; every member scored
+    by both processes together, each on 2 of the 4 prompts."""
+    ref_out, ref = reference_bf16
+    result = deepspeed(tmp_path, tiny_model_dir, "--mode", "zero3", "--save_steps", "2", "--dtype", "bfloat16")
     assert result["world_size"] == 2 and result["sharded"]
     assert result["model_wrapped"] == "DeepSpeedEngine"
     trained = weights(tmp_path / "model")  # gathered by Trainer.save_model
+    assert {v.dtype for v in trained.values()} == {torch.bfloat16}
     assert_bitwise(trained, weights(ref_out / "model"))
     assert_bitwise(weights(tmp_path / "checkpoint-2"), trained)
     assert seed_log(tmp_path) == seed_log(ref_out)
     assert seed_log(tmp_path / "checkpoint-2") == seed_log(ref_out)
+    # The fp32 master and the anchor, saved as one shard per process, are the one-process tensors.
+    for kind in ("es_master", "es_anchor"):
+        single = load_file(ref_out / "checkpoint-2" / f"{kind}.safetensors")
+        sharded = reassemble(tmp_path / "checkpoint-2", kind)
+        assert single.keys() == sharded.keys()
+        for name, tensor in single.items():
+            assert tensor.dtype == torch.float32 and torch.equal(sharded[name], tensor.reshape(-1)), (kind, name)
     assert result["eval"]["eval_reward"] == ref["eval"]["eval_reward"]  # 9 prompts: 5 on process 0, 4 on 1
     gathered = [h["comm/param_gather_bytes"] for h in result["log_history"] if "comm/param_gather_bytes" in h]
     assert len(gathered) == 2 and all(g > 0 for g in gathered)
 
 
+@pytest.mark.distributed
 def test_zero2_runs_as_population_parallelism(reference, tmp_path, tiny_model_dir):
     ref_out, _ = reference
     result = deepspeed(tmp_path, tiny_model_dir, "--mode", "zero2")
     assert result["model_wrapped"] == "DeepSpeedEngine" and not result["sharded"]
     assert result["replicas_identical"] == [True, True]
     assert_bitwise(weights(tmp_path / "model"), weights(ref_out / "model"))
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+class FakeZero3Param:
+    """What zero3_partition reads from a DeepSpeed ZeRO-3 parameter."""
+
+    def __init__(self, numel, partition_size):
+        self.ds_id, self.ds_numel = 0, numel
+        self.ds_tensor = torch.arange(partition_size, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "numel, partition, rank, start, real",
+    [
+        (10, 5, 0, 0, 5),
+        (10, 5, 1, 5, 5),
+        (9, 5, 1, 5, 4),  # the last partition is padded: 4 real elements
+        (3, 2, 1, 2, 1),
+        (2, 1, 3, 2, 0),  # rank 3 of 4 for a 2-element tensor: only padding
+    ],
+)
+def test_zero3_partition_keeps_real_elements(numel, partition, rank, start, real):
+    param = FakeZero3Param(numel, partition)
+    local, whole, first = zero3_partition(param, rank=rank)
+    assert (whole, first, local.numel()) == (numel, start, real)
+    assert local.is_contiguous() and local.untyped_storage().data_ptr() == param.ds_tensor.untyped_storage().data_ptr()
+    if real:  # a view of the partition: ES writes it in place
+        local.fill_(-1.0)
+        assert param.ds_tensor[:real].eq(-1.0).all() and not param.ds_tensor[real:].eq(-1.0).any()
+
+
+def test_es_deepspeed_config():
+    def config(stage):
+        return {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+                "bf16": {"enabled": True}, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": "auto"}
+
+    zero2 = es_deepspeed_config(config(2), micro_batch_size=4, world_size=2)
+    assert "optimizer" not in zero2 and "scheduler" not in zero2 and "gradient_clipping" not in zero2
+    assert zero2["zero_optimization"]["stage"] == 0 and zero2["bf16"]["enabled"] is False
+    assert (zero2["train_micro_batch_size_per_gpu"], zero2["gradient_accumulation_steps"], zero2["train_batch_size"]) == (4, 1, 8)
+    zero3 = es_deepspeed_config(config(3), micro_batch_size=2, world_size=4)
+    assert zero3["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    assert zero3["bf16"]["enabled"] is True and "optimizer" not in zero3 and zero3["train_batch_size"] == 8
+    explicit = config(3)
+    explicit["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    assert es_deepspeed_config(explicit, 1, 1)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False

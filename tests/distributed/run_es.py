@@ -12,7 +12,10 @@ The data, reward and hyperparameters are fixed here, so every mode must end with
 
 On CPU, DeepSpeed goes through accelerate only if the process group is set up first: accelerate's ``PartialState``
 picks no backend for DeepSpeed without a GPU, so this script creates it with ``backend="gloo"`` and passes
-``accelerator_config={"use_configured_state": True}`` (not needed on GPUs).
+``accelerator_config={"use_configured_state": True}`` (not needed on GPUs). With ``--dtype bfloat16`` under ZeRO-3,
+DeepSpeed's bf16 must be on (``zero.Init`` would cast the weights to fp32 otherwise), which ``transformers`` only
+accepts with ``bf16=True``, which it refuses on CPU without ``use_cpu``: the script drops that config-consistency
+complaint (``hf_deepspeed_config.mismatches``), a CPU-only shortcut.
 """
 
 import argparse
@@ -34,6 +37,7 @@ def parse_args():
     parser.add_argument("--population", type=int, default=4)
     parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints.")
     parser.add_argument("--eval_size", type=int, default=9, help="Evaluation prompts (9: uneven over 2 processes).")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--skew_rank", type=int, default=-1,
                         help="Plain mode: this process starts from different weights (ESTrainer must broadcast).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
@@ -46,7 +50,7 @@ def mean_code(completions, **kwargs):
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
-        eval_size: int = 9, skew_rank: int = -1) -> dict:
+        eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32") -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -60,6 +64,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra = {
             "deepspeed": {
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+                "bf16": {"enabled": dtype == "bfloat16" and stage == 3},
                 "train_micro_batch_size_per_gpu": "auto",
                 "train_batch_size": "auto",
                 "gradient_accumulation_steps": "auto",
@@ -91,8 +96,11 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         noise_table_size=1 << 20,
         disable_tqdm=True,
         seed=0,
+        model_init_kwargs={"dtype": dtype},
         **extra,
     )
+    if mode == "zero3" and dtype == "bfloat16":
+        config.hf_deepspeed_config.mismatches = []  # CPU only: see the module docstring
     tokenizer = AutoTokenizer.from_pretrained(model)
     train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
     evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(eval_size)]})
@@ -113,7 +121,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     if skew_rank >= 0 and int(os.environ.get("RANK", "0")) == skew_rank:
         from transformers import AutoModelForCausalLM
 
-        model_or_path = AutoModelForCausalLM.from_pretrained(model)
+        model_or_path = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         with torch.no_grad():
             model_or_path.model.norm.weight.add_(1.0)
     trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
@@ -140,7 +148,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank)
+        args.skew_rank, args.dtype)
     return 0
 
 

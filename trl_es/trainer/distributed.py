@@ -38,7 +38,7 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") and getattr(param, "ds_tensor", None) is not None
 
 
-def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def zero3_partition(param: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, int, int]:
     """The locally held elements of a ZeRO-3 parameter.
 
     DeepSpeed stores rank ``r``'s share of the flattened parameter in ``param.ds_tensor`` (1-D, ``P`` elements, the
@@ -47,6 +47,8 @@ def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
     Args:
         param (`torch.Tensor`): A ZeRO-3 parameter.
+        rank (`int`, *optional*): This process's rank in the parameter's partition group (``param.ds_process_group``);
+            default: asked from ``torch.distributed`` (0 if it is not initialized).
 
     Returns:
         `(local, numel, start)`: ``local`` is a contiguous 1-D view of the real elements of ``param.ds_tensor``
@@ -58,8 +60,8 @@ def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """
     if not is_zero3_param(param):
         raise ValueError("zero3_partition needs a DeepSpeed ZeRO-3 parameter (with ds_tensor and ds_numel).")
-    group = getattr(param, "ds_process_group", None)
-    rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+    if rank is None:
+        rank = dist.get_rank(group=getattr(param, "ds_process_group", None)) if dist.is_initialized() else 0
     partition = param.ds_tensor.data.view(-1)
     size = partition.numel()
     numel = int(param.ds_numel)
