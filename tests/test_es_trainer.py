@@ -388,3 +388,26 @@ def test_reward_model_is_accepted(tmp_path, tokenizer):
     assert metrics["eval_rewards/LlamaForSequenceClassification/mean"] == pytest.approx(expected, abs=1e-5)
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_success_diversity_and_module_drift_are_logged(tmp_path, tokenizer):
+    import math
+
+    calls = {"n": 0}
+    per_member = {1: [1.0] * 4, 2: [0.0] * 4, 3: [1.0, 0.0, 1.0, 0.0], 4: [0.0, 1.0, 0.0, 1.0]}
+
+    def scripted(completions, **kwargs):  # member i (in scoring order) succeeds on a known share of prompts
+        calls["n"] += 1
+        return per_member[calls["n"]]
+
+    trainer = ESTrainer(build_llama(tokenizer), scripted, args=es_args(tmp_path, max_steps=1),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    # p = [1, 0, 0.5, 0.5]: JS_succ = h(0.5) - mean h(p_i) = ln 2 - (ln 2 + ln 2) / 4 = ln 2 / 2
+    assert logs["success_rate"] == pytest.approx(0.5)
+    assert logs["success_diversity"] == pytest.approx(math.log(2) / 2)
+    for group in ("q_proj", "down_proj", "embed_tokens", "lm_head", "norm"):
+        assert f"drift/l2/{group}" in logs and f"drift/relative/{group}" in logs
+    per_group_sq = sum(v ** 2 for k, v in logs.items() if k.startswith("drift/l2/"))
+    assert per_group_sq == pytest.approx(logs["drift/l2"] ** 2)

@@ -181,6 +181,15 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    success_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": "A completion counts as a success when its weighted reward is >= this value; used for the "
+            "logged success_rate and the population success diversity JS_succ (arXiv 2608.27351). Default 1.0: a "
+            "correct answer in the built-in tasks."
+        },
+    )
+
     # ------------------------------------------------------------------ generation (GRPO's names and meanings)
     num_generations: int = field(
         default=1, metadata={"help": "Completions per prompt per member (default 1: greedy decoding is deterministic)."}

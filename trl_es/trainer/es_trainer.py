@@ -22,6 +22,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
+from ..analysis._common import group_name
+from ..analysis.diversity import success_diversity
 from ..es.noise import make_noise_source
 from ..es.population import (
     make_population_backend,
@@ -32,6 +34,7 @@ from ..es.population import (
 from ..es.seedlog import SEED_LOG_NAME, SeedLog
 from ..es.shaping import shape_fitness
 from ..es.update import TrainedParameters, select_parameters
+from ..models import resolve_model_path
 from .distributed import (
     ES_DEEPSPEED_NOTE,
     all_gather_objects,
@@ -160,6 +163,7 @@ class ESTrainer(_BaseTrainer):
 
         # Model
         if isinstance(model, str):
+            model = resolve_model_path(model)  # "embedded:SmolLM2-135M-Instruct" -> its local copy; others unchanged
             init_kwargs = dict(args.model_init_kwargs or {})
             init_kwargs.setdefault("dtype", "auto")
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
@@ -528,10 +532,11 @@ class ESTrainer(_BaseTrainer):
         its counts (NaN rewards skipped). One row per member, zero for members this process did not score.
 
         Returns:
-            `torch.Tensor`: Shape ``(population_size, 4 + 2 * F)``, float64.
+            `torch.Tensor`: Shape ``(population_size, 5 + 2 * F)``, float64; the last column counts successes
+            (weighted reward >= ``success_threshold``).
         """
         num_funcs = len(self.reward_func_names)
-        stats = torch.zeros(population_size, 4 + 2 * num_funcs, dtype=torch.float64)
+        stats = torch.zeros(population_size, 5 + 2 * num_funcs, dtype=torch.float64)
         for index, out in results.items():
             rewards = out["rewards"].double()
             per_func = out["rewards_per_func"].double()
@@ -540,7 +545,8 @@ class ESTrainer(_BaseTrainer):
             stats[index, 2] = len(out["completions"])
             stats[index, 3] = out["num_tokens"]
             stats[index, 4 : 4 + num_funcs] = per_func.nansum(dim=0)
-            stats[index, 4 + num_funcs :] = (~torch.isnan(per_func)).sum(dim=0)
+            stats[index, 4 + num_funcs : 4 + 2 * num_funcs] = (~torch.isnan(per_func)).sum(dim=0)
+            stats[index, -1] = (rewards >= self.args.success_threshold).sum()  # NaN compares False
         return stats
 
     def _record_comm(self, forward_calls: int) -> None:
@@ -583,6 +589,11 @@ class ESTrainer(_BaseTrainer):
             self._metrics["reward_min"].append(float(finite.min()))
             self._metrics["reward_max"].append(float(finite.max()))
         self._metrics["num_nan_members"].append(float(torch.isnan(fitness).sum()))
+        scored = stats[:, 2] > 0
+        if scored.any():  # population success diversity JS_succ (arXiv 2608.27351)
+            success_rates = stats[scored, -1] / stats[scored, 2]
+            self._metrics["success_rate"].append(float(success_rates.mean()))
+            self._metrics["success_diversity"].append(success_diversity(success_rates))
         generation_seconds = sum(r["seconds"] for r in results.values())
         num_funcs = len(self.reward_func_names)
         totals = stats.sum(dim=0)
@@ -601,18 +612,25 @@ class ESTrainer(_BaseTrainer):
         self._metrics["time/other"].append(max(0.0, evaluate_seconds - generation_seconds - sum(timings.values())))
 
     def _parameter_drift(self) -> dict[str, float]:
-        """``||theta - theta_0||`` and ``||theta - theta_0|| / ||theta_0||`` over the trained parameters (fp64 sums)."""
-        sums = torch.zeros(2, dtype=torch.float64)
+        """``||theta - theta_0||`` and ``||theta - theta_0|| / ||theta_0||`` over the trained parameters (fp64 sums),
+        for the whole model (``drift/l2``, ``drift/relative``) and per module type (``drift/l2/q_proj``, ...; the
+        grouping of :func:`trl_es.analysis.parameter_drift`)."""
+        groups = sorted({group_name(name) for name in self.anchor})
+        sums = torch.zeros(len(groups) + 1, 2, dtype=torch.float64)  # row 0: whole model
         for name, master in self.es_params.master_state_dict().items():
             theta0 = self.anchor[name]
-            sums[0] += (master.detach().float().cpu() - theta0).double().pow(2).sum()
-            sums[1] += theta0.double().pow(2).sum()
+            row = torch.stack([(master.detach().float().cpu() - theta0).double().pow(2).sum(), theta0.double().pow(2).sum()])
+            sums[0] += row
+            sums[1 + groups.index(group_name(name))] += row
         if self.sharded and self.accelerator.num_processes > 1:  # each process holds a partition
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += tensor_bytes(sums)
-        diff_sq, base_sq = float(sums[0]), float(sums[1])
-        norm = math.sqrt(diff_sq)
-        return {"drift/l2": norm, "drift/relative": norm / math.sqrt(base_sq) if base_sq > 0 else 0.0}
+        drift = {}
+        for key, (diff_sq, base_sq) in zip(["", *[f"/{g}" for g in groups]], sums.tolist()):
+            norm = math.sqrt(diff_sq)
+            drift[f"drift/l2{key}"] = norm
+            drift[f"drift/relative{key}"] = norm / math.sqrt(base_sq) if base_sq > 0 else 0.0
+        return drift
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if not any(key.startswith("eval_") for key in logs):
