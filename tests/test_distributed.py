@@ -27,7 +27,7 @@ import run_es
 
 from trl_es.trainer.distributed import es_deepspeed_config, zero3_partition
 
-STATS_BYTES = 4 * (4 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count) fp64
+STATS_BYTES = 4 * (5 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count, successes) fp64
 
 
 def launch(launcher: list[str], out, model_dir, *extra, timeout=600):
