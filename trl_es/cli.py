@@ -140,8 +140,9 @@ def _load(model_args: ModelConfig, dtype=None):
     return model, tokenizer
 
 
-def plot_training_curves(log_history: list[dict], accuracy_key: str, path: str) -> None:
-    """PNG of the population reward per iteration and the held-out accuracy at each evaluation."""
+def plot_training_curves(log_history: list[dict], accuracy_key: str, path: str, accuracy_before=None) -> None:
+    """PNG of the population reward per iteration and the held-out accuracy at each evaluation (and, if given, the
+    accuracy before training at iteration 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,6 +150,8 @@ def plot_training_curves(log_history: list[dict], accuracy_key: str, path: str) 
 
     train = [h for h in log_history if "reward" in h and "step" in h]
     evals = [h for h in log_history if accuracy_key in h]
+    if accuracy_before is not None:
+        evals = [{"step": 0, accuracy_key: accuracy_before}, *evals]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot([h["step"] for h in train], [h["reward"] for h in train], label="population mean reward (train)")
@@ -211,7 +214,8 @@ def train(argv: list[str]) -> dict:
     trainer.save_model(es_args.output_dir)
     if trainer.accelerator.is_main_process:
         if task_args.plot:
-            plot_training_curves(trainer.state.log_history, key, os.path.join(es_args.output_dir, "training_curves.png"))
+            plot_training_curves(trainer.state.log_history, key, os.path.join(es_args.output_dir, "training_curves.png"),
+                                 results.get("accuracy_before"))
         with open(os.path.join(es_args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
     return results
