@@ -60,7 +60,7 @@ def lowrank_factors(
         name (`str`): The parameter name (``"model.layers.0.self_attn.q_proj.weight"``).
         out_features (`int`), in_features (`int`): The weight's shape ``(out, in)``.
         rank (`int`): ``r``.
-        device: Device of the returned tensors (default CPU).
+        device (`torch.device` or `str` or `None`): Device of the returned tensors (default CPU).
 
     Returns:
         `(A, B)`: float32 tensors of shapes ``(out, r)`` and ``(in, r)``, entries N(0, 1): the noise of the
