@@ -1,10 +1,9 @@
 """Shared reward pieces: completion text, answer extraction, numbers, tolerance, format score."""
 
 import math
-import signal
-from contextlib import contextmanager
 
 import pytest
+from time_limit import time_limit
 
 from trl_es.rewards import (
     completion_text,
@@ -18,20 +17,6 @@ from trl_es.rewards import (
     parse_number,
     think_answer_format_score,
 )
-
-
-@contextmanager
-def time_limit(seconds: int):
-    def handler(signum, frame):
-        raise TimeoutError(f"took longer than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ----------------------------------------------------------------------------- completion_text

@@ -2,11 +2,10 @@
 
 import json
 import os
-import signal
-from contextlib import contextmanager
 from fractions import Fraction
 
 import pytest
+from time_limit import time_limit
 
 from trl_es.tasks import TASKS, get_task
 from trl_es.tasks.arithmetic import (
@@ -35,20 +34,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CANDIDATES = [os.path.join(base, "shared", "data", "countdown_paper.json") for base in (_REPO, os.path.dirname(_REPO))]
 PAPER_JSON = next((p for p in _CANDIDATES if os.path.exists(p)), _CANDIDATES[0])
 needs_paper_json = pytest.mark.skipif(not os.path.exists(PAPER_JSON), reason="countdown_paper.json not available")
-
-
-@contextmanager
-def time_limit(seconds: int):
-    def handler(signum, frame):
-        raise TimeoutError(f"took longer than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def wrap(expression: str) -> str:
