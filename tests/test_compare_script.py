@@ -72,7 +72,14 @@ def test_default_recipe_gives_a_valid_es_config(race, tmp_path):
     args = race.parse_args(["--output_dir", str(tmp_path)])
     kwargs = race.race_es_kwargs(args, race.load_recipe(args.es_recipe))
     config = ESConfig(**kwargs)
-    assert config.eval_strategy == "no" and config.max_steps == race.NO_LIMIT_STEPS
+    assert config.eval_strategy == "no" and config.max_steps == race.load_recipe(args.es_recipe)["max_steps"]
+    assert config.output_dir == os.path.join(str(tmp_path), "es")
+    # without max_steps in the recipe, the budget alone stops ES
+    recipe = {k: v for k, v in race.load_recipe(args.es_recipe).items() if k not in ("max_steps", "lr_scheduler_type",
+                                                                                  "lr_scheduler_kwargs")}
+    assert ESConfig(**race.race_es_kwargs(args, recipe)).max_steps == race.NO_LIMIT_STEPS
+    overridden = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", "max_steps=26"])
+    assert race.race_es_kwargs(overridden, race.load_recipe(args.es_recipe))["max_steps"] == 26
     assert config.output_dir == os.path.join(str(tmp_path), "es")
 
 
@@ -83,6 +90,7 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
         "--budget_minutes", "0.05", "--eval_every_minutes", "0.02",
         "--num_train_prompts", "16", "--num_eval_prompts", "6", "--eval_batch_size", "6",
         "--es_overrides", "population_size=4", "prompt_batch_size=4", "noise_table_size=1048576",
+        "max_steps=100000",  # the budget, not the recipe's 22 steps, ends ES here
     ])
     with open(out / "results.json") as f:
         saved = json.load(f)

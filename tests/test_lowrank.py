@@ -2,6 +2,7 @@
 
 import copy
 import math
+import json
 import os
 
 import pytest
@@ -96,6 +97,9 @@ def test_describe_round_trips_and_rank_is_validated(tmp_path):
         BatchedLowRankPopulation(member_chunk_size=0)
     with pytest.raises(ValueError, match="noise_rank"):
         ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", noise_rank=0)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="member_chunk_size"):
+            ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", member_chunk_size=bad)
 
 
 def test_perturbation_is_rank_r_with_unit_variance_entries(noise):
@@ -308,6 +312,21 @@ def test_trainer_run_is_replayed_bitwise(tmp_path, tokenizer):
     replayed = snapshot(fresh)
     for k in trained:
         assert torch.equal(replayed[k], trained[k]), k
+
+
+def test_trainer_member_chunk_size_reaches_the_backend(tmp_path, tokenizer):
+    """ESConfig.member_chunk_size sets the members per generate call; chunking does not change the step."""
+    coefficients = {}
+    for chunk in (None, 3):
+        args = es_args(tmp_path / str(chunk), max_steps=1, population_size=6, member_chunk_size=chunk)
+        trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(8),
+                            processing_class=tokenizer)
+        assert trainer.population.member_chunk_size == chunk
+        trainer.train()
+        with open(os.path.join(args.output_dir, SEED_LOG_NAME)) as f:
+            coefficients[chunk] = torch.tensor(json.loads(f.read().splitlines()[-1])["coefficients"])
+    assert coefficients[None].shape == (6,) and coefficients[None].abs().sum() > 0
+    torch.testing.assert_close(coefficients[3], coefficients[None], rtol=0, atol=1e-6)
 
 
 def test_trainer_rejects_non_linear_selection(tmp_path, tokenizer):

@@ -13,8 +13,8 @@ while evaluating. The methods run one after the other.
 
 ES uses the main job's recipe (``--es_recipe``, default ``examples/recipes/arithmetic_smollm2.yaml``): its
 ESConfig keys are used as is (task and model keys are dropped), then ``--es_overrides key=value ...`` apply;
-``output_dir``, ``max_steps``, ``eval_strategy``, ``save_strategy``, ``report_to`` and ``seed`` are set by this
-script. GRPO uses the anchor settings of the issue: lr 1e-5, 8 generations x 2 prompts per step, temperature 1.0,
+``output_dir``, ``eval_strategy``, ``save_strategy``, ``report_to`` and ``seed`` are set by this script. The
+recipe's ``max_steps`` is kept (its learning-rate schedule is laid out over it); without one ES runs until the budget. GRPO uses the anchor settings of the issue: lr 1e-5, 8 generations x 2 prompts per step, temperature 1.0,
 beta 0, 10 completion tokens.
 
 Writes to ``--output_dir``: ``results.json`` (table and accuracy curves), ``results.md`` (the table) and
@@ -188,9 +188,12 @@ def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
 def race_es_kwargs(race: RaceArguments, recipe: dict) -> dict:
     """The ESConfig keyword arguments of the race: recipe, overrides, then what the race itself sets."""
     kwargs = es_config_kwargs(recipe, race.es_overrides)
+    # The recipe's max_steps is kept when it has one: a decaying schedule (warmup_stable_decay, cosine) is laid out
+    # over max_steps. The budget still stops the run first if the steps do not fit in it.
+    kwargs["max_steps"] = int(kwargs.get("max_steps") or NO_LIMIT_STEPS)
     kwargs.update(
-        output_dir=os.path.join(race.output_dir, "es"), max_steps=NO_LIMIT_STEPS, eval_strategy="no",
-        save_strategy="no", report_to="none", seed=race.seed,
+        output_dir=os.path.join(race.output_dir, "es"), eval_strategy="no", save_strategy="no", report_to="none",
+        seed=race.seed,
     )
     kwargs.setdefault("reward_weights", [1.0])
     return kwargs

@@ -156,6 +156,14 @@ class ESConfig(_BaseConfig):
             "token and Linear is O(r (in + out)). Ignored by 'sequential'."
         },
     )
+    member_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "With population_backend='batched_lowrank': members per generate call (None: all members of a "
+            "process in one call). One call holds member_chunk_size x prompt_batch_size x num_generations rows; "
+            "lower it to bound activation and KV-cache memory. Ignored by 'sequential'."
+        },
+    )
 
     # ------------------------------------------------------------------ AWD
     awd_lambda: float = field(
@@ -232,6 +240,10 @@ class ESConfig(_BaseConfig):
             )
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             raise ValueError(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
+        if self.member_chunk_size is not None and (
+            not isinstance(self.member_chunk_size, int) or self.member_chunk_size < 1
+        ):
+            raise ValueError(f"member_chunk_size must be None or an integer >= 1, got {self.member_chunk_size!r}.")
         if self.awd_penalty not in AWD_PENALTIES:
             raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
         if self.awd_lambda < 0:

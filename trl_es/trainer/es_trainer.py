@@ -257,7 +257,7 @@ class ESTrainer(_BaseTrainer):
         """Backend-specific settings from the config."""
         if self.args.population_backend == "sequential":
             return {}
-        return {"noise_rank": self.args.noise_rank}
+        return {"noise_rank": self.args.noise_rank, "member_chunk_size": self.args.member_chunk_size}
 
     # ------------------------------------------------------------------ data
     def _set_signature_columns_if_needed(self):

@@ -1,0 +1,66 @@
+"""Every shipped recipe parses into the dataclasses of the command that runs it, with the values it states."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import yaml
+from trl import ModelConfig, TrlParser
+
+from trl_es import ESConfig
+from trl_es.cli import TaskArguments
+from trl_es.tasks.arithmetic import make_arithmetic_splits
+from trl_es.trainer.hyper_es_config import HyperESConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(ROOT, "examples", "recipes")
+
+
+def hyper_es_script():
+    spec = importlib.util.spec_from_file_location("hyper_es_script", os.path.join(ROOT, "examples", "scripts",
+                                                                                 "hyper_es.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse(dataclass_types, recipe):
+    return TrlParser(dataclass_types).parse_args_and_config(["--config", os.path.join(RECIPES, recipe)])
+
+
+def test_every_recipe_is_covered():
+    assert sorted(os.listdir(RECIPES)) == ["arithmetic_smollm2.yaml", "hyper_es_arithmetic.yaml",
+                                          "hyper_es_arithmetic_cpu.yaml"]
+
+
+def test_main_job_recipe():
+    task_args, es_args, model_args = parse((TaskArguments, ESConfig, ModelConfig), "arithmetic_smollm2.yaml")
+    assert (es_args.population_size, es_args.sigma, es_args.learning_rate, es_args.max_steps) == (12, 0.005, 0.01, 22)
+    assert es_args.antithetic and es_args.fitness_shaping == "zscore"
+    assert (task_args.task, task_args.num_train_prompts, task_args.num_eval_prompts) == ("arithmetic", 400, 200)
+    assert model_args.model_name_or_path == "embedded:SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("recipe", ["hyper_es_arithmetic.yaml", "hyper_es_arithmetic_cpu.yaml"])
+def test_hyper_es_recipes(recipe):
+    module = hyper_es_script()
+    script_args, config = parse((module.HyperESScriptArguments, HyperESConfig), recipe)
+    with open(os.path.join(RECIPES, recipe)) as f:
+        raw = yaml.safe_load(f)
+    assert config.report_to == [] and raw.pop("report_to") == "none"  # transformers turns "none" into []
+    for key, value in raw.items():
+        target = script_args if hasattr(script_args, key) else config
+        assert getattr(target, key) == (value if not isinstance(value, list) else list(value)), key
+    assert config.genome_granularity == "layer" and (script_args.lora_r, script_args.lora_alpha) == (32, 64)
+
+
+def test_cpu_hyper_es_recipe_uses_the_main_job_held_out_prompts():
+    module = hyper_es_script()
+    script_args, _ = parse((module.HyperESScriptArguments, HyperESConfig), "hyper_es_arithmetic_cpu.yaml")
+    assert script_args.n_pool + script_args.n_fitness == 400 and script_args.n_eval == 200
+    _, main_held_out = make_arithmetic_splits(400, 200, seed=0)
+    _, held_out = make_arithmetic_splits(script_args.n_pool + script_args.n_fitness, script_args.n_eval,
+                                         seed=script_args.task_seed)
+    assert [(r["a"], r["b"], r["op"]) for r in held_out] == [(r["a"], r["b"], r["op"]) for r in main_held_out]
