@@ -73,13 +73,18 @@ def test_default_recipe_gives_a_valid_es_config(race, tmp_path):
     kwargs = race.race_es_kwargs(args, race.load_recipe(args.es_recipe))
     config = ESConfig(**kwargs)
     assert config.eval_strategy == "no" and config.max_steps == race.load_recipe(args.es_recipe)["max_steps"]
-    assert config.output_dir == os.path.join(str(tmp_path), "es")
     # without max_steps in the recipe, the budget alone stops ES
     recipe = {k: v for k, v in race.load_recipe(args.es_recipe).items() if k not in ("max_steps", "lr_scheduler_type",
                                                                                   "lr_scheduler_kwargs")}
     assert ESConfig(**race.race_es_kwargs(args, recipe)).max_steps == race.NO_LIMIT_STEPS
     overridden = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", "max_steps=26"])
     assert race.race_es_kwargs(overridden, race.load_recipe(args.es_recipe))["max_steps"] == 26
+    unset = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", "max_steps=-1"])
+    assert race.race_es_kwargs(unset, race.load_recipe(args.es_recipe))["max_steps"] == race.NO_LIMIT_STEPS
+    for bad in ("0", "-3", "2.5", "true"):
+        wrong = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", f"max_steps={bad}"])
+        with pytest.raises(ValueError, match="max_steps"):
+            race.race_es_kwargs(wrong, race.load_recipe(args.es_recipe))
     assert config.output_dir == os.path.join(str(tmp_path), "es")
 
 

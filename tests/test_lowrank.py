@@ -97,7 +97,7 @@ def test_describe_round_trips_and_rank_is_validated(tmp_path):
         BatchedLowRankPopulation(member_chunk_size=0)
     with pytest.raises(ValueError, match="noise_rank"):
         ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", noise_rank=0)
-    for bad in (0, -2, 1.5):
+    for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="member_chunk_size"):
             ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", member_chunk_size=bad)
 

@@ -1,13 +1,15 @@
 """The race: ESTrainer against TRL's GRPOTrainer on the arithmetic task, same model, same prompts, same clock.
 
 Both methods train the same model (default: the embedded SmolLM2-135M-Instruct) on the same training prompts
-"What is a + b? Reply with only the number." (a, b in 1..50) for the same wall-clock budget of *training* time.
+"What is a + b? Reply with only the number." (a, b in 1..50) under the same wall-clock budget of *training* time
+(a cap: a recipe whose ``max_steps`` ends ES earlier stops it there).
 Held-out accuracy (greedy decoding, 10 new tokens, 200 prompts disjoint from the training ones, scored by
 ``score_model`` with ``RewardScorer([arithmetic_reward])``) is measured by one function for both methods: at
 training time 0, every ``--eval_every_minutes`` of training time, and at the end. The training clock is paused
 while evaluating. The methods run one after the other.
 
-    python examples/scripts/compare_es_grpo.py --output_dir runs/es_vs_grpo            # both, 16 min each
+    python examples/scripts/compare_es_grpo.py --output_dir runs/es_vs_grpo            # both, 16-min budget each
+    python examples/scripts/compare_es_grpo.py --es_overrides max_steps=26             # ES as measured in the docs
     python examples/scripts/compare_es_grpo.py --methods grpo --budget_minutes 4
     python examples/scripts/compare_es_grpo.py --es_overrides population_size=8 sigma=0.002
 
@@ -40,7 +42,7 @@ DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml")
 )
 METHODS = ("es", "grpo")
-NO_LIMIT_STEPS = 1_000_000  # max_steps of both trainers: the time budget stops them
+NO_LIMIT_STEPS = 1_000_000  # max_steps of GRPO (and of ES when its recipe has none): the time budget stops them
 
 
 @dataclass
@@ -190,7 +192,13 @@ def race_es_kwargs(race: RaceArguments, recipe: dict) -> dict:
     kwargs = es_config_kwargs(recipe, race.es_overrides)
     # The recipe's max_steps is kept when it has one: a decaying schedule (warmup_stable_decay, cosine) is laid out
     # over max_steps. The budget still stops the run first if the steps do not fit in it.
-    kwargs["max_steps"] = int(kwargs.get("max_steps") or NO_LIMIT_STEPS)
+    max_steps = kwargs.get("max_steps")
+    if max_steps is None or max_steps == -1:  # -1: transformers' "not set"
+        max_steps = NO_LIMIT_STEPS
+    elif isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"ES max_steps (recipe or --es_overrides) must be an integer >= 1 or -1 (until the budget), "
+                         f"got {max_steps!r}.")
+    kwargs["max_steps"] = max_steps
     kwargs.update(
         output_dir=os.path.join(race.output_dir, "es"), eval_strategy="no", save_strategy="no", report_to="none",
         seed=race.seed,

@@ -143,7 +143,8 @@ class ESConfig(_BaseConfig):
         metadata={
             "help": "How members are evaluated: 'sequential' (perturb the weights in place with full-rank noise, "
             "generate, restore, one member at a time) or 'batched_lowrank' (EGGROLL, arXiv 2511.16652: rank-"
-            "noise_rank perturbations applied per batch row, all members of a process in one generate call; trains "
+            "noise_rank perturbations applied per batch row, the members of a process in one generate call (or in "
+            "chunks of member_chunk_size); trains "
             "only nn.Linear weights, select them with include_parameters, e.g. r'proj\\.weight$').",
             "choices": list(POPULATION_BACKENDS),
         },
@@ -241,7 +242,9 @@ class ESConfig(_BaseConfig):
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             raise ValueError(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         if self.member_chunk_size is not None and (
-            not isinstance(self.member_chunk_size, int) or self.member_chunk_size < 1
+            isinstance(self.member_chunk_size, bool)
+            or not isinstance(self.member_chunk_size, int)
+            or self.member_chunk_size < 1
         ):
             raise ValueError(f"member_chunk_size must be None or an integer >= 1, got {self.member_chunk_size!r}.")
         if self.awd_penalty not in AWD_PENALTIES:
