@@ -1,27 +1,18 @@
 """examples/scripts/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "scripts", "compare_es_grpo.py")
+from example_script import example_script
 
 
 @pytest.fixture(scope="module")
 def race():
-    spec = importlib.util.spec_from_file_location("compare_es_grpo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
+    with example_script("compare_es_grpo.py", "compare_es_grpo") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_clock_excludes_evaluation_time_and_stops_at_budget(race):

@@ -1,8 +1,8 @@
 """Batched low-rank population (EGGROLL, arXiv 2511.16652): batched forward == materialized W + E_i, update, replay."""
 
 import copy
-import math
 import json
+import math
 import os
 
 import pytest

@@ -1,11 +1,10 @@
 """Every shipped recipe parses into the dataclasses of the command that runs it, with the values it states."""
 
-import importlib.util
 import os
-import sys
 
 import pytest
 import yaml
+from example_script import example_script
 from trl import ModelConfig, TrlParser
 
 from trl_es import ESConfig
@@ -17,13 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "examples", "recipes")
 
 
+@pytest.fixture(scope="module")
 def hyper_es_script():
-    spec = importlib.util.spec_from_file_location("hyper_es_script", os.path.join(ROOT, "examples", "scripts",
-                                                                                 "hyper_es.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    with example_script("hyper_es.py", "hyper_es_script") as module:
+        yield module
 
 
 def parse(dataclass_types, recipe):
@@ -44,9 +40,8 @@ def test_main_job_recipe():
 
 
 @pytest.mark.parametrize("recipe", ["hyper_es_arithmetic.yaml", "hyper_es_arithmetic_cpu.yaml"])
-def test_hyper_es_recipes(recipe):
-    module = hyper_es_script()
-    script_args, config = parse((module.HyperESScriptArguments, HyperESConfig), recipe)
+def test_hyper_es_recipes(recipe, hyper_es_script):
+    script_args, config = parse((hyper_es_script.HyperESScriptArguments, HyperESConfig), recipe)
     with open(os.path.join(RECIPES, recipe)) as f:
         raw = yaml.safe_load(f)
     assert config.report_to == [] and raw.pop("report_to") == "none"  # transformers turns "none" into []
@@ -56,9 +51,8 @@ def test_hyper_es_recipes(recipe):
     assert config.genome_granularity == "layer" and (script_args.lora_r, script_args.lora_alpha) == (32, 64)
 
 
-def test_cpu_hyper_es_recipe_uses_the_main_job_held_out_prompts():
-    module = hyper_es_script()
-    script_args, _ = parse((module.HyperESScriptArguments, HyperESConfig), "hyper_es_arithmetic_cpu.yaml")
+def test_cpu_hyper_es_recipe_uses_the_main_job_held_out_prompts(hyper_es_script):
+    script_args, _ = parse((hyper_es_script.HyperESScriptArguments, HyperESConfig), "hyper_es_arithmetic_cpu.yaml")
     assert script_args.n_pool + script_args.n_fitness == 400 and script_args.n_eval == 200
     _, main_held_out = make_arithmetic_splits(400, 200, seed=0)
     _, held_out = make_arithmetic_splits(script_args.n_pool + script_args.n_fitness, script_args.n_eval,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainerCallback
 
-from trl_es.models import EMBEDDED_MODEL, resolve_model_path
+from trl_es.models import EMBEDDED_MODEL, load_model_and_tokenizer
 from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_splits
 from trl_es.trainer.scoring import RewardScorer, build_generation_config, score_model
 
@@ -153,17 +153,6 @@ class EvalClockCallback(TrainerCallback):
 
 
 # ---------------------------------------------------------------------------------------------- the two methods
-def load_model_and_tokenizer(name_or_path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-    return model, tokenizer
-
-
 def load_recipe(path: str) -> dict:
     import yaml
 
@@ -246,7 +235,7 @@ def build_grpo_trainer(model, tokenizer, train_dataset, race: RaceArguments, cal
 
 def run_method(method: str, race: RaceArguments, recipe: dict, train_dataset, eval_rows: list[dict]) -> dict:
     """Train one method under the clock; returns its table row plus its accuracy curve."""
-    model, tokenizer = load_model_and_tokenizer(race.model_name_or_path)
+    model, tokenizer = load_model_and_tokenizer(race.model_name_or_path)  # fp32, pad = EOS if unset
     evaluate = HeldOutAccuracy(tokenizer, eval_rows, race.eval_max_new_tokens, race.eval_batch_size)
     clock = EvalClockCallback(evaluate, 60.0 * race.budget_minutes, 60.0 * race.eval_every_minutes)
     if method == "es":
