@@ -1,30 +1,47 @@
-"""The trl-es CLI end to end on a tiny model (two ES iterations), eval with pass@k, analyze."""
+"""The trl-es CLI end to end on a tiny model (two ES iterations), eval with its settings from the run, analyze."""
 
 import json
-import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from trl_es import replay
-from trl_es.cli import main, task_splits, TaskArguments
+from trl_es import ESConfig, ESTrainer, replay
+from trl_es.cli import RUN_FILE, TaskArguments, main, read_run_settings, task_splits
+from trl_es.rewards import last_number
+from trl_es.tasks import get_task
+from trl_es.tasks.arithmetic import arithmetic_reward
+
+RECIPE = ("task: arithmetic\nnum_train_prompts: 8\nnum_validation_prompts: 4\nnum_eval_prompts: 5\n"
+          "population_size: 4\nprompt_batch_size: 4\nmax_completion_length: 4\nsigma: 0.02\nlearning_rate: 0.02\n"
+          "generation_kwargs: {repetition_penalty: 1.1}\n")
 
 
-def test_train_two_iterations(tmp_path, tiny_model_dir):
-    out = tmp_path / "run"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("task: arithmetic\nnum_train_prompts: 8\nnum_eval_prompts: 4\npopulation_size: 4\n"
-                      "prompt_batch_size: 4\nmax_completion_length: 4\nsigma: 0.02\nlearning_rate: 0.02\n")
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_model_dir):
+    """One `trl-es train` run of two iterations, shared by the tests that read its outputs."""
+    tmp_path = tmp_path_factory.mktemp("run")
+    out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
     status = main(["train", "--config", str(recipe), "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
                    "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
-                   "--noise_table_size", str(1 << 20), "--eval_strategy", "steps", "--eval_steps", "1"])
+                   "--noise_table_size", str(1 << 20), "--eval_strategy", "steps", "--eval_steps", "1",
+                   "--top_p", "0.9"])
     assert status == 0
+    return out, recipe
+
+
+def test_train_two_iterations(trained_run, tiny_model_dir):
+    out, _ = trained_run
     results = json.loads((out / "results.json").read_text())
-    assert results["task"] == "arithmetic" and results["num_eval_prompts"] == 4
-    assert 0.0 <= results["accuracy_after"] <= 1.0
+    # A random tiny model never answers a + b: every accuracy is exactly 0, on both splits, before and after.
+    assert results == {"task": "arithmetic", "eval_split": "validation", "num_train_prompts": 8,
+                       "num_validation_prompts": 4, "num_test_prompts": 5, "accuracy_before": 0.0,
+                       "test_accuracy_before": 0.0, "accuracy_after": 0.0, "iterations": 2,
+                       "test_accuracy_after": 0.0}
     assert (out / "training_curves.png").stat().st_size > 1000
     records = [json.loads(line) for line in (out / "es_seed_log.jsonl").read_text().splitlines()][1:]
     assert [r["step"] for r in records] == [1, 2]
@@ -34,12 +51,64 @@ def test_train_two_iterations(tmp_path, tiny_model_dir):
         assert torch.equal(a, b), name
 
 
+def test_train_writes_the_run_settings(trained_run):
+    out, _ = trained_run
+    assert json.loads((out / RUN_FILE).read_text()) == {
+        "task": "arithmetic", "task_seed": 0, "num_train_prompts": 8, "num_validation_prompts": 4,
+        "num_eval_prompts": 5, "eval_split": "validation", "countdown_json": None, "max_completion_length": 4,
+        "temperature": 0.0, "top_p": 0.9, "generation_kwargs": {"repetition_penalty": 1.1},
+        "chat_template_kwargs": None,
+    }
+
+
+def test_eval_takes_its_settings_from_the_run(trained_run, tmp_path):
+    out, recipe = trained_run
+    output = tmp_path / "metrics.json"
+    metrics = main_eval(["--model_name_or_path", str(out), "--output_file", str(output)])
+    assert json.loads(output.read_text()) == metrics
+    settings = {k: (v["value"], v["source"]) for k, v in metrics["settings"].items()}
+    assert settings == {
+        "task": ("arithmetic", "run"), "task_seed": (0, "run"), "num_train_prompts": (8, "run"),
+        "num_validation_prompts": (4, "run"), "num_eval_prompts": (5, "run"), "countdown_json": (None, "run"),
+        "max_new_tokens": (4, "run"), "sample_temperature": (1.0, "default"),  # greedy training: default 1.0
+        "top_p": (0.9, "run"), "generation_kwargs": ({"repetition_penalty": 1.1}, "run"),
+        "chat_template_kwargs": (None, "default"),
+    }
+    assert (metrics["split"], metrics["num_prompts"], metrics["max_new_tokens"], metrics["num_samples"]) == (
+        "test", 5, 4, 1)
+    assert metrics["accuracy_greedy"] == 0.0 and metrics["pass@1"] == 0.0
+    assert metrics["greedy_rewards/arithmetic_reward/mean"] == 0.0
+    assert metrics["sampled_rewards/arithmetic_reward/mean"] == 0.0
+    # Flags win over the run; the validation split is the run's validation split.
+    metrics = main_eval(["--model_name_or_path", str(out), "--max_new_tokens", "2", "--split", "validation",
+                         "--num_eval_prompts", "3"])
+    assert metrics["settings"]["max_new_tokens"] == {"value": 2, "source": "flag"}
+    assert metrics["settings"]["num_eval_prompts"] == {"value": 3, "source": "flag"}
+    assert (metrics["split"], metrics["num_prompts"]) == ("validation", 4)
+    # A training recipe (ESConfig keys) is accepted by --config and wins over the run; unknown keys are an error.
+    metrics = main_eval(["--config", str(recipe), "--model_name_or_path", str(out)])
+    assert metrics["settings"]["max_new_tokens"] == {"value": 4, "source": "recipe"}
+    assert metrics["settings"]["top_p"] == {"value": 0.9, "source": "run"}
+    assert metrics["settings"]["task"] == {"value": "arithmetic", "source": "recipe"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_completion_length: 3\nno_such_key: 1\n")
+    with pytest.raises(ValueError, match=r"\['no_such_key'\] are neither trl-es eval arguments nor ESConfig fields"):
+        main_eval(["--config", str(bad), "--model_name_or_path", str(out)])
+
+
+def main_eval(args):
+    import trl_es.cli
+
+    return trl_es.cli.evaluate(args)
+
+
 def test_eval_pass_at_k(tmp_path, tiny_model_dir):
     output = tmp_path / "metrics.json"
     main(["eval", "--model_name_or_path", tiny_model_dir, "--task", "arithmetic", "--num_eval_prompts", "6",
           "--num_samples", "3", "--pass_k", "1", "3", "--max_new_tokens", "3", "--output_file", str(output)])
     metrics = json.loads(output.read_text())
-    assert metrics["num_prompts"] == 6
+    assert metrics["num_prompts"] == 6 and metrics["num_samples"] == 3 and metrics["sample_temperature"] == 1.0
+    assert metrics["settings"]["max_new_tokens"] == {"value": 3, "source": "flag"}
     # A random tiny model never answers a + b correctly.
     assert metrics["accuracy_greedy"] == 0.0 and metrics["pass@1"] == 0.0 and metrics["pass@3"] == 0.0
 
@@ -47,6 +116,87 @@ def test_eval_pass_at_k(tmp_path, tiny_model_dir):
 def test_eval_rejects_k_above_samples(tiny_model_dir):
     with pytest.raises(ValueError, match="pass_k values must be <= num_samples"):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--num_samples", "2", "--pass_k", "4"])
+    with pytest.raises(ValueError, match="0 means one sample"):
+        main(["eval", "--model_name_or_path", tiny_model_dir, "--pass_k", "2"])
+    with pytest.raises(ValueError, match=r"argument --split: invalid choice: 'train'"):
+        main(["eval", "--model_name_or_path", tiny_model_dir, "--split", "train"])
+
+
+def test_eval_reports_every_reward_function(tmp_path, tiny_model_dir):
+    metrics = main_eval(["--model_name_or_path", tiny_model_dir, "--task", "countdown", "--num_eval_prompts", "2",
+                         "--num_validation_prompts", "0", "--num_train_prompts", "1", "--max_new_tokens", "2"])
+    assert metrics["greedy_rewards/countdown_format_reward/mean"] == 0.0
+    assert metrics["greedy_rewards/countdown_answer_reward/mean"] == 0.0
+    assert metrics["sampled_rewards/countdown_answer_reward/mean"] == 0.0 and metrics["num_prompts"] == 2
+
+
+def _answer_then_ramble(tokenizer):
+    """A stand-in for ``generate``: every prompt "What is a + b?" gets "a + b = <a+b>\\n56 - 44 = 12"."""
+
+    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        completions = []
+        for prompt in tokenizer.batch_decode(input_ids, skip_special_tokens=True):
+            a, b = map(int, re.search(r"What is (-?\d+) \+ (-?\d+)\?", prompt).groups())
+            text = f"{a} + {b} = {a + b}\n56 - 44 = 12"
+            completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        width = max(map(len, completions))
+        padded = [ids + [tokenizer.eos_token_id] * (width - len(ids)) for ids in completions]
+        return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
+
+    return generate
+
+
+def test_right_answer_then_a_wrong_number_scores_the_same_in_training_and_evaluation(
+    tmp_path, tokenizer, tiny_model_dir, monkeypatch
+):
+    """A model that answers right and then adds a wrong number: ESTrainer.evaluate (what training logs) and
+    `trl-es eval` use the same reward function and both score it 1.0 (the old last-number rule scored 0.0)."""
+    monkeypatch.setattr(LlamaForCausalLM, "generate", _answer_then_ramble(tokenizer))
+    task = get_task("arithmetic")
+    assert task.reward_funcs == [arithmetic_reward]
+    _, splits = task_splits(TaskArguments(num_train_prompts=4, num_validation_prompts=0, num_eval_prompts=5))
+    args = ESConfig(output_dir=str(tmp_path / "es"), population_size=2, prompt_batch_size=2, max_steps=1,
+                    max_completion_length=16, noise_table_size=1 << 20, report_to=[], save_strategy="no")
+    trainer = ESTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), task.reward_funcs, args=args,
+                        train_dataset=splits["train"], eval_dataset=splits["test"], processing_class=tokenizer)
+    assert trainer.reward_scorer.reward_funcs == [arithmetic_reward]
+    assert trainer.evaluate()["eval_rewards/arithmetic_reward/mean"] == 1.0
+    metrics = main_eval(["--model_name_or_path", tiny_model_dir, "--num_train_prompts", "4",
+                         "--num_validation_prompts", "0", "--num_eval_prompts", "5", "--max_new_tokens", "16"])
+    assert metrics["accuracy_greedy"] == 1.0 and metrics["pass@1"] == 1.0
+    assert metrics["greedy_rewards/arithmetic_reward/mean"] == 1.0 and metrics["num_prompts"] == 5
+    assert last_number("47 + 35 = 82\n56 - 44 = 12") == 12  # what the old rule graded
+
+
+def test_train_on_the_test_split(tmp_path, tiny_model_dir):
+    results = main_train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--report_to", "none",
+                          "--save_strategy", "no", "--max_steps", "1", "--population_size", "2",
+                          "--prompt_batch_size", "2", "--max_completion_length", "2", "--noise_table_size",
+                          str(1 << 20), "--num_train_prompts", "4", "--num_validation_prompts", "0",
+                          "--num_eval_prompts", "3", "--eval_split", "test", "--plot", "false"])
+    # The test split is the eval split: no separate test_accuracy_*.
+    assert results == {"task": "arithmetic", "eval_split": "test", "num_train_prompts": 4,
+                       "num_validation_prompts": 0, "num_test_prompts": 3, "accuracy_before": 0.0,
+                       "accuracy_after": 0.0, "iterations": 1}
+    assert json.loads((tmp_path / RUN_FILE).read_text())["eval_split"] == "test"
+    # A checkpoint folder reads its run's settings from the parent folder.
+    (tmp_path / "checkpoint-1").mkdir()
+    assert read_run_settings(str(tmp_path / "checkpoint-1"))["num_eval_prompts"] == 3
+    assert read_run_settings(str(tmp_path / "elsewhere")) == {}
+
+
+def main_train(args):
+    import trl_es.cli
+
+    return trl_es.cli.train(args)
+
+
+def test_train_errors(tmp_path, tiny_model_dir):
+    base = ["train", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--report_to", "none"]
+    with pytest.raises(ValueError, match="eval_split='validation' is empty: set --num_validation_prompts >= 1"):
+        main([*base, "--num_validation_prompts", "0"])
+    with pytest.raises(ValueError, match=r"argument --generation_kwargs.*must be a JSON object"):
+        main([*base, "--generation_kwargs", "{repetition_penalty: 1.1}"])
 
 
 def test_analyze_writes_report(tmp_path, tiny_model_dir):
@@ -57,12 +207,25 @@ def test_analyze_writes_report(tmp_path, tiny_model_dir):
     assert report["drift"]["a"]["l2"] == 0.0  # the checkpoint is the base model itself
 
 
-def test_splits_are_disjoint():
-    for task in ("arithmetic", "countdown"):
-        _, train, held_out = task_splits(TaskArguments(task=task, num_train_prompts=50, num_eval_prompts=30))
-        train_prompts = {json.dumps(p) for p in train["prompt"]}
-        held_prompts = {json.dumps(p) for p in held_out["prompt"]}
-        assert len(held_out) == 30 and len(train) == 50 and not train_prompts & held_prompts
+@pytest.mark.parametrize("task", ["arithmetic", "countdown"])
+def test_splits_are_disjoint(task):
+    args = TaskArguments(task=task, num_train_prompts=50, num_validation_prompts=20, num_eval_prompts=30)
+    _, splits = task_splits(args)
+    assert list(splits) == ["train", "validation", "test"] and [len(splits[k]) for k in splits] == [50, 20, 30]
+    prompts = {k: {json.dumps(p) for p in splits[k]["prompt"]} for k in splits}
+    assert [len(prompts[k]) for k in splits] == [50, 20, 30]
+    assert not prompts["train"] & prompts["validation"] and not prompts["train"] & prompts["test"]
+    assert not prompts["validation"] & prompts["test"]
+    # Test first: it does not change with the train or validation sizes.
+    _, other = task_splits(TaskArguments(task=task, num_train_prompts=5, num_validation_prompts=0, num_eval_prompts=30))
+    assert other["test"]["prompt"] == splits["test"]["prompt"] and len(other["validation"]) == 0
+
+
+def test_task_arguments_validation():
+    with pytest.raises(ValueError, match=r"eval_split must be one of \('validation', 'test'\), got 'train'"):
+        TaskArguments(eval_split="train")
+    with pytest.raises(ValueError, match="num_validation_prompts must be an integer >= 0, got -1"):
+        TaskArguments(num_validation_prompts=-1)
 
 
 def test_console_script_help():

@@ -573,3 +573,96 @@ def test_build_direction_pool_on_tiny_model(tiny_llama, tokenizer, prompts, tmp_
     for k in range(2):
         assert max(float(deltas.delta(n, k).abs().max()) for n in deltas.module_names) > 0.0
     assert not torch.equal(deltas.delta(Q0, 0), deltas.delta(Q0, 1))
+
+
+# ---- The final genome ----
+
+
+def test_cma_search_keeps_the_top_candidates_and_skips_unscored_ones():
+    search = CMASearch(np.full(3, 0.5), 0.2, popsize=4, seed=0, top_k=2)
+    xs = search.ask()
+    search.tell(xs, [0.1, 0.9, 0.5, 0.0], tags=["a", "b", "c", "d"], scored=[True, False, True, True])
+    # "b" had no reward (its 0.9 is a stand-in): it steers pycma but is neither the best nor in the top.
+    assert search.best_tag == "c" and search.best_fitness == 0.5
+    assert [(f, tag) for f, _, tag in search.top] == [(0.5, "c"), (0.1, "a")]
+    assert np.array_equal(search.top[0][1], xs[2]) and (search.num_told, search.num_finite) == (4, 3)
+    xs = search.ask()
+    search.tell(xs, [0.3, 0.5, 0.7, 0.2], tags=["e", "f", "g", "h"])
+    assert [(f, tag) for f, _, tag in search.top] == [(0.7, "g"), (0.5, "c")]  # ties: the earlier one stays first
+
+
+def _lucky_batch_trainer(tiny_llama, delta_set, tokenizer, prompts, tmp_path, final_genome):
+    """A Hyper-ES run whose minibatch fitness is the true fitness (closeness to adapter 1) plus 100 on every
+    minibatch that holds the prompt "0 + 0 =": the highest minibatch scores are luck, not quality."""
+    base = {n: dict(tiny_llama.named_modules())[n].weight.detach().clone() for n in delta_set.module_names}
+    true_fitness = _distance_fitness(base, {n: delta_set.delta(n, 1) for n in delta_set.module_names})
+    args = _config(tmp_path, max_generations=6, population_size=6, prompt_batch_size=2, save_strategy="no",
+                   final_genome=final_genome, rescore_top_k=3)
+    trainer = HyperESTrainer(tiny_llama, delta_set, reward_funcs=_toy_reward, args=args, train_dataset=prompts,
+                             processing_class=tokenizer)
+    calls = []
+
+    def score_current_model(rows, genome=None):
+        calls.append(len(rows))
+        lucky = any(r["prompt"][0]["content"] == "0 + 0 =" for r in rows) and len(rows) < len(prompts)
+        return true_fitness(trainer.model, genome) + (100.0 if lucky else 0.0)
+
+    trainer.score_current_model = score_current_model
+
+    def true_of(genome):
+        with trainer.applier.applied(genome):
+            return true_fitness(trainer.model, genome)
+
+    return trainer, calls, true_of
+
+
+def test_rescored_final_genome_is_not_a_lucky_minibatch(tiny_llama, delta_set, tokenizer, prompts, tmp_path):
+    best_trainer, _, best_true = _lucky_batch_trainer(
+        copy.deepcopy(tiny_llama), copy.deepcopy(delta_set), tokenizer, prompts, tmp_path / "best", "best")
+    best_trainer.train()
+    assert best_trainer.search.best_fitness > 90  # "best" keeps a candidate of a lucky minibatch
+    best_pick = best_true(best_trainer.best_genome)
+
+    trainer, calls, true_of = _lucky_batch_trainer(tiny_llama, delta_set, tokenizer, prompts, tmp_path / "r",
+                                                   "rescored")
+    output = trainer.train()
+    assert HyperESConfig(output_dir=str(tmp_path), report_to="none").final_genome == "rescored"  # the default
+    # 6 generations x 6 candidates on minibatches of 2, then 3 + 1 genomes re-scored on the whole split of 6.
+    assert calls == [2] * 36 + [6] * 4
+    record = trainer.best_genome.metadata["rescored"]
+    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean"]
+    assert all(r["search_fitness"] > 90 for r in record[:3])  # the top of the search: all lucky minibatches
+    genomes = [trainer.candidate_genome(x, *tag) for _, x, tag in trainer.search.top]
+    genomes.append(trainer.space.decode(trainer.search.mean))
+    for r, genome in zip(record, genomes, strict=True):
+        assert r["fitness"] == pytest.approx(true_of(genome), abs=1e-12)  # no luck on the whole split
+    kept = max(range(4), key=lambda i: record[i]["fitness"])
+    assert np.array_equal(trainer.best_genome.weights, genomes[kept].weights)
+    assert trainer.best_genome.metadata["fitness"] == record[kept]["fitness"] == -output.training_loss
+    assert output.metrics["train_fitness_final"] == record[kept]["fitness"]
+    # The model holds the kept merge, whose true fitness is the best of those re-scored: better than "best"'s pick.
+    assert true_fitness_now(trainer) == pytest.approx(record[kept]["fitness"], abs=1e-12)
+    assert record[kept]["fitness"] > best_pick
+
+
+def true_fitness_now(trainer):
+    return trainer.score_current_model([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+
+
+@pytest.mark.parametrize("final_genome", ["rescored", "best", "mean"])
+def test_no_finite_reward_is_an_error(tiny_llama, delta_set, tokenizer, prompts, tmp_path, final_genome):
+    args = _config(tmp_path, max_generations=1, population_size=2, prompt_batch_size=2, max_completion_length=2,
+                   save_strategy="no", final_genome=final_genome)
+    trainer = HyperESTrainer(tiny_llama, delta_set, reward_funcs=lambda completions, **kw: [None] * len(completions),
+                             args=args, train_dataset=prompts, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=rf"none of the 2 candidates scored in 1 generation\(s\) got a finite fitness"
+                                         rf".*final_genome='{final_genome}'"):
+        trainer.train()
+    assert trainer.search.num_told == 2 and trainer.search.num_finite == 0 and trainer.search.best_x is None
+
+
+def test_final_genome_config_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"final_genome must be one of \('rescored', 'best', 'mean'\)"):
+        _config(tmp_path, final_genome="last")
+    with pytest.raises(ValueError, match="rescore_top_k must be an integer >= 1, got 0"):
+        _config(tmp_path, rescore_top_k=0)

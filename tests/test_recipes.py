@@ -8,8 +8,8 @@ from example_script import example_script
 from trl import ModelConfig, TrlParser
 
 from trl_es import ESConfig
-from trl_es.cli import TaskArguments
-from trl_es.tasks.arithmetic import make_arithmetic_splits
+from trl_es.cli import TaskArguments, task_splits
+from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
 from trl_es.trainer.hyper_es_config import HyperESConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +52,13 @@ def test_hyper_es_recipes(recipe, hyper_es_script):
 
 
 def test_cpu_hyper_es_recipe_uses_the_main_job_held_out_prompts(hyper_es_script):
+    """The Hyper-ES script's held-out prompts are the main job's test split (test first in the permutation: the same
+    for any train/validation sizes)."""
     script_args, _ = parse((hyper_es_script.HyperESScriptArguments, HyperESConfig), "hyper_es_arithmetic_cpu.yaml")
+    task_args, _, _ = parse((TaskArguments, ESConfig, ModelConfig), "arithmetic_smollm2.yaml")
     assert script_args.n_pool + script_args.n_fitness == 400 and script_args.n_eval == 200
-    _, main_held_out = make_arithmetic_splits(400, 200, seed=0)
-    _, held_out = make_arithmetic_splits(script_args.n_pool + script_args.n_fitness, script_args.n_eval,
-                                         seed=script_args.task_seed)
-    assert [(r["a"], r["b"], r["op"]) for r in held_out] == [(r["a"], r["b"], r["op"]) for r in main_held_out]
+    _, main_splits = task_splits(task_args)
+    held_out = make_arithmetic_dataset_dict(script_args.n_pool + script_args.n_fitness, 0, script_args.n_eval,
+                                            seed=script_args.task_seed)["test"]
+    assert len(held_out) == len(main_splits["test"]) == 200
+    assert [(r["a"], r["b"], r["op"]) for r in held_out] == [(r["a"], r["b"], r["op"]) for r in main_splits["test"]]

@@ -9,6 +9,7 @@ from trl_es.rewards import (
     completion_text,
     extract_answer_tag,
     extract_boxed,
+    find_number_spans,
     find_numbers,
     first_number,
     format_reward,
@@ -74,6 +75,15 @@ def test_find_numbers():
     assert find_numbers("\u22125") == [-5]
     assert find_numbers("none") == []
     assert type(find_numbers("7")[0]) is int and type(find_numbers("7.0")[0]) is float
+
+
+def test_find_number_spans_and_huge_numbers():
+    assert find_number_spans("x = -3, then 1,234.5!") == [(-3, 4, 6), (1234.5, 13, 20)]
+    assert find_number_spans("1 2 3 4", limit=2) == [(1, 0, 1), (2, 2, 3)]
+    with time_limit(5):  # Python refuses int() of > 4300 digits and is quadratic below: huge numbers read as floats
+        assert find_numbers("9" * 200_000 + " and 7") == [math.inf, 7]
+        assert find_numbers("1" * 1000) == [int("1" * 1000)] and find_numbers("1" * 1001) == [float("1" * 1001)]
+        assert last_number("12 " + "9" * 5000) == math.inf
 
 
 def test_first_and_last_number():

@@ -9,9 +9,12 @@ from time_limit import time_limit
 
 from trl_es.tasks import TASKS, get_task
 from trl_es.tasks.arithmetic import (
+    arithmetic_question,
     arithmetic_reward,
     make_arithmetic_dataset,
+    make_arithmetic_dataset_dict,
     make_arithmetic_splits,
+    stated_result,
 )
 from trl_es.tasks.countdown import (
     countdown_answer_reward,
@@ -28,6 +31,9 @@ from trl_es.tasks.gsm import (
     gsm_answer_score,
     gsm_reward,
     make_gsm_dataset,
+    math_verify_equal,
+    math_verify_input_ok,
+    plain_number,
 )
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,14 +294,124 @@ def test_make_arithmetic_splits_disjoint():
         make_arithmetic_splits(3, n_eval=2, low=1, high=2)
 
 
-def test_arithmetic_reward_last_number_rule():
+def _reward(completions, a, b, op, answer):
+    n = len(completions)
+    return arithmetic_reward(None, completions, answer=[answer] * n, a=[a] * n, b=[b] * n, op=[op] * n)
+
+
+def test_arithmetic_reward_first_stated_result():
+    right = ["82", "82.", "82.0", "The answer is 82", "47 + 35 = 82", "47+35=82\n56 - 44 = 12",
+             "47 + 35 equals 82, and 56 - 44 = 12", "35 + 47 = 82", "47 plus 35 is 82", "47 + 35 =\n82 (done)",
+             "$47 + 35 = 82$", [{"role": "assistant", "content": "47 + 35 = 82\n56 - 44 = 12"}]]
+    wrong = ["47 + 35 = 83\n... 82", "83, no 82", "", "no idea", "47 + 35", "47 + 35 =", "-82", "47 + 36 = 82",
+             "47 - 35 = 82", "8", "820"]
+    assert _reward(right, 47, 35, "+", 82) == [1.0] * len(right)
+    assert _reward(wrong, 47, 35, "+", 82) == [0.0] * len(wrong)
+
+
+@pytest.mark.parametrize(
+    "text, a, b, op, expected",
+    [
+        ("47 - 35 = 12", 47, 35, "-", 12),
+        ("47 -35 = 12", 47, 35, "-", 12),  # the minus is read as the sign of 35, still a restatement
+        ("47 \u2212 35 = 12", 47, 35, "-", 12),
+        ("47 minus 35 is 12", 47, 35, "-", 12),
+        ("35 - 47 = -12", 47, 35, "-", 35),  # "-" is not commutative: 35 is the first number
+        ("(-5) - (-3) = -2", -5, -3, "-", -2),
+        ("-5 - -3 = -2", -5, -3, "-", -2),
+        ("6 * 7 = 42", 6, 7, "*", 42),
+        ("7 x 6 = 42", 6, 7, "*", 42),
+        ("6 \u00d7 7 = 42", 6, 7, "*", 42),
+        ("6 \\times 7 = 42", 6, 7, "*", 42),
+        ("6 times 7 equals 42", 6, 7, "*", 42),
+        ("6 multiplied by 7 is 42", 6, 7, "*", 42),
+        ("6 + 7 = 13", 6, 7, "*", 6),  # another operator: no restatement
+        ("6 * 7", 6, 7, "*", None),
+        ("1,234 + 1 = 1,235", 1234, 1, "+", 1235),
+    ],
+)
+def test_stated_result_operator_spellings(text, a, b, op, expected):
+    assert stated_result(text, a, b, op) == expected
+
+
+def test_arithmetic_reward_without_problem_columns_takes_the_first_number():
     completions = ["8", "8.", "The answer is 8", "3 + 5 = 8", "", "-8", "8.0", "9", "8, no 9", "3 + 5 =",
                    [{"role": "assistant", "content": "8"}]]
     out = arithmetic_reward(None, completions, answer=[8] * len(completions), trainer_state=None)
-    assert out == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert out == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert arithmetic_reward(None, ["-4", "4", "1,234"], answer=[-4, -4, 1234]) == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="'answer'"):
         arithmetic_reward(None, ["1"])
+    with pytest.raises(ValueError, match="column 'b' with one entry per completion, got 2 entries for 1"):
+        arithmetic_reward(None, ["1"], answer=[1], a=[1], b=[1, 2], op=["+"])
+    with pytest.raises(ValueError, match=r"op must be one of \('\+', '-', '\*'\)"):
+        stated_result("1 / 1 = 1", 1, 1, "/")
+
+
+def test_arithmetic_reward_is_prefix_stable():
+    """A completion that holds its whole answer (a complete number) keeps its score whatever text is appended."""
+    import random
+
+    completions = [  # (text, a, b, op, answer); each ends after a character that cannot continue a number
+        ("82 ", 47, 35, "+", 82), ("82.\n", 47, 35, "+", 82), ("The answer is 82.\n", 47, 35, "+", 82),
+        ("47 + 35 = 82\n", 47, 35, "+", 82), ("47+35=82 ", 47, 35, "+", 82), ("35 + 47 = 82!", 47, 35, "+", 82),
+        ("47 + 35 = 83\n", 47, 35, "+", 82), ("83, ", 47, 35, "+", 82), ("47 - 35 = 12\n", 47, 35, "-", 12),
+        ("6 x 7 = 42 ", 6, 7, "*", 42), ("The result: 41\n", 20, 21, "+", 41), ("-2 ", -5, -3, "-", -2),
+    ]
+    rng = random.Random(0)
+    alphabet = "0123456789 +-=*x.,\n abcdefghij"
+    suffixes = ["56 - 44 = 12", "\n47 + 35 = 83", "0", ".5", ",000", " = 82", "82", "no, 83", "\u2212 1", ""]
+    suffixes += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(200)]
+    expected = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    for (text, a, b, op, answer), score in zip(completions, expected, strict=True):
+        assert _reward([text], a, b, op, answer) == [score], text
+        extended = [text + suffix for suffix in suffixes]
+        assert _reward(extended, a, b, op, answer) == [score] * len(extended), text
+
+
+def test_make_arithmetic_dataset_dict_splits():
+    splits = make_arithmetic_dataset_dict(300, 100, 200, seed=0)
+    assert list(splits) == ["train", "validation", "test"]
+    assert [len(splits[k]) for k in splits] == [300, 100, 200]
+    assert splits["train"].column_names == ["prompt", "a", "b", "op", "answer"]
+    keys = {k: [(r["op"], r["a"], r["b"]) for r in splits[k]] for k in splits}
+    assert len(set(keys["train"] + keys["validation"] + keys["test"])) == 600  # disjoint, no repeats
+    assert all(r["answer"] == r["a"] + r["b"] for r in splits["test"])
+    # Deterministic per seed, different across seeds.
+    again = make_arithmetic_dataset_dict(300, 100, 200, seed=0)
+    assert all(again[k].to_list() == splits[k].to_list() for k in splits)
+    other = make_arithmetic_dataset_dict(300, 100, 200, seed=1)
+    assert other["test"]["prompt"] != splits["test"]["prompt"] and other["train"]["prompt"] != splits["train"]["prompt"]
+    # The test split does not change with the train or validation sizes; validation not with the train size.
+    bigger = make_arithmetic_dataset_dict(1000, 50, 200, seed=0)
+    assert bigger["test"].to_list() == splits["test"].to_list()
+    assert make_arithmetic_dataset_dict(10, 100, 200, seed=0)["validation"].to_list() == splits["validation"].to_list()
+    small = make_arithmetic_dataset_dict(0, 0, 50, seed=0)
+    assert small["test"].to_list() == splits["test"].select(range(50)).to_list()
+
+
+def test_make_arithmetic_dataset_dict_edges_and_errors():
+    empty_validation = make_arithmetic_dataset_dict(3, 0, 1, low=1, high=2)
+    assert len(empty_validation["validation"]) == 0
+    assert empty_validation["validation"].column_names == ["prompt", "a", "b", "op", "answer"]
+    whole = make_arithmetic_dataset_dict(2, 1, 1, low=1, high=2, ops=("+", "*"), conversational=False)
+    assert sum(len(whole[k]) for k in whole) == 4 and isinstance(whole["test"][0]["prompt"], str)
+    grid = make_arithmetic_dataset_dict(4, 2, 2, low=1, high=2, ops=("+", "*"))
+    assert sorted((r["op"], r["a"], r["b"]) for k in grid for r in grid[k]) == sorted(
+        (op, a, b) for op in "+*" for a in (1, 2) for b in (1, 2))
+    assert grid["test"][0]["prompt"][0]["content"] == arithmetic_question(grid["test"][0]["a"], grid["test"][0]["op"],
+                                                                           grid["test"][0]["b"])
+    with pytest.raises(ValueError, match=r"= 9 exceeds the 8 distinct problems"):
+        make_arithmetic_dataset_dict(5, 2, 2, low=1, high=2, ops=("+", "*"))
+    for kwargs, name in [({"num_train": -1}, "num_train"), ({"num_validation": -2}, "num_validation"),
+                         ({"num_test": 1.5}, "num_test")]:
+        sizes = {"num_train": 1, "num_validation": 1, "num_test": 1, **kwargs}
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
+            make_arithmetic_dataset_dict(**sizes)
+    with pytest.raises(ValueError, match="all 0"):
+        make_arithmetic_dataset_dict(0, 0, 0)
+    with pytest.raises(ValueError, match="ops"):
+        make_arithmetic_dataset_dict(1, 1, 1, ops=("/",))
 
 
 # ============================================================================= GSM
@@ -333,6 +449,122 @@ def test_gsm_reward_with_math_verify():
     assert gsm_answer_score("<answer>1,234</answer>", "1234") == 1.0
     with pytest.raises(ValueError, match="'answer'"):
         gsm_reward(None, ["1"], answer=[])
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["18", "$18", "\\$18", "18$", "\u20ac18", "\u00a318", "18 dollars", "18 apples", "18 km/h", "18%", "18\\%",
+     "18.", "18.00", "18.0 dollars.", "$18$", "\\boxed{18}", "\\text{18 dollars}", "x = 18", "The answer is 18",
+     "18 m^2", "USD 18", "18!", " 18 ; "],
+)
+def test_gsm_accepts_decorated_numbers(answer):
+    assert gsm_answer_score(f"<answer>{answer}</answer>", "18") == 1.0
+    assert gsm_answer_score(f"<answer>{answer}</answer>", "19") == 0.0  # and still rejects a wrong number
+
+
+@pytest.mark.parametrize(
+    "answer, gold, expected",
+    [
+        ("1,234", "1234", 1.0), ("1 234", "1234", 1.0), ("$1,234.00", "1234", 1.0), ("1{,}234", "1234", 1.0),
+        ("1,235", "1234", 0.0), ("1.5 million", "1500000", 1.0), ("-$18", "-18", 1.0), ("\u221218", "-18", 1.0),
+        ("18", "-18", 0.0), ("18.5", "18", 0.0), ("18.001", "18", 0.0), (".5", "0.5", 1.0), ("18%", "0.18", 0.0),
+        ("18 dollars and 50 cents", "18", 0.0), ("18 or 19", "19", 0.0),
+    ],
+)
+def test_gsm_numeric_comparison(answer, gold, expected):
+    assert gsm_answer_score(f"<answer>{answer}</answer>", gold) == expected
+
+
+def test_plain_number_normalisation():
+    from decimal import Decimal
+
+    assert plain_number("\\$1,234.50") == Decimal("1234.50")
+    assert plain_number("18 km/h") == 18 and plain_number("2 thousand apples") == 2000
+    for not_plain in ["1/2", "\\frac{1}{2}", "18 + 1", "2^{3}", "eighteen", "about 18", "18 and 19", "", "x" * 300]:
+        assert plain_number(not_plain) is None, not_plain
+
+
+def test_math_verify_pre_screen():
+    for ok in ["\\frac{576}{2}", "2^{10}", "3!", "(1 + 2) * 3"]:
+        assert math_verify_input_ok(ok), ok
+    for bad in ["10^{10^{10}}", "2**3**4", "10^10^10", "2^{100000}", "(10^3)!", "1000!", "\\sum_{i=1}^{9} i",
+                "(" * 11 + "1" + ")" * 11, "1" * 201, "2^2^2", "x^{y^{z}}"]:
+        assert not math_verify_input_ok(bad), bad
+
+
+# The worst inputs for every grader: huge powers, deep nesting, very long strings, division by zero, huge values.
+_WORST_GSM = ["<answer>10^{10^{10}}</answer>", "<answer>9^{9^{9^{9}}}</answer>", "<answer>2**3**4**5</answer>",
+              "<answer>" + "(" * 5000 + "1" + ")" * 5000 + "</answer>", "<answer>(10^{9})!</answer>",
+              "<answer>" * 50_000, "9" * 200_000, "\\boxed{" * 20_000, "<answer>" + "1+" * 99 + "1</answer>",
+              "<answer>\\sum_{n=1}^{10^{12}} n</answer>", "<answer>\\int_0^1 x^{1000000} dx</answer>"]
+_WORST_COUNTDOWN = [(wrap("9" * 100_000), NUMS, TARGET), (wrap("(" * 100_000 + "1" + ")" * 100_000), [1], 1),
+                    (wrap("(" * 250 + "1" + ")" * 250), [1], 1), ("<answer>" * 50_000, NUMS, TARGET),
+                    (wrap("1/(1-1)"), [1, 1, 1], 1), (wrap("9**9**9**9"), [9] * 4, 1),
+                    (wrap(" * ".join(["9" * 120] * 4)), [int("9" * 120)] * 4, 1),  # beyond float range
+                    (wrap("-(" * 120 + "1" + ")" * 120), [1], -1)]
+_WORST_ARITHMETIC = ["9" * 1_000_000, "47 + 35 = " + "9" * 100_000, "-" * 500_000 + "1", "1," * 300_000]
+
+
+def _grade_worst_inputs() -> list[float]:
+    scores = [gsm_answer_score(text, "5") for text in _WORST_GSM]
+    scores += [countdown_answer_score(text, nums, target) for text, nums, target in _WORST_COUNTDOWN]
+    scores += arithmetic_reward(None, _WORST_ARITHMETIC, answer=[82] * 4, a=[47] * 4, b=[35] * 4, op=["+"] * 4)
+    return scores
+
+
+def test_graders_return_in_bounded_time_in_the_main_thread():
+    import time
+
+    start = time.monotonic()
+    with time_limit(20):
+        scores = _grade_worst_inputs()
+    assert scores == [0.0] * len(scores)
+    assert time.monotonic() - start < 10
+
+
+def test_graders_return_in_bounded_time_in_a_worker_thread():
+    """math-verify's own time limits need the main thread; the graders must not depend on them."""
+    import threading
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append(_grade_worst_inputs()), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "a grader did not return within 10 s in a worker thread"
+    assert results == [[0.0] * (len(_WORST_GSM) + len(_WORST_COUNTDOWN) + len(_WORST_ARITHMETIC))]
+    # Ordinary answers still grade right off the main thread, through math-verify as well.
+    right = []
+    worker = threading.Thread(target=lambda: right.extend(
+        [gsm_answer_score("<answer>\\frac{576}{2}</answer>", "288"), gsm_answer_score("<answer>$18</answer>", "18"),
+         gsm_answer_score("<answer>\\frac{576}{3}</answer>", "288")]), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert right == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs POSIX fork")
+def test_gsm_grading_in_a_forked_daemonic_worker():
+    """A forked worker (daemonic, as in a multiprocessing pool) grades through a helper of its own."""
+    import multiprocessing
+
+    texts = ["<answer>\\frac{576}{2}</answer>", "<answer>$288</answer>", "<answer>\\frac{576}{3}</answer>"]
+    assert [gsm_answer_score(t, "288") for t in texts] == [1.0, 1.0, 0.0]  # this process has a helper now
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.starmap_async(gsm_answer_score, [(t, "288") for t in texts]).get(timeout=30) == [1.0, 1.0, 0.0]
+
+
+def test_math_verify_helper_timeout_kills_and_restarts():
+    import trl_es.tasks.gsm as gsm
+
+    assert math_verify_equal("288", "$\\frac{576}{2}$") is True
+    helpers = list(gsm._all_helpers)
+    # No answer can come back within 0.1 ms: the comparison counts as not equal and the helper is killed ...
+    assert math_verify_equal("288", "$\\frac{576}{2}$", timeout=1e-4) is False
+    killed = [h for h in helpers if h not in gsm._all_helpers]
+    assert len(killed) == 1 and killed[0].process.poll() is not None
+    # ... and the next comparison starts a new helper.
+    assert math_verify_equal("288", "$\\frac{576}{2}$") is True
+    assert math_verify_equal("288", "$\\frac{575}{2}$") is False
 
 
 # ============================================================================= Registry

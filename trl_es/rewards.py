@@ -14,6 +14,7 @@ either into a string. Extra dataset columns arrive as keyword lists of the same 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -21,10 +22,12 @@ from typing import Any
 
 __all__ = [
     "ABS_TOL",
+    "MAX_INT_DIGITS",
     "REL_TOL",
     "completion_text",
     "extract_answer_tag",
     "extract_boxed",
+    "find_number_spans",
     "find_numbers",
     "first_number",
     "format_reward",
@@ -60,7 +63,7 @@ def completion_text(completion: str | Sequence[dict[str, Any]] | dict[str, Any])
 
     Returns:
         `str`: The string itself, or the content of the **last** assistant message (the one that holds the
-        final answer); the empty string for a message list without assistant content.
+            final answer); the empty string for a message list without assistant content.
 
     Raises:
         TypeError: If ``completion`` is none of the forms above.
@@ -140,7 +143,7 @@ def extract_boxed(text: str) -> str | None:
 
     Returns:
         `str | None`: The content between the braces, e.g. ``"\frac{1}{2}"`` for ``"\boxed{\frac{1}{2}}"``;
-        ``None`` if there is no ``\boxed{`` or its braces never close.
+            ``None`` if there is no ``\boxed{`` or its braces never close.
     """
     if "\\boxed{" not in text:
         return None
@@ -164,9 +167,14 @@ def extract_boxed(text: str) -> str | None:
     return best
 
 
+#: Digit strings longer than this are read as floats (``inf`` for huge ones) instead of ints: converting a huge
+#: digit string to an int is quadratic in its length, and Python refuses more than 4300 digits by default.
+MAX_INT_DIGITS = 1000
+
+
 def _to_number(token: str) -> int | float:
     token = token.replace(",", "").replace("\u2212", "-")
-    if re.fullmatch(r"[-+]?\d+", token):
+    if re.fullmatch(r"[-+]?\d+", token) and len(token) <= MAX_INT_DIGITS:
         return int(token)
     return float(token)
 
@@ -183,9 +191,28 @@ def find_numbers(text: str) -> list[int | float]:
         text (`str`): Any text.
 
     Returns:
-        `list[int | float]`: ``int`` for numbers written without decimals, else ``float``.
+        `list[int | float]`: ``int`` for numbers written without decimals, else ``float``; a digit string longer
+            than :data:`MAX_INT_DIGITS` is read as a ``float`` (``inf`` when out of range), so any text is read in time
+            linear in its length.
     """
     return [_to_number(m.group(0)) for m in _NUMBER_RE.finditer(text)]
+
+
+def find_number_spans(text: str, limit: int | None = None) -> list[tuple[int | float, int, int]]:
+    """Return the numbers of ``text`` (see :func:`find_numbers`) with where they are written, in order.
+
+    Args:
+        text (`str`): Any text.
+        limit (`int`, *optional*): Stop after this many numbers (the scan stops there too).
+
+    Returns:
+        `list[tuple[int | float, int, int]]`: ``(value, start, end)`` per number; ``text[start:end]`` is the number
+            as written, its sign included.
+    """
+    matches = _NUMBER_RE.finditer(text)
+    if limit is not None:
+        matches = itertools.islice(matches, limit)
+    return [(_to_number(m.group(0)), m.start(), m.end()) for m in matches]
 
 
 def first_number(text: str) -> int | float | None:
@@ -209,7 +236,7 @@ def parse_number(value: Any) -> int | float | None:
 
     Returns:
         `int | float | None`: The number (``int`` when written without decimals or exponent), ``None`` for
-        anything else, including booleans, NaN, infinities and strings with extra text.
+            anything else, including booleans, NaN, infinities and strings with extra text.
     """
     if isinstance(value, bool):
         return None
@@ -308,7 +335,7 @@ def format_reward(prompts: list, completions: list, completion_ids: list | None 
         prompts (`list`): Prompts (unused).
         completions (`list[str | list[dict]]`): Completions, standard or conversational format.
         completion_ids (`list[list[int]]`, *optional*): Unused.
-        **kwargs: Dataset columns and trainer extras; ignored.
+        **kwargs (`Any`): Dataset columns and trainer extras; ignored.
 
     Returns:
         `list[float]`: One score in ``{0, 0.1, 0.5, 0.6, 1}`` per completion.
@@ -322,7 +349,7 @@ def dataset_column(func_name: str, name: str, values, n: int) -> list:
     Args:
         func_name (`str`): The reward function's name (for the error message).
         name (`str`): The column name.
-        values: What the reward function received as ``name=...`` (``None`` when the column is missing).
+        values (`Sequence | None`): What the reward function received as ``name=...`` (``None`` when the column is missing).
         n (`int`): Number of completions.
 
     Returns:

@@ -2,7 +2,9 @@
 """Hyper-ES on the arithmetic task: build a LoRA direction pool with GRPO, search its merge with CMA-ES, compare.
 
 Steps:
-  1. Disjoint arithmetic splits: pool training rows, a fitness split (what CMA-ES maximizes) and held-out prompts.
+  1. Disjoint arithmetic splits: pool training rows, a fitness split (what CMA-ES maximizes) and held-out prompts
+     (the test split of ``make_arithmetic_dataset_dict``: the same prompts as the main job's test split for the
+     same ``task_seed`` and ``n_eval``).
   2. ``build_direction_pool``: K LoRA adapters, each a few GRPO steps on one bucket of the pool rows
      (skipped when ``<pool_dir>/direction_pool.json`` exists and ``--reuse_pool`` is on).
   3. ``HyperESTrainer``: CMA-ES over the layer-wise DARE-TIES coefficients, fitness = mean reward on the fitness split.
@@ -27,12 +29,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from trl import TrlParser
-
+from trl_es.arguments import TrlESParser
 from trl_es.merging import build_direction_pool
 from trl_es.merging.direction_pool import POOL_NAME
 from trl_es.models import load_model_and_tokenizer
-from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_splits
+from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
 from trl_es.trainer.hyper_es_config import HyperESConfig
 from trl_es.trainer.hyper_es_trainer import HyperESTrainer
 
@@ -79,14 +80,16 @@ class HyperESScriptArguments:
 def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, tokenizer = load_model_and_tokenizer(script_args.model_name_or_path, dtype=script_args.dtype)
-    train, held_out = make_arithmetic_splits(
+    splits = make_arithmetic_dataset_dict(
         script_args.n_pool + script_args.n_fitness,
-        n_eval=script_args.n_eval,
+        0,
+        script_args.n_eval,
         seed=script_args.task_seed,
         low=script_args.low,
         high=script_args.high,
         ops=tuple(script_args.ops),
     )
+    train, held_out = splits["train"], splits["test"]  # held out: the test split (as `trl-es train` and `eval`)
     pool_rows = train.select(range(script_args.n_pool))
     fitness_rows = train.select(range(script_args.n_pool, len(train)))
 
@@ -165,6 +168,6 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
 
 
 if __name__ == "__main__":
-    parser = TrlParser((HyperESScriptArguments, HyperESConfig))
+    parser = TrlESParser((HyperESScriptArguments, HyperESConfig))
     script_args, training_args = parser.parse_args_and_config()
     main(script_args, training_args)

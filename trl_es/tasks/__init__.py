@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from .arithmetic import (
     arithmetic_reward,
     make_arithmetic_dataset,
+    make_arithmetic_dataset_dict,
     make_arithmetic_splits,
 )
 from .countdown import (
@@ -52,6 +53,7 @@ __all__ = [
     "gsm_reward",
     "load_countdown_json",
     "make_arithmetic_dataset",
+    "make_arithmetic_dataset_dict",
     "make_arithmetic_splits",
     "make_countdown_dataset",
     "make_gsm_dataset",
@@ -89,7 +91,7 @@ TASKS: dict[str, Task] = {
     ),
     "arithmetic": Task(
         name="arithmetic",
-        description="'What is a + b? Reply with only the number.' (a, b in 1..50); reward: last number correct",
+        description="'What is a + b? Reply with only the number.' (a, b in 1..50); reward: first stated result correct",
         build_dataset=make_arithmetic_dataset,
         reward_funcs=[arithmetic_reward],
         reward_weights=[1.0],

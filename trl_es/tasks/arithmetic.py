@@ -1,29 +1,50 @@
 """Arithmetic: "What is a + b? Reply with only the number." (a small, fast task for smoke runs).
 
 Problems are drawn from the grid of all ``(op, a, b)`` with ``a, b`` in ``[low, high]`` and ``op`` in ``ops``
-(``+``, ``-``, ``*``). The reward (:func:`arithmetic_reward`) is 1.0 if the **first** number in the completion
-equals the answer, else 0.0; see :func:`trl_es.rewards.find_numbers` for what counts as a number.
+(``+``, ``-``, ``*``). The reward (:func:`arithmetic_reward`) is 1.0 if the **first stated result** of the completion
+equals the answer, else 0.0 (see :func:`stated_result`): the first number, after skipping a leading restatement
+``a op b`` of the problem. It does not depend on what the model writes after its result, so accuracy does not depend
+on where generation is cut.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 
-from ..rewards import completion_text, dataset_column, last_number, numbers_close
+from ..rewards import completion_text, dataset_column, find_number_spans, numbers_close
 
 __all__ = [
     "ALLOWED_OPS",
+    "OPERATOR_SPELLINGS",
     "arithmetic_question",
     "arithmetic_reward",
     "make_arithmetic_dataset",
+    "make_arithmetic_dataset_dict",
     "make_arithmetic_splits",
+    "stated_result",
 ]
 
 #: Operators a problem may use.
 ALLOWED_OPS = ("+", "-", "*")
 
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+#: How a restatement may spell each operator (regular expressions, matched case-insensitively, with any spaces
+#: and an optional bracket around them, as in "(-5) - (-3)"): "47 + 35", "47 plus 35"; "47 - 35" (also the minus
+#: sign U+2212, the en dash), "47 minus 35";
+#: "6 * 7", "6 x 7", "6 × 7", "6 · 7", "6 \\times 7", "6 \\cdot 7", "6 times 7", "6 multiplied by 7".
+OPERATOR_SPELLINGS = {
+    "+": (r"\+", "plus"),
+    "-": ("-", "\u2212", "\u2013", "minus"),
+    "*": (r"\*", "x", "\u00d7", "\u00b7", "\u22c5", r"\\times", r"\\cdot", "times", r"multiplied\s+by"),
+}
+_OPERATOR_RES = {
+    op: re.compile(r"\s*\)?\s*(?:" + "|".join(spellings) + r")\s*\(?\s*", re.IGNORECASE)
+    for op, spellings in OPERATOR_SPELLINGS.items()
+}
+_COMMUTATIVE = ("+", "*")
 
 
 def arithmetic_question(a: int, op: str, b: int) -> str:
@@ -84,7 +105,7 @@ def make_arithmetic_dataset(
             if False, the question string.
 
     Returns:
-        `datasets.Dataset`: Columns ``prompt``, ``a``, ``b``, ``op`` and ``answer`` (``int``).
+        (`datasets.Dataset`): Columns ``prompt``, ``a``, ``b``, ``op`` and ``answer`` (``int``).
 
     Raises:
         ValueError: If an argument is out of range.
@@ -110,6 +131,9 @@ def make_arithmetic_splits(
 ):
     """Generate disjoint train and held-out problem sets: no question appears twice, in either or across.
 
+    The legacy two-way split (kept as it was, so its splits do not change); new code should use
+    :func:`make_arithmetic_dataset_dict`, whose test split does not change with the train size.
+
     ``n_train + n_eval`` distinct problems are drawn **without replacement** from the grid of
     ``len(ops) * (high - low + 1) ** 2`` problems; the first ``n_train`` form the train set.
 
@@ -117,11 +141,14 @@ def make_arithmetic_splits(
         n_train (`int`): Train rows, ``>= 1``.
         n_eval (`int`, defaults to 200): Held-out rows, ``>= 1``.
         seed (`int`, defaults to 0): Seed; same seed, same splits.
-        low, high, ops, conversational: As in :func:`make_arithmetic_dataset`.
+        low (`int`): As in :func:`make_arithmetic_dataset`.
+        high (`int`): As in :func:`make_arithmetic_dataset`.
+        ops (`Sequence[str]`): As in :func:`make_arithmetic_dataset`.
+        conversational (`bool`): As in :func:`make_arithmetic_dataset`.
 
     Returns:
-        `tuple[datasets.Dataset, datasets.Dataset]`: ``(train, held_out)``, columns as in
-        :func:`make_arithmetic_dataset`.
+        (`tuple[datasets.Dataset, datasets.Dataset]`): ``(train, held_out)``, columns as in
+            :func:`make_arithmetic_dataset`.
 
     Raises:
         ValueError: If an argument is out of range or ``n_train + n_eval`` exceeds the number of distinct
@@ -145,32 +172,190 @@ def make_arithmetic_splits(
     return train, held_out
 
 
-def arithmetic_reward(prompts: list, completions: list, completion_ids=None, answer=None, **kwargs) -> list[float]:
-    """TRL reward function: 1.0 if the last number in the completion equals the answer, else 0.0.
+def _permutation_prefix(rng: random.Random, size: int, k: int) -> list[int]:
+    # The first k entries of a Fisher-Yates permutation of range(size), drawn lazily (O(k) time and memory for a
+    # grid of any size): entry i is drawn uniformly from the entries not drawn yet. Entry i depends only on the
+    # first i + 1 draws, so a longer prefix extends a shorter one.
+    swapped: dict[int, int] = {}
+    prefix = []
+    for i in range(k):
+        j = rng.randrange(i, size)
+        prefix.append(swapped.get(j, j))
+        swapped[j] = swapped.get(i, i)
+    return prefix
 
-    The last number is found by :func:`trl_es.rewards.last_number` (``"-12"``, ``"1,234"`` and ``"7.0"``
-    are numbers; ``"7.0"`` equals 7); a completion without a number scores 0.0. So ``"8"``, ``"8."``,
-    ``"The answer is 8"`` and ``"3 + 5 = 8"`` all score 1.0 for ``3 + 5``; ``"8, no 9"`` scores 0.0.
-    The *last* number, because SmolLM2-135M-Instruct answers 196 of 200 held-out prompts in the form
-    ``"a + b = c"`` despite "Reply with only the number" (a first-number rule scores it 0.005, the last-number
-    rule 0.28, close to the 0.295 baseline this task was specified with).
+
+def make_arithmetic_dataset_dict(
+    num_train: int,
+    num_validation: int,
+    num_test: int,
+    seed: int = 0,
+    low: int = 1,
+    high: int = 50,
+    ops: Sequence[str] = ("+",),
+    conversational: bool = True,
+):
+    """Generate disjoint train, validation and test splits: no question appears twice, in a split or across them.
+
+    One permutation of the grid of ``len(ops) * (high - low + 1) ** 2`` problems is drawn from
+    ``random.Random(seed)``; **test** is its first ``num_test`` problems, **validation** the next
+    ``num_validation``, **train** the next ``num_train``. So the test split depends only on ``(seed, low, high,
+    ops, num_test)``: it stays the same when the train or validation sizes change, and validation stays the same
+    when the train size changes. Tune on validation (e.g. the trainer's periodic evaluations) and report test.
+
+    Args:
+        num_train (`int`): Train rows, ``>= 0``.
+        num_validation (`int`): Validation rows, ``>= 0`` (0 gives an empty validation split).
+        num_test (`int`): Test rows, ``>= 0``.
+        seed (`int`, defaults to 0): Seed; same seed, same splits; another seed, other splits.
+        low (`int`): As in :func:`make_arithmetic_dataset`.
+        high (`int`): As in :func:`make_arithmetic_dataset`.
+        ops (`Sequence[str]`): As in :func:`make_arithmetic_dataset`.
+        conversational (`bool`): As in :func:`make_arithmetic_dataset`.
+
+    Returns:
+        (`datasets.DatasetDict`): Keys ``"train"``, ``"validation"``, ``"test"``; columns as in
+            :func:`make_arithmetic_dataset` (empty splits keep the columns).
+
+    Raises:
+        ValueError: If a size is not an integer ``>= 0``, all three are 0, another argument is out of range, or the
+            sizes add up to more than the grid holds.
+    """
+    from datasets import Dataset, DatasetDict
+
+    sizes = {"num_train": num_train, "num_validation": num_validation, "num_test": num_test}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    total = num_train + num_validation + num_test
+    if total == 0:
+        raise ValueError("num_train, num_validation and num_test are all 0: nothing to generate")
+    ops = _check_args(low, high, ops)
+    size = len(ops) * (high - low + 1) ** 2
+    if total > size:
+        raise ValueError(
+            f"num_train + num_validation + num_test = {num_train} + {num_validation} + {num_test} = {total} exceeds "
+            f"the {size} distinct problems for low={low}, high={high}, ops={ops}; widen the range or add operators"
+        )
+    indices = _permutation_prefix(random.Random(seed), size, total)
+    everything = Dataset.from_list(_rows(indices, low, high, ops, conversational))
+    first_train = num_test + num_validation
+
+    def rows(start: int, stop: int):  # datasets rejects an empty range that starts at the end: select [] then
+        return everything.select(range(start, stop) if stop > start else [])
+
+    return DatasetDict(
+        {"train": rows(first_train, total), "validation": rows(num_test, first_train), "test": rows(0, num_test)}
+    )
+
+
+def _is_operand(value: int | float, operand) -> bool:
+    return operand is not None and numbers_close(value, operand)
+
+
+def stated_result(text: str, a=None, b=None, op: str | None = None) -> int | float | None:
+    """The first stated result of a completion: its first number, after a leading restatement of the problem.
+
+    If the first two numbers of ``text`` are the operands ``a`` and ``b`` in that order (or ``b``, ``a`` for the
+    commutative ``+`` and ``*``) with only the operator ``op`` between them (any spelling in
+    :data:`OPERATOR_SPELLINGS`, any spaces, brackets around a negative operand), they are a restatement of the
+    problem and the result is the **next**
+    number (whatever joins them: ``=``, ``is``, ``equals``, ...). Otherwise the result is the **first** number.
+    With ``a``, ``b`` or ``op`` missing (``None``) the result is always the first number.
+
+    For ``47 + 35``: ``"82"``, ``"82."``, ``"The answer is 82"``, ``"47 + 35 = 82"``, ``"35+47=82"``,
+    ``"47 + 35 = 82\n56 - 44 = 12"`` and ``"47 plus 35 equals 82, and ..."`` all state 82; ``"47 + 35 = 83 ...
+    82"`` states 83, ``"83, no 82"`` states 83, ``"47 + 35"`` and ``"no idea"`` state nothing.
+
+    The result depends only on the text up to and including its number: whatever follows a complete number (one
+    followed by a character that cannot continue it, e.g. a space or a newline) never changes it. One exception is
+    inherent to the rule: when the answer equals an operand (``7 * 1``), the text ``"7 "`` states 7, while its
+    continuation ``"7 * 1 = 8"`` restates the problem and states 8.
+
+    Args:
+        text (`str`): Completion text.
+        a (`int | float`, *optional*): Left operand of the problem.
+        b (`int | float`, *optional*): Right operand.
+        op (`str`, *optional*): Operator, one of :data:`ALLOWED_OPS`.
+
+    Returns:
+        `int | float | None`: The stated result (see :func:`trl_es.rewards.find_numbers` for what a number is), or
+        ``None`` if there is none.
+
+    Raises:
+        ValueError: If ``op`` is given and is not one of :data:`ALLOWED_OPS`.
+    """
+    if op is not None and op not in _OPERATOR_RES:
+        raise ValueError(f"op must be one of {ALLOWED_OPS} (or None), got {op!r}")
+    numbers = find_number_spans(text, limit=3)
+    if not numbers:
+        return None
+    if a is not None and b is not None and op is not None and len(numbers) >= 2:
+        (x, _, x_end), (y, y_start, _) = numbers[0], numbers[1]
+        between = text[x_end:y_start]
+        if _OPERATOR_RES[op].fullmatch(between):
+            second = y
+        elif op == "-" and not between.strip() and text[y_start] in "-\u2212":
+            second = -y  # "47 -35": the minus was read as the sign of 35
+        else:
+            second = None
+        if second is not None:
+            in_order = _is_operand(x, a) and _is_operand(second, b)
+            swapped = op in _COMMUTATIVE and _is_operand(x, b) and _is_operand(second, a)
+            if in_order or swapped:
+                return numbers[2][0] if len(numbers) > 2 else None
+    return numbers[0][0]
+
+
+def arithmetic_reward(
+    prompts: list, completions: list, completion_ids=None, answer=None, a=None, b=None, op=None, **kwargs
+) -> list[float]:
+    """TRL reward function: 1.0 if the completion's first stated result equals the answer, else 0.0.
+
+    The rule ("first stated result", :func:`stated_result`): the answer is the first number of the completion,
+    after skipping a leading restatement ``a op b`` of the problem (together with the ``=``/"is"/"equals" that
+    follows it). So for ``47 + 35``, ``"82"``, ``"82."``, ``"The answer is 82"``, ``"47 + 35 = 82"``,
+    ``"47+35=82\n56 - 44 = 12"`` and ``"47 + 35 equals 82, and 56 - 44 = 12"`` score 1.0; ``"47 + 35 = 83\n...
+    82"``, ``"83, no 82"`` and a completion without a number score 0.0. Numbers compare with
+    :func:`trl_es.rewards.numbers_close` (``"82.0"`` equals 82).
+
+    Why: SmolLM2-135M-Instruct answers ``"47 + 35 = 82"`` despite "Reply with only the number", and once trained
+    it keeps going (``"47 + 35 = 82\n56 - 44 = 12"``): a last-number rule then grades where generation was cut
+    (accuracy 0.63 at 10 new tokens, 0.36 at 64), while the first stated result does not change with the length.
+
+    Without the ``a``, ``b`` and ``op`` columns (datasets other than :func:`make_arithmetic_dataset`'s), no
+    restatement can be recognised and the answer is the first number of the completion.
 
     Args:
         prompts (`list`): Prompts (unused).
         completions (`list[str | list[dict]]`): Completions, standard or conversational format.
         completion_ids (*optional*): Unused.
         answer (`list[int]`): Dataset column: the correct result of each problem.
+        a (`list[int]`, *optional*): Dataset column: left operands.
+        b (`list[int]`, *optional*): Dataset column: right operands.
+        op (`list[str]`, *optional*): Dataset column: operators.
         **kwargs: Other columns and trainer extras; ignored.
 
     Returns:
         `list[float]`: 1.0 or 0.0 per completion.
 
     Raises:
-        ValueError: If ``answer`` is missing or not as long as ``completions``.
+        ValueError: If ``answer`` is missing or not as long as ``completions``, or ``a``/``b``/``op`` are given with
+            another length.
     """
-    answer = dataset_column("arithmetic_reward", "answer", answer, len(completions))
+    n = len(completions)
+    answer = dataset_column("arithmetic_reward", "answer", answer, n)
+    problem = [None] * n
+    if a is not None and b is not None and op is not None:
+        problem = list(
+            zip(
+                dataset_column("arithmetic_reward", "a", a, n),
+                dataset_column("arithmetic_reward", "b", b, n),
+                dataset_column("arithmetic_reward", "op", op, n),
+            )
+        )
     scores = []
-    for c, expected in zip(completions, answer):
-        value = last_number(completion_text(c))
+    for c, expected, operands in zip(completions, answer, problem):
+        value = stated_result(completion_text(c), *(operands or ()))
         scores.append(1.0 if value is not None and numbers_close(value, expected) else 0.0)
     return scores

@@ -121,24 +121,38 @@ def _check_node(node: ast.AST) -> None:
     raise ValueError(f"expression contains a disallowed element: {type(node).__name__}")
 
 
-def _evaluate(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant):
-        return Fraction(node.value)
-    if isinstance(node, ast.UnaryOp):
-        value = _evaluate(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    left, right = _evaluate(node.left), _evaluate(node.right)
-    if isinstance(node.op, ast.Add):
+def _apply(op: ast.operator, left: Fraction, right: Fraction) -> Fraction:
+    if isinstance(op, ast.Add):
         return left + right
-    if isinstance(node.op, ast.Sub):
+    if isinstance(op, ast.Sub):
         return left - right
-    if isinstance(node.op, ast.Mult):
+    if isinstance(op, ast.Mult):
         return left * right
     if right == 0:
         raise ZeroDivisionError("division by zero in expression")
     return left / right
+
+
+def _evaluate(root: ast.AST) -> Fraction:
+    # Post-order with an explicit stack (no recursion, so the depth of the expression never meets the recursion
+    # limit or a worker thread's smaller C stack). Nodes were checked by _check_node.
+    values: list[Fraction] = []
+    stack: list[tuple[ast.AST, bool]] = [(root.body if isinstance(root, ast.Expression) else root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if isinstance(node, ast.Constant):
+            values.append(Fraction(node.value))
+        elif isinstance(node, ast.UnaryOp):
+            if not children_done:
+                stack += [(node, True), (node.operand, False)]
+            elif isinstance(node.op, ast.USub):
+                values.append(-values.pop())
+        elif not children_done:  # BinOp
+            stack += [(node, True), (node.right, False), (node.left, False)]
+        else:
+            right, left = values.pop(), values.pop()
+            values.append(_apply(node.op, left, right))
+    return values[0]
 
 
 def evaluate_expression(
@@ -154,7 +168,8 @@ def evaluate_expression(
         expression (`str`): E.g. ``"(44 + 19) + 35"``.
         numbers (`Sequence[int]`, *optional*): If given, the literals must be exactly these numbers, each used
             once (as a multiset; order free). Checked before evaluating.
-        max_length (`int`, defaults to :data:`MAX_EXPRESSION_LENGTH`): Longer expressions are rejected unparsed.
+        max_length (`int`, *optional*): Longer expressions are rejected unparsed. Defaults to
+            :data:`MAX_EXPRESSION_LENGTH`.
 
     Returns:
         `fractions.Fraction`: The exact value, e.g. ``Fraction(137, 5)`` for ``"98 / (47 - 52) + 47"``.
@@ -183,10 +198,7 @@ def evaluate_expression(
             literals.append(node.value)
     if numbers is not None and Counter(literals) != Counter(int(x) for x in numbers):
         raise ValueError(f"expression uses the numbers {sorted(literals)}, expected each of {sorted(numbers)} once")
-    try:
-        return _evaluate(tree)
-    except RecursionError:
-        raise ValueError("expression is nested too deeply") from None
+    return _evaluate(tree)
 
 
 def _target_value(target: float | str) -> float:
@@ -221,9 +233,12 @@ def countdown_answer_score(text: str, numbers: Sequence[int], target: float | st
         return 0.0
     try:
         value = evaluate_expression(answer, numbers)
+        close = numbers_close(float(value), goal)
     except (ValueError, ZeroDivisionError):
         return 0.0
-    return 1.0 if numbers_close(float(value), goal) else 0.0
+    except OverflowError:  # beyond the float range: cannot be within 1e-5 of a (finite) target
+        return 0.0
+    return 1.0 if close else 0.0
 
 
 def countdown_format_reward(prompts: list, completions: list, completion_ids=None, **kwargs) -> list[float]:
@@ -233,7 +248,7 @@ def countdown_format_reward(prompts: list, completions: list, completion_ids=Non
         prompts (`list`): Prompts (unused).
         completions (`list[str | list[dict]]`): Completions, standard or conversational format.
         completion_ids (*optional*): Unused.
-        **kwargs: Dataset columns and trainer extras; ignored.
+        **kwargs (`Any`): Dataset columns and trainer extras; ignored.
 
     Returns:
         `list[float]`: Scores in ``{0, 0.1, 0.5, 0.6, 1}``; weight them by :data:`FORMAT_WEIGHT` (0.1).
@@ -253,7 +268,7 @@ def countdown_answer_reward(
         completion_ids (*optional*): Unused.
         numbers (`list[list[int]]`): Dataset column: the given numbers of each problem.
         target (`list[int | float | str]`): Dataset column: the target of each problem.
-        **kwargs: Other columns and trainer extras; ignored.
+        **kwargs (`Any`): Other columns and trainer extras; ignored.
 
     Returns:
         `list[float]`: 1.0 or 0.0 per completion.
@@ -336,8 +351,8 @@ def make_countdown_dataset(
             :func:`countdown_prompt_text`).
 
     Returns:
-        `datasets.Dataset`: Columns ``prompt``, ``numbers`` (``list[int]``), ``target`` (``int``) and
-        ``solution`` (``str``, fully bracketed, e.g. ``"((44 + 19) + 35)"``).
+        (`datasets.Dataset`): Columns ``prompt``, ``numbers`` (``list[int]``), ``target`` (``int``) and
+            ``solution`` (``str``, fully bracketed, e.g. ``"((44 + 19) + 35)"``).
 
     Raises:
         ValueError: If an argument is out of range.
@@ -384,8 +399,8 @@ def load_countdown_json(
         test_size (`int`, defaults to 2000): Size of the test split.
 
     Returns:
-        `datasets.Dataset`: Columns ``id``, ``prompt``, ``numbers``, ``target`` (``str``), ``solution``
-        (``str``, or ``None`` where the file has none).
+        (`datasets.Dataset`): Columns ``id``, ``prompt``, ``numbers``, ``target`` (``str``), ``solution``
+            (``str``, or ``None`` where the file has none).
 
     Raises:
         ValueError: If ``split`` is not one of the allowed values, the file is not a list of such items, or

@@ -1,26 +1,55 @@
-"""GSM-style word problems from ``reasoning-gym`` generators, graded with ``math-verify``.
+"""GSM-style word problems from ``reasoning-gym`` generators, graded numerically or with ``math-verify``.
 
 Problems come from a procedural `reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ generator
 (default ``"gsm_symbolic"``: GSM8K templates with fresh numbers), so any number of seeded problems can be made
 offline. The reward (:func:`gsm_reward`) takes the model's final answer from, in this order, the last
-``<answer>...</answer>`` block, else the last ``\\boxed{...}``, else the last number in the text, and checks it
-against the reference answer with ``math_verify.verify`` (numeric equality up to its rounding, so ``"560"``,
-``"560.0"``, ``"\\boxed{560}"`` and ``"1,234"`` vs ``1234`` all match).
+``<answer>...</answer>`` block, else the last ``\\boxed{...}``, else the last number in the text. When the reference
+answer and the final answer are both plain numbers once the usual decorations are removed (currency signs, units,
+thousands separators, trailing punctuation; see :func:`plain_number`), they are compared exactly as decimals;
+otherwise (``\\frac{576}{2}``, ``2^{10}``, ...) with ``math_verify``, in a helper process with a time limit (see
+:func:`math_verify_equal`), so grading returns in bounded time on any thread.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
+import logging
+import os
+import queue
+import re
+import subprocess
+import sys
 import threading
+from decimal import Decimal, InvalidOperation
 
 from ..rewards import completion_text, dataset_column, extract_answer_tag, extract_boxed, find_numbers
 
-__all__ = ["GSM_INSTRUCTION", "MAX_ANSWER_LENGTH", "extract_final_answer", "gsm_answer_score", "gsm_reward",
-           "make_gsm_dataset"]
+__all__ = [
+    "GSM_INSTRUCTION",
+    "MATH_VERIFY_TIMEOUT",
+    "MAX_ANSWER_LENGTH",
+    "extract_final_answer",
+    "gsm_answer_score",
+    "gsm_reward",
+    "make_gsm_dataset",
+    "math_verify_equal",
+    "math_verify_input_ok",
+    "plain_number",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Appended to each question (after a blank line) to ask for a tagged final answer.
 GSM_INSTRUCTION = "Think step by step, then give the final answer as a number in <answer> </answer> tags."
 #: Extracted answers longer than this (characters) score 0 without being parsed.
 MAX_ANSWER_LENGTH = 200
+#: Seconds one math-verify comparison may take (wall clock, in the helper process) before it is abandoned, scored
+#: 0.0 and its helper process killed. Inside the helper, math-verify's own limit is 1 s per parse and per comparison.
+MATH_VERIFY_TIMEOUT = 5.0
+#: Seconds a new helper process may take to start (import math-verify and sympy) before grading falls back to
+#: calling math-verify in this process.
+MATH_VERIFY_STARTUP_TIMEOUT = 60.0
 
 
 def extract_final_answer(text: str) -> str | None:
@@ -44,9 +73,315 @@ def extract_final_answer(text: str) -> str | None:
     return None if answer is None else answer.strip()
 
 
+# ---------------------------------------------------------------------------------------------- plain numbers
+
+_WRAPPERS_RE = re.compile(
+    r"\\(?:boxed|fbox|text|textrm|textnormal|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}"
+)
+_CURRENCY_RE = re.compile(
+    r"\\\$|\$|\\(?:euro|texteuro|pounds|textsterling|textdollar|yen|textyen)\b"
+    r"|[\u20ac\u00a3\u00a5\u20b9\u20a9\u20bd\u00a2]|\b(?:USD|US|EUR|GBP|CAD|AUD|INR)\b"
+)
+_LATEX_SPACE_RE = re.compile(r"\\[,;:! ]|~|\\quad|\\qquad")
+_LEADING_RE = re.compile(r"^(?:(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?|[A-Za-z]\w*\s*=|=)\s*", re.IGNORECASE)
+_NUMBER_PART = (
+    r"(?P<sign>[-+\u2212]?)\s*"
+    r"(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d{1,3}(?:[ \u00a0\u2009\u202f]\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
+# A unit: "%", or words of letters joined by spaces, "/", "-", ".", "'" (dollars, km/h, square feet, per cent);
+# squares and cubes (m^2, m²) are removed before matching.
+_UNIT_PART = r"(?P<unit>%|[^\W\d_]+(?:[\s/.'\u2019-]+[^\W\d_]+)*)?"
+_PLAIN_RE = re.compile(rf"{_NUMBER_PART}\s*{_UNIT_PART}")
+_POWER_UNIT_RE = re.compile(r"(?<=[^\W\d_])(?:\^\{?[23]\}?|[\u00b2\u00b3])")  # m^2, cm³: after a letter only
+_SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+
+
+def plain_number(text: str) -> Decimal | None:
+    r"""Read ``text`` as one plain number, after removing the usual decorations of a numeric answer.
+
+    Normalised, in this order:
+
+    - ``\boxed{..}``, ``\text{..}``, ``\mathrm{..}``, ``\mbox{..}`` (and similar) are replaced by their content;
+    - currency signs are removed anywhere: ``$`` (also as LaTeX math delimiters), ``\$``, ``€``, ``£``, ``¥``,
+      ``₹``, ``₩``, ``₽``, ``¢``, ``\euro``, ``\pounds``, and the codes ``USD``, ``US``, ``EUR``, ``GBP``,
+      ``CAD``, ``AUD``, ``INR``;
+    - LaTeX spacing (``\,``, ``\;``, ``\!``, ``~``, ...) becomes a space, ``{,}`` a comma, ``\%`` a percent sign,
+      ``\(``/``\)``/``\[``/``\]`` are removed, and the Unicode minus ``−`` is a minus;
+    - trailing punctuation (``. , ; : ! ?``) is removed, and so is a leading ``=``, ``x =``, ``Answer:`` or ``The
+      (final) answer is``;
+    - thousands separators: commas (``1,234``) or single spaces (``1 234``, also no-break and thin spaces), in groups
+      of exactly three digits;
+    - a unit after the number is dropped: ``%`` or words (``18 dollars``, ``18 apples``, ``18 km/h``, ``18 square
+      feet``, ``18 m^2``: a square or cube right after a letter belongs to the unit), except the scale words
+      ``thousand``, ``million``, ``billion``, ``trillion``, which multiply (``1.5 million`` is 1500000). So ``18%``
+      reads as 18 (not 0.18).
+
+    What is left must be a sign, a decimal number and the optional unit; anything else (another number, an operator,
+    a fraction, an exponent, a word before the number) is not a plain number.
+
+    Args:
+        text (`str`): An answer, e.g. ``"\$1,234.00"`` or ``"18 dollars."``.
+
+    Returns:
+        `decimal.Decimal | None`: The exact value (``Decimal("18")``, ``Decimal("1234.00")``), or ``None`` if
+            ``text`` is not a plain number or longer than :data:`MAX_ANSWER_LENGTH` characters.
+    """
+    if not isinstance(text, str) or len(text) > MAX_ANSWER_LENGTH:
+        return None
+    s = text
+    for _ in range(3):  # nested wrappers: \boxed{\text{18}}
+        s = _WRAPPERS_RE.sub(r"\1", s)
+    s = s.replace("\\%", "%").replace("{,}", ",").replace("\u2212", "-")
+    s = re.sub(r"\\[()\[\]]", " ", s)
+    s = _CURRENCY_RE.sub(" ", s)
+    s = _LATEX_SPACE_RE.sub(" ", s)
+    s = s.strip().rstrip(".,;:!? \t\n")
+    s = _LEADING_RE.sub("", s).strip()
+    match = _PLAIN_RE.fullmatch(_POWER_UNIT_RE.sub("", s))
+    if match is None:
+        return None
+    digits = re.sub(r"[, \u00a0\u2009\u202f]", "", match["number"])
+    try:
+        value = Decimal(digits)
+    except InvalidOperation:
+        return None
+    unit = (match["unit"] or "").lower()
+    scale = _SCALES.get(unit.split()[0] if unit.split() else "")
+    if scale is not None:
+        value *= scale
+    return -value if match["sign"] == "-" else value
+
+
+# ---------------------------------------------------------------------------------------------- math-verify, bounded
+
+_HEAVY_COMMANDS_RE = re.compile(r"\\(?:sum|prod|int|iint|iiint|oint|lim|limsup|liminf)(?![A-Za-z])")
+_MAX_NESTING = 10
+
+
+def _exponent(text: str, start: int) -> str:
+    """The exponent written at ``text[start:]`` (after a ``^`` or ``**``): a bracketed group or a run of word chars."""
+    i = start
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] in "{(":
+        opener, closer = text[i], "}" if text[i] == "{" else ")"
+        depth, j = 0, i
+        while j < len(text):
+            depth += (text[j] == opener) - (text[j] == closer)
+            if depth == 0:
+                return text[i : j + 1]
+            j += 1
+        return text[i:]
+    match = re.match(r"[-+]?[\w.\\]+", text[i:])
+    return match.group(0) if match else ""
+
+
+def math_verify_input_ok(text: str) -> bool:
+    r"""Cheap pre-screen of an answer before it reaches math-verify (and sympy).
+
+    Rejected: text longer than :data:`MAX_ANSWER_LENGTH`; brackets ``( [ {`` nested deeper than 10; a power whose
+    exponent holds another power (``10^{10^{10}}``, ``2**3**4``) or a number of 4 or more digits (``2^{100000}``);
+    more than 4 powers; a factorial of anything but a number below 1000 (``(10^3)!``, ``1000!``); ``\sum``,
+    ``\prod``, ``\int``, ``\lim``. Such answers never equal a numeric GSM answer in practice, and they are what makes
+    sympy compute for minutes or hours.
+
+    Args:
+        text (`str`): The answer (or reference) text.
+
+    Returns:
+        `bool`: Whether math-verify may be asked about it.
+    """
+    if len(text) > MAX_ANSWER_LENGTH or _HEAVY_COMMANDS_RE.search(text):
+        return False
+    depth = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            if depth > _MAX_NESTING:
+                return False
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+    powers = [m.end() for m in re.finditer(r"\^|\*\*", text)]
+    if len(powers) > 4:
+        return False
+    for end in powers:
+        exponent = _exponent(text, end)
+        rest = text[end:].lstrip(" ")[len(exponent) :].lstrip(" ")
+        if "^" in exponent or "**" in exponent or rest.startswith(("^", "**")) or re.search(r"\d{4,}", exponent):
+            return False  # a tower (10^{10^{10}}, 2**3**4) or a big exponent
+    for match in re.finditer(r"!", text):
+        before = text[: match.start()].rstrip()
+        if not re.search(r"(?<![\d.])\d{1,3}$", before) and not before.endswith("\\"):
+            return False
+    return True
+
+
+class _MathVerifyProcess:
+    """One helper process running ``_math_verify_worker.py``; a reader thread forwards its replies to a queue."""
+
+    def __init__(self):
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_verify_worker.py")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same math_verify as this process
+        self.process = subprocess.Popen(
+            [sys.executable, worker],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            bufsize=1,
+        )
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name="math-verify-reader", daemon=True).start()
+        if self._next_reply(MATH_VERIFY_STARTUP_TIMEOUT) != {"ready": True}:
+            self.kill()
+            raise RuntimeError("the math-verify helper process did not start")
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.replies.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.replies.put(None)  # the process is gone
+
+    def _next_reply(self, seconds: float):
+        try:
+            return self.replies.get(timeout=seconds)
+        except queue.Empty:
+            return None
+
+    def equal(self, gold: str, pred: str, seconds: float) -> bool | None:
+        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``."""
+        try:
+            request = {"gold": gold, "pred": pred, "timeout": max(1, int(seconds // 5))}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            return None
+        reply = self._next_reply(seconds)
+        return None if reply is None else bool(reply.get("equal"))
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+_idle_helpers: list[_MathVerifyProcess] = []
+_all_helpers: list[_MathVerifyProcess] = []
+_helpers_lock = threading.Lock()
+_helpers_unavailable = False
+
+
+def _forget_helpers_after_fork() -> None:
+    # A forked child must not talk to its parent's helpers (their pipes are shared, their reader threads are not
+    # copied) nor wait on a lock some parent thread held at the fork: start afresh, without killing anything.
+    global _helpers_lock, _helpers_unavailable
+    _helpers_lock = threading.Lock()
+    _idle_helpers.clear()
+    _all_helpers.clear()
+    _helpers_unavailable = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helpers_after_fork)
+
+
+def _acquire_helper() -> _MathVerifyProcess | None:
+    global _helpers_unavailable
+    with _helpers_lock:
+        if _idle_helpers:
+            return _idle_helpers.pop()
+        if _helpers_unavailable:
+            return None
+    try:
+        helper = _MathVerifyProcess()
+    except (OSError, RuntimeError, TypeError, ValueError) as e:
+        logger.warning(f"math-verify helper process unavailable ({e}); math-verify runs in this process instead.")
+        with _helpers_lock:
+            _helpers_unavailable = True
+        return None
+    with _helpers_lock:
+        _all_helpers.append(helper)
+    return helper
+
+
+@atexit.register
+def _stop_helpers() -> None:
+    with _helpers_lock:
+        helpers = list(_all_helpers)
+        _all_helpers.clear()
+        _idle_helpers.clear()
+    for helper in helpers:
+        helper.kill()
+
+
+def _math_verify_in_process(gold: str, pred: str) -> bool:
+    from math_verify import parse, verify
+
+    # math-verify's time limits use SIGALRM, which only works in the main thread; elsewhere only the pre-screen
+    # (math_verify_input_ok) bounds the work.
+    seconds = max(1, int(MATH_VERIFY_TIMEOUT)) if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = parse(gold, parsing_timeout=seconds)
+    pred_parsed = parse(pred, parsing_timeout=seconds)
+    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=seconds))
+
+
+def math_verify_equal(gold: str, pred: str, timeout: float = MATH_VERIFY_TIMEOUT) -> bool:
+    """``math_verify.verify(parse(gold), parse(pred))``, in bounded time on any thread and in any process.
+
+    The comparison runs in a persistent helper process (a plain ``subprocess`` running this package's
+    ``_math_verify_worker.py``, which imports nothing but math-verify), in that process's main thread, where
+    math-verify's own ``SIGALRM`` limits work; this thread waits at most ``timeout`` seconds for the answer. When
+    none comes (a computation a signal cannot interrupt), the helper is killed, the comparison counts as not equal
+    and the next call starts a new helper. Each concurrent caller uses its own helper (idle helpers are reused), so
+    one slow comparison never holds up another thread. If no helper process can be started, math-verify runs in
+    this process (with its own time limits on the main thread; elsewhere bounded only by
+    :func:`math_verify_input_ok`).
+
+    Args:
+        gold (`str`): The reference answer.
+        pred (`str`): The answer to check, e.g. ``"$\\frac{576}{2}$"``.
+        timeout (`float`, *optional*): Seconds to wait for the answer. Defaults to :data:`MATH_VERIFY_TIMEOUT`. A
+            new helper first needs about 1-2 s to start (once per concurrent caller; bounded by
+            :data:`MATH_VERIFY_STARTUP_TIMEOUT`).
+
+    Returns:
+        `bool`: Whether math-verify finds them equal; ``False`` when it does not answer within ``timeout`` or an
+            input fails :func:`math_verify_input_ok`.
+    """
+    if not (math_verify_input_ok(gold) and math_verify_input_ok(pred)):
+        return False
+    helper = _acquire_helper()
+    if helper is None:
+        return _math_verify_in_process(gold, pred)
+    result = helper.equal(gold, pred, timeout)
+    with _helpers_lock:
+        if result is None:
+            if helper in _all_helpers:
+                _all_helpers.remove(helper)
+        else:
+            _idle_helpers.append(helper)
+    if result is None:
+        helper.kill()
+        logger.warning(f"math-verify gave no answer within {timeout} s; scored as not equal.")
+        return False
+    return result
+
+
 def gsm_answer_score(text: str, answer: str | float) -> float:
-    """Score one completion: 1.0 if its final answer (:func:`extract_final_answer`) is mathematically equal
-    to ``answer`` according to ``math_verify.verify``, else 0.0.
+    r"""Score one completion: 1.0 if its final answer (:func:`extract_final_answer`) equals ``answer``, else 0.0.
+
+    If ``answer`` and the final answer are both plain numbers (:func:`plain_number`: currency signs, units,
+    thousands separators and trailing punctuation removed), they are compared **exactly** as decimals (tolerance
+    0; ``18.00`` equals ``18``, ``18.5`` does not equal ``18``). Otherwise they are compared with math-verify
+    (:func:`math_verify_equal`; the final answer is wrapped in ``$...$`` unless it holds ``\boxed`` or ``$``, so
+    plain expressions and LaTeX are both read), which takes at most :data:`MATH_VERIFY_TIMEOUT` seconds.
 
     Args:
         text (`str`): Completion text.
@@ -54,22 +389,19 @@ def gsm_answer_score(text: str, answer: str | float) -> float:
 
     Returns:
         `float`: 1.0 or 0.0. Missing, over-long (> :data:`MAX_ANSWER_LENGTH` characters) or unparsable answers
-        score 0.0.
+            score 0.0.
     """
-    from math_verify import parse, verify
-
     predicted = extract_final_answer(text)
     if not predicted or len(predicted) > MAX_ANSWER_LENGTH:
         return 0.0
-    # math-verify's timeouts use SIGALRM, which only works in the main thread; elsewhere run without one
-    # (the answer length cap keeps parsing cheap).
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(str(answer), parsing_timeout=timeout)
-    # Wrap in $...$ so math-verify reads plain numbers, LaTeX and expressions alike.
-    pred = parse(predicted if "\\boxed" in predicted or "$" in predicted else f"${predicted}$", parsing_timeout=timeout)
-    if not gold or not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+    gold = str(answer).strip()
+    gold_value = plain_number(gold)
+    if gold_value is not None:
+        predicted_value = plain_number(predicted)
+        if predicted_value is not None:
+            return 1.0 if predicted_value == gold_value else 0.0
+    pred = predicted if "\\boxed" in predicted or "$" in predicted else f"${predicted}$"
+    return 1.0 if math_verify_equal(gold, pred) else 0.0
 
 
 def gsm_reward(prompts: list, completions: list, completion_ids=None, answer=None, **kwargs) -> list[float]:
@@ -80,7 +412,7 @@ def gsm_reward(prompts: list, completions: list, completion_ids=None, answer=Non
         completions (`list[str | list[dict]]`): Completions, standard or conversational format.
         completion_ids (*optional*): Unused.
         answer (`list[str]`): Dataset column: the reference answer of each problem.
-        **kwargs: Other columns and trainer extras; ignored.
+        **kwargs (`Any`): Other columns and trainer extras; ignored.
 
     Returns:
         `list[float]`: 1.0 or 0.0 per completion.
@@ -109,12 +441,12 @@ def make_gsm_dataset(
             numbers or math expressions works with :func:`gsm_reward`, e.g. ``"basic_arithmetic"``).
         conversational (`bool`, defaults to True): ``prompt`` as ``[{"role": "user", "content": ...}]``; if
             False, the plain string.
-        instruction (`str | None`, defaults to :data:`GSM_INSTRUCTION`): Appended after the question; ``None``
-            for the bare question.
-        **generator_kwargs: Further options of the reasoning-gym generator's config.
+        instruction (`str | None`, *optional*): Appended after the question; ``None`` for the bare question.
+            Defaults to :data:`GSM_INSTRUCTION`.
+        **generator_kwargs (`Any`): Further options of the reasoning-gym generator's config.
 
     Returns:
-        `datasets.Dataset`: Columns ``prompt``, ``question`` and ``answer`` (``str``).
+        (`datasets.Dataset`): Columns ``prompt``, ``question`` and ``answer`` (``str``).
 
     Raises:
         ValueError: If ``n`` is not positive or ``generator`` is not a reasoning-gym dataset name.

@@ -9,7 +9,7 @@ from trl.trainer.base_config import _BaseConfig
 from ..merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
 from ..merging.genome import GRANULARITIES
 
-FINAL_GENOMES = ("best", "mean")
+FINAL_GENOMES = ("rescored", "best", "mean")
 
 
 @dataclass
@@ -41,10 +41,18 @@ class HyperESConfig(_BaseConfig):
             Every weight of the initial mean: the search starts at the uniform DARE-TIES merge.
         cma_options (`dict` or `None`, *optional*, defaults to `None`):
             Extra pycma options, applied last (e.g. ``{"CMA_diagonal": True}``).
-        final_genome (`str`, *optional*, defaults to `"best"`):
-            The genome kept after training: ``"best"`` (best sampled candidate, pycma ``xbest``) or ``"mean"`` (the
-            final distribution mean, pycma ``xfavorite``; less biased by prompt noise when ``prompt_batch_size`` is
-            smaller than the fitness split).
+        final_genome (`str`, *optional*, defaults to `"rescored"`):
+            The genome kept after training. ``"rescored"``: the ``rescore_top_k`` candidates with the highest fitness
+            seen during the search and the final CMA-ES mean are scored again on the **whole** fitness split, and the
+            highest of those scores wins; unlike ``"best"`` it is not biased by which prompts a generation happened to
+            draw (with ``prompt_batch_size`` smaller than the split, the single highest minibatch score over many
+            candidates is mostly luck: a winner's curse). Costs ``rescore_top_k + 1`` scorings of the whole split,
+            once. ``"best"``: the best candidate seen (pycma ``xbest``), as scored in its generation. ``"mean"``: the
+            final distribution mean (pycma ``xfavorite``), unscored. Every choice raises an error when no candidate
+            got a finite fitness (every reward ``None``).
+        rescore_top_k (`int`, *optional*, defaults to `5`):
+            With ``final_genome="rescored"``: how many of the best candidates seen are re-scored (plus the CMA-ES
+            mean). Ours.
 
         > Parameters that control the genome and the merge
 
@@ -103,12 +111,11 @@ class HyperESConfig(_BaseConfig):
             Arguments of ``AutoModelForCausalLM.from_pretrained`` when ``model`` is a path.
     """
 
-    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + [
-        "cma_options",
-        "generation_kwargs",
-        "chat_template_kwargs",
-        "model_init_kwargs",
-    ]
+    # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
+    from ..arguments import DictValuedFields as _DictValuedFields
+
+    _VALID_DICT_FIELDS = _DictValuedFields()
+    del _DictValuedFields
 
     # Overrides of TrainingArguments / _BaseConfig defaults.
     bf16: bool | None = field(
@@ -147,9 +154,19 @@ class HyperESConfig(_BaseConfig):
         default=None, metadata={"help": "Extra pycma options (a dict), applied after Hyper-ES's own. Default None."}
     )
     final_genome: str = field(
-        default="best",
+        default="rescored",
         metadata={
-            "help": "Genome kept after training: 'best' (best candidate seen) or 'mean' (CMA mean). Default 'best'."
+            "help": "Genome kept after training: 'rescored' (the rescore_top_k best candidates seen and the CMA "
+            "mean, re-scored on the whole fitness split; the highest wins), 'best' (the best candidate seen, as "
+            "scored on its generation's prompts) or 'mean' (the CMA mean). Default 'rescored'.",
+            "choices": list(FINAL_GENOMES),
+        },
+    )
+    rescore_top_k: int = field(
+        default=5,
+        metadata={
+            "help": "final_genome='rescored': number of best candidates seen that are re-scored on the whole "
+            "fitness split at the end, with the CMA mean. Default 5 (ours)."
         },
     )
 
@@ -232,6 +249,8 @@ class HyperESConfig(_BaseConfig):
             raise ValueError(f"sigma0 must be in (0, 1] (a fraction of the bound width), got {self.sigma0}.")
         if self.final_genome not in FINAL_GENOMES:
             raise ValueError(f"final_genome must be one of {FINAL_GENOMES}, got {self.final_genome!r}.")
+        if isinstance(self.rescore_top_k, bool) or not isinstance(self.rescore_top_k, int) or self.rescore_top_k < 1:
+            raise ValueError(f"rescore_top_k must be an integer >= 1, got {self.rescore_top_k!r}.")
         if self.genome_granularity not in GRANULARITIES:
             raise ValueError(f"genome_granularity must be one of {GRANULARITIES}, got {self.genome_granularity!r}.")
         if self.sign_election not in SIGN_ELECTIONS:

@@ -56,6 +56,7 @@ class CMASearch:
         popsize (`int`, *optional*): Population size; pycma's default ``4 + floor(3 ln n)`` when `None`.
         seed (`int`): Seed of the sampling RNG.
         options (`dict`, *optional*): Extra pycma options, applied last.
+        top_k (`int`, defaults to 5): How many of the best candidates told so far are kept in :attr:`top`.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class CMASearch:
         popsize: int | None = None,
         seed: int = 0,
         options: dict | None = None,
+        top_k: int = 5,
     ):
         import cma
 
@@ -92,6 +94,10 @@ class CMASearch:
         self.best_x: np.ndarray | None = None
         self.best_fitness = -math.inf
         self.best_tag = None
+        self.top_k = int(top_k)
+        self.top: list[tuple[float, np.ndarray, object]] = []  # (fitness, x, tag), highest first
+        self.num_told = 0  # candidates told
+        self.num_finite = 0  # ... of which had a finite fitness
 
     @contextlib.contextmanager
     def _numpy_rng(self):
@@ -126,10 +132,23 @@ class CMASearch:
         with self._numpy_rng():
             return [np.asarray(x, dtype=np.float64) for x in self.es.ask()]
 
-    def tell(self, xs: Sequence[np.ndarray], fitness: Sequence[float], tags: Sequence | None = None) -> None:
+    def tell(
+        self,
+        xs: Sequence[np.ndarray],
+        fitness: Sequence[float],
+        tags: Sequence | None = None,
+        scored: Sequence[bool] | None = None,
+    ) -> None:
         """Report the fitness (to *maximize*) of the vectors from the last :meth:`ask`.
 
-        ``tags`` (optional, one per vector) are kept with the best vector as :attr:`best_tag`.
+        Args:
+            xs (`Sequence[np.ndarray]`): The vectors of the last :meth:`ask`.
+            fitness (`Sequence[float]`): One fitness per vector, none NaN.
+            tags (`Sequence`, *optional*): One tag per vector, kept with the best vector (:attr:`best_tag`) and in
+                :attr:`top`.
+            scored (`Sequence[bool]`, *optional*): Whether each fitness was measured (``False``: a stand-in for a
+                candidate without any reward). Unscored vectors still steer pycma but never become :attr:`best_x`
+                or enter :attr:`top`. Default: all scored.
 
         Raises:
             ValueError: if a fitness is NaN (replace it before telling).
@@ -138,9 +157,20 @@ class CMASearch:
         if any(math.isnan(f) for f in fitness):
             raise ValueError("CMASearch.tell got a NaN fitness; replace it by a finite value first.")
         tags = list(tags) if tags is not None else [None] * len(fitness)
-        for x, f, tag in zip(xs, fitness, tags, strict=True):
+        scored = list(scored) if scored is not None else [True] * len(fitness)
+        if not hasattr(self, "top"):  # a search pickled before top-k bookkeeping existed
+            self.top_k, self.top, self.num_told, self.num_finite = 5, [], 0, 0
+        for x, f, tag, measured in zip(xs, fitness, tags, scored, strict=True):
+            self.num_told += 1
+            if not measured:
+                continue
+            self.num_finite += 1
             if f > self.best_fitness:
                 self.best_fitness, self.best_x, self.best_tag = f, np.array(x, dtype=np.float64), tag
+            if len(self.top) < self.top_k or f > self.top[-1][0]:
+                self.top.append((f, np.array(x, dtype=np.float64), tag))
+                self.top.sort(key=lambda item: -item[0])  # stable: earlier candidates first among equals
+                del self.top[self.top_k :]
         with self._numpy_rng():
             self.es.tell(list(xs), [-f for f in fitness])
 
@@ -269,6 +299,7 @@ class HyperESTrainer(_BaseTrainer):
             popsize=args.population_size,
             seed=args.seed,
             options=args.cma_options,
+            top_k=args.rescore_top_k,
         )
 
     def candidate_genome(self, x: np.ndarray, generation: int, index: int) -> Genome:
@@ -323,27 +354,38 @@ class HyperESTrainer(_BaseTrainer):
         rewards = self._mean_reward(rows, self.args.per_device_train_batch_size)["rewards"]
         return float(torch.nanmean(rewards).item())
 
-    def evaluate_population(self, xs: Sequence[np.ndarray], rows: list[dict], generation: int) -> list[float]:
-        """Score every candidate (this process's share under ``torch.distributed``; fitnesses all-reduced).
+    def score_genomes(self, genomes: Sequence[Genome], rows: list[dict]) -> list[float]:
+        """Fitness of each genome's merge on ``rows`` (this process's share under ``torch.distributed``, all-reduced).
 
         Returns:
-            `list[float]`: One fitness per candidate; NaN (every reward ``None``) is replaced by the generation's
-            worst finite fitness.
+            `list[float]`: One fitness per genome; NaN where every reward was ``None``.
         """
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
         device = self.applier.device if distributed and self.applier.device.type != "cpu" else torch.device("cpu")
-        fitness = torch.zeros(len(xs), dtype=torch.float64, device=device)
+        fitness = torch.zeros(len(genomes), dtype=torch.float64, device=device)
         try:
-            for i in member_indices(len(xs), rank, world):
-                genome = self.candidate_genome(xs[i], generation, i)
-                self.applier.apply(genome)
-                fitness[i] = self.score_current_model(rows, genome)
+            for i in member_indices(len(genomes), rank, world):
+                self.applier.apply(genomes[i])
+                fitness[i] = self.score_current_model(rows, genomes[i])
         finally:
             self.applier.restore()
         if distributed:
             torch.distributed.all_reduce(fitness)
-        values = fitness.cpu().tolist()
+        return fitness.cpu().tolist()
+
+    def evaluate_population(self, xs: Sequence[np.ndarray], rows: list[dict], generation: int) -> list[float]:
+        """Score every candidate of ``generation`` (see :meth:`score_genomes`).
+
+        Returns:
+            `list[float]`: One fitness per candidate; NaN (every reward ``None``) is replaced by the generation's
+            worst finite fitness (0.0 if none is finite).
+        """
+        genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
+        return self._replace_non_finite(self.score_genomes(genomes, rows), generation)
+
+    @staticmethod
+    def _replace_non_finite(values: list[float], generation: int) -> list[float]:
         finite = [f for f in values if math.isfinite(f)]
         if len(finite) < len(values):
             worst = min(finite) if finite else 0.0
@@ -362,8 +404,13 @@ class HyperESTrainer(_BaseTrainer):
                 in ``output_dir``: continues the CMA-ES exactly where it stopped.
 
         Returns:
-            `TrainOutput`: ``global_step`` (generations done), ``training_loss`` (the negated best fitness, what pycma
-            minimizes) and metrics (``train_runtime``, ``train_fitness_best``, ...).
+            `TrainOutput`: ``global_step`` (generations done), ``training_loss`` (the negated fitness of the final
+            genome: re-scored on the whole fitness split with ``final_genome="rescored"``; pycma minimizes negated
+            fitness) and metrics (``train_runtime``, ``train_fitness_best`` (best seen during the search),
+            ``train_fitness_final``, ``train_generations``).
+
+        Raises:
+            ValueError: If no candidate got a finite fitness (see ``final_genome``), or no checkpoint to resume from.
         """
         args = self.args
         start_time = time.time()
@@ -399,8 +446,12 @@ class HyperESTrainer(_BaseTrainer):
             gen_start = time.time()
             xs = search.ask()
             rows = self.fitness_rows(generation)
-            fitness = self.evaluate_population(xs, rows, generation)
-            search.tell(xs, fitness, tags=[(generation, i) for i in range(len(xs))])
+            genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
+            raw = self.score_genomes(genomes, rows)
+            fitness = self._replace_non_finite(raw, generation)
+            search.tell(
+                xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=[math.isfinite(f) for f in raw]
+            )
             self.state.global_step = search.generation
             self.state.epoch = None
             best = int(np.argmax(fitness))
@@ -424,25 +475,76 @@ class HyperESTrainer(_BaseTrainer):
             if self.control.should_training_stop:
                 break
 
-        if args.final_genome == "best" and search.best_x is not None:
-            self.best_genome = self.candidate_genome(search.best_x, *search.best_tag)
-        else:
-            self.best_genome = self.space.decode(search.mean)
+        self.best_genome, final_fitness, rescored = self._final_genome(search)
         self.best_genome.metadata = {
-            "fitness": float(search.best_fitness),
+            "fitness": float(final_fitness),
+            "best_fitness_seen": float(search.best_fitness),
             "generations": search.generation,
             "final_genome": args.final_genome,
         }
+        if rescored:
+            self.best_genome.metadata["rescored"] = rescored
         self.applier.apply(self.best_genome)
         runtime = time.time() - start_time
         metrics = {
             "train_runtime": runtime,
             "train_fitness_best": float(search.best_fitness),
+            "train_fitness_final": float(final_fitness),
             "train_generations": float(search.generation),
         }
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.log(dict(metrics))
-        return TrainOutput(self.state.global_step, -float(search.best_fitness), metrics)
+        return TrainOutput(self.state.global_step, -float(final_fitness), metrics)
+
+    def _final_genome(self, search: CMASearch) -> tuple[Genome, float, list[dict]]:
+        """The genome kept after training (``final_genome``), its fitness, and the re-scoring record.
+
+        ``"rescored"``: the best candidates seen (:attr:`CMASearch.top`) and the CMA-ES mean are scored on the whole
+        fitness split; the highest score wins (ties: the candidate with the higher search fitness, the mean last).
+
+        Returns:
+            `(Genome, float, list[dict])`: The genome; its fitness (the re-scored value with ``"rescored"``, the search
+            value with ``"best"``, the best fitness seen with ``"mean"``); one ``{"candidate", "generation",
+            "index", "search_fitness", "fitness"}`` record per re-scored genome (empty otherwise).
+
+        Raises:
+            ValueError: If candidates were scored but none got a finite fitness (every reward ``None``), or no
+                re-scored genome did.
+        """
+        mode = self.args.final_genome
+        num_told, num_finite = getattr(search, "num_told", 0), getattr(search, "num_finite", 0)
+        if num_told and not num_finite:
+            raise ValueError(
+                f"Hyper-ES: none of the {num_told} candidates scored in {search.generation} generation(s) got a "
+                "finite fitness (every reward function returned None / NaN for every completion), so there is no "
+                f"basis for final_genome={mode!r}. Check that the reward functions apply to this dataset (the "
+                "columns they read) and to these completions."
+            )
+        top = getattr(search, "top", [])
+        if mode == "best" and search.best_x is not None:
+            return self.candidate_genome(search.best_x, *search.best_tag), float(search.best_fitness), []
+        if mode != "rescored" or not top:
+            return self.space.decode(search.mean), float(search.best_fitness), []
+        genomes = [self.candidate_genome(x, *tag) for _, x, tag in top] + [self.space.decode(search.mean)]
+        dataset = self.train_dataset
+        rows = [dataset[i] for i in range(len(dataset))] if dataset is not None else []
+        scores = self.score_genomes(genomes, rows)
+        record = [
+            {"candidate": f"top{rank + 1}", "generation": int(tag[0]), "index": int(tag[1]),
+             "search_fitness": float(f), "fitness": float(s)}
+            for rank, ((f, _, tag), s) in enumerate(zip(top, scores[:-1], strict=True))
+        ]
+        record.append({"candidate": "mean", "generation": search.generation, "index": None,
+                       "search_fitness": None, "fitness": float(scores[-1])})
+        finite = [i for i, s in enumerate(scores) if math.isfinite(s)]
+        if not finite:
+            raise ValueError(
+                f"Hyper-ES: none of the {len(genomes)} genomes re-scored on the whole fitness split got a finite "
+                "fitness (every reward was None / NaN); no final genome can be chosen."
+            )
+        best = max(finite, key=lambda i: (scores[i], -i))  # first of the highest, in the order of `genomes`
+        logger.info(f"Re-scored {len(genomes)} genomes on the whole fitness split: {record}; kept {record[best]}.")
+        return genomes[best], float(scores[best]), record
 
     @staticmethod
     def _due(every: float, step: int) -> bool:

@@ -1,0 +1,140 @@
+"""Dict-valued options: every dict-typed field of the configs and CLI argument dataclasses accepts JSON on the
+command line (as TrlParser parses it for trl-es and the example scripts), and malformed JSON names the flag."""
+
+import dataclasses
+import typing
+
+import pytest
+from example_script import example_script
+from trl import ModelConfig, TrlParser
+
+from trl_es import ESConfig
+from trl_es.arguments import TrlESParser, dict_valued_fields, parse_json_dict
+from trl_es.cli import AnalyzeArguments, EvalArguments, TaskArguments
+from trl_es.trainer.hyper_es_config import HyperESConfig
+
+
+@pytest.fixture(scope="module")
+def hyper_es_script():
+    with example_script("hyper_es.py", "hyper_es_script_args") as module:
+        yield module
+
+
+def _commands(hyper_es_script):
+    """The dataclass groups each command line parses: trl-es train / eval / analyze, examples/scripts/hyper_es.py."""
+    return [
+        (TaskArguments, ESConfig, ModelConfig),
+        (TaskArguments, EvalArguments, ModelConfig),
+        (AnalyzeArguments, TaskArguments),
+        (hyper_es_script.HyperESScriptArguments, HyperESConfig),
+    ]
+
+
+def _is_dict_hint(hint) -> bool:
+    # Independent of the implementation: a dict anywhere at the top of the annotation.
+    return hint is dict or typing.get_origin(hint) is dict or any(
+        a is dict or typing.get_origin(a) is dict for a in typing.get_args(hint)
+    )
+
+
+def _base_args(dataclass_types, tmp_path):
+    return ["--output_dir", str(tmp_path)] if any(hasattr(t, "output_dir") for t in dataclass_types) else []
+
+
+def test_dict_fields_are_found_from_the_type_hints():
+    for cls in (ESConfig, HyperESConfig, EvalArguments, TaskArguments, ModelConfig):
+        hints = typing.get_type_hints(cls)
+        expected = [f.name for f in dataclasses.fields(cls) if _is_dict_hint(hints[f.name])]
+        assert list(dict_valued_fields(cls)) == expected, cls.__name__
+    assert {"generation_kwargs", "chat_template_kwargs", "model_init_kwargs", "lr_scheduler_kwargs"} <= set(
+        dict_valued_fields(ESConfig))
+    assert {"cma_options", "generation_kwargs"} <= set(dict_valued_fields(HyperESConfig))
+    assert set(dict_valued_fields(EvalArguments)) == {"generation_kwargs", "chat_template_kwargs"}
+    # transformers' _VALID_DICT_FIELDS mechanism covers every dict-typed field of the configs.
+    assert set(dict_valued_fields(ESConfig)) <= set(ESConfig._VALID_DICT_FIELDS)
+    assert set(dict_valued_fields(HyperESConfig)) <= set(HyperESConfig._VALID_DICT_FIELDS)
+
+
+def test_every_dict_field_accepts_json_on_the_command_line(tmp_path, hyper_es_script):
+    checked = set()
+    for dataclass_types in _commands(hyper_es_script):
+        for cls in dataclass_types:
+            for name in dict_valued_fields(cls):
+                if name in ("deepspeed", "accelerator_config"):
+                    continue  # transformers/accelerate validate their content on construction (malformed JSON: below)
+                value = {"a": 1, "nested": {"b": [1, 2]}, "flag": True, "name": "x"}
+                parser = TrlESParser(dataclass_types)
+                argv = [*_base_args(dataclass_types, tmp_path), f"--{name}", _json(value)]
+                parsed = parser.parse_args_into_dataclasses(argv)
+                target = next(obj for obj in parsed if type(obj) is cls)
+                assert getattr(target, name) == value, (cls.__name__, name)
+                checked.add((cls.__name__, name))
+    assert {("ESConfig", "generation_kwargs"), ("ESConfig", "chat_template_kwargs"),
+            ("ESConfig", "model_init_kwargs"), ("ESConfig", "lr_scheduler_kwargs"), ("HyperESConfig", "cma_options"),
+            ("HyperESConfig", "generation_kwargs"), ("EvalArguments", "generation_kwargs"),
+            ("EvalArguments", "chat_template_kwargs")} <= checked
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def test_generation_kwargs_from_the_issue(tmp_path):
+    argv = ["--output_dir", str(tmp_path), "--generation_kwargs", '{"repetition_penalty": 1.1}']
+    _, es_args, _ = TrlESParser((TaskArguments, ESConfig, ModelConfig)).parse_args_into_dataclasses(argv)
+    assert es_args.generation_kwargs == {"repetition_penalty": 1.1}
+    # Plain TrlParser (as a user script would use it) decodes it too: ESConfig._VALID_DICT_FIELDS lists it.
+    (config,) = TrlParser((ESConfig,)).parse_args_into_dataclasses(argv)
+    assert config.generation_kwargs == {"repetition_penalty": 1.1}
+    (config,) = TrlParser((HyperESConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--cma_options", '{"CMA_diagonal": true}'])
+    assert config.cma_options == {"CMA_diagonal": True}
+    # A YAML mapping works as before, and so does a JSON string in YAML.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("generation_kwargs: {repetition_penalty: 1.2}\nchat_template_kwargs: '{\"a\": 2}'\n")
+    _, es_args, _ = TrlESParser((TaskArguments, ESConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(recipe), "--output_dir", str(tmp_path)])
+    assert es_args.generation_kwargs == {"repetition_penalty": 1.2} and es_args.chat_template_kwargs == {"a": 2}
+
+
+@pytest.mark.parametrize("bad", ['{"repetition_penalty": 1.1', "{repetition_penalty: 1.1}", "[1, 2]",
+                                 "repetition_penalty=1.1"])
+def test_malformed_json_names_the_flag(tmp_path, bad):
+    parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
+    with pytest.raises(ValueError, match=r"argument --generation_kwargs.*must be a JSON object"):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--generation_kwargs", bad])
+
+
+def test_every_dict_field_names_its_flag_on_malformed_json(tmp_path, hyper_es_script):
+    for dataclass_types in _commands(hyper_es_script):
+        for cls in dataclass_types:
+            for name in dict_valued_fields(cls):
+                argv = [*_base_args(dataclass_types, tmp_path), f"--{name}", "{oops"]
+                with pytest.raises(ValueError, match=f"argument --{name}"):
+                    TrlESParser(dataclass_types).parse_args_into_dataclasses(argv)
+
+
+def test_other_bad_values_raise_value_errors_naming_the_flag(tmp_path):
+    parser = TrlESParser((TaskArguments, EvalArguments, ModelConfig), prog="trl-es eval")
+    with pytest.raises(ValueError, match=r"argument --task: invalid choice: 'chess' \(choose from"):
+        parser.parse_args_into_dataclasses(["--task", "chess"])
+    with pytest.raises(ValueError, match=r"argument --num_samples/--num-samples: invalid int value: 'many'"):
+        parser.parse_args_into_dataclasses(["--num_samples", "many"])
+    # Path-or-dict fields of transformers still take a file path.
+    (config,) = TrlESParser((ESConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--lr_scheduler_kwargs", '{"num_decay_steps": 8}'])
+    assert config.lr_scheduler_kwargs == {"num_decay_steps": 8}
+
+
+def test_parse_json_dict_and_python_construction():
+    assert parse_json_dict('{"a": 1}', "--x") == {"a": 1} and parse_json_dict({"a": 1}, "--x") == {"a": 1}
+    assert parse_json_dict(None, "--x") is None
+    assert parse_json_dict("ds.json", "--x", allow_plain_string=True) == "ds.json"
+    with pytest.raises(ValueError, match="--x must be a JSON object"):
+        parse_json_dict("ds.json", "--x")
+    # Dataclasses built in Python decode JSON strings too (ESConfig through _VALID_DICT_FIELDS, EvalArguments itself).
+    assert EvalArguments(generation_kwargs='{"top_k": 5}').generation_kwargs == {"top_k": 5}
+    with pytest.raises(ValueError, match="--chat_template_kwargs must be a JSON object"):
+        EvalArguments(chat_template_kwargs="{bad")

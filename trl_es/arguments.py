@@ -1,0 +1,177 @@
+"""Dict-valued options on the command line and in YAML recipes: JSON objects, decoded the same way everywhere.
+
+transformers' ``TrainingArguments`` decodes a JSON string for the fields listed in its ``_VALID_DICT_FIELDS``
+(``'{"key": "value"}'`` on the command line becomes a dict in ``__post_init__``); TRL's configs extend that list by
+hand. Here the list is derived from the dataclass type hints (:class:`DictValuedFields`), so every dict-typed field of
+a config, including fields added later or by a subclass, accepts JSON. :class:`TrlESParser` (TRL's ``TrlParser``)
+decodes the JSON of every dict-typed field of every dataclass it parses (configs and script arguments alike) and
+reports malformed JSON as a ``ValueError`` that names the flag::
+
+    trl-es train --generation_kwargs '{"repetition_penalty": 1.1}'     # -> {"repetition_penalty": 1.1}
+    trl-es train --generation_kwargs '{repetition_penalty: 1.1}'       # ValueError: argument --generation_kwargs: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from typing import Any, Union
+
+from trl import TrlParser
+
+__all__ = ["DictValuedFields", "TrlESParser", "decode_dict_fields", "dict_valued_fields", "parse_json_dict"]
+
+
+def _is_dict_type(tp: Any) -> bool:
+    """Whether a (resolved) type hint is ``dict``/``dict[...]``, or a union with such a member."""
+    if tp is dict or typing.get_origin(tp) is dict:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        return any(_is_dict_type(arg) for arg in typing.get_args(tp))
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def dict_valued_fields(cls: type) -> tuple[str, ...]:
+    """The names of the dict-typed fields of a dataclass, found from its resolved type hints.
+
+    A field is dict-typed when its annotation is ``dict``, ``dict[K, V]`` or a union containing one (``dict | str |
+    None``, ``dict[str, Any] | None``, ...). The type hints are resolved with :func:`typing.get_type_hints`
+    (``field.type`` is not used: ``HfArgumentParser`` rewrites it in place when it builds a parser).
+
+    Args:
+        cls (`type`): A dataclass type.
+
+    Returns:
+        `tuple[str, ...]`: Field names, in field order.
+
+    Raises:
+        TypeError: If ``cls`` is not a dataclass type.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"dict_valued_fields needs a dataclass type, got {cls!r}")
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name in hints and _is_dict_type(hints[f.name]))
+
+
+class DictValuedFields:
+    """A ``_VALID_DICT_FIELDS`` that lists every dict-typed field of the class it is read from.
+
+    Use it as the class attribute ``_VALID_DICT_FIELDS = DictValuedFields()`` of a ``TrainingArguments`` subclass:
+    transformers' ``__post_init__`` then decodes a JSON string (one starting with ``{``) for every dict-typed field,
+    including those of subclasses and fields added later. Fields listed by a parent class's ``_VALID_DICT_FIELDS``
+    are kept (first, in their order).
+
+    Returns (when read):
+        `list[str]`: A fresh list of field names.
+    """
+
+    def __get__(self, instance, owner: type) -> list[str]:
+        names: list[str] = []
+        for base in reversed(owner.__mro__[1:]):
+            inherited = base.__dict__.get("_VALID_DICT_FIELDS")
+            if isinstance(inherited, (list, tuple)):
+                names += [n for n in inherited if n not in names]
+        names += [n for n in dict_valued_fields(owner) if n not in names]
+        return names
+
+
+def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> Any:
+    """Decode the command-line/YAML value of a dict-valued option.
+
+    Args:
+        value (`Any`): The value: a dict (from YAML) is returned as is; a string is decoded as JSON.
+        flag (`str`): The option's flag, e.g. ``"--generation_kwargs"`` (for the error message).
+        allow_plain_string (`bool`, defaults to `False`): Return a string that does not start with ``{`` unchanged
+            (transformers' fields such as ``--deepspeed`` or ``--fsdp_config`` also take a file path).
+
+    Returns:
+        `dict | Any`: The decoded dict, or ``value`` itself (a dict, ``None``, or a plain string when allowed).
+
+    Raises:
+        ValueError: Naming ``flag``, if the string is not a JSON object (malformed JSON, or JSON of another type).
+    """
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if allow_plain_string and not text.startswith("{"):
+        return value
+    example = f"""{flag} '{{"key": 1, "other": "text"}}'"""
+    try:
+        decoded = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}; got malformed JSON {value!r} ({e})") from None
+    if not isinstance(decoded, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}; got {type(decoded).__name__} {value!r}")
+    return decoded
+
+
+def decode_dict_fields(obj: Any) -> None:
+    """Decode, in place, JSON strings held by the dict-typed fields of a dataclass instance (for dataclasses that are
+    not ``TrainingArguments``, which have no ``_VALID_DICT_FIELDS``); call it from ``__post_init__``.
+
+    Args:
+        obj: A dataclass instance.
+
+    Raises:
+        ValueError: Naming the field's flag, if a string is not a JSON object.
+    """
+    for name in dict_valued_fields(type(obj)):
+        setattr(obj, name, parse_json_dict(getattr(obj, name), f"--{name}"))
+
+
+class _JsonDictType:
+    """argparse ``type=`` of a dict-valued field: JSON object -> dict, errors naming the flag."""
+
+    def __init__(self, flag: str, allow_plain_string: bool):
+        self.flag, self.allow_plain_string = flag, allow_plain_string
+        self.__name__ = "JSON object"
+
+    def __call__(self, value: str):
+        import argparse
+
+        try:
+            return parse_json_dict(value, self.flag, self.allow_plain_string)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{self.flag} ")) from None
+
+
+class TrlESParser(TrlParser):
+    """TRL's ``TrlParser`` (``--config recipe.yaml`` plus command-line flags), with dict-valued fields as JSON.
+
+    Every dict-typed field (:func:`dict_valued_fields`) of every dataclass parsed accepts a JSON object on the command
+    line (``--generation_kwargs '{"repetition_penalty": 1.1}'``) or as a JSON string in YAML; a YAML mapping works as
+    before. transformers' own path-or-dict fields (``deepspeed``, ``fsdp_config``, ``accelerator_config``, ...) still
+    take a file path. Bad values (malformed JSON, an invalid choice, a wrong type) raise ``ValueError`` whose message
+    starts ``argument --<flag>:`` instead of exiting, like ``HfArgumentParser``'s own error for unknown flags.
+
+    Args:
+        dataclass_types (`DataClassType | Iterable[DataClassType]`, *optional*): As ``TrlParser``.
+        **kwargs (`Any`): As ``TrlParser``.
+
+    Raises:
+        ValueError: From parsing, naming the flag.
+    """
+
+    def __init__(self, dataclass_types=None, **kwargs):
+        super().__init__(dataclass_types, **kwargs)
+        from transformers import TrainingArguments
+
+        path_or_dict = set(TrainingArguments._VALID_DICT_FIELDS)
+        actions = {action.dest: action for action in self._actions}
+        for dtype in self.dataclass_types:
+            for name in dict_valued_fields(dtype):
+                action = actions.get(name)
+                if action is None:
+                    continue
+                plain = issubclass(dtype, TrainingArguments) and name in path_or_dict
+                action.type = _JsonDictType(f"--{name}", allow_plain_string=plain)
+                action.metavar = action.metavar or "JSON"
+
+    def error(self, message: str):
+        """Raise ``ValueError(message)`` (argparse would print usage and exit with status 2)."""
+        raise ValueError(f"{self.prog}: error: {message}")
