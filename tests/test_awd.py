@@ -11,7 +11,7 @@ from trl_es import ESTrainer, replay
 
 
 def drift(trainer, base):
-    state = trainer.model.state_dict()
+    state = snapshot(trainer.model)
     return sum(float((state[k].float() - v.float()).pow(2).sum()) for k, v in base.items()) ** 0.5
 
 
@@ -72,15 +72,15 @@ def test_awd_with_torch_optimizer_and_peft(tmp_path, tokenizer):
     kwargs = dict(max_steps=3, sigma=0.05, es_optimizer="torch", optim="sgd", learning_rate=0.05)
     plain = ESTrainer(build_qwen2(tokenizer), mean_code, args=es_args(tmp_path / "plain", **kwargs),
                       train_dataset=prompts(), processing_class=tokenizer, peft_config=peft_config)
-    anchor = {k: v.clone() for k, v in plain.anchor.items()}
+    anchor = {k: v.cpu().clone() for k, v in plain.anchor.items()}
     plain.train()
     awd = ESTrainer(build_qwen2(tokenizer), mean_code, args=es_args(tmp_path / "awd", awd_lambda=8.0, **kwargs),
                     train_dataset=prompts(), processing_class=tokenizer, peft_config=peft_config)
-    assert all(torch.equal(awd.anchor[k], v) for k, v in anchor.items())  # anchor = the initial adapter
+    assert all(torch.equal(awd.anchor[k].cpu(), v) for k, v in anchor.items())  # anchor = the initial adapter
     awd.train()
 
     def adapter_drift(trainer):
-        state = trainer.model.state_dict()
+        state = snapshot(trainer.model)
         return sum(float((state[k] - v).pow(2).sum()) for k, v in anchor.items()) ** 0.5
 
     assert 0 < adapter_drift(awd) < adapter_drift(plain)

@@ -27,7 +27,8 @@ import run_es
 
 from trl_es.trainer.distributed import es_deepspeed_config, zero3_partition
 
-STATS_BYTES = 4 * (5 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count, successes) fp64
+STATS_BYTES = 4 * (6 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count, invalid,
+# successes) fp64
 
 
 def launch(launcher: list[str], out, model_dir, *extra, timeout=600):
@@ -124,41 +125,75 @@ def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_mo
         assert [h[key] for h in train_logs] == [h[key] for h in ref_logs], key
     # Bytes into each process: 2 prompt rows pickled per process (all the same size here) gathered with their
     # int64 sizes, the per-member statistics; on the first iteration also the 16-byte weight fingerprints and the
-    # broadcast of process 0's parameters, buffers, fp32 master and anchor (3 copies of the parameters).
+    # broadcast of process 0's parameters, buffers and fp32 master (2 copies of the parameters; every process then
+    # rebuilds the anchor theta_0 from the broadcast weights).
     rows = len(pickle.dumps([{"prompt": "Write: 0"}, {"prompt": "Write: 1"}]))
     per_iteration = 2 * 8 + 2 * rows + STATS_BYTES
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    broadcast = sum(3 * p.numel() * 4 for p in model.parameters()) + sum(b.numel() * 4 for b in model.buffers())
+    broadcast = sum(2 * p.numel() * 4 for p in model.parameters()) + sum(b.numel() * 4 for b in model.buffers())
     assert result["comm_bytes"] == [per_iteration + 2 * 16 + broadcast, per_iteration]
     # The seed log, written by process 0, replays to the trained weights.
     rebuilt = replay(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path))
     assert_bitwise({k: v for k, v in rebuilt.state_dict().items()}, weights(tmp_path / "model"))
 
 
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, tiny_model_dir):
+    """A bf16 model partitioned over 2 processes (loaded under zero.Init), fp32 master partitions, a checkpoint after
+    each of the 2 iterations."""
+    out = tmp_path_factory.mktemp("zero3")
+    return out, deepspeed(out, tiny_model_dir, "--mode", "zero3", "--save_steps", "1", "--dtype", "bfloat16")
+
+
 @pytest.mark.distributed
-def test_zero3_matches_one_process(reference_bf16, tmp_path, tiny_model_dir):
-    """A bf16 model partitioned over 2 processes (loaded under zero.Init), fp32 master partitions; every member scored
-    by both processes together, each on 2 of the 4 prompts."""
+def test_zero3_matches_one_process(reference_bf16, zero3_run):
+    """Every member scored by both processes together, each on 2 of the 4 prompts."""
     ref_out, ref = reference_bf16
-    result = deepspeed(tmp_path, tiny_model_dir, "--mode", "zero3", "--save_steps", "2", "--dtype", "bfloat16")
+    out, result = zero3_run
     assert result["world_size"] == 2 and result["sharded"]
     assert result["model_wrapped"] == "DeepSpeedEngine"
-    trained = weights(tmp_path / "model")  # gathered by Trainer.save_model
+    trained = weights(out / "model")  # gathered by Trainer.save_model
     assert {v.dtype for v in trained.values()} == {torch.bfloat16}
     assert_bitwise(trained, weights(ref_out / "model"))
-    assert_bitwise(weights(tmp_path / "checkpoint-2"), trained)
-    assert seed_log(tmp_path) == seed_log(ref_out)
-    assert seed_log(tmp_path / "checkpoint-2") == seed_log(ref_out)
-    # The fp32 master and the anchor, saved as one shard per process, are the one-process tensors.
-    for kind in ("es_master", "es_anchor"):
+    assert_bitwise(weights(out / "checkpoint-2"), trained)
+    assert seed_log(out) == seed_log(ref_out)
+    assert seed_log(out / "checkpoint-2") == seed_log(ref_out)
+    # The fp32 master and the anchor (theta_0, in the model's dtype), saved as one shard per process, are the
+    # one-process tensors.
+    for kind, dtype in (("es_master", torch.float32), ("es_anchor", torch.bfloat16)):
         single = load_file(ref_out / "checkpoint-2" / f"{kind}.safetensors")
-        sharded = reassemble(tmp_path / "checkpoint-2", kind)
+        sharded = reassemble(out / "checkpoint-2", kind)
         assert single.keys() == sharded.keys()
         for name, tensor in single.items():
-            assert tensor.dtype == torch.float32 and torch.equal(sharded[name], tensor.reshape(-1)), (kind, name)
+            assert tensor.dtype == dtype and torch.equal(sharded[name].to(dtype), tensor.reshape(-1)), (kind, name)
     assert result["eval"]["eval_reward"] == ref["eval"]["eval_reward"]  # 9 prompts: 5 on process 0, 4 on 1
     gathered = [h["comm/param_gather_bytes"] for h in result["log_history"] if "comm/param_gather_bytes" in h]
     assert len(gathered) == 2 and all(g > 0 for g in gathered)
+
+
+@pytest.mark.distributed
+def test_zero3_resume_equals_uninterrupted(zero3_run, tmp_path, tiny_model_dir):
+    """Interrupted after iteration 1 and resumed under ZeRO-3 with the same 2 processes: the same weights, masters,
+    anchor and seed log as the uninterrupted run, bitwise."""
+    out, _ = zero3_run
+    resumed_out = tmp_path / "resumed"
+    result = deepspeed(resumed_out, tiny_model_dir, "--mode", "zero3", "--save_steps", "1", "--dtype", "bfloat16",
+                       "--resume_from", str(out / "checkpoint-1"))
+    assert result["steps_run"] == [2]  # only iteration 2 ran in this launch
+    assert_bitwise(weights(resumed_out / "model"), weights(out / "model"))
+    assert seed_log(resumed_out) == seed_log(out)
+    for kind in ("es_master", "es_anchor"):
+        full, again = reassemble(out / "checkpoint-2", kind), reassemble(resumed_out / "checkpoint-2", kind)
+        assert all(torch.equal(full[n], again[n]) for n in full), kind
+
+
+@pytest.mark.distributed
+def test_zero3_checkpoint_is_refused_by_one_process(zero3_run, tmp_path, tiny_model_dir):
+    """A ZeRO-3 checkpoint's fp32 master lives in per-process shards: resuming it with one process would lose it, so
+    it is refused before any work, naming the launch it needs."""
+    out, _ = zero3_run
+    with pytest.raises(ValueError, match="2 processes"):
+        run_here(tmp_path, tiny_model_dir, dtype="bfloat16", resume_from=str(out / "checkpoint-1"))
 
 
 @pytest.mark.distributed

@@ -1,6 +1,7 @@
 """ESTrainer / ESConfig on tiny models: the TRL integration, exactness guarantees, bad input."""
 
 import json
+import math
 import os
 import re
 
@@ -56,7 +57,8 @@ def mean_code(completions, **kwargs):
 
 
 def snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A CPU copy of the state dict (the Trainer may have moved the model to an accelerator)."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def assert_bitwise(a, b):
@@ -226,7 +228,7 @@ def test_torch_optimizer_path(tmp_path, tokenizer):
                     train_dataset=prompts(), processing_class=tokenizer)
     sgd.train()
     # SGD on the ES gradient estimate reproduces the reference update (to fp32 rounding).
-    for (name, a), b in zip(es.model.state_dict().items(), sgd.model.state_dict().values()):
+    for (name, a), b in zip(snapshot(es.model).items(), snapshot(sgd.model).values()):
         assert torch.allclose(a, b, atol=1e-6), name
     adam = ESTrainer(build_llama(tokenizer), mean_code,
                      args=es_args(tmp_path / "adam", max_steps=2, es_optimizer="torch", learning_rate=1e-3),
@@ -247,11 +249,11 @@ def test_peft_perturbs_adapter_only(tmp_path, tokenizer):
     names = [e.name for e in trainer.es_params.entries]
     assert names and all("lora_" in n for n in names)
     trainer.train()
-    state = trainer.model.state_dict()
+    state = snapshot(trainer.model)
     for key, value in base.items():  # base weights untouched
         peft_key = "base_model.model." + re.sub(r"(q_proj|v_proj)\.", r"\1.base_layer.", key)
         assert torch.equal(state[peft_key], value), key
-    assert any(not torch.equal(state[n], trainer.anchor[n]) for n in names)
+    assert any(not torch.equal(state[n], trainer.anchor[n].cpu()) for n in names)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -333,7 +335,7 @@ def test_nan_member_is_ranked_worst(tmp_path, tokenizer, caplog):
     trainer.train()
     coefficients = trainer.seed_log.records[0]["coefficients"]
     assert coefficients[1] == min(coefficients)
-    assert "NaN fitness" in caplog.text
+    assert "no finite fitness" in caplog.text
     assert trainer.state.log_history[0]["num_nan_members"] == 1
 
 
@@ -382,7 +384,7 @@ def test_reward_model_is_accepted(tmp_path, tokenizer):
 
     texts, _ = generate_completions(trainer.model, tokenizer, prompt_texts(rows, tokenizer), trainer.generation_config)
     inputs = tokenizer([r["prompt"] + t for r, t in zip(rows, texts)], return_tensors="pt", padding=True,
-                       padding_side="right", add_special_tokens=False)
+                       padding_side="right", add_special_tokens=False).to(reward_model.device)
     with torch.no_grad():
         expected = reward_model(**inputs).logits[:, 0].mean().item()
     assert metrics["eval_rewards/LlamaForSequenceClassification/mean"] == pytest.approx(expected, abs=1e-5)
@@ -411,3 +413,90 @@ def test_success_diversity_and_module_drift_are_logged(tmp_path, tokenizer):
         assert f"drift/l2/{group}" in logs and f"drift/relative/{group}" in logs
     per_group_sq = sum(v ** 2 for k, v in logs.items() if k.startswith("drift/l2/"))
     assert per_group_sq == pytest.approx(logs["drift/l2"] ** 2)
+
+
+# ---------------------------------------------------------------------------------------------- fitness robustness
+def test_tied_fitness_is_an_exactly_zero_step(tmp_path, tokenizer):
+    """Population 30 on 3 prompts, a reward that is 1 for one prompt and 0 for the other two: every member's fitness
+    is 1/3 (not a dyadic number), the step must be exactly zero (it used to be a full random step)."""
+    def first_prompt_only(prompts, completions, **kwargs):
+        return [1.0 if p.endswith("Write: 0") else 0.0 for p in prompts]
+
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    trainer = ESTrainer(model, first_prompt_only, args=es_args(tmp_path, max_steps=1, population_size=30,
+                                                               prompt_batch_size=3, dataloader_drop_last=True),
+                        train_dataset=prompts(3), processing_class=tokenizer)
+    trainer.train()
+    record = trainer.seed_log.records[0]
+    assert record["coefficients"] == [0.0] * 30
+    assert_bitwise(snapshot(trainer.model), base)
+    assert trainer.state.log_history[0]["drift/l2"] == 0.0
+    assert trainer.state.log_history[0]["reward"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("shaping", ["zscore", "centered_rank", "none"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_rewards_never_reach_the_weights(tmp_path, tokenizer, shaping, bad):
+    calls = {"n": 0}
+
+    def sometimes_bad(completions, **kwargs):
+        calls["n"] += 1
+        rewards = mean_code(completions)
+        if calls["n"] % 4 == 2:  # the second member of every iteration
+            rewards[1] = bad
+        return rewards
+
+    trainer = ESTrainer(build_llama(tokenizer), sometimes_bad,
+                        args=es_args(tmp_path, max_steps=2, fitness_shaping=shaping, sigma=0.1, learning_rate=0.1),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    with pytest.warns(UserWarning, match="'sometimes_bad' returned a non-finite reward") as caught:
+        trainer.train()
+    assert sum("non-finite reward" in str(w.message) for w in caught) == 1  # once per reward function
+    assert all(torch.isfinite(v).all() for v in snapshot(trainer.model).values())
+    logs = [h for h in trainer.state.log_history if "num_nan_members" in h]
+    assert [h["num_nan_members"] for h in logs] == [1.0, 1.0]
+    assert [h["num_invalid_rewards"] for h in logs] == [1.0, 1.0]
+    for record in trainer.seed_log.records:  # the invalid member is ranked worst
+        assert record["coefficients"][1] == min(record["coefficients"])
+        assert all(math.isfinite(c) for c in record["coefficients"])
+
+
+def test_non_finite_reward_model_is_flagged_in_training_and_evaluation(tmp_path, tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    reward_model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        reward_model.score.weight.fill_(float("inf"))  # every logit is +-inf or NaN
+    trainer = ESTrainer(build_llama(tokenizer), [reward_model, share_a], args=es_args(tmp_path, max_steps=1),
+                        train_dataset=prompts(), eval_dataset=prompts(4, offset=20), processing_class=tokenizer,
+                        reward_processing_classes=[tokenizer, None])
+    with pytest.warns(UserWarning, match="LlamaForSequenceClassification"):
+        metrics = trainer.evaluate()
+    assert metrics["eval_num_invalid_rewards"] == 4 and metrics["eval_reward"] is None
+    assert "eval_rewards/LlamaForSequenceClassification/mean" not in metrics
+    assert math.isfinite(metrics["eval_rewards/share_a/mean"])
+    base = snapshot(trainer.model)
+    trainer.train()
+    assert trainer.state.log_history[0]["num_nan_members"] == 4.0
+    assert trainer.seed_log.records[0]["coefficients"] == [0.0] * 4  # no member has a fitness: no step
+    assert_bitwise(snapshot(trainer.model), base)
+
+
+def test_evaluate_batches_by_per_device_eval_batch_size(tmp_path, tokenizer):
+    batches = []
+
+    def counting(completions, **kwargs):
+        batches.append(len(completions))
+        return [0.0] * len(completions)
+
+    trainer = ESTrainer(build_llama(tokenizer), counting,
+                        args=es_args(tmp_path, prompt_batch_size=2, per_device_eval_batch_size=4),
+                        train_dataset=prompts(), eval_dataset=prompts(10, offset=20), processing_class=tokenizer)
+    metrics = trainer.evaluate()
+    assert batches == [4, 4, 2]
+    assert metrics["eval_num_completions"] == 10 and metrics["eval_reward"] == 0.0

@@ -12,10 +12,10 @@ from tiny import build_llama, build_qwen2
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
-from trl_es.es.lowrank import BatchedLowRankPopulation, lowrank_perturbation
 from trl_es.es.noise import NoiseTable, full_noise
-from trl_es.es.population import make_population_backend
-from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.es.perturbation import LowRankPerturbation, linear_weight_names, lowrank_perturbation
+from trl_es.es.population import BatchedLowRankPopulation, MemberResult, Rollout, make_population_backend
+from trl_es.es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 from trl_es.trainer.scoring import build_generation_config, generate_completions
 
 SMALL_TABLE = 1 << 20
@@ -49,7 +49,7 @@ def materialized(model, noise, member, sigma, rank, include=LINEARS):
     return copy_
 
 
-class StackedRollout:
+class StackedRollout(Rollout):
     """The rollout contract of ESTrainer: ``stacked(indices)`` runs ONE greedy generate over the prompts repeated
     once per member; member ``indices[k]`` owns rows ``[k * W, (k + 1) * W)``."""
 
@@ -59,7 +59,7 @@ class StackedRollout:
         self.use_cache, self.fail = use_cache, fail
         self.ids, self.calls = {}, []
 
-    def __call__(self, index):
+    def member(self, index):
         raise AssertionError("the batched backend must use rollout.stacked")
 
     def stacked(self, indices):
@@ -71,7 +71,7 @@ class StackedRollout:
         width = len(self.prompts)
         for k, index in enumerate(indices):
             self.ids[index] = ids[k * width : (k + 1) * width]
-        return {index: float(sum(map(sum, self.ids[index]))) for index in indices}
+        return {index: MemberResult(float(sum(map(sum, self.ids[index])))) for index in indices}
 
 
 def greedy_ids(model, tokenizer, prompts=PROMPTS, max_new_tokens=8, use_cache=True):
@@ -95,6 +95,7 @@ def test_describe_round_trips_and_rank_is_validated(tmp_path):
         BatchedLowRankPopulation(noise_rank=0)
     with pytest.raises(ValueError, match="member_chunk_size"):
         BatchedLowRankPopulation(member_chunk_size=0)
+    assert backend.perturbation.describe() == {"type": "lowrank", "rank": 3}
     with pytest.raises(ValueError, match="noise_rank"):
         ESConfig(output_dir=str(tmp_path), population_backend="batched_lowrank", noise_rank=0)
     for bad in (0, -2, 1.5, True):
@@ -119,14 +120,14 @@ def test_stacked_forward_matches_materialized_models_row_for_row(tokenizer, nois
     members, sigma = members3(), 0.05
     inputs = encode(tokenizer, PROMPTS)
     stacked = {k: v.repeat(3, 1) for k, v in inputs.items()}  # 3 members x 2 rows
-    backend = BatchedLowRankPopulation(noise_rank=rank)
+    adapters = BatchedLowRankPopulation(noise_rank=rank).adapters(model, params)
     with torch.no_grad():
         base = model(**inputs).logits
-        with backend.perturbed(model, params, noise, members, sigma):
+        with adapters.members(noise, members, sigma):
             logits = model(**stacked).logits
         after = model(**inputs).logits
-    assert torch.equal(after, base)  # hooks gone, weights untouched
-    with backend.perturbed(model, params, noise, members, sigma):  # with autograd: the out-of-place branch
+    assert torch.equal(after, base)  # adapters inactive, weights untouched
+    with adapters.members(noise, members, sigma):  # with autograd: the out-of-place branch
         with_grad = model(**stacked).logits
     assert with_grad.requires_grad
     torch.testing.assert_close(with_grad.detach(), logits, atol=1e-5, rtol=0)
@@ -148,9 +149,10 @@ def test_evaluate_generate_matches_materialized_members(tokenizer, noise, use_ca
     members, sigma = members3(), 0.05
     rollout = StackedRollout(model, tokenizer, use_cache=use_cache)
     backend = BatchedLowRankPopulation(noise_rank=2)
-    fitness = backend.evaluate(params, noise, members, [0, 1, 2], sigma, rollout)
+    results = backend.evaluate(params, noise, members, [0, 1, 2], sigma, rollout)
     assert rollout.calls == [[0, 1, 2]]  # one generate for all members
-    assert sorted(fitness) == [0, 1, 2]
+    assert sorted(results) == [0, 1, 2]
+    assert all(results[i].fitness == float(sum(map(sum, rollout.ids[i]))) for i in range(3))
     for i, member in enumerate(members):
         expected = greedy_ids(materialized(model, noise, member, sigma, 2), tokenizer, use_cache=use_cache)
         assert rollout.ids[i] == expected, i
@@ -166,37 +168,48 @@ def test_member_chunks_give_the_same_results(tokenizer, noise):
     whole = StackedRollout(model, tokenizer, max_new_tokens=5)
     BatchedLowRankPopulation(noise_rank=1).evaluate(params, noise, members, [0, 1, 2, 3], 0.05, whole)
     chunked = StackedRollout(model, tokenizer, max_new_tokens=5)
-    fitness = BatchedLowRankPopulation(noise_rank=1, member_chunk_size=3).evaluate(
+    results = BatchedLowRankPopulation(noise_rank=1, member_chunk_size=3).evaluate(
         params, noise, members, [3, 1, 2, 0], 0.05, chunked)
     assert chunked.calls == [[3, 1, 2], [0]]
-    assert sorted(fitness) == [0, 1, 2, 3]
+    assert sorted(results) == [0, 1, 2, 3]
     assert chunked.ids == whole.ids
 
 
-def test_hooks_removed_after_exception_in_rollout(tokenizer, noise):
+def hook_ids(model):
+    return {(name, key) for name, m in model.named_modules() for key in m._forward_hooks}
+
+
+def test_adapters_are_registered_once_and_inactive_after_exception(tokenizer, noise):
     model = build_llama(tokenizer).eval()
     params = TrainedParameters(select_parameters(model, LINEARS))
     inputs = encode(tokenizer, PROMPTS)
     with torch.no_grad():
         before = model(**inputs).logits
+    backend = BatchedLowRankPopulation(noise_rank=2)
+    backend.evaluate(params, noise, members3(), [0, 1, 2], 0.05, StackedRollout(model, tokenizer))
+    hooks = hook_ids(model)
+    assert len(hooks) == len(params.entries)  # one persistent hook per targeted Linear
+    backend.evaluate(params, noise, members3(), [0, 1], 0.05, StackedRollout(model, tokenizer))
+    assert hook_ids(model) == hooks  # nothing registered per call
     rollout = StackedRollout(model, tokenizer, fail=True)
     with pytest.raises(RuntimeError, match="reward function failed"):
-        BatchedLowRankPopulation(noise_rank=2).evaluate(params, noise, members3(), [0, 1, 2], 0.05, rollout)
+        backend.evaluate(params, noise, members3(), [0, 1, 2], 0.05, rollout)
     assert len(rollout.calls) == 1  # the perturbed generate ran before the failure
-    assert all(not m._forward_hooks for m in model.modules())
+    assert not backend.adapters(model, params).active
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, before)
+    backend.close()
+    assert hook_ids(model) == set()
 
 
 def test_batch_not_a_multiple_of_members_raises_and_cleans_up(tokenizer, noise):
     model = build_llama(tokenizer).eval()
     params = TrainedParameters(select_parameters(model, LINEARS))
     inputs = encode(tokenizer, PROMPTS)  # 2 rows for 3 members
-    backend = BatchedLowRankPopulation()
-    with pytest.raises(ValueError, match="multiple"), torch.no_grad(), \
-            backend.perturbed(model, params, noise, members3(), 0.05):
+    adapters = BatchedLowRankPopulation().adapters(model, params)
+    with pytest.raises(ValueError, match="multiple"), torch.no_grad(), adapters.members(noise, members3(), 0.05):
         model(**inputs)
-    assert all(not m._forward_hooks for m in model.modules())
+    assert not adapters.active
 
 
 def test_non_linear_parameters_are_rejected(tokenizer, noise):
@@ -213,11 +226,18 @@ def test_non_linear_parameters_are_rejected(tokenizer, noise):
     with pytest.raises(ValueError, match="embed_tokens"):
         backend.evaluate(tied, noise, members3(), [0, 1, 2], 0.05, StackedRollout(qwen, tokenizer))
     masters = [e.master.clone() for e in norms.entries]
-    with pytest.raises(ValueError, match="low-rank update"):
-        backend.update_(norms, noise, members3(), [1.0, 0.0, -1.0], 0.1)
+    with pytest.raises(ValueError, match="low-rank noise"):
+        es_update_(norms, backend.perturbation, noise, members3(), [1.0, 0.0, -1.0], 0.1)
     assert all(torch.equal(m, e.master) for m, e in zip(masters, norms.entries))  # nothing moved, not even q_proj
-    with pytest.raises(ValueError, match="bind"):
-        backend.evaluate(norms, noise, members3(), [0], 0.05, lambda i: 0.0)
+    with pytest.raises(ValueError, match="include_parameters"):
+        backend.check(norms, llama)
+
+    class NoModel(Rollout):
+        def member(self, index):
+            return MemberResult(0.0)
+
+    with pytest.raises(ValueError, match="model"):
+        backend.evaluate(TrainedParameters(select_parameters(llama, LINEARS)), noise, members3(), [0], 0.05, NoModel())
 
 
 # ---------------------------------------------------------------------------------------------- update
@@ -235,10 +255,10 @@ def test_update_and_gradient_equal_the_materialized_sum(tokenizer, noise, rank):
     params = TrainedParameters(select_parameters(model, LINEARS))
     before = {e.name: e.master.clone() for e in params.entries}
     members, coefficients, lr = members3(), [0.5, -1.0, 2.0], 0.1
-    backend = BatchedLowRankPopulation(noise_rank=rank)
-    backend.gradient_(params, noise, members, coefficients)
+    perturbation = LowRankPerturbation(rank)
+    es_gradient_(params, perturbation, noise, members, coefficients)
     grads = {e.name: e.master.grad.clone() for e in params.entries}
-    backend.update_(params, noise, members, coefficients, lr)
+    es_update_(params, perturbation, noise, members, coefficients, lr)
     named = dict(model.named_parameters())
     for e in params.entries:
         direction = expected_direction(noise, members, coefficients, e.name, tuple(e.param.shape), rank)
@@ -249,7 +269,7 @@ def test_update_and_gradient_equal_the_materialized_sum(tokenizer, noise, rank):
         assert (e.master - before[e.name]).abs().max() > 1e-3
     # SGD with lr = alpha on the gradient reproduces the step
     fresh = TrainedParameters(select_parameters(build_llama(tokenizer), LINEARS))
-    backend.gradient_(fresh, noise, members, coefficients)
+    es_gradient_(fresh, perturbation, noise, members, coefficients)
     torch.optim.SGD(fresh.master_parameters(), lr=lr).step()
     for e, f in zip(params.entries, fresh.entries):
         torch.testing.assert_close(f.master, e.master, atol=1e-6, rtol=0)
@@ -260,7 +280,7 @@ def test_update_into_bf16_master(tokenizer, noise):
     params = TrainedParameters(select_parameters(model, r"q_proj\.weight$"), master_dtype=None)
     before = {e.name: e.master.float().clone() for e in params.entries}
     members, coefficients = members3(), [1.0, -1.0, 0.5]
-    BatchedLowRankPopulation(noise_rank=2).update_(params, noise, members, coefficients, 0.3)
+    es_update_(params, LowRankPerturbation(2), noise, members, coefficients, 0.3)
     for e in params.entries:
         direction = expected_direction(noise, members, coefficients, e.name, tuple(e.param.shape), 2)
         expected = (before[e.name].double() + 0.1 * direction).to(torch.bfloat16)
@@ -293,7 +313,7 @@ def share_a(completions, **kwargs):
 
 
 def snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def test_trainer_run_is_replayed_bitwise(tmp_path, tokenizer):
@@ -301,8 +321,10 @@ def test_trainer_run_is_replayed_bitwise(tmp_path, tokenizer):
     base = snapshot(model)
     args = es_args(tmp_path, max_steps=3, antithetic=True, noise_rank=2, fitness_shaping="centered_rank")
     trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(8), processing_class=tokenizer)
+    assert trainer.es_params.master_bytes == 0  # fp32 model, weights never written by members: no master copy
     trainer.train()
     assert trainer.seed_log.header["population_backend"] == {"name": "batched_lowrank", "noise_rank": 2}
+    assert trainer.seed_log.header["perturbation"] == {"type": "lowrank", "rank": 2}
     trained = snapshot(trainer.model)
     changed = {k for k in base if not torch.equal(base[k], trained[k])}
     assert changed and all(k.endswith("proj.weight") or k == "lm_head.weight" for k in changed)
@@ -329,12 +351,29 @@ def test_trainer_member_chunk_size_reaches_the_backend(tmp_path, tokenizer):
     torch.testing.assert_close(coefficients[3], coefficients[None], rtol=0, atol=1e-6)
 
 
-def test_trainer_rejects_non_linear_selection(tmp_path, tokenizer):
-    args = es_args(tmp_path, include_parameters=None, max_steps=1)
-    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(8),
-                        processing_class=tokenizer)
+def test_trainer_rejects_non_linear_selection_before_any_work(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    before = snapshot(model)
+    args = es_args(tmp_path, include_parameters=r"(q_proj|norm)\.weight$", max_steps=1)
     with pytest.raises(ValueError, match="include_parameters"):
-        trainer.train()
+        ESTrainer(model, mean_code, args=args, train_dataset=prompts(8), processing_class=tokenizer)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(model).items())
+    assert hook_ids(model) == set()
+
+
+@pytest.mark.parametrize("builder", [build_llama, build_qwen2])
+def test_trainer_default_selection_is_the_linear_weights(tmp_path, tokenizer, builder):
+    """Without include_parameters the low-rank backend trains every nn.Linear weight not tied to another module."""
+    model = builder(tokenizer)
+    args = es_args(tmp_path, include_parameters=None, max_steps=1)
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(8), processing_class=tokenizer)
+    names = set(trainer.es_params.names)
+    expected = {n for n, _ in model.named_parameters() if n.endswith("proj.weight")}
+    if builder is build_llama:
+        expected.add("lm_head.weight")  # untied: a plain Linear
+    assert names == expected == set(linear_weight_names(model))
+    trainer.train()
+    assert hook_ids(model) == set()  # the adapters are removed when training ends
 
 
 def test_trainer_raises_a_simple_reward(tmp_path, tokenizer):

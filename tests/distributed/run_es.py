@@ -6,7 +6,8 @@ Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (popula
 - ``result.json`` (process 0): the log history, the evaluation metrics, the class of the prepared model, whether
   every process held bitwise identical weights after every iteration, and ``comm/bytes`` per iteration;
 - the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``);
-- with ``--save_steps k``, Trainer checkpoints every ``k`` iterations (``checkpoint-k/``).
+- with ``--save_steps k``, Trainer checkpoints every ``k`` iterations (``checkpoint-k/``); ``--resume_from`` resumes
+  from one.
 
 The data, reward and hyperparameters are fixed here, so every mode must end with the same weights.
 
@@ -40,6 +41,7 @@ def parse_args():
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--skew_rank", type=int, default=-1,
                         help="Plain mode: this process starts from different weights (ESTrainer must broadcast).")
+    parser.add_argument("--resume_from", default=None, help="A checkpoint folder to resume from.")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -50,7 +52,7 @@ def mean_code(completions, **kwargs):
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
-        eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32") -> dict:
+        eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -105,12 +107,13 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
     evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(eval_size)]})
 
-    checks = []
+    checks, steps_run = [], []
 
     class ReplicaCheck(TrainerCallback):
         """After every iteration: do all processes hold bitwise identical model weights and masters?"""
 
         def on_step_end(self, targs, state, control, **kwargs):
+            steps_run.append(state.global_step)
             if trainer.sharded or not torch.distributed.is_initialized():
                 return
             model = trainer.accelerator.unwrap_model(trainer.model)
@@ -126,7 +129,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             model_or_path.model.norm.weight.add_(1.0)
     trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
     result = {}
@@ -136,6 +139,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             "sharded": trainer.sharded,
             "model_wrapped": type(trainer.model_wrapped).__name__,
             "replicas_identical": checks,
+            "steps_run": steps_run,
             "log_history": trainer.state.log_history,
             "eval": metrics,
             "comm_bytes": [h["comm/bytes"] for h in trainer.state.log_history if "comm/bytes" in h],
@@ -148,7 +152,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank, args.dtype)
+        args.skew_rank, args.dtype, args.resume_from)
     return 0
 
 

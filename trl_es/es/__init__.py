@@ -1,37 +1,78 @@
-"""The ES algorithm on any ``nn.Module``: noise, fitness shaping, the update, population evaluation, the seed log.
+"""The ES algorithm on any ``nn.Module``: noise, perturbations, fitness shaping, the update, population evaluation,
+the seed log.
 
 Nothing here imports TRL or ``transformers.Trainer``.
 """
 
-from .noise import NOISE_BLOCK_SIZE, GaussianNoise, NoiseSource, NoiseTable, full_noise, make_noise_source
+from .noise import (
+    NOISE_BLOCK_SIZE,
+    NOISE_SOURCES,
+    DeviceGaussianNoise,
+    GaussianNoise,
+    NoiseSource,
+    NoiseTable,
+    full_noise,
+    make_noise_source,
+)
+from .perturbation import (
+    GaussianPerturbation,
+    LowRankAdapters,
+    LowRankPerturbation,
+    Perturbation,
+    linear_weight_names,
+    lowrank_factors,
+    lowrank_perturbation,
+)
 from .population import (
+    POPULATION_BACKENDS,
+    BatchedLowRankPopulation,
+    MemberResult,
     PopulationBackend,
+    Rollout,
     SequentialPopulation,
+    make_population_backend,
     member_indices,
     member_seed,
     sample_population,
 )
 from .seedlog import SEED_LOG_NAME, SeedLog, replay
-from .shaping import FITNESS_SHAPINGS, centered_ranks, shape_fitness
-from .update import Member, TrainedParameters, select_parameters
+from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
+from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
 __all__ = [
     "FITNESS_SHAPINGS",
     "NOISE_BLOCK_SIZE",
+    "NOISE_SOURCES",
+    "POPULATION_BACKENDS",
+    "BatchedLowRankPopulation",
+    "DeviceGaussianNoise",
     "GaussianNoise",
+    "GaussianPerturbation",
+    "LowRankAdapters",
+    "LowRankPerturbation",
     "Member",
+    "MemberResult",
     "NoiseSource",
     "NoiseTable",
+    "Perturbation",
     "PopulationBackend",
+    "Rollout",
     "SEED_LOG_NAME",
     "SeedLog",
     "SequentialPopulation",
     "TrainedParameters",
     "centered_ranks",
+    "es_gradient_",
+    "es_update_",
     "full_noise",
+    "linear_weight_names",
+    "lowrank_factors",
+    "lowrank_perturbation",
     "make_noise_source",
+    "make_population_backend",
     "member_indices",
     "member_seed",
+    "merge_ties",
     "replay",
     "sample_population",
     "select_parameters",

@@ -7,15 +7,22 @@ depends only on ``(s, name, j)``: never on how the tensor is split across proces
 generate only the blocks they overlap), and never on which other tensors exist, so two tensors never share noise
 (the public reference code seeds every tensor with the member seed, so all same-shape tensors move together).
 
-Two sources produce a block:
+Three sources produce a block:
 
 - :class:`NoiseTable` (default): a shared table of i.i.d. N(0, 1) fp32 values generated once from a fixed seed;
   block ``(s, name, k)`` is the contiguous slice of the table that starts at an offset hashed from
   ``(s, name, k)``. This is the shared noise table of Salimans et al. 2017 ("Evolution Strategies as a Scalable
   Alternative to Reinforcement Learning", arXiv 1703.03864, Sec. 2.1): perturbing is then a memory-bound add, not a
   random-number generation, which keeps noise, perturb, restore and update far below generation time.
-- :class:`GaussianNoise`: a fresh ``torch.randn`` draw per block from a generator seeded with the hashed key. Exactly
-  independent Gaussian noise, about 10x slower on CPU (~1 s per 100M parameters on 2 cores).
+- :class:`GaussianNoise`: a fresh ``torch.randn`` draw per block from a CPU generator seeded with the hashed key.
+  Exactly independent Gaussian noise, identical on every machine and device, about 10x slower than the table on
+  CPU (~1 s per 100M parameters on 2 cores). No table in memory.
+- :class:`DeviceGaussianNoise`: the same draw from a generator on the tensor's own device, keyed the same way
+  (Philox on CUDA: no host work, no transfer, no table). Values depend on the device type (a CUDA run's noise is
+  not a CPU run's), so ``replay`` must run on the same kind of device; on CPU it equals :class:`GaussianNoise`.
+
+:func:`make_noise_source` with ``kind="auto"`` picks per device and backend (see its docstring and
+``benchmarks/noise_sources.py``).
 """
 
 from __future__ import annotations
@@ -147,11 +154,58 @@ class GaussianNoise(NoiseSource):
         return {"type": "gaussian", "block_size": NOISE_BLOCK_SIZE}
 
 
-def make_noise_source(noise_table_size: int) -> NoiseSource:
-    """``noise_table_size > 0`` gives a :class:`NoiseTable` of that size, ``0`` gives :class:`GaussianNoise`."""
-    if noise_table_size < 0:
-        raise ValueError(f"noise_table_size must be 0 (fresh Gaussian blocks) or >= {NOISE_BLOCK_SIZE}.")
-    return NoiseTable(noise_table_size) if noise_table_size else GaussianNoise()
+class DeviceGaussianNoise(NoiseSource):
+    """Fresh Gaussian noise per block from a ``torch.Generator`` on the tensor's device, seeded with ``block_key``.
+
+    On CUDA this is the counter-based Philox generator: a block costs one kernel, nothing crosses the bus and no
+    table occupies device memory. The values depend on the device type; on CPU they equal :class:`GaussianNoise`.
+    """
+
+    def block(self, seed, name, index, length, device):
+        device = torch.device(device)
+        generator = torch.Generator(device=device).manual_seed(block_key(seed, name, index))
+        return torch.randn(length, generator=generator, dtype=torch.float32, device=device)
+
+    def describe(self) -> dict:
+        return {"type": "device_gaussian", "block_size": NOISE_BLOCK_SIZE}
+
+
+NOISE_SOURCES = ("auto", "table", "gaussian", "device_gaussian")
+
+
+def make_noise_source(
+    noise_table_size: int = DEFAULT_TABLE_SIZE, kind: str = "table", device=None, lowrank: bool = False
+) -> NoiseSource:
+    """Build a noise source.
+
+    Args:
+        noise_table_size (`int`): Entries of the table (``kind="table"``); ``0`` means "no table" and gives
+            :class:`GaussianNoise` (the historical meaning of ``noise_table_size=0``).
+        kind (`str`): ``"table"``, ``"gaussian"``, ``"device_gaussian"`` or ``"auto"``. ``"auto"`` picks, as measured
+            by ``benchmarks/noise_sources.py``: with low-rank noise (``lowrank=True``, a few thousand values per
+            member and weight) :class:`GaussianNoise` (no 256 MiB table, no measurable cost); full-rank on CUDA
+            :class:`DeviceGaussianNoise`; full-rank elsewhere the table (about 10x faster than fresh draws on CPU).
+        device (`torch.device` or `str` or `None`): The trained tensors' device (for ``"auto"``).
+        lowrank (`bool`): Whether the perturbation is low-rank (for ``"auto"``).
+
+    Raises:
+        ValueError: for an unknown ``kind`` or a table size that is neither 0 nor ``>= NOISE_BLOCK_SIZE``.
+    """
+    if kind not in NOISE_SOURCES:
+        raise ValueError(f"noise_source must be one of {NOISE_SOURCES}, got {kind!r}.")
+    if noise_table_size < 0 or 0 < noise_table_size < NOISE_BLOCK_SIZE:
+        raise ValueError(f"noise_table_size must be 0 (fresh Gaussian blocks) or >= {NOISE_BLOCK_SIZE}, "
+                         f"got {noise_table_size}.")
+    if kind == "auto":
+        if noise_table_size == 0 or lowrank:
+            kind = "gaussian"
+        elif device is not None and torch.device(device).type == "cuda":
+            kind = "device_gaussian"
+        else:
+            kind = "table"
+    if kind == "table":
+        return NoiseTable(noise_table_size) if noise_table_size else GaussianNoise()
+    return GaussianNoise() if kind == "gaussian" else DeviceGaussianNoise()
 
 
 def noise_source_from_description(description: dict) -> NoiseSource:
@@ -162,7 +216,10 @@ def noise_source_from_description(description: dict) -> NoiseSource:
         return NoiseTable(description["size"], description["seed"])
     if description["type"] == "gaussian":
         return GaussianNoise()
-    raise ValueError(f"Unknown noise source type {description['type']!r}: expected 'table' or 'gaussian'.")
+    if description["type"] == "device_gaussian":
+        return DeviceGaussianNoise()
+    raise ValueError(f"Unknown noise source type {description['type']!r}: expected 'table', 'gaussian' or "
+                     "'device_gaussian'.")
 
 
 def full_noise(source: NoiseSource, seed: int, name: str, shape, device=None) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .noise import NoiseSource, noise_source_from_description
-from .update import Member, TrainedParameters
+from .perturbation import GaussianPerturbation, LowRankPerturbation, Perturbation, perturbation_from_description
+from .update import Member, TrainedParameters, es_update_
 
 SEED_LOG_NAME = "es_seed_log.jsonl"
 FORMAT = "trl_es.seedlog"
@@ -30,9 +31,12 @@ class SeedLog:
     """In-memory seed log.
 
     Attributes:
-        header (`dict`): Run-level facts: ``noise`` (the noise source description), ``sigma``, ``parameters``
-            (``[name, numel]`` of every trained tensor), ``master_dtype`` (``"float32"`` or ``null``),
-            ``optimizer`` (``"es"`` or ``"torch"``), ``awd_penalty``.
+        header (`dict`): Run-level facts: ``noise`` (the noise source description), ``perturbation`` (its
+            description, e.g. ``{"type": "lowrank", "rank": 1}``), ``sigma``, ``parameters`` (``[name, numel]`` of
+            every trained tensor), ``master_dtype`` (``"float32"`` or ``null``), ``optimizer`` (``"es"`` or
+            ``"torch"``), ``awd_penalty``. Logs written before the ``perturbation`` key existed name it through
+            ``population_backend`` (``{"name": "batched_lowrank", "noise_rank": r}`` or ``{"name": "sequential"}``);
+            :func:`header_perturbation` reads both.
         records (`list[dict]`): One per iteration: ``step`` (1-based), ``members`` (``[seed, sign]`` pairs),
             ``coefficients`` (the shaped fitness), ``learning_rate`` and ``awd_shrink`` (``alpha * lambda``, 0 if off).
     """
@@ -81,15 +85,26 @@ class SeedLog:
         return cls(header=header, records=lines[1:])
 
 
+def header_perturbation(header: dict) -> Perturbation:
+    """The perturbation a seed log was written with: its ``perturbation`` key, else (older logs) the
+    ``population_backend`` key (``batched_lowrank`` -> rank-``noise_rank`` low-rank noise, else full-rank)."""
+    if "perturbation" in header:
+        return perturbation_from_description(header["perturbation"])
+    backend = header.get("population_backend", {"name": "sequential"})
+    if backend.get("name") == "batched_lowrank":
+        return LowRankPerturbation(backend.get("noise_rank", 1))
+    return GaussianPerturbation()
+
+
 def apply_record(
-    params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2", backend=None
+    params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2",
+    perturbation: Perturbation | None = None,
 ) -> None:
-    """Apply one logged iteration to ``params``: the ES step (of ``backend``), then AWD if ``awd_shrink > 0``."""
+    """Apply one logged iteration to ``params``: the ES step along ``perturbation`` (default full-rank), then AWD if
+    ``awd_shrink > 0``."""
     members = [Member(seed, sign) for seed, sign in record["members"]]
-    if backend is None:
-        params.es_update_(noise, members, record["coefficients"], record["learning_rate"])
-    else:
-        backend.update_(params, noise, members, record["coefficients"], record["learning_rate"])
+    es_update_(params, perturbation or GaussianPerturbation(), noise, members, record["coefficients"],
+               record["learning_rate"])
     if record.get("awd_shrink", 0.0) > 0:
         params.anchored_weight_decay_(anchor, record["awd_shrink"], penalty)
 
@@ -120,17 +135,17 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     if missing:
         raise ValueError(f"The model has no parameters named {missing[:3]} (and {max(0, len(missing) - 3)} more).")
     master_dtype = torch.float32 if log.header.get("master_dtype", "float32") == "float32" else None
-    params = TrainedParameters([(name, named[name]) for name, _ in log.header["parameters"]], master_dtype)
+    perturbation = header_perturbation(log.header)
+    # Low-rank noise never writes into the weights, so an entry already in the master dtype needs no copy; the
+    # arithmetic (fp32 sums added into fp32 values) is the same either way.
+    params = TrainedParameters([(name, named[name]) for name, _ in log.header["parameters"]], master_dtype,
+                               share_params=isinstance(perturbation, LowRankPerturbation))
     needs_anchor = any(record.get("awd_shrink", 0.0) > 0 for record in log.records)
-    anchor = {n: t.detach().float().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
+    anchor = {n: t.detach().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
     noise = noise_source_from_description(log.header["noise"])
     penalty = log.header.get("awd_penalty", "l2")
-    from .population import make_population_backend
-
-    backend_facts = dict(log.header.get("population_backend", {"name": "sequential"}))
-    backend = make_population_backend(backend_facts.pop("name"), **backend_facts)
     for record in log.records:
         if max_step is not None and record["step"] > max_step:
             break
-        apply_record(params, noise, record, anchor, penalty, backend)
+        apply_record(params, noise, record, anchor, penalty, perturbation)
     return model

@@ -1,8 +1,25 @@
-"""Fitness shaping: turning the population's raw rewards into update coefficients."""
+"""Fitness shaping: turning the population's raw rewards into update coefficients.
+
+Two rules apply before any shaping, whatever the method:
+
+- **Invalid members.** A member whose fitness is not a finite number (NaN: nothing could be scored, or a reward
+  function / reward model returned NaN or +-inf for one of its completions, see ``ESTrainer``) is ranked worst:
+  its fitness is set strictly below every finite member's, with one warning per call that names how many.
+- **Ties up to rounding.** Fitness values are float64 means of float32 rewards; members with the same rewards in a
+  different order can differ by a few ulps. Values closer than ``TIE_ULPS`` float64 ulps of the population's largest
+  magnitude, ``|F_i - F_j| <= TIE_ULPS * 2**-52 * max_k |F_k|``, are merged into one tie group (sorted values,
+  consecutive gaps below the tolerance; each group takes its mean). If every member lands in one group the
+  population carries no signal and the scale-free shapings (``"zscore"``, ``"centered_rank"``) return exactly zero
+  coefficients, so the ES step is exactly zero. The tolerance is relative to the fitness scale, unlike the
+  reference code's ``(F - mean) / (std + 1e-8)``, whose absolute epsilon both turns ulp-level noise into a full
+  step (``std`` of ~1e-17 for 30 equal values of 1/3 gives coefficients of +-1) and damps real signal of fitness
+  values below ~1e-8.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -10,20 +27,54 @@ logger = logging.getLogger(__name__)
 
 FITNESS_SHAPINGS = ("zscore", "centered_rank", "none")
 
+TIE_ULPS = 64
+"""Fitness values closer than this many float64 ulps of the largest magnitude are equal (see the module doc)."""
 
-def _fill_nan_as_worst(fitness: torch.Tensor) -> torch.Tensor:
-    nan = torch.isnan(fitness)
-    if not nan.any():
+
+def _fill_invalid_as_worst(fitness: torch.Tensor) -> torch.Tensor:
+    invalid = ~torch.isfinite(fitness)
+    if not invalid.any():
         return fitness
     logger.warning(
-        "%d of %d population members have NaN fitness; they are ranked worst.", int(nan.sum()), fitness.numel()
+        "%d of %d population members have no finite fitness (NaN, or a non-finite reward); they are ranked worst.",
+        int(invalid.sum()), fitness.numel(),
     )
-    if nan.all():
+    if invalid.all():
         return torch.zeros_like(fitness)
-    worst = fitness[~nan].min()
-    # Strictly below every finite member, so a NaN member is ranked last, not tied with the worst finite one.
-    spread = fitness[~nan].max() - worst
-    return torch.where(nan, worst - (spread if spread > 0 else 1.0), fitness)
+    valid = fitness[~invalid]
+    worst = valid.min()
+    # Strictly below every finite member, so an invalid member is ranked last, not tied with the worst finite one.
+    spread = valid.max() - worst
+    return torch.where(invalid, worst - (spread if spread > 0 else 1.0), fitness)
+
+
+def merge_ties(fitness: torch.Tensor, ulps: int = TIE_ULPS) -> torch.Tensor:
+    """Merge fitness values that are equal up to rounding into one value per tie group (their mean).
+
+    Two values are in one group when a chain of sorted neighbours separates them by gaps of at most
+    ``ulps * 2**-52 * max|F|``.
+
+    Args:
+        fitness (`torch.Tensor`): Shape ``(N,)``, float64, finite.
+        ulps (`int`): The tolerance in float64 ulps of the largest magnitude.
+
+    Returns:
+        `torch.Tensor`: Shape ``(N,)``, float64; every group holds one value (bitwise equal within a group).
+    """
+    f = fitness.to(torch.float64)
+    scale = f.abs().max()
+    if scale == 0:
+        return f.clone()
+    tolerance = ulps * torch.finfo(torch.float64).eps * scale
+    values, order = torch.sort(f)
+    new_group = torch.ones_like(values, dtype=torch.bool)
+    new_group[1:] = (values[1:] - values[:-1]) > tolerance
+    group = torch.cumsum(new_group.long(), 0) - 1
+    count = torch.zeros(int(group[-1]) + 1, dtype=torch.float64).index_add_(0, group, torch.ones_like(values))
+    total = torch.zeros_like(count).index_add_(0, group, values)
+    merged = torch.empty_like(f)
+    merged[order] = (total / count)[group]
+    return merged
 
 
 def centered_ranks(fitness: torch.Tensor) -> torch.Tensor:
@@ -48,20 +99,21 @@ def centered_ranks(fitness: torch.Tensor) -> torch.Tensor:
 def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor:
     """Turn raw fitness values into the coefficients ``z_i`` of the ES update.
 
-    - ``"zscore"``: ``z_i = (F_i - mean(F)) / std(F)`` with the population standard deviation (ddof 0), as in
-      Qiu et al. 2025 (arXiv 2509.24372, Algorithm 1, line "normalize rewards"). If every member has the same
-      fitness, ``std = 0`` and all ``z_i = 0`` (a zero update, no division by zero).
-    - ``"centered_rank"``: :func:`centered_ranks` (Salimans et al. 2017).
-    - ``"none"``: ``z_i = F_i`` (raw rewards).
+    First invalid (non-finite) members are ranked worst and ties up to rounding are merged (module doc). Then:
 
-    A member with NaN fitness (e.g. all its rewards were ``None``) is ranked worst, with a warning in the log.
+    - ``"zscore"``: ``z_i = (F_i - mean(F)) / std(F)`` with the population standard deviation (ddof 0), as in
+      Qiu et al. 2025 (arXiv 2509.24372, Algorithm 1, "normalize rewards"). All members tied: all ``z_i = 0``.
+    - ``"centered_rank"``: :func:`centered_ranks` (Salimans et al. 2017). All members tied: all ``z_i = 0``.
+    - ``"none"``: ``z_i = F_i`` (raw rewards, after the invalid-member fill; ties are *not* merged). With equal
+      fitness the ES step is then ``alpha * F * mean_i(eps_i)``: a random step, not zero. A warning says so each
+      time it happens; prefer a scale-free shaping unless the rewards are centred by design.
 
     Args:
         fitness (`torch.Tensor`): Shape ``(N,)``, float.
         method (`str`): One of ``"zscore"``, ``"centered_rank"``, ``"none"``.
 
     Returns:
-        `torch.Tensor`: Shape ``(N,)``, float64.
+        `torch.Tensor`: Shape ``(N,)``, float64, finite.
 
     Raises:
         ValueError: for an unknown ``method`` or a fitness that is not 1-D with at least 2 entries.
@@ -70,12 +122,19 @@ def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor
         raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {method!r}.")
     if fitness.dim() != 1 or fitness.numel() < 2:
         raise ValueError(f"fitness must be 1-D with at least 2 members, got shape {tuple(fitness.shape)}.")
-    f = _fill_nan_as_worst(fitness.to(torch.float64))
+    f = _fill_invalid_as_worst(fitness.to(torch.float64))
+    merged = merge_ties(f)
+    tied = bool((merged == merged[0]).all())
     if method == "none":
+        if tied and bool(f.abs().max() > 0):
+            warnings.warn(
+                "fitness_shaping='none' with equal fitness across the population: the ES step is alpha * F * "
+                "mean(eps), a random step carrying no signal. Use 'zscore' or 'centered_rank' for a zero step.",
+                stacklevel=2,
+            )
         return f
-    if method == "centered_rank":
-        return centered_ranks(f)
-    std = f.std(unbiased=False)
-    if std == 0 or not torch.isfinite(std):
+    if tied:
         return torch.zeros_like(f)
-    return (f - f.mean()) / std
+    if method == "centered_rank":
+        return centered_ranks(merged)
+    return (merged - merged.mean()) / merged.std(unbiased=False)

@@ -1,12 +1,16 @@
-"""The ES state (an fp32 master copy of the trained parameters), perturb/restore, the ES step and AWD.
+"""The ES state (the master copy of the trained parameters), the ES step (one function for every perturbation) and AWD.
 
 The trained parameters' true values live in the *master* tensors (fp32 by default). The model's own parameters are
 a rendering of the master (a cast, for a bf16/fp16 model). Hence:
 
-- perturb writes ``cast(master + sign * sigma * eps)`` into the model, in fp32, block by block;
+- a full-rank member writes ``cast(master + sign * sigma * eps)`` into the model (:mod:`trl_es.es.perturbation`);
 - restore writes ``cast(master)`` back: bitwise exact whatever the dtype and however many cycles (subtracting the
   noise again, as the public reference code does, is not exact in floating point);
 - the update is accumulated in fp32 into the master, so steps smaller than a 16-bit ulp are not lost.
+
+When nothing ever writes a perturbation into the weights (the low-rank backend) and the model is already in the
+master's dtype, the master *is* the parameter (:class:`TrainedParameters` with ``share_params=True``): no copy, and
+the update goes straight into the weights.
 
 Everything here works on *partitions*: an entry may hold only the elements ``[start, start + local numel)`` of its
 flattened tensor (DeepSpeed ZeRO-3), and noise is generated only for those elements.
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .noise import NOISE_BLOCK_SIZE, NoiseSource
+from .noise import NoiseSource
 
 AWD_PENALTIES = ("l2", "l1")
 
@@ -43,9 +47,14 @@ class Member:
 class _Entry:
     name: str
     param: torch.Tensor  # the model's tensor (or local partition), any float dtype
-    master: torch.Tensor  # same shape, fp32 by default
+    master: torch.Tensor  # same shape, fp32 by default; may be ``param`` itself (see master_is_param)
     numel: int  # elements of the whole (unpartitioned) tensor
     start: int = 0  # flat index of param's first element in the whole tensor
+
+    @property
+    def master_is_param(self) -> bool:
+        """Whether the master and the model's tensor are one tensor (no copy)."""
+        return self.master.data_ptr() == self.param.data_ptr() and self.master.dtype == self.param.dtype
 
 
 def select_parameters(
@@ -94,10 +103,18 @@ class TrainedParameters:
         master_dtype (`torch.dtype`): dtype of the master copy. ``torch.float32`` (default) keeps an fp32 master
             of 16-bit parameters; ``None`` keeps it in each parameter's own dtype (saves memory for bf16/fp16
             models; the update is still summed in fp32 and rounded once per step).
+        share_params (`bool`): If True, a parameter already in the master dtype *is* its master (no copy). Only for
+            perturbations that never write into the weights (low-rank adapters); an in-place perturbation refuses
+            such entries.
+
+    Attributes:
+        perturbed (`bool`): True between an in-place perturbation and the next render/restore.
     """
 
-    def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32):
+    def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32,
+                 share_params: bool = False):
         self.entries: list[_Entry] = []
+        self.share_params = bool(share_params)
         for item in named_params:
             name, param = item[0], item[1]
             numel = item[2] if len(item) > 2 else param.numel()
@@ -105,9 +122,13 @@ class TrainedParameters:
             data = param.data if isinstance(param, nn.Parameter) else param
             if not data.is_contiguous():
                 raise ValueError(f"Parameter {name!r} is not contiguous; ES perturbs flattened views in place.")
-            master = data.detach().to(dtype=master_dtype or data.dtype, copy=True)
+            dtype = master_dtype or data.dtype
+            if self.share_params and dtype == data.dtype:
+                master = data.detach()
+            else:
+                master = data.detach().to(dtype=dtype, copy=True)
             self.entries.append(_Entry(name, data, master, int(numel), int(start)))
-        self._perturbed = False
+        self.perturbed = False
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -118,6 +139,11 @@ class TrainedParameters:
     def numel(self) -> int:
         """Number of locally held trained elements."""
         return sum(e.param.numel() for e in self.entries)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes held by master copies distinct from the model's tensors (0 when every master is its parameter)."""
+        return sum(e.master.numel() * e.master.element_size() for e in self.entries if not e.master_is_param)
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The master tensors by name (views, not copies)."""
@@ -134,106 +160,46 @@ class TrainedParameters:
     def refresh_master_from_model_(self) -> None:
         """Set the master to the model's current values (after the model was loaded from a checkpoint)."""
         for e in self.entries:
-            e.master.copy_(e.param)
+            if not e.master_is_param:
+                e.master.copy_(e.param)
 
-    # ------------------------------------------------------------------ perturb / restore
+    def rebind_(self, name: str, tensor: torch.Tensor) -> None:
+        """Point entry ``name`` at the model's new storage ``tensor`` (same shape and values), keeping its master.
+
+        A master that was its parameter follows the new storage.
+
+        Raises:
+            RuntimeError: if the shape changed.
+        """
+        for e in self.entries:
+            if e.name != name:
+                continue
+            if tensor.shape != e.param.shape:
+                raise RuntimeError(f"Parameter {name!r} changed shape while the model was prepared.")
+            shared = e.master_is_param
+            e.param = tensor
+            if shared:
+                e.master = tensor.detach()
+            return
+        raise KeyError(name)
+
+    # ------------------------------------------------------------------ render / restore
     def render_(self) -> None:
-        """Write ``cast(master)`` into the model: the exact restore."""
+        """Write ``cast(master)`` into the model: the exact restore (nothing to do where the master is the param)."""
         with torch.no_grad():
             for e in self.entries:
-                e.param.copy_(e.master)
-        self._perturbed = False
+                if not e.master_is_param:
+                    e.param.copy_(e.master)
+        self.perturbed = False
 
     restore_ = render_
-
-    def perturb_(self, noise: NoiseSource, member: Member, sigma: float) -> None:
-        """Write ``cast(master + sign * sigma * eps)`` into the model, in fp32, block by block.
-
-        Args:
-            noise (`NoiseSource`): The noise source.
-            member (`Member`): The member (seed and sign).
-            sigma (`float`): The noise scale.
-        """
-        scale = float(member.sign) * float(sigma)
-        with torch.no_grad():
-            for e in self.entries:
-                flat_param, flat_master = e.param.view(-1), e.master.view(-1)
-                pieces = noise.pieces(member.seed, e.name, e.numel, e.start, e.start + flat_param.numel(),
-                                      device=flat_param.device)
-                for lo, hi, eps in pieces:
-                    if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
-                        torch.add(flat_master[lo:hi], eps, alpha=scale, out=flat_param[lo:hi])  # one pass
-                    else:
-                        flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
-        self._perturbed = True
-
-    # ------------------------------------------------------------------ the ES step
-    def noise_sum(self, noise: NoiseSource, members: Sequence[Member], coefficients: Sequence[float]):
-        """Yield ``(entry, lo, hi, s)`` with ``s = sum_i coefficients[i] * sign_i * eps_i`` (fp32) for each block.
-
-        The sum is formed in a fixed order (members in population order, blocks in flat order), so every process
-        and ``replay`` obtain bitwise identical results.
-        """
-        pairs = [(m, float(c) * m.sign) for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]
-        for e in self.entries:
-            local = e.param.numel()
-            device = e.master.device
-            position = 0
-            while position < local:
-                hi = min(local, position + _block_span(e.start + position))
-                total = torch.zeros(hi - position, dtype=torch.float32, device=device)
-                for member, coef in pairs:
-                    for lo2, hi2, eps in noise.pieces(member.seed, e.name, e.numel, e.start + position,
-                                                      e.start + hi, device=device):
-                        total[lo2:hi2].add_(eps, alpha=coef)
-                yield e, position, hi, total
-                position = hi
-
-    def es_update_(
-        self, noise: NoiseSource, members: Sequence[Member], coefficients: Sequence[float], learning_rate: float
-    ) -> None:
-        """Apply ``theta <- theta + alpha / N * sum_i z_i * eps_i`` to the master in fp32, then render it.
-
-        Source: Qiu et al. 2025 (arXiv 2509.24372), Algorithm 1 (the noise scale sigma is folded into ``alpha``).
-        For antithetic pairs, ``eps_i = sign_i * eps(seed_i)``.
-
-        Args:
-            noise (`NoiseSource`): The noise source used for the perturbations.
-            members (`Sequence[Member]`): The ``N`` members.
-            coefficients (`Sequence[float]`): The shaped fitness ``z_i``, one per member.
-            learning_rate (`float`): ``alpha``.
-        """
-        step = float(learning_rate) / len(members)
-        with torch.no_grad():
-            for e, lo, hi, total in self.noise_sum(noise, members, coefficients):
-                flat = e.master.view(-1)[lo:hi]
-                if flat.dtype == torch.float32:
-                    flat.add_(total, alpha=step)
-                else:
-                    flat.copy_(flat.float().add_(total, alpha=step))
-        self.render_()
-
-    def es_gradient_(self, noise: NoiseSource, members: Sequence[Member], coefficients: Sequence[float]) -> None:
-        """Store ``-(1 / N) * sum_i z_i * eps_i`` in ``master.grad`` (fp32), for a torch optimizer to descend.
-
-        This is the ES gradient estimate of Salimans et al. 2017 (Eq. 2) in the scaling of Qiu et al. 2025
-        (sigma folded into the learning rate), negated because torch optimizers minimize: plain SGD with
-        ``lr = alpha`` then reproduces :meth:`es_update_`. Masters must be fp32.
-        """
-        scale = -1.0 / len(members)
-        for e in self.entries:
-            if e.master.dtype != torch.float32:
-                raise ValueError("es_optimizer='torch' needs an fp32 master copy (fp32_master_weights=True).")
-            e.master.grad = torch.zeros_like(e.master)
-        for e, lo, hi, total in self.noise_sum(noise, members, coefficients):
-            e.master.grad.view(-1)[lo:hi].add_(total, alpha=scale)
 
     def master_parameters(self) -> list[torch.Tensor]:
         """The master tensors as leaf tensors an optimizer can own (``requires_grad`` is not needed)."""
         return [e.master for e in self.entries]
 
     # ------------------------------------------------------------------ AWD
-    def anchored_weight_decay_(self, anchor: dict[str, torch.Tensor], shrink: float, penalty: str = "l2") -> None:
+    def anchored_weight_decay_(self, anchor, shrink: float, penalty: str = "l2") -> None:
         """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) on the master, in fp32, then render.
 
         With ``delta = theta - theta_0``: ``"l2"``: ``delta <- (1 - alpha * lambda) * delta``;
@@ -241,7 +207,8 @@ class TrainedParameters:
         ``theta = theta_0 + delta``.
 
         Args:
-            anchor (`dict[str, torch.Tensor]`): ``theta_0`` by name (the local partition; any device).
+            anchor (`Mapping[str, torch.Tensor]`): ``theta_0`` by name (the local partition; any device and float
+                dtype; read one tensor at a time, so a lazily loading mapping works).
             shrink (`float`): ``alpha * lambda``; must be in ``[0, 1)`` for ``"l2"``.
             penalty (`str`): ``"l2"`` or ``"l1"``.
 
@@ -264,6 +231,59 @@ class TrainedParameters:
         self.render_()
 
 
-def _block_span(position: int) -> int:
-    """Elements from ``position`` to the end of its noise block (sums are formed per noise block)."""
-    return NOISE_BLOCK_SIZE - position % NOISE_BLOCK_SIZE
+def es_update_(
+    params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
+    coefficients: Sequence[float], learning_rate: float,
+) -> None:
+    """The ES step: ``theta <- theta + alpha / N * sum_i z_i * eps_i``, in fp32 into the master, then render.
+
+    Source: Qiu et al. 2025 (arXiv 2509.24372), Algorithm 1 (the noise scale sigma is folded into ``alpha``); for
+    antithetic pairs ``eps_i = sign_i * eps(seed_i)``. The same function serves every perturbation: the direction
+    ``sum_i z_i eps_i`` comes from ``perturbation.direction_sums`` (full-rank Gaussian blocks, or rank-``r``
+    products one weight at a time), streamed so the extra memory is one block or one weight matrix.
+
+    Args:
+        params (`TrainedParameters`): The trained parameters and their master copy.
+        perturbation (`Perturbation`): What ``eps_i`` is (:mod:`trl_es.es.perturbation`).
+        noise (`NoiseSource`): The noise source used for the perturbations.
+        members (`Sequence[Member]`): The ``N`` members.
+        coefficients (`Sequence[float]`): The shaped fitness ``z_i``, one per member.
+        learning_rate (`float`): ``alpha``.
+
+    Raises:
+        ValueError: if the perturbation cannot apply to a trained tensor (nothing is changed then).
+    """
+    perturbation.check(params)
+    step = float(learning_rate) / len(members)
+    with torch.no_grad():
+        for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
+            flat = e.master.view(-1)[lo:hi]
+            if flat.dtype == torch.float32:
+                flat.add_(total, alpha=step)
+            else:
+                flat.copy_(flat.float().add_(total, alpha=step))
+    params.render_()
+
+
+def es_gradient_(
+    params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
+    coefficients: Sequence[float],
+) -> None:
+    """Store ``-(1 / N) * sum_i z_i * eps_i`` in ``master.grad`` (fp32), for a torch optimizer to descend.
+
+    This is the ES gradient estimate of Salimans et al. 2017 (arXiv 1703.03864, Eq. 2) in the scaling of Qiu et al.
+    2025 (sigma folded into the learning rate), negated because torch optimizers minimize: plain SGD with
+    ``lr = alpha`` then reproduces :func:`es_update_`.
+
+    Raises:
+        ValueError: if a master is not fp32 (``es_optimizer='torch'`` needs ``fp32_master_weights=True``).
+    """
+    perturbation.check(params)
+    scale = -1.0 / len(members)
+    for e in params.entries:
+        if e.master.dtype != torch.float32:
+            raise ValueError("es_optimizer='torch' needs an fp32 master copy (fp32_master_weights=True).")
+    for e in params.entries:
+        e.master.grad = torch.zeros_like(e.master)
+    for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
+        e.master.grad.view(-1)[lo:hi].add_(total, alpha=scale)

@@ -7,10 +7,13 @@ from typing import Any
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
+from ..arguments import DictValuedFields
+from ..es.anchor import ANCHOR_STORAGES
+from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
 from ..es.population import POPULATION_BACKENDS
 from ..es.shaping import FITNESS_SHAPINGS
 from ..es.update import AWD_PENALTIES
+from ..generation import GENERATION_ENGINES
 
 ES_OPTIMIZERS = ("es", "torch")
 
@@ -31,7 +34,8 @@ class ESConfig(_BaseConfig):
     and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
     """
 
-    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs"]
+    # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
+    _VALID_DICT_FIELDS = DictValuedFields()
 
     # ------------------------------------------------------------------ overridden TrainingArguments defaults
     learning_rate: float = field(
@@ -130,12 +134,23 @@ class ESConfig(_BaseConfig):
             "not lost (updates are always summed in fp32)."
         },
     )
+    noise_source: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, Salimans "
+            f"et al. 2017), 'gaussian' (a fresh draw per {NOISE_BLOCK_SIZE}-element block from a CPU generator: "
+            "identical on every device, ~10x slower than the table on CPU, no table memory), 'device_gaussian' (the "
+            "same from a generator on the weights' device: Philox on CUDA; values depend on the device type) or "
+            "'auto' (measured defaults: 'gaussian' for the low-rank backend, 'device_gaussian' for full-rank noise "
+            "on CUDA, 'table' for full-rank noise elsewhere; see benchmarks/noise_sources.py).",
+            "choices": list(NOISE_SOURCES),
+        },
+    )
     noise_table_size: int = field(
         default=DEFAULT_TABLE_SIZE,
         metadata={
-            "help": "Entries of the shared Gaussian noise table (Salimans et al. 2017), 2**26 = 256 MiB by default; "
-            f"noise blocks are slices of it at hashed offsets. 0 = draw fresh Gaussian noise per {NOISE_BLOCK_SIZE}-"
-            "element block (exact, ~10x slower on CPU)."
+            "help": "Entries of the shared Gaussian noise table when the table is used, 2**26 = 256 MiB by default. "
+            "0 = no table: fresh Gaussian noise per block (as noise_source='gaussian')."
         },
     )
     population_backend: str = field(
@@ -163,6 +178,33 @@ class ESConfig(_BaseConfig):
             "help": "With population_backend='batched_lowrank': members per generate call (None: all members of a "
             "process in one call). One call holds member_chunk_size x prompt_batch_size x num_generations rows; "
             "lower it to bound activation and KV-cache memory. Ignored by 'sequential'."
+        },
+    )
+
+    generation_engine: str = field(
+        default="auto",
+        metadata={
+            "help": "How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled "
+            "decoding step on fixed batch buckets; for GPUs) or 'auto' ('compiled' on CUDA when the model supports a "
+            "static cache, else 'eager'). The choice is logged at start.",
+            "choices": list(GENERATION_ENGINES),
+        },
+    )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Eager engine: run the token prefix that all prompts of a batch share (chat-template system prompt "
+            "and role markers) once per population member instead of once per prompt, then continue every prompt "
+            "from its cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md)."
+        },
+    )
+    anchor_storage: str = field(
+        default="auto",
+        metadata={
+            "help": "Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's "
+            "dtype), 'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when "
+            "it holds exactly the initial values, checked at start; a resident copy for tensors it does not hold).",
+            "choices": list(ANCHOR_STORAGES),
         },
     )
 
@@ -258,6 +300,10 @@ class ESConfig(_BaseConfig):
             )
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
+        for name, allowed in (("noise_source", NOISE_SOURCES), ("generation_engine", GENERATION_ENGINES),
+                              ("anchor_storage", ANCHOR_STORAGES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

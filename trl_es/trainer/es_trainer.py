@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import textwrap
 import time
 import warnings
 from collections import defaultdict
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
@@ -24,8 +26,12 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from ..analysis._common import group_name
 from ..analysis.diversity import success_diversity
+from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_files, make_anchor
 from ..es.noise import make_noise_source
+from ..es.perturbation import LowRankPerturbation, linear_weight_names
 from ..es.population import (
+    MemberResult,
+    Rollout,
     make_population_backend,
     member_indices,
     member_seed,
@@ -33,7 +39,8 @@ from ..es.population import (
 )
 from ..es.seedlog import SEED_LOG_NAME, SeedLog
 from ..es.shaping import shape_fitness
-from ..es.update import TrainedParameters, select_parameters
+from ..es.update import TrainedParameters, es_gradient_, es_update_, select_parameters
+from ..generation import make_engine
 from ..models import resolve_model_path
 from .distributed import (
     ES_DEEPSPEED_NOTE,
@@ -89,6 +96,64 @@ class _TorchOptimizerSync(TrainerCallback):
         if args.es_optimizer == "torch":
             trainer._apply_awd(trainer._current_learning_rate())
             trainer.es_params.render_()
+
+
+class _PromptBatchRollout(Rollout):
+    """ESTrainer's rollout: generate for the iteration's prompt batch with the model as it is, score the completions
+    with the reward functions, and return a :class:`MemberResult` (fitness = mean of the valid weighted rewards; its
+    ``details`` hold the rewards, the invalid-reward flags, completions, tokens and seconds)."""
+
+    def __init__(self, trainer: ESTrainer, rows: list[dict], step: int):
+        self.trainer, self.rows, self.step = trainer, rows, step
+        self.model = trainer.accelerator.unwrap_model(trainer.model)  # backends with per-row adapters find it here
+        self.reward_kwargs = {"trainer_state": trainer.state, "log_extra": lambda *a, **k: None,
+                              "log_metric": trainer._log_metric}
+
+    def _score(self, rows: list[dict], num_row_groups: int = 1) -> dict:
+        trainer = self.trainer
+        start = time.perf_counter()
+        out = score_model(
+            self.model, trainer.processing_class, rows, trainer.reward_scorer, trainer.generation_config,
+            trainer.args.num_generations, trainer.args.chat_template_kwargs, self.reward_kwargs,
+            engine=trainer.generation_engine, num_row_groups=num_row_groups,
+        )
+        out["seconds"] = time.perf_counter() - start
+        trainer._warn_invalid_rewards(out["invalid"])
+        return out
+
+    @staticmethod
+    def _result(out: dict) -> MemberResult:
+        fitness = math.nan if bool(out["invalid"].any()) else _fitness_of(out["rewards"])
+        return MemberResult(fitness, out)
+
+    def member(self, index: int) -> MemberResult:
+        trainer, args = self.trainer, self.trainer.args
+        if args.temperature > 0:  # the member's samples do not depend on which process scores it
+            # (sharded: each process samples its own prompts, so each has its own stream)
+            offset = (trainer.accelerator.process_index << 20) * trainer.sharded
+            torch.manual_seed(member_seed(args.seed + 1 + offset, self.step, index))
+        trainer._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
+        return self._result(self._score(self.rows))
+
+    def stacked(self, indices) -> dict[int, MemberResult]:
+        args = self.trainer.args
+        if args.temperature > 0:
+            torch.manual_seed(member_seed(args.seed + 1, self.step, -1))
+        out = self._score(self.rows * len(indices), num_row_groups=len(indices))
+        width = len(self.rows) * args.num_generations
+        results = {}
+        for k, index in enumerate(indices):
+            block = slice(k * width, (k + 1) * width)
+            part = {
+                "rewards_per_func": out["rewards_per_func"][block],
+                "invalid": out["invalid"][block],
+                "rewards": out["rewards"][block],
+                "completions": out["completions"][block],
+                "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
+                "seconds": out["seconds"] / len(indices),
+            }
+            results[index] = self._result(part)
+        return results
 
 
 class ESTrainer(_BaseTrainer):
@@ -211,10 +276,21 @@ class ESTrainer(_BaseTrainer):
                 func.to(self.accelerator.device)
 
         # ES state: built after Trainer placed the model on its device, so the tensors are the final ones (under
-        # DeepSpeed ZeRO-3 it is rebuilt from the partitions once DeepSpeed has partitioned the model).
-        self.noise = make_noise_source(args.noise_table_size)
+        # DeepSpeed ZeRO-3 it is rebuilt from the partitions once DeepSpeed has partitioned the model). The backend
+        # checks the selection here, before any work.
         self.population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self._build_es_state()
+        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        self.noise = make_noise_source(args.noise_table_size, args.noise_source,
+                                       self.es_params.entries[0].param.device, lowrank=lowrank)
+        self.generation_engine = self._make_generation_engine()
+        logger.info(
+            "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
+            "MiB, anchor %s",
+            args.population_backend, self.population.perturbation.describe(), self.noise.describe(),
+            self.generation_engine.describe(), self.es_params.master_bytes / 2**20,
+            "none" if self.anchor is None else self.anchor.storage,
+        )
         self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
         self.seed_log = SeedLog(
@@ -228,24 +304,52 @@ class ESTrainer(_BaseTrainer):
                 "master_dtype": "float32" if args.fp32_master_weights else None,
                 "awd_penalty": args.awd_penalty,
                 "parameters": [[e.name, e.numel] for e in self.es_params.entries],
+                "perturbation": self.population.perturbation.describe(),
                 "population_backend": self.population.describe(),
             }
         )
         self._metrics = defaultdict(list)
+        self._warned_invalid: set[str] = set()
         self.add_callback(_TorchOptimizerSync(self))
 
     def _build_es_state(self) -> None:
-        """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor."""
+        """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor.
+
+        With the low-rank backend and no ``include_parameters``, the selection is every ``nn.Linear`` weight that is
+        not tied to another module (logged); the backend then checks the selection against the model, so a bad one
+        raises here, before any work. A low-rank backend never writes the weights: a parameter already in the
+        master dtype is its own master (no copy).
+        """
         args = self.args
         unwrapped = self.accelerator.unwrap_model(self.model)
-        selected = select_parameters(unwrapped, args.include_parameters, args.exclude_parameters)
+        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        include = args.include_parameters
+        if lowrank and include is None:
+            names = linear_weight_names(unwrapped)
+            if not names:
+                raise ValueError("population_backend='batched_lowrank' found no trainable nn.Linear weight to train.")
+            include = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+            logger.info("population_backend='batched_lowrank' trains the %d nn.Linear weights (set include_parameters "
+                        "to choose others).", len(names))
+        selected = select_parameters(unwrapped, include, args.exclude_parameters)
         self._es_model_params = [p for _, p in selected]
         self.es_params = TrainedParameters(
-            es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None
+            es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None, share_params=lowrank
         )
-        self.anchor = None  # theta_0 on CPU (fp32; under ZeRO-3 the local partition): for AWD and drift logging
+        if not any(is_zero3_param(p) for p in self._es_model_params):
+            self.population.check(self.es_params, unwrapped)
+        self.anchor = None  # theta_0 (under ZeRO-3 the local partition): for AWD and drift logging
         if args.awd_lambda > 0 or args.log_parameter_drift:
-            self.anchor = {n: t.detach().float().cpu().clone() for n, t in self.es_params.master_state_dict().items()}
+            files = checkpoint_files(unwrapped) if args.anchor_storage != "memory" else []
+            self.anchor = make_anchor(self.es_params, args.anchor_storage, files)
+
+    def _make_generation_engine(self):
+        """The generation engine of ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a
+        static cache, eager otherwise and under ZeRO-3)."""
+        name = self.args.generation_engine
+        if name == "auto" and self.sharded:
+            name = "eager"
+        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix)
 
     @property
     def sharded(self) -> bool:
@@ -290,12 +394,6 @@ class ESTrainer(_BaseTrainer):
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
             self._rebind_es_params()
             return prepared
-        if self.is_deepspeed_enabled and resume_from_checkpoint is not None:
-            raise NotImplementedError(
-                "Resuming ESTrainer under DeepSpeed is not supported. A checkpoint holds the model (loadable with "
-                "from_pretrained) and the seed log: start a new run from the checkpoint's model, or rebuild the "
-                "weights with trl_es.replay(base_model, checkpoint)."
-            )
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False
@@ -312,6 +410,8 @@ class ESTrainer(_BaseTrainer):
             self._rebind_es_params()
             self._check_replicas_identical()
         if resume_from_checkpoint is not None:
+            if self.is_deepspeed_enabled:
+                self._load_deepspeed_checkpoint(resume_from_checkpoint)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -352,11 +452,8 @@ class ESTrainer(_BaseTrainer):
         named = dict(self.accelerator.unwrap_model(self.model).named_parameters())
         for entry in self.es_params.entries:
             current = named[entry.name].data
-            if current.data_ptr() == entry.param.data_ptr():
-                continue
-            if current.shape != entry.param.shape:
-                raise RuntimeError(f"Parameter {entry.name!r} changed shape while the model was prepared.")
-            entry.param = current
+            if current.data_ptr() != entry.param.data_ptr():
+                self.es_params.rebind_(entry.name, current)
         self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
 
     def _count_forward(self, module, args):
@@ -380,11 +477,13 @@ class ESTrainer(_BaseTrainer):
             stacklevel=2,
         )
         with torch.no_grad():
-            tensors = list(unwrapped.parameters()) + list(unwrapped.buffers()) + masters
-            if self.anchor is not None:
-                tensors += list(self.anchor.values())
+            tensors = list(unwrapped.parameters()) + list(unwrapped.buffers())
+            tensors += [e.master for e in self.es_params.entries if not e.master_is_param]
             self._comm_bytes += broadcast_tensors_(tensors)
         self.es_params.render_()
+        if self.anchor is not None:  # theta_0 is now process 0's initial weights
+            files = checkpoint_files(unwrapped) if self.args.anchor_storage != "memory" else []
+            self.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)
 
     def _sync_model_view(self) -> None:
         """Under ZeRO-3, drop gathered copies of the trained parameters so the next forward sees the partitions."""
@@ -427,61 +526,6 @@ class ESTrainer(_BaseTrainer):
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
 
     # ------------------------------------------------------------------ the ES iteration
-    def _rollout(self, rows, step: int):
-        """A function that scores the model as it currently is on ``rows`` (one member's rollout)."""
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
-        results = {}
-
-        def score(batch_rows):
-            start = time.perf_counter()
-            out = score_model(
-                unwrapped,
-                self.processing_class,
-                batch_rows,
-                self.reward_scorer,
-                self.generation_config,
-                self.args.num_generations,
-                self.args.chat_template_kwargs,
-                reward_kwargs,
-            )
-            out["seconds"] = time.perf_counter() - start
-            return out
-
-        fitness_of = _fitness_of
-        sharded = self.sharded
-
-        def rollout(index: int) -> float:
-            if self.args.temperature > 0:  # the member's samples do not depend on which process scores it
-                # (sharded: each process samples its own prompts, so each has its own stream)
-                torch.manual_seed(member_seed(self.args.seed + 1 + (self.accelerator.process_index << 20) * sharded,
-                                              step, index))
-            self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
-            results[index] = score(rows)
-            return fitness_of(results[index]["rewards"])
-
-        def stacked(indices) -> dict[int, float]:
-            if self.args.temperature > 0:
-                torch.manual_seed(member_seed(self.args.seed + 1, step, -1))
-            out = score(rows * len(indices))
-            width = len(rows) * self.args.num_generations
-            fitness = {}
-            for k, index in enumerate(indices):
-                block = slice(k * width, (k + 1) * width)
-                results[index] = {
-                    "rewards_per_func": out["rewards_per_func"][block],
-                    "rewards": out["rewards"][block],
-                    "completions": out["completions"][block],
-                    "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
-                    "seconds": out["seconds"] / len(indices),
-                }
-                fitness[index] = fitness_of(out["rewards"][block])
-            return fitness
-
-        rollout.stacked = stacked
-        rollout.model = unwrapped  # backends that hook modules (batched low-rank) find the model here
-        return rollout, results
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One ES iteration. Returns ``-mean(population fitness)`` as the logged "loss"."""
         args = self.args
@@ -496,8 +540,8 @@ class ESTrainer(_BaseTrainer):
 
         start = time.perf_counter()
         forward_calls = self._forward_calls
-        rollout, results = self._rollout(rows, step)
-        self.population.evaluate(self.es_params, self.noise, members, indices, args.sigma, rollout)
+        rollout = _PromptBatchRollout(self, rows, step)
+        results = self.population.evaluate(self.es_params, self.noise, members, indices, args.sigma, rollout)
         evaluate_seconds = time.perf_counter() - start
 
         # Per member: reward sums and counts (overall and per function), completions, tokens. Summed over processes
@@ -507,16 +551,19 @@ class ESTrainer(_BaseTrainer):
             stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += tensor_bytes(stats)
         count = stats[:, 1]
-        fitness = torch.where(count > 0, stats[:, 0] / count.clamp(min=1), torch.full_like(count, math.nan))
+        # A member with an invalid (non-finite) reward, or with nothing scored, has no fitness: ranked worst.
+        valid = (count > 0) & (stats[:, -2] == 0)
+        fitness = torch.where(valid, stats[:, 0] / count.clamp(min=1), torch.full_like(count, math.nan))
         coefficients = shape_fitness(fitness, args.fitness_shaping)
 
         start = time.perf_counter()
         learning_rate = self._current_learning_rate()
+        perturbation = self.population.perturbation
         if args.es_optimizer == "es":
-            self.population.update_(self.es_params, self.noise, members, coefficients.tolist(), learning_rate)
+            es_update_(self.es_params, perturbation, self.noise, members, coefficients.tolist(), learning_rate)
             shrink = self._apply_awd(learning_rate)
         else:
-            self.population.gradient_(self.es_params, self.noise, members, coefficients.tolist())
+            es_gradient_(self.es_params, perturbation, self.noise, members, coefficients.tolist())
             shrink = learning_rate * args.awd_lambda if args.awd_lambda > 0 else 0.0
         self._sync_model_view()
         update_seconds = time.perf_counter() - start
@@ -527,17 +574,19 @@ class ESTrainer(_BaseTrainer):
         mean = fitness[~torch.isnan(fitness)].mean() if not torch.isnan(fitness).all() else torch.tensor(math.nan)
         return torch.tensor(-float(mean), device=args.device)
 
-    def _member_stats(self, results: dict, population_size: int) -> torch.Tensor:
+    def _member_stats(self, results: dict[int, MemberResult], population_size: int) -> torch.Tensor:
         """Columns: reward sum, reward count, completions, completion tokens, then per reward function its sums and
-        its counts (NaN rewards skipped). One row per member, zero for members this process did not score.
+        its counts (NaN rewards skipped), then the number of invalid (non-finite) rewards, then the successes. One
+        row per member, zero for members this process did not score.
 
         Returns:
-            `torch.Tensor`: Shape ``(population_size, 5 + 2 * F)``, float64; the last column counts successes
-            (weighted reward >= ``success_threshold``).
+            `torch.Tensor`: Shape ``(population_size, 6 + 2 * F)``, float64; the last column counts successes
+            (weighted reward >= ``success_threshold``), the one before it invalid rewards.
         """
         num_funcs = len(self.reward_func_names)
-        stats = torch.zeros(population_size, 5 + 2 * num_funcs, dtype=torch.float64)
-        for index, out in results.items():
+        stats = torch.zeros(population_size, 6 + 2 * num_funcs, dtype=torch.float64)
+        for index, result in results.items():
+            out = result.details
             rewards = out["rewards"].double()
             per_func = out["rewards_per_func"].double()
             stats[index, 0] = rewards.nansum()
@@ -546,6 +595,7 @@ class ESTrainer(_BaseTrainer):
             stats[index, 3] = out["num_tokens"]
             stats[index, 4 : 4 + num_funcs] = per_func.nansum(dim=0)
             stats[index, 4 + num_funcs : 4 + 2 * num_funcs] = (~torch.isnan(per_func)).sum(dim=0)
+            stats[index, -2] = out["invalid"].sum()
             stats[index, -1] = (rewards >= self.args.success_threshold).sum()  # NaN compares False
         return stats
 
@@ -579,6 +629,20 @@ class ESTrainer(_BaseTrainer):
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 
+    def _warn_invalid_rewards(self, invalid: torch.Tensor) -> None:
+        """Warn once per reward function that returned a non-finite number (its member is ranked worst)."""
+        for j in torch.nonzero(invalid.any(dim=0)).flatten().tolist():
+            name = self.reward_func_names[j]
+            if name not in self._warned_invalid:
+                self._warned_invalid.add(name)
+                warnings.warn(
+                    f"Reward function {name!r} returned a non-finite reward (NaN or +-inf). Such a reward never reaches "
+                    "the weights: the member that produced it gets no fitness and is ranked worst (counted in "
+                    "num_nan_members and num_invalid_rewards); evaluate() leaves it out of the means. Return None for "
+                    "'not applicable'. This warning is shown once per reward function.",
+                    stacklevel=2,
+                )
+
     def _record_metrics(self, fitness, stats, results, evaluate_seconds, update_seconds):
         """Log the population's fitness and rewards (from ``stats``, summed over processes: the same on every
         process and for any number of processes) and this process's timings and throughput."""
@@ -589,19 +653,20 @@ class ESTrainer(_BaseTrainer):
             self._metrics["reward_min"].append(float(finite.min()))
             self._metrics["reward_max"].append(float(finite.max()))
         self._metrics["num_nan_members"].append(float(torch.isnan(fitness).sum()))
+        self._metrics["num_invalid_rewards"].append(float(stats[:, -2].sum()))
         scored = stats[:, 2] > 0
         if scored.any():  # population success diversity JS_succ (arXiv 2608.27351)
             success_rates = stats[scored, -1] / stats[scored, 2]
             self._metrics["success_rate"].append(float(success_rates.mean()))
             self._metrics["success_diversity"].append(success_diversity(success_rates))
-        generation_seconds = sum(r["seconds"] for r in results.values())
+        generation_seconds = sum(r.details["seconds"] for r in results.values())
         num_funcs = len(self.reward_func_names)
         totals = stats.sum(dim=0)
         for j, name in enumerate(self.reward_func_names):
             if totals[4 + num_funcs + j] > 0:
                 self._metrics[f"rewards/{name}/mean"].append(float(totals[4 + j] / totals[4 + num_funcs + j]))
         if results:
-            completions = sum(len(r["completions"]) for r in results.values())
+            completions = sum(len(r.details["completions"]) for r in results.values())
             self._metrics["completions_per_second"].append(completions / max(generation_seconds, 1e-9))
         self._metrics["completion_tokens"].append(float(totals[3]))
         timings = self.population.timings
@@ -646,8 +711,13 @@ class ESTrainer(_BaseTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
 
+        Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
+        generate call (``num_generations`` completions each), with the trainer's generation engine and settings.
+        Invalid (non-finite) rewards are left out of the means and counted.
+
         Returns:
-            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``.
+            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
+            ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
         """
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
@@ -666,11 +736,11 @@ class ESTrainer(_BaseTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         rows = [dataset[i] for i in range(rank, len(dataset), world)]
         unwrapped = self.accelerator.unwrap_model(self.model)
-        batch = self.args.prompt_batch_size
+        batch = self.args.per_device_eval_batch_size
         # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
         # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
         num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
-        sums = torch.zeros(2 + len(self.reward_func_names), dtype=torch.float64)  # total, count, per-function
+        sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
         if self.args.temperature > 0:
             torch.manual_seed(self.args.seed)
@@ -679,18 +749,23 @@ class ESTrainer(_BaseTrainer):
             chunk = rows[first : first + batch]
             if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
                 placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
-                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config)
+                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
+                                     engine=self.generation_engine)
                 continue
             out = score_model(
                 unwrapped, self.processing_class, chunk, self.reward_scorer,
                 self.generation_config, self.args.num_generations, self.args.chat_template_kwargs,
                 {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
+                engine=self.generation_engine,
             )
+            self._warn_invalid_rewards(out["invalid"])
             rewards = out["rewards"].double()
-            sums[0] += rewards.nansum()
-            sums[1] += (~torch.isnan(rewards)).sum()
+            valid_rows = ~out["invalid"].any(dim=1)
+            sums[0] += rewards[valid_rows].nansum()
+            sums[1] += (~torch.isnan(rewards[valid_rows])).sum()
+            sums[2] += out["invalid"].sum()
             per_func = out["rewards_per_func"].double()
-            sums[2:] += per_func.nansum(dim=0)
+            sums[3:] += per_func.nansum(dim=0)
             counts += (~torch.isnan(per_func)).sum(dim=0)
         if world > 1:
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
@@ -698,19 +773,27 @@ class ESTrainer(_BaseTrainer):
         metrics = {
             f"{metric_key_prefix}_reward": float(sums[0] / sums[1]) if sums[1] > 0 else None,
             f"{metric_key_prefix}_num_completions": int(len(dataset) * self.args.num_generations),
+            f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
             f"{metric_key_prefix}_runtime": time.perf_counter() - start,
         }
         for j, name in enumerate(self.reward_func_names):
             if counts[j] > 0:
-                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[2 + j] / counts[j])
+                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, *args, **kwargs):
-        """``Trainer.train``, then the seed log is written to ``output_dir`` (a whole run in a few kilobytes)."""
-        output = super().train(*args, **kwargs)
+        """``Trainer.train``, then the seed log is written to ``output_dir`` (a whole run in a few kilobytes).
+
+        Whatever the population backend installed in the model (the low-rank adapters' hooks) is removed at the end,
+        also when training raises.
+        """
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            self.population.close()
         if self.args.should_save:
             os.makedirs(self.args.output_dir, exist_ok=True)
             self.seed_log.save(os.path.join(self.args.output_dir, SEED_LOG_NAME))
@@ -775,6 +858,14 @@ class ESTrainer(_BaseTrainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        shards = sorted(n for n in os.listdir(resume_from_checkpoint) if re.match(r"es_(master|anchor)\.rank\d+-of-\d+\.", n))
+        if shards and not os.path.exists(os.path.join(resume_from_checkpoint, MASTER_WEIGHTS_NAME)):
+            world = int(re.search(r"-of-(\d+)\.", shards[0]).group(1))
+            raise ValueError(
+                f"{resume_from_checkpoint!r} was written by DeepSpeed ZeRO-3 with {world} processes: its ES master and "
+                f"anchor are per-process shards. Resume it with the same launch (DeepSpeed ZeRO-3, {world} "
+                "processes), or start a new run from its model (from_pretrained) or with trl_es.replay."
+            )
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         master_path = os.path.join(resume_from_checkpoint, MASTER_WEIGHTS_NAME)
         if os.path.exists(master_path):
@@ -783,8 +874,76 @@ class ESTrainer(_BaseTrainer):
             self.es_params.refresh_master_from_model_()
         anchor_path = os.path.join(resume_from_checkpoint, ANCHOR_WEIGHTS_NAME)
         if self.anchor is not None and os.path.exists(anchor_path):
-            self.anchor = load_file(anchor_path)
+            self._adopt_checkpoint_anchor(load_file(anchor_path))
         log_path = os.path.join(resume_from_checkpoint, SEED_LOG_NAME)
         if os.path.exists(log_path):
             self.seed_log.records = SeedLog.load(log_path).records
+
+    def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:
+        """Use the checkpoint's theta_0: keep the current anchor where it holds the same values (e.g. read from the
+        base model's file), else hold the checkpoint's values in memory (a resumed run decays toward the anchor of
+        the run it continues, whatever model it was started from)."""
+        same = all(torch.equal(saved[n].reshape(-1), self.anchor[n].reshape(-1).to(saved[n].dtype))
+                   for n in self.anchor)
+        if not same:
+            shapes = {e.name: e.param.shape for e in self.es_params.entries}
+            self.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
+
+    def _load_deepspeed_checkpoint(self, folder: str) -> None:
+        """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted run.
+
+        The checkpoint holds the model gathered into ``model.safetensors`` (written by every ZeRO stage), the ES
+        master and anchor (ZeRO-3: one shard per process, ``es_master.rank{r}-of-{W}.safetensors`` with each tensor's
+        ``start,length,numel`` in the metadata) and the seed log. Every process copies its share: its partition of
+        every trained tensor under ZeRO-3, whole tensors otherwise. Checked before any iteration runs; raises
+        ``ValueError`` if the checkpoint was written with another number of processes or partition layout, or lacks
+        the model file. (DeepSpeed's own engine checkpoint is never written: ES has no DeepSpeed optimizer.)
+        """
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        model_file = os.path.join(folder, "model.safetensors")
+        if not os.path.isfile(model_file):
+            raise ValueError(f"Cannot resume ESTrainer under DeepSpeed from {folder!r}: it has no model.safetensors "
+                             "(the gathered model this trainer writes with every checkpoint).")
+        suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
+        shard_name = (lambda base: base.replace(".safetensors", suffix)) if self.sharded else (lambda base: base)
+        layout = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}
+        files = {}
+        for base in (MASTER_WEIGHTS_NAME, ANCHOR_WEIGHTS_NAME):
+            path = os.path.join(folder, shard_name(base))
+            if os.path.isfile(path):
+                files[base] = path
+            elif self.sharded and any(n.startswith(base.split(".")[0] + ".rank") for n in os.listdir(folder)):
+                raise ValueError(f"Cannot resume from {folder!r}: its {base.split('.')[0]} shards were written by another "
+                                 f"number of processes (this run has {world}; no {shard_name(base)}).")
+        if self.sharded:
+            for path in files.values():
+                with safe_open(path, framework="pt") as f:
+                    stored = f.metadata() or {}
+                if any(stored.get(name) != value for name, value in layout.items()):
+                    raise ValueError(f"Cannot resume from {folder!r}: the partition layout of {path!r} differs from this "
+                                     "run's (another world size or DeepSpeed partitioning).")
+        with torch.no_grad(), safe_open(model_file, framework="pt") as f:
+            keys = set(f.keys())
+            for e in self.es_params.entries:
+                if e.name not in keys:
+                    raise ValueError(f"Cannot resume from {folder!r}: model.safetensors has no tensor {e.name!r}.")
+                flat = f.get_tensor(e.name).reshape(-1)
+                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])
+        if MASTER_WEIGHTS_NAME in files:
+            saved = load_file(files[MASTER_WEIGHTS_NAME])
+            self.es_params.load_master_state_dict({n: t.reshape(-1) for n, t in saved.items()})
+        else:
+            self.es_params.refresh_master_from_model_()
+        if self.anchor is not None and ANCHOR_WEIGHTS_NAME in files:
+            self._adopt_checkpoint_anchor(load_file(files[ANCHOR_WEIGHTS_NAME]))
+        log_path = os.path.join(folder, SEED_LOG_NAME)
+        if os.path.exists(log_path):
+            self.seed_log.records = SeedLog.load(log_path).records
+        if self.args.es_optimizer == "torch":
+            name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise ValueError(f"Cannot resume es_optimizer='torch' from {folder!r}: no {name}.")
+            self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        self._sync_model_view()
 

@@ -18,6 +18,8 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
+from ..generation import GenerationEngine, generate_completions
+
 RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
 
 
@@ -77,45 +79,11 @@ def build_generation_config(
     return GenerationConfig(**kwargs)
 
 
-@torch.no_grad()
-def generate_completions(
-    model: nn.Module,
-    processing_class,
-    prompts: Sequence[str],
-    generation_config: GenerationConfig,
-    num_generations: int = 1,
-    **generate_kwargs,
-) -> tuple[list[str], list[list[int]]]:
-    """Generate ``num_generations`` completions for each prompt in one left-padded batch.
-
-    Args:
-        model (`nn.Module`): A causal LM.
-        processing_class: Its tokenizer.
-        prompts (`Sequence[str]`): Prompt strings (already through the chat template).
-        generation_config (`GenerationConfig`): Decoding settings.
-        num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
-
-    Returns:
-        `(texts, ids)`: ``len(prompts) * num_generations`` completion strings (special tokens removed) and token id
-        lists, each cut after the first EOS token (included, as GRPOTrainer does).
-    """
-    repeated = [p for p in prompts for _ in range(num_generations)]
-    inputs = processing_class(
-        text=repeated, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-    )
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    was_training = model.training
-    model.eval()
+def _is_nan_number(value) -> bool:
     try:
-        output = model.generate(**inputs, generation_config=generation_config, **generate_kwargs)
-    finally:
-        model.train(was_training)
-    completion = output[:, inputs["input_ids"].shape[1] :].tolist()
-    eos = processing_class.eos_token_id
-    ids = [row[: row.index(eos) + 1] if eos in row else row for row in completion]
-    texts = processing_class.batch_decode(ids, skip_special_tokens=True)
-    return texts, ids
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _as_float(value, name: str) -> float:
@@ -155,11 +123,9 @@ class RewardScorer:
             if not (callable(func) or isinstance(func, nn.Module)):
                 raise TypeError(f"reward_funcs entries must be callables or reward models, got {type(func).__name__}.")
             self.reward_funcs.append(func)
-        self.names = [
-            (f.config._name_or_path.split("/")[-1] if isinstance(f, PreTrainedModel) else getattr(f, "__name__", ""))
-            or type(f).__name__
-            for f in self.reward_funcs
-        ]
+        from .reward_names import reward_func_names  # distinct names: metrics are kept per function
+
+        self.names = reward_func_names(self.reward_funcs)
         if reward_weights is None:
             reward_weights = [1.0] * len(self.reward_funcs)
         if len(reward_weights) != len(self.reward_funcs):
@@ -191,7 +157,26 @@ class RewardScorer:
         """Score completions; ``rows[j]`` is the dataset row of completion ``j`` (repeat rows for several generations).
 
         Returns:
-            `torch.Tensor`: Shape ``(len(completions), num_funcs)``, float32; NaN where a function returned ``None``.
+            `torch.Tensor`: Shape ``(len(completions), num_funcs)``, float32; NaN where a function returned ``None``
+            or a non-finite number (see :meth:`score`, which tells the two apart).
+
+        Raises:
+            ValueError / TypeError: if a function returns the wrong number of values or non-numbers.
+        """
+        return self.score(rows, completions, completion_ids, **extra)[0]
+
+    def score(
+        self, rows: Sequence[dict], completions: Sequence, completion_ids: Sequence[list[int]], **extra
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score completions and flag invalid rewards.
+
+        ``None`` means "not applicable" (skipped, as in GRPO). A returned number that is NaN, +inf or -inf (from a
+        function, or a reward model's logit) is *invalid*: it is replaced by NaN in the rewards and flagged, so the
+        caller can tell the user and keep it out of the weights (``ESTrainer`` ranks the member worst).
+
+        Returns:
+            `(rewards, invalid)`: ``rewards`` of shape ``(len(completions), num_funcs)``, float32, NaN for ``None``
+            and invalid values; ``invalid`` of the same shape, bool.
 
         Raises:
             ValueError / TypeError: if a function returns the wrong number of values or non-numbers.
@@ -200,6 +185,7 @@ class RewardScorer:
         prompts = [row["prompt"] for row in rows]
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         rewards = torch.zeros(n, len(self.reward_funcs), dtype=torch.float32)
+        invalid = torch.zeros(n, len(self.reward_funcs), dtype=torch.bool)
         for i, (func, cls, name) in enumerate(zip(self.reward_funcs, self.processing_classes, self.names, strict=True)):
             if isinstance(func, nn.Module):
                 rewards[:, i] = self._score_with_model(func, cls, prompts, completions)
@@ -214,7 +200,16 @@ class RewardScorer:
                     f"Reward function {name!r} returned {got} rewards, but {n} were expected (one per completion)."
                 )
             rewards[:, i] = torch.tensor([_as_float(v, name) for v in output], dtype=torch.float32)
-        return rewards
+            # None was mapped to NaN above; a NaN that came back as a number is invalid, not "not applicable"
+            returned_nan = torch.tensor([v is not None and not isinstance(v, bool) and _is_nan_number(v)
+                                         for v in output], dtype=torch.bool)
+            invalid[:, i] = returned_nan
+        invalid |= torch.isinf(rewards)
+        model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, nn.Module)]
+        for i in model_columns:
+            invalid[:, i] |= torch.isnan(rewards[:, i])
+        rewards[invalid] = math.nan
+        return rewards, invalid
 
     @torch.no_grad()
     def _score_with_model(self, model, tokenizer, prompts, completions) -> torch.Tensor:
@@ -256,20 +251,31 @@ def score_model(
     num_generations: int = 1,
     chat_template_kwargs: dict | None = None,
     reward_kwargs: dict | None = None,
+    engine: GenerationEngine | None = None,
+    num_row_groups: int = 1,
+    **generate_kwargs,
 ) -> dict:
     """Generate for ``rows`` and score: the whole rollout of one (possibly perturbed) model on a prompt batch.
 
+    Args:
+        engine (`GenerationEngine` or `None`): How to generate (default: the plain eager engine).
+        num_row_groups (`int`): The rows form this many equal consecutive blocks (stacked population members).
+        **generate_kwargs: Passed to ``model.generate`` (e.g. ``synced_gpus=True``).
+
     Returns:
-        `dict`: ``rewards_per_func`` (``(len(rows) * num_generations, F)`` float32), ``rewards`` (weighted, same
+        `dict`: ``rewards_per_func`` (``(len(rows) * num_generations, F)`` float32, NaN for ``None`` and invalid
+        rewards), ``invalid`` (same shape, bool: a non-finite number was returned), ``rewards`` (weighted, same
         length), ``completions`` (texts), ``completion_ids``, ``num_tokens`` (completion tokens generated).
     """
     prompts = prompt_texts(rows, processing_class, chat_template_kwargs)
-    texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations)
+    texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations,
+                                      engine=engine, num_row_groups=num_row_groups, **generate_kwargs)
     repeated_rows = [row for row in rows for _ in range(num_generations)]
     completions = completions_for_rewards(texts, repeated_rows)
-    per_func = scorer(repeated_rows, completions, ids, **(reward_kwargs or {}))
+    per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
     return {
         "rewards_per_func": per_func,
+        "invalid": invalid,
         "rewards": scorer.weighted(per_func),
         "completions": texts,
         "completion_ids": ids,

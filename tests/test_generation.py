@@ -1,0 +1,200 @@
+"""Generation engines: eager (with and without a shared prompt prefix), compiled static cache; stacked members."""
+
+import copy
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import build_llama, build_qwen2
+
+from trl_es import ESConfig, ESTrainer
+from trl_es.es.noise import NoiseTable, full_noise
+from trl_es.es.population import BatchedLowRankPopulation
+from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.rewards import completion_text
+from trl_es.generation import (
+    CompiledEngine,
+    EagerEngine,
+    common_prefix_length,
+    generate_completions,
+    make_engine,
+    resolve_engine_name,
+)
+from trl_es.trainer.scoring import build_generation_config
+
+LINEARS = r"(proj|lm_head)\.weight$"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def chat_prompts(tokenizer, n=5):
+    """Chat-template prompts of different lengths: a long shared prefix, left padding exercised."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": "Write: " + "ab" * (i % 3) + str(i)}],
+                                          tokenize=False, add_generation_prompt=True) for i in range(n)]
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3]]) == 2  # each row keeps one own token
+    assert common_prefix_length([[1, 2], [3, 4]]) == 0
+    assert common_prefix_length([]) == 0
+
+
+@pytest.mark.parametrize("num_generations", [1, 2])
+def test_shared_prefix_gives_the_plain_greedy_tokens(tokenizer, num_generations):
+    model = build_llama(tokenizer).eval()
+    prompts = chat_prompts(tokenizer)
+    config = build_generation_config(tokenizer, 8)
+    plain = EagerEngine().generate(model, tokenizer, prompts, config, num_generations)
+    engine = EagerEngine(share_prompt_prefix=True)
+    shared = engine.generate(model, tokenizer, prompts, config, num_generations)
+    assert engine.last_shared_prefix == len(tokenizer("<|im_start|>user\nWrite: ").input_ids)
+    assert shared.ids == plain.ids and shared.texts == plain.texts
+    assert len(shared.ids) == len(prompts) * num_generations
+    assert len({str(i) for i in plain.ids}) > 1  # the prompts really produce different completions
+
+
+def test_shared_prefix_is_skipped_where_unsafe(tokenizer):
+    model = build_llama(tokenizer).eval()
+    engine = EagerEngine(share_prompt_prefix=True)
+    config = build_generation_config(tokenizer, 4)
+    engine.generate(model, tokenizer, ["ab", "ac"], config)  # a 1-token prefix is not worth a forward
+    assert engine.last_shared_prefix == 0
+    engine.generate(model, tokenizer, chat_prompts(tokenizer), config, use_cache=False)
+    assert engine.last_shared_prefix == 0
+    beams = copy.deepcopy(config)
+    beams.num_beams = 2
+    assert not engine.can_share(model, beams, {})
+    assert not engine.can_share(model, config, {"synced_gpus": True})
+
+
+def materialized(model, noise, member, sigma, rank):
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in select_parameters(twin, LINEARS):
+            out_features, in_features = p.shape
+            a = full_noise(noise, member.seed, name + ".lowrank_A", (out_features, rank)).double()
+            b = full_noise(noise, member.seed, name + ".lowrank_B", (in_features, rank)).double()
+            p.add_((member.sign * sigma / math.sqrt(rank) * (a @ b.T)).to(p.dtype))
+    return twin
+
+
+def test_stacked_members_with_a_shared_prefix_equal_materialized_members(tokenizer):
+    """The prefix forward runs one row per member (each sees its own adapters), then every member's cache is
+    repeated for its rows: each row block still equals a model with W + E_i written into the weights."""
+    model = build_llama(tokenizer).eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    noise, sigma, rank = NoiseTable(1 << 20), 0.05, 2
+    members = [Member(11, 1), Member(11, -1), Member(29, 1)]
+    prompts = chat_prompts(tokenizer, 3)
+    config = build_generation_config(tokenizer, 8)
+    engine = EagerEngine(share_prompt_prefix=True)
+    adapters = BatchedLowRankPopulation(noise_rank=rank).adapters(model, params)
+    with adapters.members(noise, members, sigma):
+        stacked = generate_completions(model, tokenizer, prompts * 3, config, engine=engine, num_row_groups=3).ids
+    assert engine.last_shared_prefix > 0
+    for k, member in enumerate(members):
+        expected = EagerEngine().generate(materialized(model, noise, member, sigma, rank), tokenizer, prompts, config)
+        assert stacked[3 * k : 3 * k + 3] == expected.ids, k
+    assert len({str(stacked[3 * k : 3 * k + 3]) for k in range(3)}) == 3
+
+
+def test_static_cache_engine_equals_eager_and_buckets_the_batch(tokenizer):
+    model = build_llama(tokenizer).eval()
+    config = build_generation_config(tokenizer, 8)
+    engine = CompiledEngine(compile=False)
+    for n in (3, 4):  # 3 rows are padded to the bucket of 4: one shape
+        prompts = chat_prompts(tokenizer, n)
+        assert engine.generate(model, tokenizer, prompts, config).ids == EagerEngine().generate(
+            model, tokenizer, prompts, config).ids
+    assert engine.shapes_seen == {(4, 128)}
+    # row groups are padded inside each group, so per-row adapters keep their blocks
+    prompts = chat_prompts(tokenizer, 3)
+    grouped = engine.generate(model, tokenizer, prompts * 2, config, num_row_groups=2).ids
+    assert grouped[:3] == grouped[3:] == EagerEngine().generate(model, tokenizer, prompts, config).ids
+    assert (8, 128) in engine.shapes_seen
+
+
+def test_compiled_engine_greedy_equals_eager_on_cpu(tokenizer):
+    """torch.compile'd decoding step (inductor on CPU; ~20 s to compile the tiny model once)."""
+    model = build_llama(tokenizer).eval()
+    prompts = chat_prompts(tokenizer, 3)
+    config = build_generation_config(tokenizer, 8)
+    engine = CompiledEngine(compile=True)
+    first = engine.generate(model, tokenizer, prompts, config).ids
+    second = engine.generate(model, tokenizer, prompts[:2] + prompts[2:], config).ids
+    assert first == second == EagerEngine().generate(model, tokenizer, prompts, config).ids
+    assert engine.shapes_seen == {(4, 128)}
+
+
+def test_engine_choice_and_errors(tokenizer, tmp_path):
+    model = build_llama(tokenizer)
+    assert resolve_engine_name("auto", model) == "eager"  # CPU
+    assert isinstance(make_engine("compiled", model), CompiledEngine)
+    engine = make_engine("auto", model, share_prompt_prefix=True)
+    assert isinstance(engine, EagerEngine) and engine.share_prompt_prefix
+    with pytest.raises(ValueError, match="generation_engine must be one of"):
+        make_engine("vllm", model)
+
+    class NoStatic(torch.nn.Module):
+        _can_compile_fullgraph = False
+        config = model.config
+
+    with pytest.raises(ValueError, match="static-cache support"):
+        make_engine("compiled", NoStatic())
+    with pytest.raises(ValueError, match="generation_engine must be one of"):
+        ESConfig(output_dir=str(tmp_path), generation_engine="fast")
+    with pytest.raises(ValueError, match="num_row_groups"):
+        EagerEngine().generate(model, tokenizer, ["a", "b", "c"], build_generation_config(tokenizer, 2),
+                               num_row_groups=2)
+
+
+def mean_code(completions, **kwargs):
+    texts = [completion_text(c) for c in completions]
+    return [sum(map(ord, t)) / (128 * max(1, len(t))) for t in texts]
+
+
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_trainer_steps_are_the_same_with_and_without_prefix_sharing(tmp_path, tokenizer, backend):
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write: {i}"}] for i in range(8)]})
+    coefficients, engines = {}, {}
+    for share in (False, True):
+        args = ESConfig(output_dir=str(tmp_path / str(share)), max_steps=2, population_size=4, antithetic=True,
+                        prompt_batch_size=4, max_completion_length=6, sigma=0.05, learning_rate=0.05, report_to=[],
+                        save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0,
+                        population_backend=backend, share_prompt_prefix=share, include_parameters=LINEARS)
+        trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=data,
+                            processing_class=tokenizer)
+        trainer.train()
+        engines[share] = trainer.generation_engine
+        coefficients[share] = [r["coefficients"] for r in trainer.seed_log.records]
+    assert engines[True].last_shared_prefix > 0 and engines[False].last_shared_prefix == 0
+    assert coefficients[True] == coefficients[False]
+    assert any(c != 0 for record in coefficients[True] for c in record)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA only
+@cuda
+def test_compiled_engine_greedy_equals_eager_on_cuda(tokenizer):
+    model = build_qwen2(tokenizer, dtype=torch.bfloat16).cuda().eval()
+    prompts = chat_prompts(tokenizer, 5)
+    config = build_generation_config(tokenizer, 8)
+    engine = CompiledEngine()
+    engine.generate(model, tokenizer, prompts, config)  # compile
+    assert engine.generate(model, tokenizer, prompts, config).ids == EagerEngine().generate(
+        model, tokenizer, prompts, config).ids
+
+
+@cuda
+def test_lowrank_rows_equal_materialized_members_on_cuda(tokenizer):
+    model = build_llama(tokenizer).cuda().eval()
+    params = TrainedParameters(select_parameters(model, LINEARS))
+    noise, sigma = NoiseTable(1 << 20), 0.05
+    members = [Member(3, 1), Member(3, -1)]
+    prompts = chat_prompts(tokenizer, 2)
+    config = build_generation_config(tokenizer, 6)
+    adapters = BatchedLowRankPopulation(noise_rank=1).adapters(model, params)
+    with adapters.members(noise, members, sigma):
+        stacked = generate_completions(model, tokenizer, prompts * 2, config, num_row_groups=2).ids
+    for k, member in enumerate(members):
+        assert stacked[2 * k : 2 * k + 2] == EagerEngine().generate(
+            materialized(model, noise, member, sigma, 1), tokenizer, prompts, config).ids

@@ -1,0 +1,39 @@
+"""The fastest-launch planner of the main job (trl_es.launch)."""
+
+import sys
+
+import pytest
+
+from trl_es.launch import launch_command, main, physical_cores, plan_launch
+
+
+def test_cpu_cores_get_one_single_threaded_process_each():
+    plan = plan_launch(gpus=0, cores=2)
+    assert (plan.launcher, plan.num_processes, plan.threads) == ("torchrun", 2, 1)
+    assert plan.env["OMP_NUM_THREADS"] == "1" and plan.env["ACCELERATE_USE_CPU"] == "1"
+    command = launch_command(plan, "job.py", ["--max_steps", "3"], port=29511)
+    assert command == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                       "29511", "job.py", "--max_steps", "3"]
+    assert plan_launch(gpus=0, cores=8).num_processes == 8
+
+
+def test_one_core_or_one_forced_process_falls_back_to_one_process():
+    for plan in (plan_launch(gpus=0, cores=1), plan_launch(num_processes=1, gpus=0, cores=4)):
+        assert (plan.launcher, plan.num_processes) == ("python", 1)
+        assert launch_command(plan, "job.py", ["-x"]) == [sys.executable, "job.py", "-x"]
+    assert plan_launch(num_processes=1, gpus=0, cores=4).threads == 4  # all cores' threads in the one process
+
+
+def test_gpus_get_one_process_each():
+    plan = plan_launch(gpus=4, cores=16)
+    assert (plan.launcher, plan.num_processes, plan.threads) == ("accelerate", 4, 4)
+    assert launch_command(plan, "job.py", [])[1:5] == ["launch", "--num_processes", "4", "--multi_gpu"]
+    assert plan_launch(gpus=1, cores=16).launcher == "python"
+
+
+def test_bad_process_count_and_dry_run(capsys):
+    with pytest.raises(ValueError, match="num_processes must be >= 1"):
+        plan_launch(num_processes=0, gpus=0, cores=2)
+    assert main(["--dry_run", "--num_processes", "1", "job.py", "--a", "1"]) == 0
+    assert f"{sys.executable} job.py --a 1" in capsys.readouterr().out
+    assert physical_cores() >= 1

@@ -1,0 +1,182 @@
+"""The anchor theta_0: the trained parameters' initial values, for Anchored Weight Decay and drift logging.
+
+Two ways to hold it, behind one read-only mapping ``name -> tensor`` (the local partition of the parameter, in the
+parameter's own dtype, on CPU):
+
+- :class:`MemoryAnchor`: a resident copy in the parameter's dtype. theta_0 *is* the initial parameter, so a copy in
+  its own dtype is exact (an fp32 copy of a bf16 model would double the bytes for nothing).
+- :class:`FileAnchor`: read back, one tensor at a time, from safetensors files that hold exactly these values: the
+  base model's own checkpoint (checked bitwise against the parameters when the anchor is built), or an anchor a
+  checkpoint saved. Nothing stays resident: a lookup maps the file, copies one tensor (or the partition's slice of
+  it) and unmaps it again.
+
+:func:`make_anchor` picks the file where every value matches it and falls back to memory per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+
+from .update import TrainedParameters
+
+ANCHOR_STORAGES = ("auto", "memory", "file")
+
+
+class MemoryAnchor(Mapping):
+    """theta_0 as resident CPU copies in the parameters' dtype.
+
+    Args:
+        tensors (`dict[str, torch.Tensor]`): The values (copied).
+    """
+
+    storage = "memory"
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+class FileAnchor(Mapping):
+    """theta_0 read on demand from safetensors files.
+
+    Args:
+        sources (`dict[str, tuple[str, str, int, int]]`): ``name -> (path, key, start, length)``: the tensor ``key``
+            of the file ``path``, flattened, elements ``[start, start + length)``.
+        fallback (`Mapping[str, torch.Tensor]`, *optional*): Values for names not in ``sources`` (resident).
+        shapes (`dict[str, torch.Size]`, *optional*): Shape to give each returned tensor (default: flat).
+    """
+
+    storage = "file"
+
+    def __init__(self, sources: dict, fallback: Mapping | None = None, shapes: dict | None = None):
+        self.sources = dict(sources)
+        self.fallback = MemoryAnchor(fallback or {})
+        self.shapes = dict(shapes or {})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.fallback:
+            return self.fallback[name]
+        path, key, start, length = self.sources[name]
+        with safe_open(path, framework="pt", device="cpu") as f:
+            flat = f.get_slice(key)[:] if length is None else _read_flat_range(f, key, start, length)
+        flat = flat.reshape(-1).clone()
+        return flat.view(self.shapes[name]) if name in self.shapes else flat
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.sources
+        yield from (n for n in self.fallback if n not in self.sources)
+
+    def __len__(self) -> int:
+        return len(set(self.sources) | set(self.fallback))
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.fallback.resident_bytes
+
+
+def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of the flattened tensor ``key`` (only the rows they span are read)."""
+    view = handle.get_slice(key)
+    shape = view.get_shape()
+    if not shape:
+        return view[:].reshape(-1)[start : start + length]
+    row = 1
+    for dim in shape[1:]:
+        row *= int(dim)
+    first, last = start // row, -(-(start + length) // row)
+    rows = view[first:last].reshape(-1)
+    offset = start - first * row
+    return rows[offset : offset + length]
+
+
+def checkpoint_files(model) -> list[str]:
+    """The safetensors files of ``model``'s checkpoint folder (``model.name_or_path``), or ``[]``.
+
+    Reads ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
+    """
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        return []
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, name) for name in files if os.path.isfile(os.path.join(folder, name))]
+    return []
+
+
+def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None):
+    """The anchor theta_0 of ``params`` as they are now.
+
+    Args:
+        params (`TrainedParameters`): The trained parameters, at their initial values.
+        storage (`str`): ``"memory"``: resident copies. ``"file"`` / ``"auto"``: read from ``files`` every tensor
+            whose values there are bitwise the current ones (checked now, one tensor at a time), resident copies for
+            the others (so ``"file"`` and ``"auto"`` behave alike; ``"file"`` exists to state the intent).
+        files (`list[str]`, *optional*): safetensors files (e.g. :func:`checkpoint_files` of the model).
+
+    Returns:
+        (`MemoryAnchor | FileAnchor`): The anchor, a read-only mapping ``name -> tensor``.
+
+    Raises:
+        ValueError: for an unknown ``storage``.
+    """
+    if storage not in ANCHOR_STORAGES:
+        raise ValueError(f"anchor_storage must be one of {ANCHOR_STORAGES}, got {storage!r}.")
+    values = {e.name: e for e in params.entries}
+    if storage == "memory" or not files:
+        return MemoryAnchor({n: e.param for n, e in values.items()})
+    where = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                where.setdefault(key, path)
+    sources, fallback, shapes = {}, {}, {}
+    for name, e in values.items():
+        path = where.get(name)
+        local = e.param.numel()
+        if path is not None:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                shape = f.get_slice(name).get_shape()
+                numel = 1
+                for dim in shape:
+                    numel *= int(dim)
+                same = numel == e.numel and f.get_slice(name).get_dtype() == _safetensors_dtype(e.param.dtype)
+                if same:
+                    stored = _read_flat_range(f, name, e.start, local)
+                    same = torch.equal(stored, e.param.detach().reshape(-1).cpu())
+            if same:
+                sources[name] = (path, name, e.start, local)
+                shapes[name] = e.param.shape
+                continue
+        fallback[name] = e.param
+    if not sources:
+        return MemoryAnchor(fallback)
+    return FileAnchor(sources, fallback, shapes)
+
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    return _DTYPES.get(dtype, str(dtype))

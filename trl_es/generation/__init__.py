@@ -1,0 +1,87 @@
+"""Generation engines: prompt rows in, completion ids out; the one path to generation in trl_es.
+
+- ``"eager"`` (:class:`EagerEngine`): ``model.generate`` as transformers runs it; optionally with the shared prompt
+  prefix computed once per row group (``share_prompt_prefix``, the default in ``ESConfig``).
+- ``"compiled"`` (:class:`CompiledEngine`): static KV cache + compiled decoding step on fixed batch buckets.
+- ``"auto"``: the compiled engine on CUDA when the model supports a static cache, else eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import Completions, GenerationEngine, model_device
+from .compiled import CompiledEngine, supports_static_cache
+from .eager import EagerEngine, common_prefix_length
+
+GENERATION_ENGINES = ("auto", "eager", "compiled")
+
+
+def resolve_engine_name(name: str, model: nn.Module | None = None) -> str:
+    """``"auto"`` -> ``"compiled"`` on CUDA for a model that supports a static cache, else ``"eager"``.
+
+    Raises:
+        ValueError: for a name not in :data:`GENERATION_ENGINES`.
+    """
+    if name not in GENERATION_ENGINES:
+        raise ValueError(f"generation_engine must be one of {GENERATION_ENGINES}, got {name!r}.")
+    if name != "auto":
+        return name
+    if model is not None and model_device(model).type == "cuda" and supports_static_cache(model):
+        return "compiled"
+    return "eager"
+
+
+def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt_prefix: bool = False) -> GenerationEngine:
+    """Build an engine by name (``ESConfig.generation_engine``); ``"auto"`` is resolved against ``model``.
+
+    Args:
+        name (`str`): ``"auto"``, ``"eager"`` or ``"compiled"``.
+        model (`nn.Module` or `None`): The model the engine will run (for ``"auto"``).
+        share_prompt_prefix (`bool`): For the eager engine: compute the shared prompt prefix once per row group.
+
+    Raises:
+        ValueError: for an unknown name, or ``"compiled"`` with a model that has no static-cache support.
+    """
+    name = resolve_engine_name(name, model)
+    if name == "compiled":
+        if model is not None and not supports_static_cache(model):
+            raise ValueError(f"generation_engine='compiled' needs a model with static-cache support "
+                             f"(_can_compile_fullgraph); {type(model).__name__} has none: use 'eager' or 'auto'.")
+        return CompiledEngine()
+    return EagerEngine(share_prompt_prefix=share_prompt_prefix)
+
+
+@torch.no_grad()
+def generate_completions(
+    model: nn.Module,
+    processing_class,
+    prompts,
+    generation_config,
+    num_generations: int = 1,
+    engine: GenerationEngine | None = None,
+    num_row_groups: int = 1,
+    **generate_kwargs,
+) -> Completions:
+    """Generate ``num_generations`` completions per prompt with ``engine`` (default: the plain eager engine).
+
+    See :meth:`GenerationEngine.generate`. Returns :class:`Completions` (unpacks as ``texts, ids``).
+    """
+    engine = engine or EagerEngine()
+    return engine.generate(model, processing_class, prompts, generation_config, num_generations, num_row_groups,
+                           **generate_kwargs)
+
+
+__all__ = [
+    "GENERATION_ENGINES",
+    "CompiledEngine",
+    "Completions",
+    "EagerEngine",
+    "GenerationEngine",
+    "common_prefix_length",
+    "generate_completions",
+    "make_engine",
+    "resolve_engine_name",
+    "supports_static_cache",
+]

@@ -1,0 +1,116 @@
+"""The generation-engine interface: prompt strings in, completion token ids and texts out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+
+@dataclass
+class Completions:
+    """The output of :meth:`GenerationEngine.generate`.
+
+    Attributes:
+        texts (`list[str]`): One decoded completion per row (special tokens removed).
+        ids (`list[list[int]]`): Its token ids, cut after the first EOS token (included, as GRPOTrainer does).
+    """
+
+    texts: list[str]
+    ids: list[list[int]]
+
+    def __iter__(self):  # ``texts, ids = engine.generate(...)``
+        return iter((self.texts, self.ids))
+
+
+class GenerationEngine(ABC):
+    """Turns prompt rows into completions; the one path to generation in trl_es (scoring, both population backends,
+    ``ESTrainer.evaluate``, ``trl-es eval``, the race script).
+
+    Rows and row groups: ``generate`` receives ``len(prompts) * num_generations`` rows (each prompt repeated
+    ``num_generations`` times, consecutively). With ``num_row_groups = M`` the rows form ``M`` consecutive equal
+    blocks that may see different models (the batched low-rank population's per-row adapters): an engine must keep
+    every row in its block (it may add padding rows only inside a block, at its end, and drop them again).
+    """
+
+    name = "engine"
+
+    def describe(self) -> dict:
+        """JSON-serializable facts about the engine (logged by the trainer)."""
+        return {"name": self.name}
+
+    @abstractmethod
+    def _generate_ids(
+        self, model: nn.Module, processing_class, rows: list[str], generation_config: GenerationConfig,
+        num_row_groups: int, **generate_kwargs,
+    ) -> list[list[int]]:
+        """Completion ids (before the EOS cut) for each row, in row order."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: nn.Module,
+        processing_class,
+        prompts: Sequence[str],
+        generation_config: GenerationConfig,
+        num_generations: int = 1,
+        num_row_groups: int = 1,
+        **generate_kwargs,
+    ) -> Completions:
+        """Generate ``num_generations`` completions for each prompt.
+
+        Args:
+            model (`nn.Module`): A causal LM (``transformers`` ``GenerationMixin``).
+            processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
+            prompts (`Sequence[str]`): Prompt strings (already through the chat template).
+            generation_config (`GenerationConfig`): Decoding settings.
+            num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
+            num_row_groups (`int`): ``M``: the rows form ``M`` equal consecutive blocks (see the class doc); must
+                divide the number of rows.
+            **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True`` under ZeRO-3).
+
+        Returns:
+            `Completions`: ``len(prompts) * num_generations`` texts and id lists; unpacks as ``texts, ids``.
+
+        Raises:
+            ValueError: if ``num_row_groups`` does not divide the number of rows.
+        """
+        rows = [p for p in prompts for _ in range(num_generations)]
+        if num_row_groups < 1 or len(rows) % num_row_groups:
+            raise ValueError(f"num_row_groups ({num_row_groups}) must divide the number of rows ({len(rows)}).")
+        was_training = model.training
+        model.eval()
+        try:
+            completion = self._generate_ids(model, processing_class, rows, generation_config, num_row_groups,
+                                            **generate_kwargs)
+        finally:
+            model.train(was_training)
+        eos = generation_config.eos_token_id if generation_config.eos_token_id is not None \
+            else processing_class.eos_token_id
+        eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        ids = [_cut_after_eos(row, eos_ids) for row in completion]
+        texts = processing_class.batch_decode(ids, skip_special_tokens=True)
+        return Completions(texts, ids)
+
+
+def _cut_after_eos(row: list[int], eos_ids: set) -> list[int]:
+    for position, token in enumerate(row):
+        if token in eos_ids:
+            return row[: position + 1]
+    return row
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (where inputs must go)."""
+    return next(model.parameters()).device
+
+
+def tokenize_left_padded(processing_class, rows: list[str], device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``rows``, left-padded, without special tokens, on ``device``."""
+    inputs = processing_class(text=rows, return_tensors="pt", padding=True, padding_side="left",
+                              add_special_tokens=False)
+    return {k: v.to(device) for k, v in inputs.items()}

@@ -1,0 +1,111 @@
+"""The eager engine: ``model.generate`` as transformers runs it, optionally with a shared prompt prefix."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from .base import GenerationEngine, model_device, tokenize_left_padded
+
+SHAREABLE_ATTENTION = ("sdpa", "eager")
+
+
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """Length of the longest token prefix shared by every row, leaving each row at least one token of its own."""
+    if not rows:
+        return 0
+    limit = min(len(r) for r in rows) - 1
+    first = rows[0]
+    length = 0
+    while length < limit and all(r[length] == first[length] for r in rows):
+        length += 1
+    return length
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model``'s forward takes a KV cache (``cache`` in transformers >= 5.24, else
+    ``past_key_values``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class EagerEngine(GenerationEngine):
+    """Today's path: one left-padded ``model.generate`` call per batch (any model, any generation setting).
+
+    With ``share_prompt_prefix=True`` the token prefix that every row shares (chat templates put a system prompt and
+    role markers before each question: 27 of the 47 prompt tokens of SmolLM2-Instruct on the arithmetic task) is run
+    **once per row group** instead of once per row: one forward over the prefix with a batch of ``num_row_groups``
+    rows fills a ``DynamicCache``, which is repeated to every row of its group; ``generate`` then runs on
+    ``[prefix | padding | own suffix]`` rows (padding in the middle, masked; position ids from the attention mask, so
+    every token keeps the position it has without sharing). Mathematically the same computation; numerically it
+    differs at rounding level (other matmul shapes), as any change of batch composition does. Used only where it is
+    safe: decoder-only models with ``sdpa``/``eager`` attention and a default dynamic cache, no beam search, not under
+    ``synced_gpus`` (ZeRO-3, where every process must run the same number of forwards), and a shared prefix of at
+    least ``min_shared_prefix`` tokens; otherwise the plain path runs.
+
+    Args:
+        share_prompt_prefix (`bool`): Compute the shared prompt prefix once per row group.
+        min_shared_prefix (`int`): Shortest shared prefix (tokens) worth a separate forward.
+    """
+
+    name = "eager"
+
+    def __init__(self, share_prompt_prefix: bool = False, min_shared_prefix: int = 8):
+        self.share_prompt_prefix = bool(share_prompt_prefix)
+        self.min_shared_prefix = int(min_shared_prefix)
+        self.last_shared_prefix = 0  # tokens shared in the last call (0: plain path), for logging and tests
+
+    def describe(self) -> dict:
+        return {"name": self.name, "share_prompt_prefix": self.share_prompt_prefix}
+
+    def can_share(self, model, generation_config, generate_kwargs) -> bool:
+        """Whether prefix sharing applies to this model and these settings (see the class doc)."""
+        config = model.config
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        return (
+            self.share_prompt_prefix
+            and not config.is_encoder_decoder
+            and attention in SHAREABLE_ATTENTION
+            and getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+            and generation_config.use_cache is not False
+            and generate_kwargs.get("use_cache", True) is not False
+            and not generate_kwargs.get("synced_gpus", False)
+            and (generation_config.num_beams or 1) == 1
+            and (generation_config.num_return_sequences or 1) == 1
+            and generation_config.cache_implementation in (None, "dynamic")
+        )
+
+    def _generate_ids(self, model, processing_class, rows, generation_config, num_row_groups, **generate_kwargs):
+        self.last_shared_prefix = 0
+        device = model_device(model)
+        if self.can_share(model, generation_config, generate_kwargs):
+            encoded = processing_class(text=rows, add_special_tokens=False)["input_ids"]
+            shared = common_prefix_length(encoded)
+            if shared >= self.min_shared_prefix:
+                self.last_shared_prefix = shared
+                return self._generate_shared(model, processing_class, encoded, shared, generation_config,
+                                             num_row_groups, device, **generate_kwargs)
+        inputs = tokenize_left_padded(processing_class, rows, device)
+        output = model.generate(**inputs, generation_config=generation_config, **generate_kwargs)
+        return output[:, inputs["input_ids"].shape[1] :].tolist()
+
+    def _generate_shared(self, model, processing_class, encoded, shared, generation_config, num_row_groups, device,
+                         **generate_kwargs):
+        pad = processing_class.pad_token_id if processing_class.pad_token_id is not None \
+            else processing_class.eos_token_id
+        prefix = encoded[0][:shared]
+        key = cache_kwarg(model)
+        cache = DynamicCache(config=model.config)
+        prefix_ids = torch.tensor([prefix] * num_row_groups, dtype=torch.long, device=device)
+        model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})
+        cache.batch_repeat_interleave(len(encoded) // num_row_groups)
+        suffixes = [row[shared:] for row in encoded]
+        width = max(len(s) for s in suffixes)
+        input_ids = torch.tensor([prefix + [pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long,
+                                 device=device)
+        attention_mask = torch.tensor([[1] * shared + [0] * (width - len(s)) + [1] * len(s) for s in suffixes],
+                                      dtype=torch.long, device=device)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                                **{key: cache}, **generate_kwargs)
+        return output[:, input_ids.shape[1] :].tolist()
