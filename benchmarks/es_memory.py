@@ -1,19 +1,26 @@
-"""Peak memory of one training process: ES (ESTrainer) vs TRL's GRPOTrainer on the same model and batch.
+"""Peak memory of one training process: ES (ESTrainer) vs TRL's GRPOTrainer on the same model, batch and length.
 
-Each method runs in a fresh subprocess (so one peak cannot hide another) and reports its peak resident set size,
-``resource.getrusage(RUSAGE_SELF).ru_maxrss``. ``tracemalloc`` does not see torch's allocations, so RSS is the
-measure. Another subprocess only imports the libraries and loads the model (and reads every weight once: the
-safetensors file is memory-mapped, so weights count in RSS only once touched): the "loaded model" baseline. ES runs
-twice: with the default 256 MiB noise table, and with ``noise_table_size=0`` (fresh Gaussian noise per block).
+Each variant runs in a fresh subprocess (so one peak cannot hide another). On CPU the measure is the peak resident
+set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (``tracemalloc`` does not see torch's allocations); with
+``--device cuda`` it is ``torch.cuda.max_memory_allocated``. Variants, each in fp32 and bf16 (``--dtypes``):
 
-Both methods train the same model (fp32 weights, ``GRPOConfig(bf16=False)``) with the same number of completions
-per step (``--completions``, each ``--new_tokens`` tokens): ES scores ``--population_size`` members, each on
-``--completions`` prompts; GRPO generates ``--num_generations`` completions for each of
-``--completions / --num_generations`` prompts, then takes one optimizer step (AdamW). Goal (issue): ES peak <= 0.5 x
-GRPO peak.
+- ``load``: imports and the model loaded, every weight read once (the floor any trainer pays);
+- ``es_default``: ``ESConfig`` with the defaults a user gets (sequential full-rank members, ``noise_source='auto'``,
+  drift logging with theta_0 read from the checkpoint file, an fp32 master for bf16 weights);
+- ``es_lean``: the lean mode of docs/scaling.md: ``lean_memory=True``, ``population_backend='batched_lowrank'``
+  (no master copy of fp32 weights), and for bf16 ``fp32_master_weights=False`` (no master at all);
+- ``grpo``: TRL's ``GRPOTrainer`` with its default AdamW.
 
-    python benchmarks/es_memory.py                         # the embedded SmolLM2-135M-Instruct
-    python benchmarks/es_memory.py --model path/to/model --iterations 1
+Every trainer makes the same number of completions per step (``--completions``, each ``--new_tokens`` tokens): ES
+scores ``--population_size`` members, each on ``--completions`` prompts; GRPO generates ``--num_generations``
+completions for each of ``--completions / --num_generations`` prompts, then takes one optimizer step. The model is
+read from a safetensors folder (default: the embedded SmolLM2-135M-Instruct; ``--random_init`` builds the
+SmolLM2-135M config with random weights and saves it to a temporary folder first; ``--scale`` multiplies its
+hidden size and layer count for the largest-model search). Goals (issue): ES/GRPO <= 0.5 with the defaults,
+<= 0.35 in lean mode, both dtypes.
+
+    python benchmarks/es_memory.py                           # embedded model, fp32 and bf16
+    python benchmarks/es_memory.py --variants es_lean grpo --dtypes bfloat16 --random_init --scale 4
 """
 
 from __future__ import annotations
@@ -26,41 +33,87 @@ import subprocess
 import sys
 import tempfile
 
-METHODS = ("load", "es", "es_no_table", "grpo")
+VARIANTS = ("load", "es_default", "es_lean", "grpo")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process in MiB (Linux reports ``ru_maxrss`` in KiB)."""
+def peak_mib(device: str) -> float:
+    """Peak memory of this process in MiB: resident set size on CPU (Linux reports KiB), allocated bytes on CUDA."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save_random_model(folder: str, scale: float, dtype: str) -> str:
+    """The SmolLM2-135M config (``smollm2_135m_config.json``) with hidden size, intermediate size and layers scaled by
+    ``scale`` (hidden size and heads kept divisible), random weights, saved as safetensors with the embedded model's
+    tokenizer when it is installed, else the word-level tokenizer of ``population_throughput.py``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.join(HERE, "smollm2_135m_config.json"))
+    if scale != 1:
+        heads = max(1, round(config.num_attention_heads * scale ** 0.5))
+        kv = max(1, min(heads, round(config.num_key_value_heads * scale ** 0.5)))
+        while heads % kv:
+            kv -= 1
+        config.num_attention_heads, config.num_key_value_heads = heads, kv
+        config.hidden_size = heads * config.head_dim
+        config.intermediate_size = int(config.intermediate_size * config.hidden_size / 576) // 64 * 64
+        config.num_hidden_layers = max(1, round(config.num_hidden_layers * scale ** 0.5))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(folder)
+    try:
+        from trl_es.models import embedded_model_path
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(folder)
+    except ImportError:
+        sys.path.insert(0, HERE)
+        from population_throughput import random_token_tokenizer
+
+        random_token_tokenizer(config.vocab_size).save_pretrained(folder)
+    return folder
 
 
 def worker(cli) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from trl_es.models import load_model_and_tokenizer, resolve_model_path
+    from trl_es.models import resolve_model_path
     from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(cli.threads)
     path = resolve_model_path(cli.model)
-    model, tokenizer = load_model_and_tokenizer(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cli.dtype)).to(cli.device)
     dataset = make_arithmetic_dataset(cli.completions * cli.iterations, seed=0)
     out_dir = tempfile.mkdtemp()
     common = {"output_dir": out_dir, "max_steps": cli.iterations, "max_completion_length": cli.new_tokens,
               "report_to": [], "save_strategy": "no", "disable_tqdm": True, "bf16": False, "seed": 0,
-              "generation_kwargs": {"min_new_tokens": cli.new_tokens}}
-    info = {"method": cli.worker, "parameters": sum(p.numel() for p in model.parameters())}
-    if cli.worker in ("es", "es_no_table"):
+              "generation_kwargs": {"min_new_tokens": cli.new_tokens}, "use_cpu": cli.device == "cpu"}
+    info = {"variant": cli.worker, "dtype": cli.dtype, "parameters": sum(p.numel() for p in model.parameters())}
+    if cli.worker.startswith("es"):
         from trl_es import ESConfig, ESTrainer
 
-        table = cli.noise_table_size if cli.worker == "es" else 0
-        args = ESConfig(population_size=cli.population_size, prompt_batch_size=cli.completions,
-                        noise_table_size=table, log_parameter_drift=False, **common)
+        lean = cli.worker == "es_lean"
+        extra = {"lean_memory": True, "population_backend": "batched_lowrank"} if lean else {}
+        if lean and cli.dtype != "float32":
+            extra["fp32_master_weights"] = False
+        args = ESConfig(population_size=cli.population_size, prompt_batch_size=cli.completions, **extra, **common)
         trainer = ESTrainer(model, arithmetic_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
         trainer.train()
         info["setup"] = (f"population {cli.population_size} x {cli.completions} prompts x {cli.new_tokens} tokens, "
-                         f"noise_table_size {table}")
+                         f"backend {args.population_backend}, noise {trainer.noise.describe()['type']}, master "
+                         f"{trainer.es_params.master_bytes / 2**20:.0f} MiB, anchor "
+                         f"{'none' if trainer.anchor is None else trainer.anchor.storage}")
     elif cli.worker == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -76,21 +129,27 @@ def worker(cli) -> dict:
             for param in model.parameters():  # make the memory-mapped weights resident, as training does
                 param.sum()
         info["setup"] = "imports + model load only"
-    info["peak_rss_mib"] = peak_rss_mib()
+    info["peak_mib"] = peak_mib(cli.device)
     return info
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Model id/path (default: the embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--random_init", action="store_true", help="The SmolLM2-135M config with random weights.")
+    parser.add_argument("--scale", type=float, default=1.0, help="--random_init: scale of the model (see doc).")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--completions", type=int, default=8, help="Completions per step (ES: prompts per member).")
     parser.add_argument("--num_generations", type=int, default=2, help="GRPO completions per prompt.")
     parser.add_argument("--new_tokens", type=int, default=16)
     parser.add_argument("--population_size", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=1)
-    parser.add_argument("--noise_table_size", type=int, default=1 << 26, help="ES noise table entries (256 MiB).")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--worker", choices=METHODS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--output_json", default=None, help="Also write every figure here.")
+    parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
 
@@ -100,28 +159,44 @@ def main():
         return
 
     results = {}
-    for method in METHODS:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            result_path = handle.name
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--result", result_path]
-        for key in ("model", "completions", "num_generations", "new_tokens", "population_size", "iterations",
-                    "noise_table_size", "threads"):
-            value = getattr(cli, key)
-            if value is not None:
-                cmd += [f"--{key}", str(value)]
-        subprocess.run(cmd, check=True)
-        with open(result_path) as f:
-            results[method] = json.load(f)
-        os.remove(result_path)
-        print(f"{method:>5}: peak RSS {results[method]['peak_rss_mib']:8.1f} MiB  ({results[method]['setup']})",
-              flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for dtype in cli.dtypes:
+            model = cli.model
+            if cli.random_init:
+                model = save_random_model(os.path.join(scratch, dtype), cli.scale, dtype)
+            for variant in cli.variants:
+                result_path = os.path.join(scratch, f"{variant}-{dtype}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--result", result_path,
+                       "--dtype", dtype]
+                for key in ("completions", "num_generations", "new_tokens", "population_size", "iterations",
+                            "threads", "device"):
+                    cmd += [f"--{key}", str(getattr(cli, key))]
+                if model:
+                    cmd += ["--model", model]
+                proc = subprocess.run(cmd, check=False)
+                if proc.returncode != 0:
+                    results[(variant, dtype)] = {"peak_mib": float("nan"), "setup": f"failed (exit {proc.returncode})"}
+                    print(f"{variant:>10} {dtype:>8}: FAILED (exit {proc.returncode}; killed for memory?)", flush=True)
+                    continue
+                with open(result_path) as f:
+                    results[(variant, dtype)] = json.load(f)
+                r = results[(variant, dtype)]
+                print(f"{variant:>10} {dtype:>8}: peak {r['peak_mib']:9.1f} MiB  ({r['setup']})", flush=True)
 
-    load, es, es_no_table, grpo = (results[m]["peak_rss_mib"] for m in METHODS)
-    print(f"model: {cli.model or 'embedded SmolLM2-135M-Instruct'}, {results['es']['parameters']:,} parameters "
-          f"(fp32: {results['es']['parameters'] * 4 / 2**20:.0f} MiB); {cli.iterations} iteration(s)")
-    print(f"ES / GRPO peak RSS: {es / grpo:.3f}   (goal <= 0.5); without the noise table: {es_no_table / grpo:.3f}")
-    print(f"ES / GRPO above the loaded model ({load:.0f} MiB): {(es - load) / (grpo - load):.3f}; without the noise "
-          f"table: {(es_no_table - load) / (grpo - load):.3f}")
+    first = next(iter(results.values()))
+    print(f"model: {cli.model or ('random init x' + str(cli.scale) if cli.random_init else 'embedded SmolLM2-135M')}, "
+          f"{first.get('parameters', 0):,} parameters; device {cli.device}; {cli.iterations} iteration(s)")
+    for dtype in cli.dtypes:
+        grpo = results.get(("grpo", dtype), {}).get("peak_mib")
+        load = results.get(("load", dtype), {}).get("peak_mib")
+        for variant, goal in (("es_default", 0.5), ("es_lean", 0.35)):
+            es = results.get((variant, dtype), {}).get("peak_mib")
+            if es and grpo:
+                above = f"; above the loaded model: {(es - load) / (grpo - load):.3f}" if load else ""
+                print(f"{dtype}: {variant} / grpo peak = {es / grpo:.3f} (goal <= {goal}){above}")
+    if cli.output_json:
+        with open(cli.output_json, "w") as f:
+            json.dump({f"{v}/{d}": r for (v, d), r in results.items()}, f, indent=2)
 
 
 if __name__ == "__main__":

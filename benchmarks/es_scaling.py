@@ -85,7 +85,7 @@ def worker(cli) -> dict | None:
         output_dir=tempfile.mkdtemp(), max_steps=cli.iterations, population_size=cli.population_size,
         prompt_batch_size=cli.prompts, max_completion_length=cli.new_tokens,
         generation_kwargs={"min_new_tokens": cli.new_tokens}, noise_table_size=cli.noise_table_size,
-        report_to=[], save_strategy="no", disable_tqdm=True, log_parameter_drift=False, seed=0, **extra,
+        report_to=[], save_strategy="no", disable_tqdm=True, seed=0, **extra,
     )
     dataset = make_arithmetic_dataset(cli.prompts * cli.iterations, seed=0)
     trainer = ESTrainer(model, arithmetic_reward, args=args, train_dataset=dataset, processing_class=tokenizer,

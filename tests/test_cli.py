@@ -38,9 +38,11 @@ def test_train_two_iterations(trained_run, tiny_model_dir):
     out, _ = trained_run
     results = json.loads((out / "results.json").read_text())
     # A random tiny model never answers a + b: every accuracy is exactly 0, on both splits, before and after.
+    assert results.pop("train_seconds") > 0
     assert results == {"task": "arithmetic", "eval_split": "validation", "num_train_prompts": 8,
                        "num_validation_prompts": 4, "num_test_prompts": 5, "accuracy_before": 0.0,
                        "test_accuracy_before": 0.0, "accuracy_after": 0.0, "iterations": 2,
+                       "curve": [{"step": 1, "accuracy": 0.0}, {"step": 2, "accuracy": 0.0}],
                        "test_accuracy_after": 0.0}
     assert (out / "training_curves.png").stat().st_size > 1000
     records = [json.loads(line) for line in (out / "es_seed_log.jsonl").read_text().splitlines()][1:]

@@ -57,51 +57,75 @@ def test_es_config_kwargs_drops_task_keys_and_applies_overrides(race):
         race.es_config_kwargs(recipe, ["not_a_field=1"])
 
 
-def test_default_recipe_gives_a_valid_es_config(race, tmp_path):
+def test_race_es_kwargs_per_schedule(race, tmp_path):
     from trl_es import ESConfig
 
-    args = race.parse_args(["--output_dir", str(tmp_path)])
-    kwargs = race.race_es_kwargs(args, race.load_recipe(args.es_recipe))
+    recipe = race.load_recipe(race.DEFAULT_RECIPE)
+    args = race.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe"])
+    kwargs = race.race_es_kwargs(args, recipe, str(tmp_path / "es"))
     config = ESConfig(**kwargs)
-    assert config.eval_strategy == "no" and config.max_steps == race.load_recipe(args.es_recipe)["max_steps"]
-    # without max_steps in the recipe, the budget alone stops ES
-    recipe = {k: v for k, v in race.load_recipe(args.es_recipe).items() if k not in ("max_steps", "lr_scheduler_type",
-                                                                                  "lr_scheduler_kwargs")}
-    assert ESConfig(**race.race_es_kwargs(args, recipe)).max_steps == race.NO_LIMIT_STEPS
-    overridden = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", "max_steps=26"])
-    assert race.race_es_kwargs(overridden, race.load_recipe(args.es_recipe))["max_steps"] == 26
-    unset = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", "max_steps=-1"])
-    assert race.race_es_kwargs(unset, race.load_recipe(args.es_recipe))["max_steps"] == race.NO_LIMIT_STEPS
+    assert config.eval_strategy == "no" and config.max_steps == recipe["max_steps"]
+    assert config.lr_scheduler_type == recipe["lr_scheduler_type"] and config.output_dir == str(tmp_path / "es")
+    # the time schedule (default): the budget stops the run; alpha comes from TimeScheduleCallback
+    timed = race.race_es_kwargs(race.parse_args(["--output_dir", str(tmp_path)]), recipe, str(tmp_path))
+    assert timed["max_steps"] == race.NO_LIMIT_STEPS and timed["lr_scheduler_type"] == "constant"
+    assert "lr_scheduler_kwargs" not in timed
+    unset = race.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe", "--es_overrides", "max_steps=-1"])
+    assert race.race_es_kwargs(unset, recipe, str(tmp_path))["max_steps"] == race.NO_LIMIT_STEPS
     for bad in ("0", "-3", "2.5", "true"):
         wrong = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", f"max_steps={bad}"])
         with pytest.raises(ValueError, match="max_steps"):
-            race.race_es_kwargs(wrong, race.load_recipe(args.es_recipe))
-    assert config.output_dir == os.path.join(str(tmp_path), "es")
+            race.race_es_kwargs(wrong, recipe, str(tmp_path))
+
+
+def test_arms_and_summary(race, tmp_path):
+    args = race.parse_args(["--output_dir", str(tmp_path), "--budgets_minutes", "4", "8", "--task_seeds", "0", "1"])
+    arms = race.arms(args)
+    # ES with the time schedule: one run per budget; GRPO (constant lr): one run scored at every mark
+    assert [(a["method"], a["task_seed"], a["budget_minutes"], a["marks_minutes"]) for a in arms] == [
+        ("es", 0, 4.0, []), ("es", 0, 8.0, [4.0]), ("grpo", 0, 8.0, [4.0]),
+        ("es", 1, 4.0, []), ("es", 1, 8.0, [4.0]), ("grpo", 1, 8.0, [4.0])]
+
+    def run(method, seed, budget, curve, **extra):
+        return {"method": method, "task_seed": seed, "budget_minutes": budget,
+                "curve": [{"training_seconds": 60.0 * t, "accuracy": a} for t, a in curve], **extra}
+
+    results = [run("es", 0, 4.0, [(0, 0.2), (4.1, 0.5)], **{"sampled_pass@1": 0.3}),
+               run("es", 0, 8.0, [(0, 0.2), (4.0, 0.4), (8.2, 0.6)]),
+               run("grpo", 0, 8.0, [(0, 0.2), (4.3, 0.55), (8.1, 0.45)]),
+               run("es", 1, 4.0, [(0, 0.3), (4.0, 0.7)], **{"sampled_pass@1": 0.5}),
+               run("es", 1, 8.0, [(0, 0.3), (4.1, 0.5), (8.0, 0.8)]),
+               run("grpo", 1, 8.0, [(0, 0.3), (4.0, 0.65), (8.3, 0.55)])]
+    rows = {(r["method"], r["budget_minutes"]): r for r in race.summarize(args, results)}
+    assert rows[("es", 4.0)]["per_seed"] == {0: 0.5, 1: 0.7}  # the 4-minute runs' ends, not the 8-minute runs' marks
+    assert rows[("es", 4.0)]["mean"] == pytest.approx(0.6) and rows[("es", 4.0)]["std"] == pytest.approx(0.1414, abs=1e-4)
+    assert rows[("es", 4.0)]["sampled_pass@1"] == pytest.approx(0.4)
+    assert rows[("grpo", 4.0)]["per_seed"] == {0: 0.55, 1: 0.65}  # the 8-minute run scored at its 4-minute mark
+    assert rows[("grpo", 8.0)]["mean"] == pytest.approx(0.5)
+    table = race.markdown_table(args, list(rows.values()), 0.25)
+    assert "| ES (ESTrainer) | 4 | 0.500, 0.700 | 0.600 | 0.141 |" in table
 
 
 def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
     out = tmp_path / "race"
     results = race.main([
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
-        "--budget_minutes", "0.05", "--eval_every_minutes", "0.02",
-        "--num_train_prompts", "16", "--num_eval_prompts", "6", "--eval_batch_size", "6",
+        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--task_seeds", "0",
+        "--budgets_minutes", "0.02", "0.04", "--num_train_prompts", "16", "--num_validation_prompts", "4",
+        "--num_test_prompts", "6", "--eval_batch_size", "6", "--sampled_samples", "2", "--final_max_new_tokens", "8",
+        "--es_num_processes", "1", "--threads_per_process", "1",
         "--es_overrides", "population_size=4", "prompt_batch_size=4", "noise_table_size=1048576",
-        "max_steps=100000",  # the budget, not the recipe's 22 steps, ends ES here
+        "max_completion_length=6",
     ])
     with open(out / "results.json") as f:
         saved = json.load(f)
-    assert saved["table"] == json.loads(json.dumps(results["table"]))
-    assert [row["method"] for row in saved["table"]] == ["es", "grpo"]
-    for row in saved["table"]:
-        for key in ("accuracy_start", "accuracy_end", "accuracy_best"):
-            assert 0.0 <= row[key] <= 1.0
-        assert row["accuracy_best"] >= max(row["accuracy_start"], row["accuracy_end"])
-        assert row["steps"] >= 1 and row["training_minutes"] >= 0.05
-        curve = saved["curves"][row["method"]]
-        assert curve[0]["training_seconds"] == 0.0 and curve[0]["step"] == 0
-        assert curve[-1]["step"] == row["steps"]
-    assert saved["es_config"]["population_size"] == 4
+    assert [(r["method"], r["budget_minutes"]) for r in saved["table"]] == [
+        ("es", 0.02), ("es", 0.04), ("grpo", 0.02), ("grpo", 0.04)]
+    assert len(saved["runs"]) == 3  # ES: one run per budget; GRPO: one run scored at the 0.02 mark
+    for run in saved["runs"]:
+        assert run["split"] == "test" and run["processes"] == 1 and run["max_new_tokens"] == 6
+        assert run["steps"] >= 1 and run["training_minutes"] >= run["budget_minutes"]
+        assert run["curve"][0]["training_seconds"] == 0.0 and run["curve"][0]["step"] == 0
+        assert 0.0 <= run["accuracy_at_8_tokens"] <= 1.0 and 0.0 <= run["sampled_pass@1"] <= 1.0
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
-    table = (out / "results.md").read_text()
-    assert "| method | accuracy at start | accuracy at end | best accuracy | training minutes |" in table
-    assert "GRPO" in table and "ES" in table
+    assert "| method | budget (min) | per task seed | mean | std |" in (out / "results.md").read_text()
+    assert saved["table"] == json.loads(json.dumps(results["table"]))

@@ -500,3 +500,42 @@ def test_evaluate_batches_by_per_device_eval_batch_size(tmp_path, tokenizer):
     metrics = trainer.evaluate()
     assert batches == [4, 4, 2]
     assert metrics["eval_num_completions"] == 10 and metrics["eval_reward"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- memory options
+def test_anchor_is_read_from_the_base_checkpoint_file(tmp_path, tokenizer, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.es.anchor import FileAnchor, MemoryAnchor
+
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the fp32 file cast to bf16 is the model
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+        trainer = ESTrainer(model, mean_code, args=es_args(tmp_path / str(dtype), max_steps=1), train_dataset=prompts(),
+                            processing_class=tokenizer)
+        assert isinstance(trainer.anchor, FileAnchor) and trainer.anchor.resident_bytes == 0
+        base = snapshot(model)
+        for name in trainer.es_params.names:
+            assert trainer.anchor[name].dtype == dtype and torch.equal(trainer.anchor[name], base[name])
+        trainer.train()
+        assert trainer.state.log_history[0]["drift/l2"] > 0
+    memory = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "mem", anchor_storage="memory"),
+                       train_dataset=prompts(), processing_class=tokenizer)
+    assert isinstance(memory.anchor, MemoryAnchor)
+    assert memory.anchor.resident_bytes == sum(p.numel() * 4 for p in memory.model.parameters())
+
+
+def test_lean_memory_holds_no_table_and_no_resident_anchor(tmp_path, tokenizer):
+    from trl_es.es.noise import GaussianNoise
+
+    args = es_args(tmp_path, lean_memory=True, noise_table_size=1 << 26)
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(),
+                        processing_class=tokenizer)
+    assert isinstance(trainer.noise, GaussianNoise)  # no 256 MiB table
+    assert trainer.anchor is None  # an in-memory model: theta_0 is in no file, so no drift logging
+    trainer.train()
+    assert "drift/l2" not in trainer.state.log_history[0]
+    with pytest.warns(UserWarning, match="AWD keeps"):
+        awd = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "awd", lean_memory=True,
+                                                                         awd_lambda=1.0),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    assert awd.anchor is not None

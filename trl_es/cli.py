@@ -88,6 +88,11 @@ class TaskArguments:
     eval_before_training: bool = field(
         default=True, metadata={"help": "Score the eval split (and the test split) before training."}
     )
+    score_test_split: bool = field(
+        default=True,
+        metadata={"help": "With eval_split=validation, also score the test split before and after training "
+                  "(test_accuracy_* in results.json). Set false while tuning, so no test figure is even computed."},
+    )
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (reward and eval-split accuracy)."})
     time_budget_minutes: float | None = field(
         default=None,
@@ -424,7 +429,7 @@ def train(argv: list[str]) -> dict:
             json.dump(run_settings(task_args, es_args), f, indent=2)
     name = _accuracy_name(task)
     key, test_key = f"eval_rewards/{name}/mean", f"eval_test_rewards/{name}/mean"
-    score_test = split == "validation" and len(test_dataset) > 0
+    score_test = split == "validation" and len(test_dataset) > 0 and task_args.score_test_split
     results = {"task": task.name, "eval_split": split, "num_train_prompts": len(splits["train"]),
                "num_validation_prompts": len(splits["validation"]), "num_test_prompts": len(test_dataset)}
     if task_args.eval_before_training:
@@ -437,6 +442,10 @@ def train(argv: list[str]) -> dict:
     last = [h for h in trainer.state.log_history if key in h and h.get("step") == trainer.state.global_step]
     results["accuracy_after"] = last[-1][key] if last else trainer.evaluate()[key]
     results["iterations"] = trainer.state.global_step
+    results["curve"] = [{"step": h["step"], "accuracy": h[key]} for h in trainer.state.log_history
+                        if key in h and "step" in h]
+    results["train_seconds"] = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h),
+                                    None)
     trainer.accelerator.print(f"{split} accuracy after training: {results['accuracy_after']:.3f}")
     if score_test:
         results["test_accuracy_after"] = trainer.evaluate(test_dataset, metric_key_prefix="eval_test")[test_key]

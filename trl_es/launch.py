@@ -125,6 +125,105 @@ def launch_command(plan: LaunchPlan, script: str, script_args: list[str], port: 
     return [accelerate, "launch", "--num_processes", str(plan.num_processes), "--multi_gpu", script, *script_args]
 
 
+def _write_spec(spec: dict) -> str:
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
+    return handle.name
+
+
+def _read_result(spec: dict) -> dict:
+    import json
+
+    with open(spec["result"]) as f:
+        return json.load(f)
+
+
+def run_worker(script: str, spec: dict, num_processes: int | None = None, threads: int | None = None,
+               flag: str = "--worker") -> dict:
+    """Run ``script FLAG SPEC.json`` under the launch plan for ``num_processes`` and return its result.
+
+    The spec is written to a temporary JSON file; the script must write its result as JSON to ``spec["result"]``
+    (from one process). This is how the recipe scripts run each training phase in a fresh process tree, ES on one
+    single-threaded process per core (:func:`plan_launch`), GRPO on one process with every core's threads.
+
+    Args:
+        script (`str`): The Python script.
+        spec (`dict`): JSON-serializable; must hold ``"result"``, a file path.
+        num_processes (`int`, *optional*): As :func:`plan_launch` (``None``: one per device or physical core).
+        threads (`int`, *optional*): ``OMP_NUM_THREADS`` per process (default: the plan's).
+        flag (`str`): The option that hands the spec file to the script.
+
+    Returns:
+        `dict`: The JSON the script wrote to ``spec["result"]``.
+
+    Raises:
+        subprocess.CalledProcessError: if the script fails.
+    """
+    plan = plan_launch(num_processes)
+    path = _write_spec(spec)
+    env = dict(os.environ, **plan.env)
+    env["OMP_NUM_THREADS"] = str(threads or plan.threads)
+    try:
+        subprocess.run(launch_command(plan, script, [flag, path]), env=env, check=True)
+    finally:
+        os.remove(path)
+    return _read_result(spec)
+
+
+def run_workers(script: str, specs: list[dict], max_parallel: int | None = None, flag: str = "--worker") -> list[dict]:
+    """Run ``script FLAG SPEC.json`` once per spec, each in one plain process, ``max_parallel`` at a time.
+
+    For independent jobs that each fit one process (evaluating several checkpoints): ``max_parallel`` processes with
+    ``physical_cores() // max_parallel`` threads each use the machine as :func:`plan_launch` would (on a CPU, one
+    single-threaded process per core beats one process with all threads for generation at small batch).
+
+    Args:
+        script (`str`): The Python script.
+        specs (`list[dict]`): One per job; each must hold ``"result"``, a file path.
+        max_parallel (`int`, *optional*): Jobs at once (default: GPUs if any, else physical cores).
+        flag (`str`): The option that hands the spec file to the script.
+
+    Returns:
+        `list[dict]`: The results, in the order of ``specs``.
+
+    Raises:
+        RuntimeError: if a job fails (after the running ones have finished).
+    """
+    gpus, cores = cuda_device_count(), physical_cores()
+    width = max(1, max_parallel or gpus or cores)
+    threads = max(1, cores // width)
+    pending = list(enumerate(specs))
+    running, failed = [], []
+    while pending or running:
+        while pending and len(running) < width:
+            index, spec = pending.pop(0)
+            path = _write_spec(spec)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+            running.append((index, path, subprocess.Popen([sys.executable, script, flag, path], env=env)))
+        index, path, process = running[0]
+        for item in running:  # wait for whichever ends first
+            if item[2].poll() is not None:
+                index, path, process = item
+                break
+        else:
+            import time
+
+            time.sleep(0.5)
+            continue
+        running.remove((index, path, process))
+        os.remove(path)
+        if process.returncode != 0:
+            failed.append(index)
+    if failed:
+        raise RuntimeError(f"{len(failed)} worker(s) of {script} failed: specs {failed}.")
+    return [_read_result(spec) for spec in specs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_es.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,32 +1,40 @@
 """The race: ESTrainer against TRL's GRPOTrainer on the arithmetic task, same model, same prompts, same clock.
 
-Both methods train the same model (default: the embedded SmolLM2-135M-Instruct) on the same training prompts
-"What is a + b? Reply with only the number." (a, b in 1..50) under the same wall-clock budget of *training* time
-(a cap: a recipe whose ``max_steps`` ends ES earlier stops it there).
-Held-out accuracy (greedy decoding, 10 new tokens, 200 prompts disjoint from the training ones, scored by
-``score_model`` with ``RewardScorer([arithmetic_reward])``) is measured by one function for both methods: at
-training time 0, every ``--eval_every_minutes`` of training time, and at the end. The training clock is paused
-while evaluating. The methods run one after the other.
+Both methods train the same model (default: the embedded SmolLM2-135M-Instruct) on the training split of
+``make_arithmetic_dataset_dict(num_train, num_validation, num_test, seed=task_seed)`` ("What is a + b? Reply with
+only the number.", a, b in 1..50) under a wall-clock budget of *training* time, and are judged by one function:
+greedy accuracy on ``--split`` (``test`` for the race, ``validation`` for tuning), graded by
+:func:`trl_es.tasks.arithmetic.arithmetic_reward` (the first stated result), scored at training time 0, at every
+budget mark, and at the end. The training clock is paused while evaluating. At the end each run is also scored at
+``--final_max_new_tokens`` (the accuracy must not depend on where generation is cut) and with sampled completions
+at temperature 1 (pass@1 estimated from ``--sampled_samples`` samples per prompt).
 
-    python examples/scripts/compare_es_grpo.py --output_dir runs/es_vs_grpo            # both, 16-min budget each
-    python examples/scripts/compare_es_grpo.py --es_overrides max_steps=26             # ES as measured in the docs
-    python examples/scripts/compare_es_grpo.py --methods grpo --budget_minutes 4
-    python examples/scripts/compare_es_grpo.py --es_overrides population_size=8 sigma=0.002
+Each (task seed, method, budget) arm runs in a fresh process tree, launched as :mod:`trl_es.launch` plans it:
+ES by default with one single-threaded process per physical core (population parallelism), GRPO with
+``--grpo_num_processes`` (default 1 process with every core's threads: its fastest configuration here, see
+docs/es_vs_grpo.md). Processes agree on the clock (the maximum over processes), and share the evaluation.
 
-ES uses the main job's recipe (``--es_recipe``, default ``examples/recipes/arithmetic_smollm2.yaml``): its
-ESConfig keys are used as is (task and model keys are dropped), then ``--es_overrides key=value ...`` apply;
-``output_dir``, ``eval_strategy``, ``save_strategy``, ``report_to`` and ``seed`` are set by this script. The
-recipe's ``max_steps`` is kept (its learning-rate schedule is laid out over it); without one ES runs until the budget. GRPO uses the anchor settings of the issue: lr 1e-5, 8 generations x 2 prompts per step, temperature 1.0,
-beta 0, 10 completion tokens.
+    python examples/scripts/compare_es_grpo.py --output_dir runs/race                 # 3 task seeds x 4/8/16 min
+    python examples/scripts/compare_es_grpo.py --methods es --split validation --budgets_minutes 8 \\
+        --task_seeds 1 --es_overrides population_size=24 prompt_batch_size=12          # a tuning arm
 
-Writes to ``--output_dir``: ``results.json`` (table and accuracy curves), ``results.md`` (the table) and
-``accuracy_vs_time.png`` (held-out accuracy against training minutes, both methods).
+ES uses ``--es_recipe`` (default ``examples/recipes/arithmetic_smollm2.yaml``): its ESConfig keys, then
+``--es_overrides key=value ...``. With ``--es_schedule time`` (default) the recipe's learning-rate schedule is
+replaced by one laid out over each run's budget in wall-clock time (:class:`TimeScheduleCallback`: constant, then a
+cosine decay to 0 over the last ``--decay_fraction`` of the budget), and every budget is a separate run; with
+``--es_schedule recipe`` the recipe's step schedule is kept and one run per seed is scored at every budget mark
+(:class:`trl_es.trainer.time_budget.TimeScheduleCallback` is the time schedule).
+GRPO: ``--grpo_*`` arguments; its learning rate is constant unless ``--grpo_schedule time``.
+
+Writes to ``--output_dir``: ``results.json`` (every arm's curve and end-of-run figures), ``results.md`` (mean and
+spread over task seeds per method and budget) and ``accuracy_vs_time.png``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -34,15 +42,13 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainerCallback
 
-from trl_es.models import EMBEDDED_MODEL, load_model_and_tokenizer
-from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_splits
-from trl_es.trainer.scoring import RewardScorer, build_generation_config, score_model
-
 DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml")
 )
 METHODS = ("es", "grpo")
-NO_LIMIT_STEPS = 1_000_000  # max_steps of GRPO (and of ES when its recipe has none): the time budget stops them
+SPLITS = ("test", "validation")
+SCHEDULES = ("time", "recipe", "constant")
+NO_LIMIT_STEPS = 1_000_000  # max_steps when the budget alone stops a run
 
 
 @dataclass
@@ -51,76 +57,144 @@ class RaceArguments:
 
     output_dir: str = field(default="runs/es_vs_grpo", metadata={"help": "Where the table, JSON and PNG go."})
     model_name_or_path: str = field(
-        default=EMBEDDED_MODEL, metadata={"help": "Model for both methods (hub id, local path or the embedded alias)."}
+        default="embedded:SmolLM2-135M-Instruct",
+        metadata={"help": "Model for both methods (hub id, local path or the embedded alias)."},
     )
     methods: list[str] = field(
         default_factory=lambda: list(METHODS),
         metadata={"help": "Methods to run, one after the other.", "choices": list(METHODS)},
     )
-    budget_minutes: float = field(
-        default=16.0, metadata={"help": "Training wall-clock budget per method (evaluation time not counted)."}
+    budgets_minutes: list[float] = field(
+        default_factory=lambda: [4.0, 8.0, 16.0],
+        metadata={"help": "Training wall-clock budgets (evaluation time not counted)."},
     )
-    eval_every_minutes: float = field(
-        default=4.0, metadata={"help": "Held-out evaluation every this many minutes of training time (and at the end)."}
-    )
-    num_train_prompts: int | None = field(
-        default=None, metadata={"help": "Training prompts (default: the recipe's num_train_prompts, else 400)."}
-    )
-    num_eval_prompts: int = field(default=200, metadata={"help": "Held-out prompts, disjoint from the training ones."})
-    task_seed: int | None = field(
-        default=None, metadata={"help": "Seed of the prompt split (default: the recipe's task_seed, else 0)."}
-    )
+    task_seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds of the prompt splits."})
+    split: str = field(default="test", metadata={"help": "Split scored: test (race) or validation (tuning).",
+                                                 "choices": list(SPLITS)})
+    num_train_prompts: int = field(default=400, metadata={"help": "Training prompts."})
+    num_validation_prompts: int = field(default=200, metadata={"help": "Validation prompts (tuning)."})
+    num_test_prompts: int = field(default=200, metadata={"help": "Test prompts (reported only)."})
     seed: int = field(default=0, metadata={"help": "Training seed of both trainers."})
-    eval_max_new_tokens: int = field(default=10, metadata={"help": "New tokens per held-out completion (greedy)."})
-    eval_batch_size: int = field(default=50, metadata={"help": "Held-out prompts per generate call."})
+    eval_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "New tokens per scored completion (default: the ES recipe's "
+                                "max_completion_length)."})
+    final_max_new_tokens: int = field(default=64, metadata={"help": "End of run: greedy accuracy at this length too."})
+    sampled_samples: int = field(default=4, metadata={"help": "End of run: samples per prompt at T=1 (0 = none)."})
+    eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call when scoring."})
+    save_models: bool = field(default=False, metadata={"help": "Save each trained model to its arm folder."})
+    threads_per_process: int | None = field(
+        default=None, metadata={"help": "torch threads per process (default: the launch plan's)."})
     # ES
     es_recipe: str = field(default=DEFAULT_RECIPE, metadata={"help": "YAML recipe whose ESConfig keys configure ES."})
-    es_overrides: list[str] = field(
-        default_factory=list, metadata={"help": "ESConfig overrides as key=value (values parsed as YAML)."}
-    )
-    # GRPO (the anchor settings of the issue)
+    es_overrides: list[str] = field(default_factory=list,
+                                    metadata={"help": "ESConfig overrides as key=value (values parsed as YAML)."})
+    es_num_processes: int | None = field(default=None, metadata={"help": "ES processes (default: trl_es.launch's)."})
+    es_schedule: str = field(default="time", metadata={
+        "help": "time: the learning rate is laid out over each budget in wall-clock time (one run per budget); "
+        "recipe: the recipe's step schedule (one run per seed, scored at every mark); constant.",
+        "choices": list(SCHEDULES)})
+    decay_fraction: float = field(default=0.35, metadata={"help": "Time schedule: cosine decay over this last part."})
+    # GRPO
+    grpo_num_processes: int = field(default=1, metadata={"help": "GRPO processes (1 = one process, all threads)."})
     grpo_learning_rate: float = field(default=1e-5, metadata={"help": "GRPO learning rate."})
+    grpo_schedule: str = field(default="constant", metadata={"help": "GRPO learning-rate schedule.",
+                                                              "choices": list(SCHEDULES)})
     grpo_num_generations: int = field(default=8, metadata={"help": "GRPO completions per prompt."})
     grpo_prompts_per_step: int = field(default=2, metadata={"help": "GRPO prompts per optimizer step."})
     grpo_temperature: float = field(default=1.0, metadata={"help": "GRPO sampling temperature."})
     grpo_beta: float = field(default=0.0, metadata={"help": "GRPO KL coefficient."})
-    grpo_max_completion_length: int = field(default=10, metadata={"help": "GRPO completion tokens."})
-    save_models: bool = field(default=False, metadata={"help": "Also save each trained model to output_dir/<method>."})
+    grpo_max_steps: int | None = field(
+        default=None, metadata={"help": "GRPO optimizer steps (default: until the budget). For step-based tuning."})
+    eval_every_steps: int | None = field(
+        default=None, metadata={"help": "Also score every this many steps (step-based tuning, with a long budget)."})
+    grpo_max_completion_length: int | None = field(
+        default=None, metadata={"help": "GRPO completion tokens (default: the ES recipe's max_completion_length)."})
+    worker: str | None = field(default=None, metadata={"help": "Internal: run one arm from this JSON spec file."})
+
+
+# ---------------------------------------------------------------------------------------------- distributed helpers
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) ``values`` over the processes (identity in one process)."""
+    import torch
+    import torch.distributed as dist
+
+    if _world()[1] == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return tensor.tolist()
 
 
 # ---------------------------------------------------------------------------------------------- evaluation + clock
-class HeldOutAccuracy:
-    """Greedy held-out accuracy: the one measurement both methods are judged by."""
+class SplitAccuracy:
+    """Accuracy on a split: the one measurement both methods are judged by.
 
-    def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int = 10, batch_size: int = 50):
+    Each process scores every ``W``-th prompt with the eager engine (shared prompt prefix) and the counts are summed.
+    """
+
+    def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 50):
+        from trl_es.generation import EagerEngine
+        from trl_es.tasks.arithmetic import arithmetic_reward
+        from trl_es.trainer.scoring import RewardScorer
+
         self.tokenizer, self.rows, self.batch_size = tokenizer, rows, batch_size
+        self.max_new_tokens = max_new_tokens
         self.scorer = RewardScorer([arithmetic_reward])
-        self.generation_config = build_generation_config(tokenizer, max_new_tokens)  # temperature 0: greedy
+        self.engine = EagerEngine(share_prompt_prefix=True)
 
-    def __call__(self, model) -> float:
+    def __call__(self, model, max_new_tokens: int | None = None, temperature: float = 0.0, samples: int = 1) -> float:
+        import torch
+
+        from trl_es.trainer.scoring import build_generation_config, score_model
+
+        rank, world = _world()
+        mine = self.rows[rank::world]
+        config = build_generation_config(self.tokenizer, max_new_tokens or self.max_new_tokens, temperature=temperature)
+        if temperature > 0:
+            torch.manual_seed(1234 + rank)
         correct = 0.0
-        for first in range(0, len(self.rows), self.batch_size):
-            batch = self.rows[first : first + self.batch_size]
-            rewards = score_model(model, self.tokenizer, batch, self.scorer, self.generation_config)["rewards"]
-            correct += float(rewards.nan_to_num(0.0).sum())
-        return correct / len(self.rows)
+        for first in range(0, len(mine), self.batch_size):
+            batch = mine[first : first + self.batch_size]
+            out = score_model(model, self.tokenizer, batch, self.scorer, config, samples, engine=self.engine)
+            correct += float(out["rewards"].nan_to_num(0.0).sum())
+        total_correct, total = _all_reduce([correct, float(len(mine) * samples)])
+        return total_correct / total
 
 
 class EvalClockCallback(TrainerCallback):
-    """Training clock with held-out evaluations that do not count towards it; stops training at the budget.
+    """Training clock with evaluations that do not count towards it; stops training at the budget.
 
-    Evaluates at training time 0 (on train begin), then on the first step end after every ``eval_every_seconds``
-    of training time, and at the end (the step that crosses ``budget_seconds``, or the last step). The clock is
-    paused while evaluating. ``records`` holds ``{"training_seconds", "step", "accuracy", "eval_seconds"}`` dicts.
+    Evaluates at training time 0 (on train begin), then on the first step end after each mark in
+    ``marks_seconds`` (and after every ``eval_every_seconds`` if given), and at the end (the step that crosses
+    ``budget_seconds``, or the last step). The clock is paused while evaluating, and with several processes every
+    process uses the largest clock of all, so all of them evaluate and stop at the same step. ``records`` holds
+    ``{"training_seconds", "step", "accuracy", "eval_seconds"}`` dicts.
     """
 
-    def __init__(self, evaluate, budget_seconds: float, eval_every_seconds: float):
-        self.evaluate, self.budget, self.every = evaluate, float(budget_seconds), float(eval_every_seconds)
+    def __init__(self, evaluate, budget_seconds: float, eval_every_seconds: float | None = None, marks_seconds=(),
+                 every_steps: int | None = None):
+        self.evaluate, self.budget = evaluate, float(budget_seconds)
+        self.every, self.every_steps = eval_every_seconds, every_steps
+        self.marks = sorted(float(m) for m in marks_seconds if 0 < m < budget_seconds)
         self.records: list[dict] = []
         self.training_seconds = 0.0  # training time up to the last step end
         self._banked = 0.0  # training time before the current segment (segments are split by evaluations)
         self._segment_start = None
-        self._next_eval = self.every
+        self._next = self._next_due(0.0)
+
+    def _next_due(self, now: float) -> float:
+        candidates = [m for m in self.marks if m > now]
+        if self.every:
+            candidates.append((math.floor(now / self.every) + 1) * self.every)
+        return min(candidates) if candidates else math.inf
 
     def _record(self, model, step: int) -> None:
         start = time.monotonic()
@@ -128,23 +202,25 @@ class EvalClockCallback(TrainerCallback):
         record = {"training_seconds": self.training_seconds, "step": step, "accuracy": accuracy,
                   "eval_seconds": time.monotonic() - start}
         self.records.append(record)
-        print(f"[race] step {step}  training {self.training_seconds / 60:.2f} min  held-out accuracy {accuracy:.3f}",
-              flush=True)
+        if _world()[0] == 0:
+            print(f"[race] step {step}  training {self.training_seconds / 60:.2f} min  accuracy {accuracy:.3f}",
+                  flush=True)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._record(model, state.global_step)
         self._segment_start = time.monotonic()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.training_seconds = self._banked + time.monotonic() - self._segment_start
+        (elapsed,) = _all_reduce([self._banked + time.monotonic() - self._segment_start], op="max")
+        self.training_seconds = elapsed
         over_budget = self.training_seconds >= self.budget
         if over_budget:
             control.should_training_stop = True
-        if over_budget or self.training_seconds >= self._next_eval:
+        step_due = bool(self.every_steps) and state.global_step % self.every_steps == 0
+        if over_budget or step_due or self.training_seconds >= self._next:
             self._banked = self.training_seconds
             self._record(model, state.global_step)
-            while self._next_eval <= self.training_seconds:
-                self._next_eval += self.every
+            self._next = self._next_due(self.training_seconds)
             self._segment_start = time.monotonic()  # the clock resumes after the evaluation
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
@@ -176,50 +252,73 @@ def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
     return kwargs
 
 
-def race_es_kwargs(race: RaceArguments, recipe: dict) -> dict:
-    """The ESConfig keyword arguments of the race: recipe, overrides, then what the race itself sets."""
+def race_es_kwargs(race: RaceArguments, recipe: dict, output_dir: str) -> dict:
+    """The ESConfig keyword arguments of an ES arm: recipe, overrides, then what the race itself sets.
+
+    ``--es_schedule recipe`` keeps the recipe's ``max_steps`` and step schedule (the budget still stops the run
+    first); ``time`` and ``constant`` run until the budget with a constant scheduler (the time schedule is applied by
+    :class:`TimeScheduleCallback`).
+
+    Raises:
+        ValueError: for a ``max_steps`` that is not an integer >= 1 or -1.
+    """
     kwargs = es_config_kwargs(recipe, race.es_overrides)
-    # The recipe's max_steps is kept when it has one: a decaying schedule (warmup_stable_decay, cosine) is laid out
-    # over max_steps. The budget still stops the run first if the steps do not fit in it.
     max_steps = kwargs.get("max_steps")
     if max_steps is None or max_steps == -1:  # -1: transformers' "not set"
         max_steps = NO_LIMIT_STEPS
     elif isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"ES max_steps (recipe or --es_overrides) must be an integer >= 1 or -1 (until the budget), "
                          f"got {max_steps!r}.")
+    if race.es_schedule != "recipe":
+        max_steps = NO_LIMIT_STEPS
+        kwargs["lr_scheduler_type"] = "constant"
+        kwargs.pop("lr_scheduler_kwargs", None)
     kwargs["max_steps"] = max_steps
-    kwargs.update(
-        output_dir=os.path.join(race.output_dir, "es"), eval_strategy="no", save_strategy="no", report_to="none",
-        seed=race.seed,
-    )
+    kwargs.update(output_dir=output_dir, eval_strategy="no", save_strategy="no", report_to="none", seed=race.seed)
     kwargs.setdefault("reward_weights", [1.0])
     return kwargs
 
 
-def build_es_trainer(model, tokenizer, train_dataset, race: RaceArguments, recipe: dict, callback):
+def completion_length(race: RaceArguments, recipe: dict) -> int:
+    """Generation length of the race: ``--eval_max_new_tokens``, else the ES recipe's ``max_completion_length``."""
+    if race.eval_max_new_tokens:
+        return race.eval_max_new_tokens
+    overrides = es_config_kwargs(recipe, race.es_overrides)
+    return int(overrides.get("max_completion_length", 12))
+
+
+def build_es_trainer(model, tokenizer, train_dataset, race: RaceArguments, recipe: dict, output_dir: str, callbacks):
     from trl_es import ESConfig, ESTrainer
+    from trl_es.tasks.arithmetic import arithmetic_reward
 
-    args = ESConfig(**race_es_kwargs(race, recipe))
+    args = ESConfig(**race_es_kwargs(race, recipe, output_dir))
     return ESTrainer(model, [arithmetic_reward], args=args, train_dataset=train_dataset, processing_class=tokenizer,
-                     callbacks=[callback])
+                     callbacks=callbacks)
 
 
-def build_grpo_trainer(model, tokenizer, train_dataset, race: RaceArguments, callback):
+def build_grpo_trainer(model, tokenizer, train_dataset, race: RaceArguments, max_completion_length: int,
+                       output_dir: str, callbacks):
     from trl import GRPOConfig, GRPOTrainer
 
+    from trl_es.tasks.arithmetic import arithmetic_reward
+
+    _, world = _world()
+    completions = race.grpo_prompts_per_step * race.grpo_num_generations
+    if completions % world:
+        raise ValueError(f"GRPO's {completions} completions per step must split evenly over {world} processes.")
     # In GRPO the per-device batch counts completions: one step = prompts_per_step x num_generations completions,
-    # generated and used for one optimizer step (generation_batch_size = per_device_train_batch_size).
+    # generated and used for one optimizer step, shared by the processes.
     args = GRPOConfig(
-        output_dir=os.path.join(race.output_dir, "grpo"),
+        output_dir=output_dir,
         learning_rate=race.grpo_learning_rate,
-        lr_scheduler_type="constant",  # the budget, not max_steps, ends the run: no decay towards an unreached end
+        lr_scheduler_type="constant",  # the budget ends the run; a time schedule, if any, comes from a callback
         num_generations=race.grpo_num_generations,
-        per_device_train_batch_size=race.grpo_prompts_per_step * race.grpo_num_generations,
+        per_device_train_batch_size=completions // world,
         gradient_accumulation_steps=1,
         temperature=race.grpo_temperature,
         beta=race.grpo_beta,
-        max_completion_length=race.grpo_max_completion_length,
-        max_steps=NO_LIMIT_STEPS,
+        max_completion_length=race.grpo_max_completion_length or max_completion_length,
+        max_steps=race.grpo_max_steps or NO_LIMIT_STEPS,
         bf16=False,
         gradient_checkpointing=False,  # speed only: a 135M model needs no activation memory savings
         eval_strategy="no",
@@ -230,70 +329,170 @@ def build_grpo_trainer(model, tokenizer, train_dataset, race: RaceArguments, cal
         seed=race.seed,
     )
     return GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=args, train_dataset=train_dataset,
-                       processing_class=tokenizer, callbacks=[callback])
+                       processing_class=tokenizer, callbacks=callbacks)
 
 
-def run_method(method: str, race: RaceArguments, recipe: dict, train_dataset, eval_rows: list[dict]) -> dict:
-    """Train one method under the clock; returns its table row plus its accuracy curve."""
+# ---------------------------------------------------------------------------------------------- one arm (worker)
+def run_worker(spec: dict) -> dict:
+    """Train one arm under the clock (in every process of its launch); process 0 writes ``spec["result"]``."""
+    import torch
+
+    from trl_es.models import load_model_and_tokenizer
+    from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
+
+    race = RaceArguments(**spec["race"])
+    if race.threads_per_process:
+        torch.set_num_threads(race.threads_per_process)
+    recipe = load_recipe(race.es_recipe)
+    method, budget, marks = spec["method"], spec["budget_minutes"], spec["marks_minutes"]
+    splits = make_arithmetic_dataset_dict(race.num_train_prompts, race.num_validation_prompts, race.num_test_prompts,
+                                          seed=spec["task_seed"])
+    rows = [splits[race.split][i] for i in range(len(splits[race.split]))]
     model, tokenizer = load_model_and_tokenizer(race.model_name_or_path)  # fp32, pad = EOS if unset
-    evaluate = HeldOutAccuracy(tokenizer, eval_rows, race.eval_max_new_tokens, race.eval_batch_size)
-    clock = EvalClockCallback(evaluate, 60.0 * race.budget_minutes, 60.0 * race.eval_every_minutes)
+    length = completion_length(race, recipe)
+    evaluate = SplitAccuracy(tokenizer, rows, length, race.eval_batch_size)
+    clock = EvalClockCallback(evaluate, 60.0 * budget, marks_seconds=[60.0 * m for m in marks],
+                              every_steps=race.eval_every_steps)
+    callbacks = [clock]
+    schedule = race.es_schedule if method == "es" else race.grpo_schedule
+    learning_rate = (race_es_kwargs(race, recipe, spec["output_dir"])["learning_rate"] if method == "es"
+                     else race.grpo_learning_rate)
+    if schedule == "time":
+        from trl_es.trainer.time_budget import TimeScheduleCallback
+
+        callbacks.append(TimeScheduleCallback(clock, learning_rate, 60.0 * budget, race.decay_fraction))
     if method == "es":
-        trainer = build_es_trainer(model, tokenizer, train_dataset, race, recipe, clock)
+        trainer = build_es_trainer(model, tokenizer, splits["train"], race, recipe, spec["output_dir"], callbacks)
     else:
-        trainer = build_grpo_trainer(model, tokenizer, train_dataset, race, clock)
+        trainer = build_grpo_trainer(model, tokenizer, splits["train"], race, length, spec["output_dir"], callbacks)
     wall_start = time.monotonic()
     trainer.train()
     wall_seconds = time.monotonic() - wall_start
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    final = {f"accuracy_at_{race.final_max_new_tokens}_tokens": evaluate(trained, race.final_max_new_tokens)}
+    if race.sampled_samples:
+        final["sampled_pass@1"] = evaluate(trained, temperature=1.0, samples=race.sampled_samples)
     if race.save_models:
-        trainer.save_model(os.path.join(race.output_dir, method))
-    accuracies = [r["accuracy"] for r in clock.records]
-    return {
-        "method": method,
-        "accuracy_start": accuracies[0],
-        "accuracy_end": accuracies[-1],
-        "accuracy_best": max(accuracies),
-        "training_minutes": clock.training_seconds / 60.0,
-        "steps": trainer.state.global_step,
-        "wall_minutes_with_evals": wall_seconds / 60.0,
-        "curve": clock.records,
+        trainer.save_model(os.path.join(spec["output_dir"], "model"))
+    result = {
+        "method": method, "task_seed": spec["task_seed"], "budget_minutes": budget, "split": race.split,
+        "processes": _world()[1], "threads": torch.get_num_threads(), "schedule": schedule,
+        "steps": trainer.state.global_step, "training_minutes": clock.training_seconds / 60.0,
+        "wall_minutes_with_evals": wall_seconds / 60.0, "max_new_tokens": length,
+        "curve": clock.records, **final,
     }
+    if _world()[0] == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(result, f, indent=2)
+    return result
 
 
-# ---------------------------------------------------------------------------------------------- outputs
+# ---------------------------------------------------------------------------------------------- orchestration
+def arms(race: RaceArguments) -> list[dict]:
+    """The runs of the race: per task seed and method, one run per budget (time schedule), else one run scored at
+    every budget mark."""
+    runs = []
+    longest = max(race.budgets_minutes)
+    for seed in race.task_seeds:
+        for method in race.methods:
+            schedule = race.es_schedule if method == "es" else race.grpo_schedule
+            budgets = sorted(race.budgets_minutes) if schedule == "time" else [longest]
+            for budget in budgets:
+                marks = [b for b in race.budgets_minutes if b < budget]
+                runs.append({"method": method, "task_seed": seed, "budget_minutes": budget, "marks_minutes": marks,
+                             "output_dir": os.path.join(race.output_dir, f"seed{seed}", f"{method}_{budget:g}min")})
+    return runs
+
+
+def launch_arm(race: RaceArguments, spec: dict) -> dict:
+    """Run one arm in a fresh process tree (its launch plan, :func:`trl_es.launch.run_worker`); return its result."""
+    from trl_es.launch import plan_launch, run_worker
+
+    processes = race.es_num_processes if spec["method"] == "es" else race.grpo_num_processes
+    os.makedirs(spec["output_dir"], exist_ok=True)
+    spec = dict(spec, race=dataclasses.asdict(race), result=os.path.join(spec["output_dir"], "result.json"))
+    print(f"[race] {spec['method']} seed {spec['task_seed']} budget {spec['budget_minutes']:g} min: "
+          f"{plan_launch(processes).reason}", flush=True)
+    return run_worker(os.path.abspath(__file__), spec, processes, race.threads_per_process)
+
+
+def accuracy_at(result: dict, minutes: float) -> float:
+    """The accuracy scored at the first evaluation at or after ``minutes`` of training (the budget's end point)."""
+    for record in result["curve"]:
+        if record["training_seconds"] >= 60.0 * minutes - 1e-9:
+            return record["accuracy"]
+    return result["curve"][-1]["accuracy"]
+
+
+def summarize(race: RaceArguments, results: list[dict]) -> list[dict]:
+    """One row per method and budget: accuracy per task seed (the run of that budget, else the longer run scored at
+    that mark), mean and sample standard deviation, and the end-of-run figures of the runs of that budget."""
+    rows = []
+    for method in race.methods:
+        for budget in sorted(race.budgets_minutes):
+            per_seed, extra = {}, {}
+            for seed in race.task_seeds:
+                mine = [r for r in results if r["method"] == method and r["task_seed"] == seed]
+                exact = [r for r in mine if r["budget_minutes"] == budget]
+                if exact:
+                    per_seed[seed] = exact[0]["curve"][-1]["accuracy"]
+                    for key, value in exact[0].items():
+                        if key.startswith("accuracy_at_") or key == "sampled_pass@1":
+                            extra.setdefault(key, []).append(value)
+                elif mine:
+                    per_seed[seed] = accuracy_at(max(mine, key=lambda r: r["budget_minutes"]), budget)
+            if not per_seed:
+                continue
+            values = list(per_seed.values())
+            mean = sum(values) / len(values)
+            std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+            rows.append({"method": method, "budget_minutes": budget, "per_seed": per_seed, "mean": mean, "std": std,
+                         **{k: sum(v) / len(v) for k, v in extra.items()}})
+    return rows
+
+
 NAMES = {"es": "ES (ESTrainer)", "grpo": "GRPO (TRL GRPOTrainer)"}
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| method | accuracy at start | accuracy at end | best accuracy | training minutes | iterations/steps |",
-        "|---|---|---|---|---|---|",
-    ]
+def markdown_table(race: RaceArguments, rows: list[dict], start: float | None) -> str:
+    seeds = ", ".join(str(s) for s in race.task_seeds)
+    lines = [f"Greedy accuracy on the {race.split} split ({race.num_test_prompts if race.split == 'test' else race.num_validation_prompts}"
+             f" prompts per task seed; task seeds {seeds}); start (untrained) {start:.3f} mean." if start is not None else "",
+             "", "| method | budget (min) | per task seed | mean | std |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {NAMES.get(r['method'], r['method'])} | {r['accuracy_start']:.3f} | {r['accuracy_end']:.3f} | "
-            f"{r['accuracy_best']:.3f} | {r['training_minutes']:.2f} | {r['steps']} |"
-        )
+        per_seed = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
+        lines.append(f"| {NAMES.get(r['method'], r['method'])} | {r['budget_minutes']:g} | {per_seed} | "
+                     f"{r['mean']:.3f} | {r['std']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(rows: list[dict], path: str, budget_minutes: float) -> None:
+def plot_curves(race: RaceArguments, results: list[dict], rows: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        minutes = [p["training_seconds"] / 60.0 for p in r["curve"]]
-        ax.plot(minutes, [p["accuracy"] for p in r["curve"]], "o-", label=f"{NAMES.get(r['method'], r['method'])}"
-                f" ({r['steps']} steps)")
-    ax.axvline(budget_minutes, color="gray", ls="--", lw=1, label="budget")
+    colors = {"es": "tab:blue", "grpo": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for result in results:
+        minutes = [p["training_seconds"] / 60.0 for p in result["curve"]]
+        ax.plot(minutes, [p["accuracy"] for p in result["curve"]], "-", color=colors.get(result["method"]),
+                alpha=0.25, lw=1)
+    for method in race.methods:
+        mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
+        x = [0.0] + [r["budget_minutes"] for r in mine]
+        starts = [r["curve"][0]["accuracy"] for r in results if r["method"] == method]
+        mean = [sum(starts) / len(starts)] + [r["mean"] for r in mine]
+        std = [0.0] + [r["std"] for r in mine]
+        ax.errorbar(x, mean, yerr=std, fmt="o-", color=colors.get(method), capsize=4, lw=2,
+                    label=f"{NAMES.get(method, method)}: mean +- std over task seeds")
     ax.set_xlabel("training wall-clock minutes (evaluation time excluded)")
-    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylabel(f"greedy accuracy ({race.split} split)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -303,39 +502,40 @@ def parse_args(argv: list[str] | None = None) -> RaceArguments:
     (race,) = HfArgumentParser(RaceArguments).parse_args_into_dataclasses(
         args=list(sys.argv[1:] if argv is None else argv)
     )
-    if race.budget_minutes <= 0 or race.eval_every_minutes <= 0:
-        raise ValueError("budget_minutes and eval_every_minutes must be > 0.")
+    if not race.budgets_minutes or min(race.budgets_minutes) <= 0:
+        raise ValueError(f"budgets_minutes must be > 0, got {race.budgets_minutes}.")
+    if race.split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {race.split!r}.")
+    for name in ("es_schedule", "grpo_schedule"):
+        if getattr(race, name) not in SCHEDULES:
+            raise ValueError(f"{name} must be one of {SCHEDULES}, got {getattr(race, name)!r}.")
+    if race.split == "test" and race.num_test_prompts < 1 or race.split == "validation" and race.num_validation_prompts < 1:
+        raise ValueError(f"the {race.split} split is empty: set num_{race.split}_prompts.")
     return race
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the race; returns the content of results.json."""
+    """Run the race (every arm in its own processes); returns the content of results.json."""
     race = parse_args(argv)
-    methods = list(dict.fromkeys(race.methods))  # keep order, drop repeats
-    recipe = load_recipe(race.es_recipe)  # also the default prompt split, whichever methods run
-    if race.num_train_prompts is None:
-        race.num_train_prompts = int(recipe.get("num_train_prompts", 400))
-    if race.task_seed is None:
-        race.task_seed = int(recipe.get("task_seed", 0))
+    if race.worker:
+        with open(race.worker) as f:
+            return run_worker(json.load(f))
+    race.methods = list(dict.fromkeys(race.methods))  # keep order, drop repeats
     os.makedirs(race.output_dir, exist_ok=True)
-
-    train_dataset, held_out = make_arithmetic_splits(race.num_train_prompts, race.num_eval_prompts, seed=race.task_seed)
-    eval_rows = [held_out[i] for i in range(len(held_out))]
-    rows = [run_method(m, race, recipe, train_dataset, eval_rows) for m in methods]
-
-    results = {"arguments": dataclasses.asdict(race),
-               "es_config": race_es_kwargs(race, recipe) if "es" in methods else None,
-               "table": [{k: v for k, v in r.items() if k != "curve"} for r in rows],
-               "curves": {r["method"]: r["curve"] for r in rows}}
+    results = [launch_arm(race, spec) for spec in arms(race)]
+    rows = summarize(race, results)
+    starts = [r["curve"][0]["accuracy"] for r in results]
+    output = {"arguments": dataclasses.asdict(race),
+              "es_config": race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>") if "es" in race.methods else None,
+              "table": rows, "runs": results}
     with open(os.path.join(race.output_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    table = markdown_table(rows)
+        json.dump(output, f, indent=2)
+    table = markdown_table(race, rows, sum(starts) / len(starts) if starts else None)
     with open(os.path.join(race.output_dir, "results.md"), "w") as f:
-        f.write(f"Held-out greedy accuracy on {race.num_eval_prompts} prompts, {race.budget_minutes:g} training "
-                f"minutes per method.\n\n{table}")
-    plot_curves(rows, os.path.join(race.output_dir, "accuracy_vs_time.png"), race.budget_minutes)
+        f.write(table)
+    plot_curves(race, results, rows, os.path.join(race.output_dir, "accuracy_vs_time.png"))
     print(table)
-    return results
+    return output
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The README's main job: ES-train the embedded SmolLM2-135M-Instruct on the arithmetic task on a CPU.
 
-Prints greedy held-out accuracy (200 prompts never used for fitness) before and after training, and writes the
-trained model, the seed log (es_seed_log.jsonl), results.json and training_curves.png to runs/main_job.
+Prints greedy accuracy on the 200 test prompts (never used for fitness or tuning) before and after training, and
+writes the trained model, the seed log (es_seed_log.jsonl), results.json and training_curves.png to runs/main_job.
+The evaluations during training read the validation split. ``scripts/run_main_job.sh`` starts this script the
+fastest way the machine allows (``python -m trl_es.launch``: one single-threaded process per physical core).
 
-    python examples/scripts/main_job.py                       # the recipe as is
-    python examples/scripts/main_job.py --max_steps 4         # any ESConfig / task field overrides the recipe
+    python -m trl_es.launch examples/scripts/main_job.py          # what scripts/run_main_job.sh runs
+    python examples/scripts/main_job.py --max_steps 4             # one process; any ESConfig / task field overrides
 """
 
 import os
@@ -16,4 +18,9 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "arithmetic_sm
 
 if __name__ == "__main__":
     results = train(["--config", RECIPE, *sys.argv[1:]])
-    print(f"held-out accuracy: {results.get('accuracy_before', float('nan')):.3f} -> {results['accuracy_after']:.3f}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        before, after = results.get("test_accuracy_before"), results.get("test_accuracy_after")
+        if after is not None:
+            print(f"test accuracy: {before if before is not None else float('nan'):.3f} -> {after:.3f}")
+        print(f"{results['eval_split']} accuracy: {results.get('accuracy_before', float('nan')):.3f} -> "
+              f"{results['accuracy_after']:.3f}")

@@ -8,28 +8,36 @@ Each diagnostic lives in its own module; formulas and sources are in the docstri
 - :mod:`.sparsity`: functional sparsity of an update (arXiv 2608.27351).
 - :mod:`.mode_connectivity`: linear mode connectivity, barriers, update cosine (arXiv 2604.01499).
 - :mod:`.diversity`: population success diversity JS_succ (arXiv 2608.27351).
+- :mod:`.entropy`: mean token entropy of sampled completions, recorded during generation.
+- :mod:`.policy_eval`: :func:`evaluate_policy`, one policy's accuracy, pass@k, JS_succ, entropy, drift and KL.
 - :mod:`.report`: :func:`analyze`, all of the above into ``report.json`` and PNG plots.
 """
 
 from .diversity import binary_entropy, success_diversity, success_diversity_from_matrix
 from .drift import parameter_drift, tensor_drift
+from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .kl import encode_prompts, off_task_kl, prompt_texts
 from .mode_connectivity import barrier, interpolate_models, lm_loss_fn, mode_connectivity, update_cosine
 from .pass_at_k import PASS_AT_K_METRIC_PATH, estimate_pass_at_k, load_pass_at_k_metric, mean_pass_at_k, pass_at_k
+from .policy_eval import evaluate_policy, greedy_accuracy
 from .report import analyze
 from .sparsity import functional_sparsity, reset_small_updates
 
 __all__ = [
     "PASS_AT_K_METRIC_PATH",
+    "TokenEntropyRecorder",
     "analyze",
     "barrier",
     "binary_entropy",
     "encode_prompts",
     "estimate_pass_at_k",
+    "evaluate_policy",
     "functional_sparsity",
+    "greedy_accuracy",
     "interpolate_models",
     "lm_loss_fn",
     "load_pass_at_k_metric",
+    "mean_completion_entropy",
     "mean_pass_at_k",
     "mode_connectivity",
     "off_task_kl",

@@ -6,9 +6,10 @@ parameter's own dtype, on CPU):
 - :class:`MemoryAnchor`: a resident copy in the parameter's dtype. theta_0 *is* the initial parameter, so a copy in
   its own dtype is exact (an fp32 copy of a bf16 model would double the bytes for nothing).
 - :class:`FileAnchor`: read back, one tensor at a time, from safetensors files that hold exactly these values: the
-  base model's own checkpoint (checked bitwise against the parameters when the anchor is built), or an anchor a
-  checkpoint saved. Nothing stays resident: a lookup maps the file, copies one tensor (or the partition's slice of
-  it) and unmaps it again.
+  base model's own checkpoint (checked bitwise against the parameters when the anchor is built; a file in another
+  float dtype counts when its values cast to the parameter's dtype are the parameter, as for a bf16 model loaded from
+  an fp32 checkpoint), or an anchor a checkpoint saved. Nothing stays resident: a lookup maps the file, copies one
+  tensor (or the partition's slice of it), casts it and unmaps the file again.
 
 :func:`make_anchor` picks the file where every value matches it and falls back to memory per tensor.
 """
@@ -61,14 +62,17 @@ class FileAnchor(Mapping):
             of the file ``path``, flattened, elements ``[start, start + length)``.
         fallback (`Mapping[str, torch.Tensor]`, *optional*): Values for names not in ``sources`` (resident).
         shapes (`dict[str, torch.Size]`, *optional*): Shape to give each returned tensor (default: flat).
+        dtypes (`dict[str, torch.dtype]`, *optional*): dtype to cast each returned tensor to (default: the file's).
     """
 
     storage = "file"
 
-    def __init__(self, sources: dict, fallback: Mapping | None = None, shapes: dict | None = None):
+    def __init__(self, sources: dict, fallback: Mapping | None = None, shapes: dict | None = None,
+                 dtypes: dict | None = None):
         self.sources = dict(sources)
         self.fallback = MemoryAnchor(fallback or {})
         self.shapes = dict(shapes or {})
+        self.dtypes = dict(dtypes or {})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.fallback:
@@ -76,7 +80,8 @@ class FileAnchor(Mapping):
         path, key, start, length = self.sources[name]
         with safe_open(path, framework="pt", device="cpu") as f:
             flat = f.get_slice(key)[:] if length is None else _read_flat_range(f, key, start, length)
-        flat = flat.reshape(-1).clone()
+        flat = flat.reshape(-1)
+        flat = flat.to(self.dtypes[name]) if name in self.dtypes and flat.dtype != self.dtypes[name] else flat.clone()
         return flat.view(self.shapes[name]) if name in self.shapes else flat
 
     def __iter__(self) -> Iterator[str]:
@@ -151,32 +156,27 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
                 where.setdefault(key, path)
-    sources, fallback, shapes = {}, {}, {}
+    sources, fallback, shapes, dtypes = {}, {}, {}, {}
     for name, e in values.items():
         path = where.get(name)
         local = e.param.numel()
+        same = False
         if path is not None:
             with safe_open(path, framework="pt", device="cpu") as f:
-                shape = f.get_slice(name).get_shape()
                 numel = 1
-                for dim in shape:
+                for dim in f.get_slice(name).get_shape():
                     numel *= int(dim)
-                same = numel == e.numel and f.get_slice(name).get_dtype() == _safetensors_dtype(e.param.dtype)
-                if same:
-                    stored = _read_flat_range(f, name, e.start, local)
+                if numel == e.numel and f.get_slice(name).get_dtype() in _FLOAT_DTYPES:
+                    stored = _read_flat_range(f, name, e.start, local).to(e.param.dtype)
                     same = torch.equal(stored, e.param.detach().reshape(-1).cpu())
-            if same:
-                sources[name] = (path, name, e.start, local)
-                shapes[name] = e.param.shape
-                continue
-        fallback[name] = e.param
+        if same:
+            sources[name] = (path, name, e.start, local)
+            shapes[name], dtypes[name] = e.param.shape, e.param.dtype
+        else:
+            fallback[name] = e.param
     if not sources:
         return MemoryAnchor(fallback)
-    return FileAnchor(sources, fallback, shapes)
+    return FileAnchor(sources, fallback, shapes, dtypes)
 
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-
-
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    return _DTYPES.get(dtype, str(dtype))
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

@@ -27,6 +27,7 @@ from .arithmetic import (
     arithmetic_reward,
     make_arithmetic_dataset,
     make_arithmetic_dataset_dict,
+    make_arithmetic_sft_dataset,
     make_arithmetic_splits,
 )
 from .countdown import (
@@ -54,6 +55,7 @@ __all__ = [
     "load_countdown_json",
     "make_arithmetic_dataset",
     "make_arithmetic_dataset_dict",
+    "make_arithmetic_sft_dataset",
     "make_arithmetic_splits",
     "make_countdown_dataset",
     "make_gsm_dataset",

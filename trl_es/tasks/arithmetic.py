@@ -22,8 +22,10 @@ __all__ = [
     "arithmetic_reward",
     "make_arithmetic_dataset",
     "make_arithmetic_dataset_dict",
+    "make_arithmetic_sft_dataset",
     "make_arithmetic_splits",
     "stated_result",
+    "worked_answer",
 ]
 
 #: Operators a problem may use.
@@ -247,6 +249,61 @@ def make_arithmetic_dataset_dict(
     return DatasetDict(
         {"train": rows(first_train, total), "validation": rows(num_test, first_train), "test": rows(0, num_test)}
     )
+
+
+def worked_answer(a: int, op: str, b: int) -> str:
+    """The correct answer in the model's own format: ``"47 + 35 = 82"`` (a restatement, then the result).
+
+    SmolLM2-135M-Instruct answers the arithmetic prompts this way despite "Reply with only the number";
+    :func:`arithmetic_reward` scores it 1.0 (its first stated result is the answer).
+
+    Args:
+        a (`int`): Left operand.
+        op (`str`): One of :data:`ALLOWED_OPS`.
+        b (`int`): Right operand.
+
+    Returns:
+        `str`: ``f"{a} {op} {b} = {result}"``.
+
+    Raises:
+        ValueError: If ``op`` is not one of :data:`ALLOWED_OPS`.
+    """
+    if op not in _APPLY:
+        raise ValueError(f"op must be one of {ALLOWED_OPS}, got {op!r}")
+    return f"{a} {op} {b} = {_APPLY[op](a, b)}"
+
+
+def make_arithmetic_sft_dataset(dataset):
+    """Supervised targets for arithmetic prompts: each prompt with its correct worked answer as the completion.
+
+    The result is a *prompt-completion* dataset in TRL's format, as ``trl.SFTTrainer`` takes it: a conversational
+    prompt (``[{"role": "user", ...}]``) gets the completion ``[{"role": "assistant", "content": "47 + 35 =
+    82"}]``, a plain-text prompt gets the string ``"47 + 35 = 82"`` (:func:`worked_answer`). The other columns
+    (``a``, ``b``, ``op``, ``answer``) are kept, so :func:`arithmetic_reward` still grades the rows.
+
+    Args:
+        dataset (`datasets.Dataset`): Rows of :func:`make_arithmetic_dataset` / :func:`make_arithmetic_dataset_dict`
+            (columns ``prompt``, ``a``, ``b``, ``op``; e.g. the train split).
+
+    Returns:
+        (`datasets.Dataset`): The same rows plus a ``completion`` column.
+
+    Raises:
+        ValueError: If a column ``prompt``, ``a``, ``b`` or ``op`` is missing, or ``dataset`` already has a
+            ``completion`` column.
+    """
+    missing = [c for c in ("prompt", "a", "b", "op") if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"make_arithmetic_sft_dataset needs the columns prompt, a, b, op; {missing} missing")
+    if "completion" in dataset.column_names:
+        raise ValueError("dataset already has a 'completion' column")
+
+    def add_completion(row):
+        text = worked_answer(row["a"], row["op"], row["b"])
+        conversational = isinstance(row["prompt"], list)
+        return {"completion": [{"role": "assistant", "content": text}] if conversational else text}
+
+    return dataset.map(add_completion)
 
 
 def _is_operand(value: int | float, operand) -> bool:

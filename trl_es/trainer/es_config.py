@@ -208,6 +208,17 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    lean_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "Hold only what ES needs, at some speed: no noise table (noise_source 'auto' draws fresh "
+            "Gaussian blocks, or uses the device generator on CUDA), and theta_0 only from the base checkpoint's "
+            "safetensors file (anchor_storage 'auto' -> 'file'; drift logging is skipped when the file does not hold "
+            "theta_0 and AWD is off). With population_backend='batched_lowrank' (no master copy of fp32 weights) "
+            "and, for 16-bit models, fp32_master_weights=False, this is the lean mode of docs/scaling.md."
+        },
+    )
+
     # ------------------------------------------------------------------ AWD
     awd_lambda: float = field(
         default=0.0,

@@ -281,8 +281,11 @@ class ESTrainer(_BaseTrainer):
         self.population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self._build_es_state()
         lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
-        self.noise = make_noise_source(args.noise_table_size, args.noise_source,
-                                       self.es_params.entries[0].param.device, lowrank=lowrank)
+        device = self.es_params.entries[0].param.device
+        noise_source = args.noise_source
+        if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
+            noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
+        self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
         self.generation_engine = self._make_generation_engine()
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
@@ -340,8 +343,18 @@ class ESTrainer(_BaseTrainer):
             self.population.check(self.es_params, unwrapped)
         self.anchor = None  # theta_0 (under ZeRO-3 the local partition): for AWD and drift logging
         if args.awd_lambda > 0 or args.log_parameter_drift:
-            files = checkpoint_files(unwrapped) if args.anchor_storage != "memory" else []
-            self.anchor = make_anchor(self.es_params, args.anchor_storage, files)
+            storage = "file" if args.lean_memory and args.anchor_storage == "auto" else args.anchor_storage
+            files = checkpoint_files(unwrapped) if storage != "memory" else []
+            anchor = make_anchor(self.es_params, storage, files)
+            if args.lean_memory and anchor.resident_bytes:
+                if args.awd_lambda > 0:
+                    warnings.warn(f"lean_memory: the base checkpoint file does not hold theta_0 of every trained "
+                                  f"tensor; AWD keeps {anchor.resident_bytes / 2**20:.1f} MiB of it in memory.",
+                                  stacklevel=2)
+                else:
+                    logger.info("lean_memory: theta_0 is not in a checkpoint file; drift logging is skipped.")
+                    anchor = None
+            self.anchor = anchor
 
     def _make_generation_engine(self):
         """The generation engine of ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a
@@ -557,14 +570,7 @@ class ESTrainer(_BaseTrainer):
         coefficients = shape_fitness(fitness, args.fitness_shaping)
 
         start = time.perf_counter()
-        learning_rate = self._current_learning_rate()
-        perturbation = self.population.perturbation
-        if args.es_optimizer == "es":
-            es_update_(self.es_params, perturbation, self.noise, members, coefficients.tolist(), learning_rate)
-            shrink = self._apply_awd(learning_rate)
-        else:
-            es_gradient_(self.es_params, perturbation, self.noise, members, coefficients.tolist())
-            shrink = learning_rate * args.awd_lambda if args.awd_lambda > 0 else 0.0
+        learning_rate, shrink = self._es_step(members, coefficients.tolist(), self._current_learning_rate())
         self._sync_model_view()
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients.tolist(), learning_rate, shrink)
@@ -573,6 +579,23 @@ class ESTrainer(_BaseTrainer):
         self._record_metrics(fitness, stats, results, evaluate_seconds, update_seconds)
         mean = fitness[~torch.isnan(fitness)].mean() if not torch.isnan(fitness).all() else torch.tensor(math.nan)
         return torch.tensor(-float(mean), device=args.device)
+
+    def _es_step(self, members, coefficients: list[float], learning_rate: float) -> tuple[float, float]:
+        """Move the weights for one iteration: the ES step along the perturbation (then AWD), or with
+        ``es_optimizer='torch'`` the ES gradient for the Trainer's optimizer (which steps after this returns).
+
+        Subclasses that combine ES with other updates (e.g. ES + SFT parallel averaging) override this.
+
+        Returns:
+            `(learning_rate, awd_shrink)`: what the seed log records for this iteration (the effective ``alpha`` of
+            the ES step and ``alpha * lambda``), so that :func:`trl_es.replay` reproduces it.
+        """
+        perturbation = self.population.perturbation
+        if self.args.es_optimizer == "es":
+            es_update_(self.es_params, perturbation, self.noise, members, coefficients, learning_rate)
+            return learning_rate, self._apply_awd(learning_rate)
+        es_gradient_(self.es_params, perturbation, self.noise, members, coefficients)
+        return learning_rate, learning_rate * self.args.awd_lambda if self.args.awd_lambda > 0 else 0.0
 
     def _member_stats(self, results: dict[int, MemberResult], population_size: int) -> torch.Tensor:
         """Columns: reward sum, reward count, completions, completion tokens, then per reward function its sums and

@@ -1,0 +1,24 @@
+"""The throughput benchmark runs where the embedded weights are not installed (--random_init), in CI time."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_population_throughput_random_init_runs_on_cpu(tmp_path):
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "population_throughput.py"), "--random_init",
+           "--population", "2", "--prompts", "2", "--new_tokens", "2", "--prompt_tokens", "12",
+           "--shared_prefix_tokens", "8", "--share_prompt_prefix", "--threads", "1", "--device", "cpu",
+           "--output_json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    rates = figures["completions_per_second"]
+    assert set(rates) == {"(a) plain generate", "(b) sequential full-rank", "(c) batched low-rank"}
+    assert all(rate > 0 for rate in rates.values())
+    assert figures["engine"] == {"name": "eager", "share_prompt_prefix": True}
+    assert "(c)/(a)" in proc.stdout and "[eager]" in proc.stdout

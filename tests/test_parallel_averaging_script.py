@@ -1,0 +1,69 @@
+"""examples/scripts/parallel_averaging.py: every arm at equal steps, a tiny end-to-end run in-process."""
+
+import json
+import os
+
+import pytest
+import torch
+from example_script import example_script
+
+from trl_es.rewards import completion_text
+
+
+def content_reward(completions, **kwargs):
+    """Varies with a random tiny model's text, so that GRPO and ES move the weights (arithmetic would score 0)."""
+    return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it gains
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pa():
+    with example_script("parallel_averaging.py", "parallel_averaging") as module:
+        yield module
+
+
+def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(pa, "task_reward_funcs", lambda: [content_reward])
+    out = tmp_path / "pa"
+    results = pa.main([
+        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
+        "--arms", "base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft", "--max_steps", "4", "--es_max_steps", "1",
+        "--num_train_prompts", "16", "--num_validation_prompts", "0", "--num_test_prompts", "3",
+        "--max_completion_length", "6", "--num_generations", "4", "--prompts_per_step", "1", "--sft_batch_size", "4",
+        "--learning_rate", "1e-3", "--sft_learning_rate", "1e-3", "--num_samples", "4", "--pass_k", "1", "4",
+        "--num_kl_prompts", "2", "--kl_max_new_tokens", "4",
+        "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576",
+        "max_completion_length=6", "sigma=0.1",
+    ])
+    rows = {row["arm"]: row for row in results["table"]}
+    assert list(rows) == ["base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft"]
+    # equal steps: N updates for every gradient arm, split 2 + 2 for SFT -> RL
+    assert rows["rl"]["updates"] == "4 grpo" and rows["sft"]["updates"] == "4 sft"
+    assert rows["sft_rl"]["updates"] == "2 sft + 2 grpo" and rows["rl_sft"]["updates"] == "4 grpo+sft"
+    assert rows["es"]["updates"] == "1 es" and rows["es_sft"]["updates"] == "1 es+sft"
+    assert rows["base"]["off_task_kl"] == 0.0 and rows["base"]["drift_l2"] == 0.0
+    for name, row in rows.items():
+        assert 0.0 <= row["accuracy_greedy"] <= 1.0 and 0.0 <= row["pass@1"] <= row["pass@4"] <= 1.0
+        assert row["off_task_kl"] is not None
+        if name != "base":
+            assert row["drift_l2"] > 0, name
+    markdown = (out / "results.md").read_text()
+    for label in ("RL only (GRPO)", "SFT only", "SFT -> RL", "RL + SFT parallel averaging", "ES + SFT parallel",
+                  "Pass@4", "off-task KL"):
+        assert label in markdown
+    assert (out / "pass_at_k.png").stat().st_size > 0
+    assert json.loads((out / "results.json").read_text())["table"] == json.loads(json.dumps(results["table"]))
+
+
+def test_recipe_parses(pa):
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    args = pa.parse_args(["--config", os.path.join(root, "parallel_averaging_arithmetic_cpu.yaml")])
+    assert args.arms == ["base", "rl", "sft", "sft_rl", "rl_sft"] and args.rl_weight == args.sft_weight == 0.5
+    assert pa.grpo_kwargs(args, "x", args.max_steps)["per_device_train_batch_size"] == 16

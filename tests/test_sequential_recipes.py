@@ -1,0 +1,87 @@
+"""examples/scripts/sequential_recipes.py: GRPO -> ES and ES -> GRPO, a tiny end-to-end run in-process."""
+
+import json
+
+import pytest
+import torch
+from example_script import example_script
+
+from trl_es.rewards import completion_text
+
+
+def content_reward(completions, **kwargs):
+    """Varies with a random tiny model's text, so that both methods move the weights (arithmetic would score 0)."""
+    return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it gains
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def seq():
+    with example_script("sequential_recipes.py", "sequential_recipes") as module:
+        yield module
+
+
+TINY = ["--in_process", "true", "--num_train_prompts", "16", "--num_validation_prompts", "0",
+        "--num_test_prompts", "3", "--num_samples", "4", "--pass_k", "1", "2", "4", "--num_kl_prompts", "2",
+        "--kl_max_new_tokens", "4", "--eval_max_new_tokens", "6", "--grpo_num_generations", "4",
+        "--grpo_prompts_per_step", "1", "--es_overrides", "population_size=4", "prompt_batch_size=2",
+        "noise_table_size=1048576", "max_completion_length=6", "sigma=0.1"]
+
+
+def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq, tiny_model_dir, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(seq, "task_reward_funcs", lambda: [content_reward])
+    out = tmp_path / "run"
+    results = seq.main(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--budget_minutes",
+                        "0.01", *TINY])
+    arms = {item["arm"]: item for item in results["arms"]}
+    assert list(arms) == ["base", "grpo", "es", "grpo_es", "es_grpo"]
+    for name in ("grpo_es", "es_grpo"):
+        first, second = arms[name]["phases"]
+        assert [first["method"], second["method"]] == name.split("_")
+        assert first["final_fingerprint"] != first["initial_fingerprint"]  # phase 1 trained ...
+        assert second["initial_fingerprint"] == first["final_fingerprint"]  # ... and phase 2 started from it exactly
+        assert second["spec"]["model"] == first["model_dir"]
+        assert first["steps"] >= 1 and second["steps"] >= 1
+    # the saved model of phase 1 is bitwise the model phase 2 loads
+    from transformers import AutoModelForCausalLM
+
+    first = arms["grpo_es"]["phases"][0]
+    loaded = AutoModelForCausalLM.from_pretrained(first["model_dir"], dtype=torch.float32)
+    assert seq.fingerprint(loaded) == first["final_fingerprint"]
+
+    table = {row["arm"]: row for row in results["table"]}
+    assert table["base"]["drift_l2"] == 0.0 and table["base"]["off_task_kl"] == 0.0
+    for row in table.values():
+        assert row["handover_exact"]
+        assert 0.0 <= row["accuracy_greedy"] <= 1.0
+        assert 0.0 <= row["pass@1"] <= row["pass@2"] <= row["pass@4"] <= 1.0
+        assert row["token_entropy"] > 0 and 0.0 <= row["js_succ"] <= 0.6932
+    for name in ("grpo", "es", "grpo_es", "es_grpo"):
+        assert table[name]["drift_l2"] > 0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["table"] == json.loads(json.dumps(results["table"]))
+    markdown = (out / "results.md").read_text()
+    for label in ("base model", "GRPO only", "ES only", "GRPO -> ES", "ES -> GRPO", "Pass@4", "JS_succ"):
+        assert label in markdown
+    assert (out / "pass_at_k.png").stat().st_size > 0
+
+
+def test_recipes_parse_into_valid_arguments(seq):
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    for name in ("sequential_arithmetic_cpu.yaml", "sequential_arithmetic_gpu.yaml"):
+        args = seq.parse_args(["--config", os.path.join(root, name)])
+        assert args.arms == ["base", "grpo", "es", "grpo_es", "es_grpo"]
+        assert args.num_samples == 16 and args.pass_k == [1, 2, 4, 8, 16]
+        seq.es_config_kwargs(seq.load_recipe(args.es_recipe), args.es_overrides)  # the ES overrides are ESConfig keys
+    with pytest.raises(ValueError, match="arms"):
+        seq.parse_args(["--arms", "nope"])

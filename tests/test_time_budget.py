@@ -1,0 +1,42 @@
+"""trl_es.trainer.time_budget: the training clock and the learning-rate schedule laid out in time."""
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_es.trainer.time_budget import TimeScheduleCallback, TrainingClock
+
+
+def test_clock_stops_at_the_first_step_end_past_the_budget():
+    clock = TrainingClock(budget_seconds=0.2)
+    control, state = SimpleNamespace(should_training_stop=False), SimpleNamespace(global_step=0)
+    clock.on_train_begin(None, state, control)
+    while not control.should_training_stop:
+        time.sleep(0.05)
+        state.global_step += 1
+        clock.on_step_end(None, state, control)
+    assert 0.2 <= clock.training_seconds < 1.0 and clock.steps == state.global_step >= 4
+    unlimited = TrainingClock(None)
+    unlimited.on_train_begin(None, state, control := SimpleNamespace(should_training_stop=False))
+    unlimited.on_step_end(None, state, control)
+    assert not control.should_training_stop
+    with pytest.raises(ValueError, match="budget_seconds"):
+        TrainingClock(0)
+
+
+def test_time_schedule_by_hand():
+    clock = TrainingClock(100.0)
+    schedule = TimeScheduleCallback(clock, learning_rate=0.01, budget_seconds=100.0, decay_fraction=0.4)
+    assert schedule.factor(0.0) == 1.0 and schedule.factor(60.0) == 1.0  # constant for the first 60%
+    assert schedule.factor(80.0) == pytest.approx(0.5)  # halfway through the cosine: (1 + cos(pi / 2)) / 2
+    assert schedule.factor(70.0) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
+    assert schedule.factor(100.0) == pytest.approx(0.0, abs=1e-12) and schedule.factor(130.0) == pytest.approx(0.0)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+    clock.training_seconds = 80.0
+    schedule.on_step_begin(None, None, None, optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="decay_fraction"):
+        TimeScheduleCallback(clock, 0.01, 100.0, 1.5)

@@ -1,0 +1,192 @@
+"""One trained policy, measured the way the ES-vs-GRPO recipes compare arms: accuracy, pass@k, diversity, drift."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .diversity import success_diversity
+from .drift import parameter_drift
+from .entropy import TokenEntropyRecorder, mean_completion_entropy
+from .kl import off_task_kl
+from .pass_at_k import mean_pass_at_k
+
+__all__ = ["evaluate_policy", "greedy_accuracy"]
+
+
+def _scorer(reward_funcs):
+    from ..trainer.scoring import RewardScorer
+
+    return RewardScorer(list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+
+
+def greedy_accuracy(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    reward_funcs,
+    max_new_tokens: int,
+    batch_size: int = 50,
+    success_threshold: float = 0.5,
+    chat_template_kwargs: dict | None = None,
+) -> float:
+    """Greedy accuracy: the fraction of prompts whose greedy completion scores above ``success_threshold``.
+
+    A completion is correct when the **last** reward function (the task's answer reward, as ``trl-es eval`` reads it)
+    gives more than ``success_threshold``. Generation: :func:`trl_es.trainer.scoring.score_model` with the eager
+    engine and a shared prompt prefix, ``batch_size`` prompts per ``generate`` call.
+
+    Args:
+        model (`nn.Module`): The policy (a causal LM).
+        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (with a pad token).
+        rows (`Sequence[dict]`): Dataset rows (``prompt`` and the columns the reward functions read); at least one.
+        reward_funcs (`Callable | list`): TRL-style reward functions; the last one decides correctness.
+        max_new_tokens (`int`): New tokens per completion.
+        batch_size (`int`): Prompts per ``generate`` call.
+        success_threshold (`float`): Correct when the answer reward is above this.
+        chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+
+    Returns:
+        `float`: In ``[0, 1]``.
+
+    Raises:
+        ValueError: if ``rows`` is empty.
+    """
+    from ..generation import EagerEngine
+    from ..trainer.scoring import build_generation_config, score_model
+
+    if not rows:
+        raise ValueError("greedy_accuracy needs at least one row.")
+    scorer = _scorer(reward_funcs)
+    engine = EagerEngine(share_prompt_prefix=True)
+    config = build_generation_config(tokenizer, max_new_tokens)
+    correct = 0
+    for first in range(0, len(rows), batch_size):
+        out = score_model(model, tokenizer, rows[first : first + batch_size], scorer, config, 1,
+                          chat_template_kwargs, engine=engine)
+        correct += int((out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).sum())
+    return correct / len(rows)
+
+
+def evaluate_policy(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    reward_funcs,
+    max_new_tokens: int,
+    num_samples: int = 16,
+    pass_k: Sequence[int] = (1, 2, 4, 8, 16),
+    temperature: float = 1.0,
+    base_model=None,
+    off_task_prompts: Sequence | None = None,
+    kl_max_new_tokens: int = 16,
+    kl_num_samples: int = 1,
+    batch_size: int = 50,
+    sample_batch_size: int = 1,
+    seed: int = 0,
+    success_threshold: float = 0.5,
+    chat_template_kwargs: dict | None = None,
+) -> dict:
+    r"""Every figure the recipes compare arms by, for one policy on one split.
+
+    - ``accuracy_greedy``: :func:`greedy_accuracy` (greedy Pass@1).
+    - ``pass@k`` for each ``k`` in ``pass_k``: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, Sec.
+      2.1), :func:`trl_es.analysis.mean_pass_at_k`, from ``num_samples`` completions per prompt sampled at
+      ``temperature`` (no top-k / top-p truncation). ``pass@1`` is the sampled accuracy.
+    - ``js_succ``: :math:`\mathrm{JS}_{\text{succ}} = h(\bar p) - \frac{1}{P}\sum_j h(p_j)` in nats
+      (:func:`trl_es.analysis.success_diversity`, arXiv 2608.27351) over the **prompts' success rates**
+      :math:`p_j` (correct samples of prompt :math:`j` / ``num_samples``): the mutual information between which prompt
+      is asked and whether a sample succeeds. 0 when every prompt is solved equally often; at most :math:`\ln 2`,
+      when each prompt is solved always or never (a deterministic policy). The "members" of the population formula
+      are the prompts here: a single policy has no population, and its i.i.d. samples are exchangeable, so rates
+      per sample slot would only measure noise.
+    - ``token_entropy``: the mean entropy (nats) of the sampling distribution at every sampled completion token, up
+      to and including EOS (:class:`trl_es.analysis.entropy.TokenEntropyRecorder`).
+    - with ``base_model``: ``drift_l2``, ``drift_relative`` (:func:`trl_es.analysis.parameter_drift`); and with
+      ``off_task_prompts`` too: ``off_task_kl`` (:func:`trl_es.analysis.off_task_kl`: completions sampled from the
+      policy at temperature 1, ``kl_num_samples`` per prompt, ``kl_max_new_tokens`` tokens, seeded with ``seed``).
+
+    Sampling is seeded with ``seed`` inside ``torch.random.fork_rng`` (the global RNG is left as it was); a
+    completion is correct when the last reward function gives more than ``success_threshold``.
+
+    Args:
+        model (`nn.Module`): The policy.
+        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (with a pad token).
+        rows (`Sequence[dict]`): The split's rows; at least one.
+        reward_funcs (`Callable | list`): TRL-style reward functions; the last one decides correctness.
+        max_new_tokens (`int`): New tokens per completion (greedy and sampled).
+        num_samples (`int`): Sampled completions per prompt; 0 skips every sampled figure.
+        pass_k (`Sequence[int]`): The ``k`` of ``pass@k``, each in ``[1, num_samples]``.
+        temperature (`float`): Sampling temperature, ``> 0``.
+        base_model (`nn.Module`, *optional*): The model the policy was trained from (drift and KL reference).
+        off_task_prompts (`Sequence`, *optional*): Prompts outside the task, for the KL.
+        kl_max_new_tokens (`int`): New tokens per KL sample.
+        kl_num_samples (`int`): KL samples per off-task prompt.
+        batch_size (`int`): Prompts per greedy ``generate`` call.
+        sample_batch_size (`int`): Prompts per sampling ``generate`` call (``sample_batch_size * num_samples`` rows).
+            With 1 (default) the engine's shared-prefix path computes the whole prompt once for its ``num_samples``
+            rows (all rows share it but its last token), instead of once per row: about half the FLOPs on the
+            arithmetic prompts, the cheaper choice on a CPU; raise it on a GPU, where wide batches are cheap.
+        seed (`int`): Seed of the sampling.
+        success_threshold (`float`): Correct when the answer reward is above this.
+        chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+
+    Returns:
+        `dict`: ``num_prompts``, ``accuracy_greedy``; with ``num_samples > 0`` also ``num_samples``,
+        ``temperature``, ``pass@k`` per ``k``, ``js_succ``, ``token_entropy``, ``correct_per_prompt`` (list of
+        ints); with ``base_model`` ``drift_l2``, ``drift_relative``, and with ``off_task_prompts`` ``off_task_kl``.
+
+    Raises:
+        ValueError: if ``rows`` is empty, ``num_samples < 0``, a ``k`` is outside ``[1, num_samples]``, or
+            ``temperature <= 0`` with ``num_samples > 0``.
+    """
+    from ..generation import EagerEngine
+    from ..trainer.scoring import build_generation_config, score_model
+
+    if not rows:
+        raise ValueError("evaluate_policy needs at least one row.")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+        raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}.")
+    if num_samples and any(not 1 <= k <= num_samples for k in pass_k):
+        raise ValueError(f"every pass_k value must be in [1, num_samples={num_samples}], got {list(pass_k)}.")
+    if num_samples and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
+    rows = list(rows)
+    report = {"num_prompts": len(rows)}
+    report["accuracy_greedy"] = greedy_accuracy(model, tokenizer, rows, reward_funcs, max_new_tokens, batch_size,
+                                                success_threshold, chat_template_kwargs)
+    if num_samples:
+        scorer = _scorer(reward_funcs)
+        engine = EagerEngine(share_prompt_prefix=True)
+        config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature)
+        recorder = TokenEntropyRecorder(temperature)
+        correct, entropy_sum, entropy_tokens = [], 0.0, 0
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for first in range(0, len(rows), sample_batch_size):
+                chunk = rows[first : first + sample_batch_size]
+                recorder.reset()
+                out = score_model(model, tokenizer, chunk, scorer, config, num_samples, chat_template_kwargs,
+                                  engine=engine, logits_processor=[recorder])
+                ok = (out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).view(len(chunk), num_samples)
+                correct.extend(int(c) for c in ok.sum(dim=1))
+                entropy = mean_completion_entropy(recorder, out["completion_ids"])
+                entropy_sum += entropy["sum"]
+                entropy_tokens += entropy["num_tokens"]
+        report.update(num_samples=num_samples, temperature=float(temperature))
+        for k in sorted(set(pass_k)):
+            report[f"pass@{k}"] = mean_pass_at_k(num_samples, correct, k)
+        report["js_succ"] = success_diversity([c / num_samples for c in correct])
+        report["token_entropy"] = entropy_sum / entropy_tokens if entropy_tokens else math.nan
+        report["correct_per_prompt"] = correct
+    if base_model is not None:
+        drift = parameter_drift(model, base_model, per_group=False)
+        report["drift_l2"], report["drift_relative"] = drift["l2"], drift["relative"]
+        if off_task_prompts:
+            kl = off_task_kl(model, base_model, tokenizer, list(off_task_prompts), max_new_tokens=kl_max_new_tokens,
+                             num_samples=kl_num_samples, seed=seed)
+            report["off_task_kl"] = kl["kl"]
+    return report

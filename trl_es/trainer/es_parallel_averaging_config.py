@@ -1,0 +1,68 @@
+"""ESParallelAveragingConfig: the configuration of ESParallelAveragingTrainer (ES and SFT updates averaged)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .es_config import ESConfig
+from .sft_step import check_averaging_fields
+
+
+@dataclass
+class ESParallelAveragingConfig(ESConfig):
+    r"""
+    Configuration class for [`ESParallelAveragingTrainer`]: the parallel-averaging rule of *RL Excursions during
+    Pre-Training* (arXiv 2606.04272) with an ES update in place of the RL update. Per ES iteration, from the snapshot
+    :math:`\bar\theta`:
+
+    .. math::
+        \theta \leftarrow \bar\theta + w_{\mathrm{ES}}\,\Delta_{\mathrm{ES}} + w_{\mathrm{SFT}}\,\Delta_{\mathrm{SFT}},
+
+    where :math:`w_{\mathrm{ES}}\Delta_{\mathrm{ES}}` is the ES step (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1,
+    plus AWD if ``awd_lambda > 0``) taken with the learning rate :math:`w_{\mathrm{ES}}\,\alpha` (the seed log records
+    that learning rate), and :math:`\Delta_{\mathrm{SFT}}` is one step of a separate torch optimizer on the SFT loss of
+    an SFT batch at :math:`\bar\theta`.
+
+    Every [`ESConfig`] field configures ES as in ``ESTrainer``. The SFT optimizer is ``optim`` with its keyword
+    arguments (AdamW by default), the ``lr_scheduler_type`` schedule, at ``sft_learning_rate``. It needs
+    ``es_optimizer="es"``.
+    """
+
+    es_weight: float = field(
+        default=0.5,
+        metadata={"help": "w_ES, the weight of the ES update: the ES step is taken with learning rate w_ES * alpha "
+                  "(recorded in the seed log). Default 1/2, as the RL weight of arXiv 2606.04272."},
+    )
+    sft_weight: float = field(
+        default=0.5,
+        metadata={"help": "w_SFT, the weight of the SFT update Delta_SFT. Default 1/2 (arXiv 2606.04272)."},
+    )
+    sft_learning_rate: float = field(
+        default=1e-5,
+        metadata={"help": "Learning rate of the SFT optimizer (learning_rate is ES's alpha). Default 1e-5, the GRPO "
+                  "learning rate of examples/scripts/compare_es_grpo.py."},
+    )
+    sft_per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "SFT examples (prompt + target completion) per ES iteration. Ours."}
+    )
+    sft_max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Tokens per SFT example, truncated beyond; None = no truncation. Default 1024, SFTConfig's."},
+    )
+    sft_completion_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "SFT loss on completion tokens only. None (default): SFTTrainer's default, True for "
+                  "prompt-completion data."},
+    )
+    sft_max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "Clip the SFT gradient to this norm (0 = no clipping). Default 1.0, TrainingArguments' "
+                  "(ESConfig's max_grad_norm is 0: the ES update has no gradient to clip)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.es_optimizer != "es":
+            raise ValueError(f"es_optimizer must be 'es' for ES + SFT parallel averaging, got {self.es_optimizer!r}: "
+                             "the ES step must be applied before the SFT step of the same iteration.")
+        check_averaging_fields(self, "es_weight")

@@ -1,0 +1,219 @@
+"""ParallelAveragingTrainer: TRL's GRPOTrainer, with an SFT update averaged into every optimizer step."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from .parallel_averaging_config import ParallelAveragingConfig
+from .sft_step import SFT_STATE_NAME, SFTStep, sft_config_from
+
+__all__ = ["ParallelAveragingTrainer", "average_updates_"]
+
+
+@torch.no_grad()
+def average_updates_(
+    params: list[torch.Tensor], theta_bar: list[torch.Tensor], theta_a: list[torch.Tensor], weight_a: float,
+    weight_b: float,
+) -> None:
+    r"""Parallel averaging of two updates from one snapshot (arXiv 2606.04272), in place:
+
+    .. math:: \theta \leftarrow \bar\theta + w_a (\theta_a - \bar\theta) + w_b (\theta_b - \bar\theta),
+
+    where :math:`\theta_b` is what ``params`` hold on entry (the second update applied to :math:`\bar\theta`). Computed
+    per tensor in float32, exactly as the expression reads (``bar + w_a * (a - bar) + w_b * (b - bar)``, left to
+    right), then cast to the parameter's dtype.
+
+    Args:
+        params (`list[torch.Tensor]`): The parameters, holding :math:`\theta_b`; overwritten with the average.
+        theta_bar (`list[torch.Tensor]`): The snapshot :math:`\bar\theta`, same shapes.
+        theta_a (`list[torch.Tensor]`): :math:`\theta_a = \bar\theta + \Delta_a`, same shapes.
+        weight_a (`float`): :math:`w_a`.
+        weight_b (`float`): :math:`w_b`.
+
+    Raises:
+        ValueError: if the lists differ in length.
+    """
+    if not len(params) == len(theta_bar) == len(theta_a):
+        raise ValueError(f"average_updates_ needs lists of one length, got {len(params)}, {len(theta_bar)}, "
+                         f"{len(theta_a)}.")
+    for p, bar, a in zip(params, theta_bar, theta_a):
+        bar32, a32, b32 = bar.float(), a.float(), p.float()
+        p.copy_(bar32 + weight_a * (a32 - bar32) + weight_b * (b32 - bar32))
+
+
+class _AverageAroundOptimizerStep(TrainerCallback):
+    """Snapshot theta_bar before the RL optimizer steps; after it, take the SFT step from theta_bar and average."""
+
+    def __init__(self, trainer: ParallelAveragingTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.sft_step.create_scheduler(state.max_steps)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._snapshot_theta_bar()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._average_with_sft_step()
+
+
+class ParallelAveragingTrainer(GRPOTrainer):
+    r"""GRPO and SFT updates averaged in parallel at every step (*RL Excursions during Pre-Training*, Bansal, Mohri,
+    Qin, Alvarez-Melis, Kakade 2026, arXiv 2606.04272):
+
+    .. math::
+        \theta \leftarrow \bar\theta + w_{\mathrm{RL}}\,\Delta_{\mathrm{RL}} + w_{\mathrm{SFT}}\,\Delta_{\mathrm{SFT}},
+        \qquad (w_{\mathrm{RL}}, w_{\mathrm{SFT}}) = (1/2, 1/2) \text{ by default}.
+
+    The RL update is ``GRPOTrainer``'s own: its loss on its RL batch, backpropagated, clipped and stepped by the
+    Trainer's optimizer, unchanged. Around that optimizer step (transformers' ``on_pre_optimizer_step`` /
+    ``on_optimizer_step`` callback events) this trainer
+
+    1. snapshots :math:`\bar\theta` (the weights the RL gradient was computed at) just before the step;
+    2. after it, takes :math:`\theta_{\mathrm{RL}} = \bar\theta + \Delta_{\mathrm{RL}}` and restores
+       :math:`\bar\theta`;
+    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.sft_step.SFTStep`: ``trl.SFTTrainer``'s
+       data processing and loss on an SFT batch, through a **separate** optimizer of the same class and keyword
+       arguments, with its own moment estimates): :math:`\theta_{\mathrm{SFT}} = \bar\theta + \Delta_{\mathrm{SFT}}`;
+    4. writes the average (:func:`average_updates_`).
+
+    Both updates are taken at :math:`\bar\theta`, each optimizer sees only its own gradients, and every trainable
+    parameter is averaged. Logged per step (averaged over ``logging_steps``): ``sft/loss``, ``sft/grad_norm``,
+    ``sft/learning_rate``, ``sft/mean_token_accuracy``, ``sft/entropy``, ``update_norm/rl`` and ``update_norm/sft``
+    (:math:`\|\Delta_{\mathrm{RL}}\|_2`, :math:`\|\Delta_{\mathrm{SFT}}\|_2`). Checkpoints also hold the SFT
+    optimizer and scheduler (``sft_optimizer.pt``); the SFT batches depend on the step index only, so a resumed run
+    takes the same SFT batches.
+
+    One process only (no DDP, DeepSpeed or FSDP): the SFT step runs outside the Trainer's distributed wrapping.
+
+    Args:
+        model (`str` or `PreTrainedModel`): As ``trl.GRPOTrainer``.
+        reward_funcs (`Callable | list`): As ``trl.GRPOTrainer``.
+        args (`ParallelAveragingConfig`, *optional*): GRPOConfig's fields plus the averaging and ``sft_*`` fields.
+        train_dataset (`datasets.Dataset`): The RL prompts, as ``trl.GRPOTrainer``.
+        sft_dataset (`datasets.Dataset`): The SFT data, in a format ``trl.SFTTrainer`` accepts (e.g. conversational
+            prompt-completion rows: :func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`).
+        eval_dataset (`datasets.Dataset`, *optional*): As ``trl.GRPOTrainer``.
+        processing_class (`PreTrainedTokenizerBase`, *optional*): As ``trl.GRPOTrainer``; the SFT side uses it too.
+        reward_processing_classes (*optional*): As ``trl.GRPOTrainer``.
+        callbacks (`list[TrainerCallback]`, *optional*): As ``trl.GRPOTrainer``.
+        optimizers (`tuple`, *optional*): The RL side's ``(optimizer, scheduler)``, as ``trl.GRPOTrainer``.
+        peft_config (`peft.PeftConfig`, *optional*): As ``trl.GRPOTrainer``.
+
+    Raises:
+        ValueError: without ``sft_dataset``, with several processes, or under DeepSpeed / FSDP.
+        TypeError: if ``args`` is not a :class:`ParallelAveragingConfig`.
+    """
+
+    _tag_names = ["trl", "grpo", "sft", "parallel-averaging"]
+    _name = "Parallel averaging (GRPO + SFT)"
+    _paper = {
+        "title": "RL Excursions during Pre-Training: Re-examining Policy Optimization for LLM training",
+        "id": "2606.04272",
+        "citation": textwrap.dedent("""\
+            @article{bansal2026rlexcursions,
+                title   = {{RL Excursions during Pre-Training: Re-examining Policy Optimization for LLM training}},
+                author  = {Rachit Bansal and Clara Mohri and Tian Qin and David Alvarez-Melis and Sham Kakade},
+                year    = 2026,
+                eprint  = {arXiv:2606.04272}
+            }"""),
+    }
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: ParallelAveragingConfig | None = None,
+        train_dataset=None,
+        sft_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = ParallelAveragingConfig(f"{name.split('/')[-1]}-ParallelAveraging")
+        if not isinstance(args, ParallelAveragingConfig):
+            raise TypeError(f"args must be a ParallelAveragingConfig, got {type(args).__name__}.")
+        if sft_dataset is None:
+            raise ValueError("ParallelAveragingTrainer needs an sft_dataset (the SFT side's data).")
+        super().__init__(
+            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
+        )
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ParallelAveragingTrainer runs in one process, without DeepSpeed or FSDP: its SFT step "
+                             "runs outside the Trainer's distributed wrapping.")
+        sft_args = sft_config_from(
+            args,
+            learning_rate=args.sft_learning_rate or args.learning_rate,
+            per_device_train_batch_size=args.sft_per_device_train_batch_size,
+            max_length=args.sft_max_length,
+            completion_only_loss=args.sft_completion_only_loss,
+            max_grad_norm=args.max_grad_norm if args.sft_max_grad_norm is None else args.sft_max_grad_norm,
+        )
+        self.sft_step = SFTStep(self.accelerator.unwrap_model(self.model), self.processing_class, sft_dataset,
+                                sft_args)
+        self._theta_bar: list[torch.Tensor] | None = None
+        self.add_callback(_AverageAroundOptimizerStep(self))
+
+    def _averaged_parameters(self) -> list[torch.Tensor]:
+        """Every trainable parameter of the (unwrapped) model, tied weights once."""
+        return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _snapshot_theta_bar(self) -> None:
+        self._theta_bar = [p.detach().clone() for p in self._averaged_parameters()]
+
+    def _average_with_sft_step(self) -> None:
+        """After the RL optimizer step: restore theta_bar, take the SFT step, write the weighted average."""
+        if self._theta_bar is None:
+            raise RuntimeError("The RL optimizer stepped without a theta_bar snapshot (on_pre_optimizer_step).")
+        params, theta_bar = self._averaged_parameters(), self._theta_bar
+        with torch.no_grad():
+            theta_rl = [p.detach().clone() for p in params]
+            for p, bar in zip(params, theta_bar):
+                p.copy_(bar)
+        sft_metrics = self.sft_step.step(self.state.global_step)
+        with torch.no_grad():
+            rl_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm((a.float() - b.float()), dtype=torch.float64)
+                             for a, b in zip(theta_rl, theta_bar)]))
+            sft_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm((p.float() - b.float()), dtype=torch.float64)
+                             for p, b in zip(params, theta_bar)]))
+            average_updates_(params, theta_bar, theta_rl, self.args.rl_weight, self.args.sft_weight)
+        self._theta_bar = None
+        metrics = self._metrics["train"]
+        for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy"):
+            if key in sft_metrics:
+                metrics[f"sft/{key}"].append(sft_metrics[key])
+        metrics["update_norm/rl"].append(float(rl_norm))
+        metrics["update_norm/sft"].append(float(sft_norm))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.sft_step.state_dict(), os.path.join(output_dir, SFT_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, SFT_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"Cannot resume ParallelAveragingTrainer from {checkpoint!r}: no {SFT_STATE_NAME} (the "
+                             "SFT optimizer's state).")
+        self.sft_step.create_scheduler(self.state.max_steps)
+        self.sft_step.load_state_dict(torch.load(path, weights_only=True))

@@ -1,0 +1,265 @@
+"""The SFT side of parallel averaging: TRL's SFTTrainer, driven one optimizer step at a time on a shared model.
+
+:class:`SFTStep` builds a ``trl.SFTTrainer`` over the model another trainer (GRPO or ES) is training, for its data
+pipeline (tokenization of prompt-completion rows with the chat template, completion-only labels, its collator) and
+its loss (``SFTTrainer.compute_loss``, through ``SFTTrainer.training_step``). It owns a **separate** torch optimizer
+(the SFTTrainer's optimizer class and keyword arguments, AdamW by default) and learning-rate scheduler, so its
+moment estimates never mix with the other trainer's. The other trainer decides when an SFT step happens
+(:class:`~trl_es.trainer.parallel_averaging_trainer.ParallelAveragingTrainer`,
+:class:`~trl_es.trainer.es_parallel_averaging_trainer.ESParallelAveragingTrainer`).
+
+Both trainers patch ``model.forward`` with TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), each with
+its own settings (GRPO's temperature, the SFT metrics). :class:`SFTStep` keeps the SFT patch aside and installs it
+only for its own forward, so the host trainer's forward is never changed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from transformers import Trainer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+__all__ = ["SFT_STATE_NAME", "SFTStep", "check_averaging_fields", "sft_config_from"]
+
+#: File of a checkpoint holding the SFT side's optimizer and scheduler states.
+SFT_STATE_NAME = "sft_optimizer.pt"
+
+#: TrainingArguments fields the SFT side copies from the host trainer's config: the optimizer class and its
+#: keyword arguments, the schedule, precision, device, seed (so "its own optimizer" is otherwise the same optimizer).
+HOST_FIELDS = (
+    "optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "warmup_steps", "bf16", "fp16", "use_cpu", "seed", "gradient_accumulation_steps",
+    "activation_checkpointing", "activation_checkpointing_kwargs",
+)
+_MISSING = object()
+
+
+def check_averaging_fields(config: TrainingArguments, update_weight_name: str) -> None:
+    """Validate the parallel-averaging fields shared by :class:`ParallelAveragingConfig` and
+    :class:`ESParallelAveragingConfig`: the two weights and the ``sft_*`` settings.
+
+    Args:
+        config (`TrainingArguments`): The config (with ``sft_weight``, ``sft_learning_rate``,
+            ``sft_per_device_train_batch_size``,
+            ``sft_max_length``, ``sft_max_grad_norm``).
+        update_weight_name (`str`): The name of the other update's weight field (``"rl_weight"`` or ``"es_weight"``).
+
+    Raises:
+        ValueError: naming the field: a weight that is not a finite number >= 0, both weights 0, a learning rate
+            <= 0, a batch size or maximum length < 1, a negative clipping norm.
+    """
+    import math
+
+    for name in (update_weight_name, "sft_weight"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    if getattr(config, update_weight_name) == 0 and config.sft_weight == 0:
+        raise ValueError(f"{update_weight_name} and sft_weight are both 0: no update would remain.")
+    if config.sft_learning_rate is not None and not config.sft_learning_rate > 0:
+        raise ValueError(f"sft_learning_rate must be > 0, got {config.sft_learning_rate}.")
+    batch = config.sft_per_device_train_batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"sft_per_device_train_batch_size must be an integer >= 1, got {batch!r}.")
+    if config.sft_max_length is not None and config.sft_max_length < 1:
+        raise ValueError(f"sft_max_length must be None or >= 1, got {config.sft_max_length}.")
+    if config.sft_max_grad_norm is not None and config.sft_max_grad_norm < 0:
+        raise ValueError(f"sft_max_grad_norm must be None or >= 0, got {config.sft_max_grad_norm}.")
+
+
+def sft_config_from(
+    host: TrainingArguments,
+    learning_rate: float,
+    per_device_train_batch_size: int,
+    max_length: int | None,
+    completion_only_loss: bool | None,
+    max_grad_norm: float,
+) -> SFTConfig:
+    """The ``trl.SFTConfig`` of the SFT side: the host's optimizer and schedule settings (:data:`HOST_FIELDS`), the
+    given SFT settings, and no logging, saving or reporting of its own (the host trainer logs and saves).
+
+    Args:
+        host (`TrainingArguments`): The host trainer's config (a ``GRPOConfig`` or an ``ESConfig``).
+        learning_rate (`float`): The SFT optimizer's learning rate.
+        per_device_train_batch_size (`int`): SFT examples per step.
+        max_length (`int` or `None`): Tokens per SFT example (prompt + completion), truncated beyond.
+        completion_only_loss (`bool` or `None`): Loss on completion tokens only (``None``: SFTTrainer's default,
+            True for prompt-completion data).
+        max_grad_norm (`float`): Clip the SFT gradient to this norm (0 = no clipping).
+
+    Returns:
+        (`trl.SFTConfig`): The SFT side's configuration.
+    """
+    kwargs = {name: getattr(host, name) for name in HOST_FIELDS}
+    if kwargs["lr_scheduler_kwargs"] is None:
+        kwargs["lr_scheduler_kwargs"] = {}
+    return SFTConfig(
+        output_dir=os.path.join(host.output_dir, "sft"),
+        learning_rate=learning_rate,
+        per_device_train_batch_size=per_device_train_batch_size,
+        max_length=max_length,
+        completion_only_loss=completion_only_loss,
+        max_grad_norm=max_grad_norm,
+        max_steps=host.max_steps,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        **kwargs,
+    )
+
+
+class SFTStep:
+    """One supervised fine-tuning step at a time, with TRL's SFTTrainer data pipeline and loss and its own optimizer.
+
+    ``step(t)`` takes SFT batch ``t`` (a fixed function of ``t`` and the seed: epoch ``e = t // B`` is the permutation
+    ``torch.randperm(n, generator=Generator().manual_seed(seed + e))`` cut into ``B = n // batch_size`` batches, the
+    last incomplete one dropped), computes ``SFTTrainer.compute_loss`` (the mean negative log-likelihood of the
+    completion tokens: TRL's ``"nll"`` loss) at the model's current weights, backpropagates, clips the gradient to
+    ``max_grad_norm``, and steps its optimizer and scheduler. So a resumed run gets the same batches, and two
+    ``SFTStep`` objects built alike take the same step from the same weights.
+
+    Args:
+        model (`PreTrainedModel`): The model (shared with the host trainer; not copied).
+        processing_class (`PreTrainedTokenizerBase`): Its tokenizer (with a chat template for conversational data).
+        train_dataset (`datasets.Dataset`): Prompt-completion rows in TRL's format (e.g.
+            :func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`), or any dataset SFTTrainer accepts.
+        args (`trl.SFTConfig`): See :func:`sft_config_from`.
+        num_training_steps (`int`, *optional*): Length of the learning-rate schedule (the host's ``max_steps``);
+            if ``None``, call :meth:`create_scheduler` before the first step (the host does, once it knows its
+            number of steps).
+        targets (`list[tuple[torch.Tensor, torch.Tensor]]`, *optional*): ``(model parameter, optimized tensor)``
+            pairs. If given, the optimizer owns the second tensors (e.g. ES's fp32 master copies) and the parameter
+            gradients are copied to them (cast to their dtype) before each step; parameters not listed get no update.
+            If ``None``, the optimizer is ``SFTTrainer.create_optimizer()``: every trainable parameter of the model,
+            with the Trainer's weight-decay groups.
+
+    Attributes:
+        trainer (`trl.SFTTrainer`): The SFT trainer (data, collator, loss, metrics); it never runs ``train()``.
+        optimizer (`torch.optim.Optimizer`): The SFT side's own optimizer.
+        lr_scheduler: Its scheduler.
+
+    Raises:
+        ValueError: if the dataset holds fewer examples than one batch after SFTTrainer's preparation.
+    """
+
+    def __init__(self, model, processing_class, train_dataset, args, num_training_steps: int | None = None,
+                 targets=None):
+        from accelerate.utils import is_peft_model
+
+        self.model = model
+        patched = model.get_base_model() if is_peft_model(model) else model  # where add_fused_lm_head writes
+        host_forward = patched.__dict__.get("forward", _MISSING)
+        self.trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
+                                  processing_class=processing_class)
+        self._patched = patched
+        self._sft_forward = patched.__dict__.get("forward", _MISSING)
+        self._restore_forward(host_forward)
+        self.dataset = self.trainer.train_dataset  # tokenized, with completion-only labels
+        self.batch_size = args.per_device_train_batch_size
+        self.seed = args.seed
+        self.max_grad_norm = args.max_grad_norm
+        self.batches_per_epoch = len(self.dataset) // self.batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"The SFT dataset holds {len(self.dataset)} examples, fewer than one batch of "
+                             f"{self.batch_size} (sft_per_device_train_batch_size).")
+        self._epoch, self._order = None, None
+        self.targets = list(targets) if targets is not None else None
+        if self.targets is None:
+            self.optimizer = self.trainer.create_optimizer()
+        else:
+            optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+            groups = [{"params": [t for _, t in self.targets], "weight_decay": args.weight_decay}]
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+            self.trainer.optimizer = self.optimizer
+        self.lr_scheduler = None
+        if num_training_steps is not None:
+            self.create_scheduler(num_training_steps)
+        self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, read by training_step
+
+    def create_scheduler(self, num_training_steps: int):
+        """The SFT optimizer's scheduler (``SFTTrainer.create_scheduler``: the config's type, warmup and kwargs over
+        ``num_training_steps``); created once, later calls return it."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = self.trainer.create_scheduler(num_training_steps, optimizer=self.optimizer)
+        return self.lr_scheduler
+
+    def _restore_forward(self, forward) -> None:
+        if forward is _MISSING:
+            self._patched.__dict__.pop("forward", None)
+        else:
+            self._patched.forward = forward
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The dataset rows of SFT batch ``step`` (see the class doc)."""
+        epoch, position = divmod(int(step), self.batches_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._order = torch.randperm(len(self.dataset), generator=generator).tolist()
+            self._epoch = epoch
+        return self._order[position * self.batch_size : (position + 1) * self.batch_size]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The tensors the SFT optimizer updates."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def step(self, step: int) -> dict[str, float]:
+        """Take SFT step ``step`` at the model's current weights.
+
+        Any gradient already held by the model's parameters is dropped first (the host trainer's optimizer has
+        stepped by then); gradients are set to ``None`` afterwards. The model's train/eval mode is restored.
+
+        Returns:
+            `dict[str, float]`: ``loss`` (the SFT loss before the step), ``grad_norm`` (before clipping),
+            ``learning_rate`` (the one used), and SFTTrainer's metrics of the batch (``entropy``,
+            ``mean_token_accuracy``, ``num_tokens``).
+        """
+        if self.lr_scheduler is None:
+            raise RuntimeError("SFTStep.step() before create_scheduler(num_training_steps).")
+        model = self.model
+        batch = self.trainer.data_collator([self.dataset[i] for i in self.batch_indices(step)])
+        model.zero_grad(set_to_none=True)
+        for tensor in self.parameters():
+            tensor.grad = None
+        was_training = model.training
+        host_forward = self._patched.__dict__.get("forward", _MISSING)  # whatever the host runs with now
+        self._restore_forward(self._sft_forward)
+        try:
+            with torch.enable_grad():
+                loss = self.trainer.training_step(model, batch)  # SFTTrainer.compute_loss, then backward
+        finally:
+            self._restore_forward(host_forward)
+            model.train(was_training)
+        if self.targets is not None:
+            for param, target in self.targets:
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                target.grad = grad.detach().to(dtype=target.dtype).reshape(target.shape)
+        params = self.parameters()
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "learning_rate": learning_rate}
+        for key, values in self.trainer._metrics["train"].items():
+            if values:
+                metrics[key] = float(sum(values) / len(values))
+        self.trainer._metrics["train"] = defaultdict(list)
+        return metrics
+
+    def state_dict(self) -> dict:
+        """The optimizer's and the scheduler's states (the batch order depends on the step index only)."""
+        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (to resume)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,0 +1,110 @@
+"""Training under a wall-clock budget: a clock that stops the Trainer, and a learning-rate schedule laid out in time.
+
+Both are ``transformers.TrainerCallback``s, for any trainer (``ESTrainer``, TRL's ``GRPOTrainer``, ...). Comparing
+methods "at the same wall-clock budget of training" needs a clock that every method reads the same way:
+:class:`TrainingClock` starts at ``on_train_begin`` (after model loading and trainer construction) and is checked at
+every step end; with several processes it is the slowest process's clock (a ``torch.distributed`` max), so all of
+them stop at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from transformers import TrainerCallback
+
+__all__ = ["TimeScheduleCallback", "TrainingClock"]
+
+
+def _max_over_processes(value: float) -> float:
+    """``value`` maximized over the ``torch.distributed`` processes (itself without a process group)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+class TrainingClock(TrainerCallback):
+    """Measures training wall-clock time and stops training once it reaches ``budget_seconds``.
+
+    The clock starts at ``on_train_begin`` and is read at every ``on_step_end``; the step that reaches the budget is
+    the last one (so a run overshoots by less than one step). Several processes agree on the clock (the maximum).
+
+    Args:
+        budget_seconds (`float` or `None`): Stop once this much training time has passed; ``None`` = never (the
+            trainer's ``max_steps`` ends the run, the clock only measures).
+
+    Attributes:
+        training_seconds (`float`): Training time up to the last step end.
+        steps (`int`): Steps done (``state.global_step`` at the last step end).
+
+    Raises:
+        ValueError: if ``budget_seconds`` is not ``None`` and not ``> 0``.
+    """
+
+    def __init__(self, budget_seconds: float | None = None):
+        if budget_seconds is not None and not budget_seconds > 0:
+            raise ValueError(f"budget_seconds must be > 0 or None, got {budget_seconds}.")
+        self.budget_seconds = budget_seconds
+        self.training_seconds = 0.0
+        self.steps = 0
+        self._start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.training_seconds = _max_over_processes(time.monotonic() - self._start)
+        self.steps = state.global_step
+        if self.budget_seconds is not None and self.training_seconds >= self.budget_seconds:
+            control.should_training_stop = True
+
+
+class TimeScheduleCallback(TrainerCallback):
+    """A learning-rate schedule laid out over a wall-clock budget: ``learning_rate`` until
+    ``(1 - decay_fraction) * budget_seconds`` of training time, then a cosine decay to 0 at the budget
+    (warmup-stable-decay in time instead of steps, without warmup).
+
+    At every step begin it sets every optimizer group's ``lr`` (overriding the Trainer's scheduler, which should be
+    ``"constant"``) from ``clock.training_seconds``. ``ESTrainer`` reads its ES step size ``alpha`` from the same
+    optimizer group, so this schedules ES too.
+
+    Args:
+        clock (`TrainingClock`): The run's clock.
+        learning_rate (`float`): The constant part's learning rate.
+        budget_seconds (`float`): The budget the schedule ends at, ``> 0``.
+        decay_fraction (`float`): The last part of the budget the cosine decay spans, in ``[0, 1]``.
+
+    Raises:
+        ValueError: for ``decay_fraction`` outside ``[0, 1]`` or ``budget_seconds <= 0``.
+    """
+
+    def __init__(self, clock: TrainingClock, learning_rate: float, budget_seconds: float, decay_fraction: float):
+        if not 0 <= decay_fraction <= 1:
+            raise ValueError(f"decay_fraction must be in [0, 1], got {decay_fraction}.")
+        if not budget_seconds > 0:
+            raise ValueError(f"budget_seconds must be > 0, got {budget_seconds}.")
+        self.clock, self.learning_rate = clock, float(learning_rate)
+        self.budget_seconds, self.decay_fraction = float(budget_seconds), float(decay_fraction)
+
+    def factor(self, seconds: float) -> float:
+        """The learning-rate multiplier after ``seconds`` of training: 1, then ``(1 + cos(pi * progress)) / 2``."""
+        start = (1.0 - self.decay_fraction) * self.budget_seconds
+        if seconds <= start or self.decay_fraction == 0:
+            return 1.0
+        progress = min(1.0, (seconds - start) / (self.budget_seconds - start))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is None:
+            return
+        learning_rate = self.learning_rate * self.factor(self.clock.training_seconds)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
