@@ -188,12 +188,45 @@ def test_zero3_resume_equals_uninterrupted(zero3_run, tmp_path, tiny_model_dir):
 
 
 @pytest.mark.distributed
-def test_zero3_checkpoint_is_refused_by_one_process(zero3_run, tmp_path, tiny_model_dir):
-    """A ZeRO-3 checkpoint's fp32 master lives in per-process shards: resuming it with one process would lose it, so
-    it is refused before any work, naming the launch it needs."""
+def test_zero3_checkpoint_resumes_in_one_process(zero3_run, tmp_path, tiny_model_dir):
+    """The ZeRO-3 checkpoint's fp32 master lives in 2 per-process shards; one process reassembles its elements (all of
+    them) and ends bitwise where the uninterrupted 2-process run ends."""
     out, _ = zero3_run
-    with pytest.raises(ValueError, match="2 processes"):
-        run_here(tmp_path, tiny_model_dir, dtype="bfloat16", resume_from=str(out / "checkpoint-1"))
+    _, result = run_here(tmp_path, tiny_model_dir, dtype="bfloat16", resume_from=str(out / "checkpoint-1"))
+    assert result["steps_run"] == [2]
+    assert_bitwise(weights(tmp_path / "model"), weights(out / "model"))
+    assert seed_log(tmp_path) == seed_log(out)
+
+
+def test_read_flat_ranges_from_any_number_of_shards(tmp_path):
+    """Master/anchor shards written by W processes are read back by a process of any other partitioning."""
+    from safetensors.torch import save_file
+
+    from trl_es.trainer.distributed import read_flat_ranges
+
+    full = {"a": torch.arange(10, dtype=torch.float32), "b": torch.arange(7, dtype=torch.float32) + 100}
+    for world in (2, 3):
+        folder = tmp_path / f"w{world}"
+        folder.mkdir()
+        for rank in range(world):
+            tensors, metadata = {}, {}
+            for name, t in full.items():
+                size = -(-t.numel() // world)
+                start = min(rank * size, t.numel())
+                length = max(0, min(size, t.numel() - start))
+                tensors[name] = t[start : start + length].clone()
+                metadata[name] = f"{start},{length},{t.numel()}"
+            save_file(tensors, folder / f"es_master.rank{rank:05d}-of-{world:05d}.safetensors", metadata)
+        for layout in ({"a": (0, 10), "b": (0, 7)}, {"a": (3, 4), "b": (5, 2)}):
+            got = read_flat_ranges(str(folder), "es_master.safetensors", layout)
+            for name, (start, length) in layout.items():
+                assert torch.equal(got[name], full[name][start : start + length]), (world, name)
+    (tmp_path / "w2" / "es_master.rank00001-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        read_flat_ranges(str(tmp_path / "w2"), "es_master.safetensors", {"a": (0, 10)})
+    save_file(full, tmp_path / "es_master.safetensors")  # one whole file
+    assert torch.equal(read_flat_ranges(str(tmp_path), "es_master.safetensors", {"a": (2, 3)})["a"], full["a"][2:5])
+    assert read_flat_ranges(str(tmp_path / "w3"), "es_anchor.safetensors", {"a": (0, 1)}) is None
 
 
 @pytest.mark.distributed

@@ -483,3 +483,30 @@ def test_file_anchor_reads_partitions(tmp_path):
     assert isinstance(anchor, FileAnchor) and torch.equal(anchor["w"], local)
     with pytest.raises(ValueError, match="anchor_storage must be one of"):
         make_anchor(params, "disk")
+
+
+def test_invalid_members_stay_below_ulp_tied_valid_ones_and_outliers_merge_nothing():
+    # valid members equal up to one ulp, one NaN: the NaN member is still ranked strictly worst
+    tied = torch.tensor([1 / 3, 1 / 3, 1 / 3 + 5.551115123125783e-17, float("nan")], dtype=torch.float64)
+    for method in ("zscore", "centered_rank"):
+        z = shape_fitness(tied, method)
+        assert z[3] < 0 and z[0] == z[1] == z[2] > 0, method
+    # a huge value elsewhere in the population does not merge real small differences
+    ranks = shape_fitness(torch.tensor([0.1, 0.2, 0.3, 0.4, 1e17], dtype=torch.float64), "centered_rank")
+    assert ranks.tolist() == [-0.5, -0.25, 0.0, 0.25, 0.5]
+    # the gap below the worst member survives any magnitude
+    big = shape_fitness(torch.tensor([3e15, 3e15, float("inf")], dtype=torch.float64), "centered_rank")
+    assert big[2] < big[0] == big[1]
+
+
+def test_file_anchor_refuses_a_file_that_changed(tmp_path):
+    model = same_shape_model()
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    anchor = make_anchor(TrainedParameters(select_parameters(model)), "file", [path])
+    assert torch.equal(anchor["0.weight"], model[0].weight.detach())
+    memory = anchor.materialize()
+    assert isinstance(memory, MemoryAnchor) and torch.equal(memory["0.weight"], model[0].weight.detach())
+    save_file({k: v.contiguous() + 1 for k, v in model.state_dict().items()}, path)  # overwritten with other values
+    with pytest.raises(ValueError, match="changed after training started"):
+        anchor["0.weight"]

@@ -539,3 +539,47 @@ def test_lean_memory_holds_no_table_and_no_resident_anchor(tmp_path, tokenizer):
                                                                          awd_lambda=1.0),
                         train_dataset=prompts(), processing_class=tokenizer)
     assert awd.anchor is not None
+
+
+def test_saving_into_the_base_model_folder_keeps_theta_0(tmp_path, tokenizer, tiny_model_dir):
+    """The default anchor reads theta_0 from the model's own file; saving the trained model over that file first
+    moves theta_0 into memory, so drift and AWD still measure from the initial weights."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.es.anchor import FileAnchor, MemoryAnchor
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    base = snapshot(model)
+    trainer = ESTrainer(model, mean_code, args=es_args(tmp_path, output_dir=str(folder), max_steps=1, sigma=0.1,
+                                                      learning_rate=0.1),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    assert isinstance(trainer.anchor, FileAnchor)
+    trainer.train()
+    trainer.save_model()  # into the folder theta_0 was read from
+    assert isinstance(trainer.anchor, MemoryAnchor)
+    assert all(torch.equal(trainer.anchor[n], base[n]) for n in trainer.es_params.names)
+    assert trainer._parameter_drift()["drift/l2"] > 0
+
+
+def test_weighted_rewards_do_not_overflow(tmp_path, tokenizer):
+    from trl_es.trainer.scoring import RewardScorer
+
+    def big(completions, **kwargs):
+        return [3e38] * len(completions)
+
+    scorer = RewardScorer([big, big])
+    rewards = scorer.weighted(scorer([{"prompt": "p"}] * 2, ["a", "b"], [[1], [2]]))
+    expected = 2 * float(torch.tensor(3e38, dtype=torch.float32))  # the float32 reward, summed without overflow
+    assert rewards.dtype == torch.float64 and rewards.tolist() == [expected, expected]
+    with pytest.raises(ValueError, match="reward_weights must be finite"):
+        RewardScorer([big], reward_weights=[float("nan")])
+    import numpy as np
+
+    def numpy_bools(completions, **kwargs):
+        return [np.bool_(True), np.float32(0.5)]
+
+    assert RewardScorer([numpy_bools])([{"prompt": "p"}] * 2, ["a", "b"], [[1], [2]]).tolist() == [[1.0], [0.5]]

@@ -198,3 +198,19 @@ def test_lowrank_rows_equal_materialized_members_on_cuda(tokenizer):
     for k, member in enumerate(members):
         assert stacked[2 * k : 2 * k + 2] == EagerEngine().generate(
             materialized(model, noise, member, sigma, 1), tokenizer, prompts, config).ids
+
+
+def test_shared_prefix_is_skipped_under_zero3_and_with_ngram_processors(tokenizer, monkeypatch):
+    import trl_es.generation.eager as eager
+
+    model = build_llama(tokenizer).eval()
+    engine = EagerEngine(share_prompt_prefix=True)
+    config = build_generation_config(tokenizer, 4)
+    assert engine.can_share(model, config, {})
+    ngram = copy.deepcopy(config)
+    ngram.no_repeat_ngram_size = 2  # reads the prompt's token order
+    assert not engine.can_share(model, ngram, {})
+    monkeypatch.setattr(eager, "synced_forwards", lambda: True)  # ZeRO-3: transformers sets synced_gpus itself
+    assert not engine.can_share(model, config, {})
+    engine.generate(model, tokenizer, chat_prompts(tokenizer), config)
+    assert engine.last_shared_prefix == 0

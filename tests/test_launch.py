@@ -37,3 +37,8 @@ def test_bad_process_count_and_dry_run(capsys):
     assert main(["--dry_run", "--num_processes", "1", "job.py", "--a", "1"]) == 0
     assert f"{sys.executable} job.py --a 1" in capsys.readouterr().out
     assert physical_cores() >= 1
+
+
+def test_more_processes_than_gpus_is_refused():
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        plan_launch(num_processes=4, gpus=2, cores=16)

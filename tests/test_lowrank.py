@@ -387,3 +387,42 @@ def test_trainer_raises_a_simple_reward(tmp_path, tokenizer):
     after = trainer.evaluate()["eval_reward"]
     assert before < 0.05
     assert after > before + 0.3
+
+
+def test_optimizer_follows_shared_masters_that_moved(tmp_path, tokenizer):
+    """fp32 weights are their own masters with this backend; when preparing the model moves them (accelerate's
+    multi-process device copies them), the torch optimizer must own the new tensors, or its steps reach nothing."""
+    model = build_llama(tokenizer)
+    trainer = ESTrainer(model, mean_code, args=es_args(tmp_path, es_optimizer="torch", optim="sgd", max_steps=1),
+                        train_dataset=prompts(8), processing_class=tokenizer)
+    trainer.create_optimizer()
+    with torch.no_grad():
+        for p in model.parameters():  # what model.to("cpu:0") does under torchrun: new storage, same values
+            p.data = p.data.clone()
+    trainer._rebind_es_params()
+    masters = trainer.es_params.master_parameters()
+    assert all(e.master_is_param for e in trainer.es_params.entries)
+    owned = trainer.optimizer.param_groups[0]["params"]
+    assert len(owned) == len(masters) and all(a is b for a, b in zip(owned, masters))
+
+
+def test_sampling_chunks_draw_from_different_streams(tmp_path, tokenizer):
+    """With sampling, each stacked generate call is seeded by its first member: two chunks of two members each do not
+    replay the same random numbers, and the same call gives the same samples again."""
+    from trl_es.trainer.es_trainer import _PromptBatchRollout
+
+    args = es_args(tmp_path, temperature=1.0, member_chunk_size=2, include_parameters=None)
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(8),
+                        processing_class=tokenizer)
+    members = [Member(5, 1), Member(5, -1), Member(9, 1), Member(9, -1)]
+    rows = [prompts(4)[i] for i in range(4)]
+
+    def run():
+        rollout = _PromptBatchRollout(trainer, rows, step=0)
+        return trainer.population.evaluate(trainer.es_params, trainer.noise, members, [0, 1, 2, 3], 0.0, rollout)
+
+    first, again = run(), run()  # sigma 0: every member is the unperturbed model, only the random streams differ
+    texts = {i: first[i].details["completions"] for i in range(4)}
+    assert texts == {i: again[i].details["completions"] for i in range(4)}
+    assert texts[0] != texts[2]  # chunk [0, 1] and chunk [2, 3] used different streams
+    trainer.population.close()

@@ -223,6 +223,13 @@ def test_es_share_alone_replays_bitwise(tokenizer, data, tmp_path):
     rebuilt = replay(copy.deepcopy(base), str(tmp_path))
     for (name, p), q in zip(trained.named_parameters(), rebuilt.parameters()):
         assert torch.equal(p, q), name
+    # with an SFT share the log holds the ES part only: replay refuses it instead of rebuilding other weights
+    averaged = tmp_path / "averaged"
+    config = ESParallelAveragingConfig(**es_kwargs(averaged, max_steps=1, sft_weight=0.5))
+    ESParallelAveragingTrainer(copy.deepcopy(base), content_reward, args=config, train_dataset=rl, sft_dataset=sft,
+                               processing_class=tokenizer).train()
+    with pytest.raises(ValueError, match="cannot be replayed: ES \\+ SFT parallel averaging with sft_weight=0.5"):
+        replay(copy.deepcopy(base), str(averaged))
 
 
 def test_config_validation_names_the_field(tmp_path):

@@ -90,7 +90,7 @@ def plan_launch(num_processes: int | None = None, gpus: int | None = None, cores
         `LaunchPlan`.
 
     Raises:
-        ValueError: if ``num_processes < 1``.
+        ValueError: if ``num_processes < 1``, or more processes than visible GPUs.
     """
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
@@ -98,6 +98,8 @@ def plan_launch(num_processes: int | None = None, gpus: int | None = None, cores
     cores = physical_cores() if cores is None else cores
     if gpus >= 1:
         n = num_processes or gpus
+        if n > gpus:
+            raise ValueError(f"num_processes={n} but only {gpus} CUDA device(s) are visible: one process per GPU.")
         if n == 1:
             return LaunchPlan("python", 1, max(1, cores), reason="one GPU: one process")
         return LaunchPlan("accelerate", n, max(1, cores // n), {"OMP_NUM_THREADS": str(max(1, cores // n))},
@@ -202,8 +204,9 @@ def run_workers(script: str, specs: list[dict], max_parallel: int | None = None,
             index, spec = pending.pop(0)
             path = _write_spec(spec)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+            if gpus:  # the parent's visible devices, one per job (indices into them, not physical ids)
+                visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+                env["CUDA_VISIBLE_DEVICES"] = visible[index % gpus] if len(visible) == gpus else str(index % gpus)
             running.append((index, path, subprocess.Popen([sys.executable, script, flag, path], env=env)))
         index, path, process = running[0]
         for item in running:  # wait for whichever ends first

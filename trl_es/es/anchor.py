@@ -73,11 +73,16 @@ class FileAnchor(Mapping):
         self.fallback = MemoryAnchor(fallback or {})
         self.shapes = dict(shapes or {})
         self.dtypes = dict(dtypes or {})
+        self._stamps = {path: _stamp(path) for path, *_ in self.sources.values()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.fallback:
             return self.fallback[name]
         path, key, start, length = self.sources[name]
+        if _stamp(path) != self._stamps[path]:
+            raise ValueError(f"theta_0 is read from {path}, which changed after training started (it was "
+                             "overwritten?): the anchor is lost. Keep the base checkpoint unchanged, or use "
+                             "anchor_storage='memory'.")
         with safe_open(path, framework="pt", device="cpu") as f:
             flat = f.get_slice(key)[:] if length is None else _read_flat_range(f, key, start, length)
         flat = flat.reshape(-1)
@@ -94,6 +99,21 @@ class FileAnchor(Mapping):
     @property
     def resident_bytes(self) -> int:
         return self.fallback.resident_bytes
+
+    @property
+    def folders(self) -> set[str]:
+        """The folders of the files theta_0 is read from."""
+        return {os.path.dirname(os.path.abspath(path)) for path, *_ in self.sources.values()}
+
+    def materialize(self) -> MemoryAnchor:
+        """A :class:`MemoryAnchor` with the same values (read now, one tensor at a time)."""
+        return MemoryAnchor({name: self[name] for name in self})
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    """``(inode, size, mtime_ns)`` of a file: changes when the file is rewritten or replaced."""
+    stat = os.stat(path)
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:

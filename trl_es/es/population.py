@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .noise import NoiseSource
-from .perturbation import GaussianPerturbation, LowRankAdapters, LowRankPerturbation, Perturbation
+from .perturbation import GaussianPerturbation, LowRankAdapters, LowRankPerturbation, Perturbation, linear_targets
 from .update import Member, TrainedParameters
 
 
@@ -220,10 +220,11 @@ class BatchedLowRankPopulation(PopulationBackend):
         return {"name": self.name, "noise_rank": self.noise_rank}
 
     def check(self, params: TrainedParameters, model: nn.Module | None = None) -> None:
-        """Raise ``ValueError`` if a trained tensor is not (only) an ``nn.Linear`` weight of ``model``."""
+        """Raise ``ValueError`` if a trained tensor is not (only) an ``nn.Linear`` weight of ``model`` (nothing is
+        installed: the adapters come with the first :meth:`evaluate`)."""
         super().check(params)
         if model is not None:
-            self.adapters(model, params)
+            linear_targets(model, params)
 
     def adapters(self, model: nn.Module, params: TrainedParameters) -> LowRankAdapters:
         """The persistent adapters on ``model`` for ``params`` (installed on first use, kept until :meth:`close`).

@@ -125,9 +125,12 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
         `nn.Module`: ``model``, now holding the trained weights.
 
     Raises:
-        ValueError: if the log was written with ``es_optimizer="torch"`` or names parameters the model lacks.
+        ValueError: if the log was written with ``es_optimizer="torch"``, says it is not replayable (its
+            ``not_replayable`` header, e.g. ES + SFT parallel averaging), or names parameters the model lacks.
     """
     log = SeedLog.load(log_path)
+    if log.header.get("not_replayable"):
+        raise ValueError(f"This seed log cannot be replayed: {log.header['not_replayable']}")
     if log.header.get("optimizer", "es") != "es":
         raise ValueError("replay reproduces es_optimizer='es' runs only; this log was written with a torch optimizer.")
     named = dict(model.named_parameters())

@@ -5,12 +5,12 @@ Two rules apply before any shaping, whatever the method:
 - **Invalid members.** A member whose fitness is not a finite number (NaN: nothing could be scored, or a reward
   function / reward model returned NaN or +-inf for one of its completions, see ``ESTrainer``) is ranked worst:
   its fitness is set strictly below every finite member's, with one warning per call that names how many.
-- **Ties up to rounding.** Fitness values are float64 means of float32 rewards; members with the same rewards in a
-  different order can differ by a few ulps. Values closer than ``TIE_ULPS`` float64 ulps of the population's largest
-  magnitude, ``|F_i - F_j| <= TIE_ULPS * 2**-52 * max_k |F_k|``, are merged into one tie group (sorted values,
-  consecutive gaps below the tolerance; each group takes its mean). If every member lands in one group the
-  population carries no signal and the scale-free shapings (``"zscore"``, ``"centered_rank"``) return exactly zero
-  coefficients, so the ES step is exactly zero. The tolerance is relative to the fitness scale, unlike the
+- **Ties up to rounding.** Fitness values are float64 means of rewards; members with the same rewards in a
+  different order can differ by a few ulps. Sorted neighbours closer than ``TIE_ULPS`` float64 ulps of the larger of
+  the two, ``b - a <= TIE_ULPS * 2**-52 * max(|a|, |b|)``, are merged into one tie group (chains of such neighbours;
+  each group takes its mean). Invalid members are then set strictly below the worst valid one. If every member
+  lands in one group the population carries no signal and the scale-free shapings (``"zscore"``,
+  ``"centered_rank"``) return exactly zero coefficients, so the ES step is exactly zero. The tolerance is relative to the fitness scale, unlike the
   reference code's ``(F - mean) / (std + 1e-8)``, whose absolute epsilon both turns ulp-level noise into a full
   step (``std`` of ~1e-17 for 30 equal values of 1/3 gives coefficients of +-1) and damps real signal of fitness
   values below ~1e-8.
@@ -31,7 +31,8 @@ TIE_ULPS = 64
 """Fitness values closer than this many float64 ulps of the largest magnitude are equal (see the module doc)."""
 
 
-def _fill_invalid_as_worst(fitness: torch.Tensor) -> torch.Tensor:
+def _fill_invalid_as_worst(fitness: torch.Tensor, valid_values: torch.Tensor) -> torch.Tensor:
+    """Set every non-finite entry of ``fitness`` strictly below the smallest of ``valid_values`` (with a warning)."""
     invalid = ~torch.isfinite(fitness)
     if not invalid.any():
         return fitness
@@ -39,36 +40,36 @@ def _fill_invalid_as_worst(fitness: torch.Tensor) -> torch.Tensor:
         "%d of %d population members have no finite fitness (NaN, or a non-finite reward); they are ranked worst.",
         int(invalid.sum()), fitness.numel(),
     )
-    if invalid.all():
+    if valid_values.numel() == 0:
         return torch.zeros_like(fitness)
-    valid = fitness[~invalid]
-    worst = valid.min()
-    # Strictly below every finite member, so an invalid member is ranked last, not tied with the worst finite one.
-    spread = valid.max() - worst
-    return torch.where(invalid, worst - (spread if spread > 0 else 1.0), fitness)
+    worst = valid_values.min()
+    # Strictly below every finite member, by a margin no rounding can close: at least the population's spread,
+    # the magnitude of the worst value, and 1.
+    gap = max(float(valid_values.max() - worst), float(worst.abs()), 1.0)
+    return torch.where(invalid, worst - gap, fitness)
 
 
 def merge_ties(fitness: torch.Tensor, ulps: int = TIE_ULPS) -> torch.Tensor:
     """Merge fitness values that are equal up to rounding into one value per tie group (their mean).
 
-    Two values are in one group when a chain of sorted neighbours separates them by gaps of at most
-    ``ulps * 2**-52 * max|F|``.
+    Sorted neighbours ``a <= b`` are in one group when ``b - a <= ulps * 2**-52 * max(|a|, |b|)``: the tolerance is
+    relative to the two values themselves, so a large value elsewhere in the population never merges small, real
+    differences. Groups are chains of such neighbours.
 
     Args:
         fitness (`torch.Tensor`): Shape ``(N,)``, float64, finite.
-        ulps (`int`): The tolerance in float64 ulps of the largest magnitude.
+        ulps (`int`): The tolerance in float64 ulps of the larger magnitude of two neighbours.
 
     Returns:
         `torch.Tensor`: Shape ``(N,)``, float64; every group holds one value (bitwise equal within a group).
     """
     f = fitness.to(torch.float64)
-    scale = f.abs().max()
-    if scale == 0:
+    if f.numel() < 2:
         return f.clone()
-    tolerance = ulps * torch.finfo(torch.float64).eps * scale
     values, order = torch.sort(f)
+    scale = torch.maximum(values[1:].abs(), values[:-1].abs())
     new_group = torch.ones_like(values, dtype=torch.bool)
-    new_group[1:] = (values[1:] - values[:-1]) > tolerance
+    new_group[1:] = (values[1:] - values[:-1]) > ulps * torch.finfo(torch.float64).eps * scale
     group = torch.cumsum(new_group.long(), 0) - 1
     count = torch.zeros(int(group[-1]) + 1, dtype=torch.float64).index_add_(0, group, torch.ones_like(values))
     total = torch.zeros_like(count).index_add_(0, group, values)
@@ -122,18 +123,22 @@ def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor
         raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {method!r}.")
     if fitness.dim() != 1 or fitness.numel() < 2:
         raise ValueError(f"fitness must be 1-D with at least 2 members, got shape {tuple(fitness.shape)}.")
-    f = _fill_invalid_as_worst(fitness.to(torch.float64))
-    merged = merge_ties(f)
-    tied = bool((merged == merged[0]).all())
+    f = fitness.to(torch.float64)
+    valid = torch.isfinite(f)
     if method == "none":
-        if tied and bool(f.abs().max() > 0):
+        f = _fill_invalid_as_worst(f, f[valid])
+        merged = merge_ties(f)
+        if bool((merged == merged[0]).all()) and bool(f.abs().max() > 0):
             warnings.warn(
                 "fitness_shaping='none' with equal fitness across the population: the ES step is alpha * F * "
                 "mean(eps), a random step carrying no signal. Use 'zscore' or 'centered_rank' for a zero step.",
                 stacklevel=2,
             )
         return f
-    if tied:
+    merged = f.clone()
+    merged[valid] = merge_ties(f[valid])  # ties among the valid members first, then the invalid ones below them
+    merged = _fill_invalid_as_worst(merged, merged[valid])
+    if bool((merged == merged[0]).all()):
         return torch.zeros_like(f)
     if method == "centered_rank":
         return centered_ranks(merged)

@@ -176,6 +176,9 @@ class TrainedParameters:
                 continue
             if tensor.shape != e.param.shape:
                 raise RuntimeError(f"Parameter {name!r} changed shape while the model was prepared.")
+            if e.master_is_param and tensor.dtype != e.param.dtype:
+                raise RuntimeError(f"Parameter {name!r} changed dtype ({e.param.dtype} -> {tensor.dtype}) while the "
+                                   "model was prepared; it was its own master, which would lose its precision.")
             shared = e.master_is_param
             e.param = tensor
             if shared:

@@ -11,6 +11,21 @@ from .base import GenerationEngine, model_device, tokenize_left_padded
 
 SHAREABLE_ATTENTION = ("sdpa", "eager")
 
+ORDER_DEPENDENT_PROCESSORS = ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias")
+"""Generation settings whose logits processors read the prompt's token *order* (n-grams): the shared path's
+``[prefix | padding | suffix]`` rows would feed them other n-grams than left padding does, so sharing is skipped."""
+
+
+def synced_forwards() -> bool:
+    """Whether ``generate`` will run with ``synced_gpus`` on its own (DeepSpeed ZeRO-3 with several processes): every
+    process must then run the same number of forwards, so an extra prefix forward decided per process would hang."""
+    try:
+        import torch.distributed as dist
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    return is_deepspeed_zero3_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 def common_prefix_length(rows: list[list[int]]) -> int:
     """Length of the longest token prefix shared by every row, leaving each row at least one token of its own."""
@@ -42,7 +57,8 @@ class EagerEngine(GenerationEngine):
     differs at rounding level (other matmul shapes), as any change of batch composition does. Used only where it is
     safe: decoder-only models with ``sdpa``/``eager`` attention and a default dynamic cache, no beam search, not under
     ``synced_gpus`` (ZeRO-3, where every process must run the same number of forwards), and a shared prefix of at
-    least ``min_shared_prefix`` tokens; otherwise the plain path runs.
+    least ``min_shared_prefix`` tokens, no n-gram logits processor (``no_repeat_ngram_size``, ``bad_words_ids``,
+    ``sequence_bias``: they read the prompt's token order); otherwise the plain path runs.
 
     Args:
         share_prompt_prefix (`bool`): Compute the shared prompt prefix once per row group.
@@ -71,6 +87,8 @@ class EagerEngine(GenerationEngine):
             and generation_config.use_cache is not False
             and generate_kwargs.get("use_cache", True) is not False
             and not generate_kwargs.get("synced_gpus", False)
+            and not synced_forwards()
+            and not any(getattr(generation_config, name, None) for name in ORDER_DEPENDENT_PROCESSORS)
             and (generation_config.num_beams or 1) == 1
             and (generation_config.num_return_sequences or 1) == 1
             and generation_config.cache_implementation in (None, "dynamic")

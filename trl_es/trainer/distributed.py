@@ -18,7 +18,9 @@ fingerprints that check the replicas agree, and byte-counted collectives.
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -207,3 +209,89 @@ def all_gather_objects(obj) -> tuple[list, int]:
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of a tensor's elements (the buffer a collective on it moves into each process)."""
     return tensor.numel() * tensor.element_size()
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints, any W
+SHARD_PATTERN = re.compile(r"^(?P<base>.+)\.rank(?P<rank>\d+)-of-(?P<world>\d+)\.safetensors$")
+
+
+def read_flat_ranges(folder: str, base: str, layout: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
+    """Elements ``[start, start + length)`` of the flattened tensors of a checkpoint's ``base`` file, whatever number
+    of processes wrote it.
+
+    ``base`` (e.g. ``"es_master.safetensors"``) is either one whole file, or the per-process shards
+    ``es_master.rank{r}-of-{W}.safetensors`` that ZeRO-3 runs write (each tensor's ``start,length,numel`` in the file
+    metadata). Only the overlapping pieces are read, so a process of any partitioning (one process, another ``W``)
+    gets exactly its elements.
+
+    Args:
+        folder (`str`): The checkpoint folder.
+        base (`str`): The whole file's name.
+        layout (`dict[str, tuple[int, int]]`): ``name -> (start, length)`` wanted.
+
+    Returns:
+        `dict[str, torch.Tensor] | None`: Flat tensors (the file's dtype), or ``None`` if neither the file nor shards
+        exist.
+
+    Raises:
+        ValueError: if the shards are incomplete (another world size mixed in, a missing rank, or elements of a
+            wanted range that no shard holds), or a name is missing.
+    """
+    from safetensors import safe_open
+
+    whole = os.path.join(folder, base)
+    stem = base[: -len(".safetensors")]
+    if os.path.isfile(whole):
+        out = {}
+        with safe_open(whole, framework="pt") as f:
+            keys = set(f.keys())
+            for name, (start, length) in layout.items():
+                if name not in keys:
+                    raise ValueError(f"{whole} has no tensor {name!r}.")
+                out[name] = f.get_tensor(name).reshape(-1)[start : start + length].clone()
+        return out
+    shards = sorted(n for n in os.listdir(folder) if (m := SHARD_PATTERN.match(n)) and m["base"] == stem)
+    if not shards:
+        return None
+    worlds = {int(SHARD_PATTERN.match(n)["world"]) for n in shards}
+    ranks = {int(SHARD_PATTERN.match(n)["rank"]) for n in shards}
+    if len(worlds) != 1 or ranks != set(range(next(iter(worlds)))):
+        raise ValueError(f"{folder!r}: the {stem} shards are incomplete or from several launches: {shards}.")
+    out, filled = {}, {name: 0 for name in layout}
+    for shard in shards:
+        with safe_open(os.path.join(folder, shard), framework="pt") as f:
+            metadata = f.metadata() or {}
+            for name, (start, length) in layout.items():
+                if name not in metadata:
+                    continue
+                s_start, s_length, _ = map(int, metadata[name].split(","))
+                lo, hi = max(start, s_start), min(start + length, s_start + s_length)
+                if lo >= hi:
+                    continue
+                piece = f.get_tensor(name).reshape(-1)[lo - s_start : hi - s_start]
+                if name not in out:
+                    out[name] = torch.empty(length, dtype=piece.dtype)
+                out[name][lo - start : hi - start] = piece
+                filled[name] += hi - lo
+    missing = [n for n, (_, length) in layout.items() if filled[n] != length]
+    if missing:
+        raise ValueError(f"{folder!r}: the {stem} shards do not hold all of {missing[:3]}.")
+    return out
+
+
+def checkpoint_model_files(folder: str) -> dict[str, str]:
+    """``tensor name -> file`` of a checkpoint's gathered model (``model.safetensors`` or the shards its
+    ``model.safetensors.index.json`` lists); ``{}`` if there is none."""
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        import json
+
+        with open(index) as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    return {}

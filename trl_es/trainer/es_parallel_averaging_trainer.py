@@ -106,6 +106,11 @@ class ESParallelAveragingTrainer(ESTrainer):
         )
         self.sft_step = SFTStep(self.accelerator.unwrap_model(self.model), self.processing_class, sft_dataset,
                                 sft_args, targets=self._sft_targets())
+        if args.sft_weight != 0:  # the seed log holds the ES share only: say so, so that replay refuses it
+            self.seed_log.header["not_replayable"] = (
+                f"ES + SFT parallel averaging with sft_weight={args.sft_weight}: the seed log holds only the ES share "
+                "of each update; the SFT deltas are not saved."
+            )
 
     def _sft_targets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, fp32 master) of every ES-trained tensor: the SFT gradient of the parameter goes to the

@@ -51,6 +51,8 @@ from .distributed import (
     fingerprint,
     fingerprints_agree,
     is_zero3_param,
+    checkpoint_model_files,
+    read_flat_ranges,
     release_gathered_,
     tensor_bytes,
 )
@@ -138,7 +140,10 @@ class _PromptBatchRollout(Rollout):
     def stacked(self, indices) -> dict[int, MemberResult]:
         args = self.trainer.args
         if args.temperature > 0:
-            torch.manual_seed(member_seed(args.seed + 1, self.step, -1))
+            # One random stream per generate call, keyed by its first member: chunks never share a stream. A
+            # member's samples then depend on which members share its call (chunking, number of processes): with
+            # sampling, the batched backend is not invariant to either (greedy decoding is).
+            torch.manual_seed(member_seed(args.seed + 1, self.step, -1 - int(indices[0])))
         out = self._score(self.rows * len(indices), num_row_groups=len(indices))
         width = len(self.rows) * args.num_generations
         results = {}
@@ -463,11 +468,22 @@ class ESTrainer(_BaseTrainer):
             RuntimeError: if a trained parameter changed shape.
         """
         named = dict(self.accelerator.unwrap_model(self.model).named_parameters())
+        moved = False
         for entry in self.es_params.entries:
             current = named[entry.name].data
             if current.data_ptr() != entry.param.data_ptr():
                 self.es_params.rebind_(entry.name, current)
+                moved = True
         self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
+        if moved and self.optimizer is not None:
+            # A master that is its parameter (low-rank backend, fp32) followed the new storage: the optimizer must
+            # own the new tensors, or its steps would move tensors nothing reads.
+            masters = self.es_params.master_parameters()
+            if len(self.optimizer.param_groups) != 1 or len(self.optimizer.param_groups[0]["params"]) != len(masters):
+                raise RuntimeError("ESTrainer's optimizer must hold exactly the ES masters in one parameter group.")
+            if any(self.optimizer.state.get(p) for p in self.optimizer.param_groups[0]["params"]):
+                raise RuntimeError("The ES masters moved after the optimizer took a step.")
+            self.optimizer.param_groups[0]["params"] = masters
 
     def _count_forward(self, module, args):
         self._forward_calls += 1
@@ -829,11 +845,20 @@ class ESTrainer(_BaseTrainer):
         ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
         """
         self._sync_model_view()
+        self._keep_anchor_out_of(output_dir or self.args.output_dir)
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
+
+    def _keep_anchor_out_of(self, folder: str) -> None:
+        """Before writing a model into ``folder``: if theta_0 is read from a file there, hold it in memory first (the
+        write would replace the file theta_0 is read from)."""
+        if isinstance(self.anchor, FileAnchor) and os.path.abspath(folder) in self.anchor.folders:
+            logger.warning("Saving into %s, which holds the file theta_0 is read from: theta_0 is now kept in memory.",
+                           folder)
+            self.anchor = self.anchor.materialize()
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -881,26 +906,36 @@ class ESTrainer(_BaseTrainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        shards = sorted(n for n in os.listdir(resume_from_checkpoint) if re.match(r"es_(master|anchor)\.rank\d+-of-\d+\.", n))
-        if shards and not os.path.exists(os.path.join(resume_from_checkpoint, MASTER_WEIGHTS_NAME)):
-            world = int(re.search(r"-of-(\d+)\.", shards[0]).group(1))
-            raise ValueError(
-                f"{resume_from_checkpoint!r} was written by DeepSpeed ZeRO-3 with {world} processes: its ES master and "
-                f"anchor are per-process shards. Resume it with the same launch (DeepSpeed ZeRO-3, {world} "
-                "processes), or start a new run from its model (from_pretrained) or with trl_es.replay."
-            )
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        master_path = os.path.join(resume_from_checkpoint, MASTER_WEIGHTS_NAME)
-        if os.path.exists(master_path):
-            self.es_params.load_master_state_dict(load_file(master_path))
-        else:
-            self.es_params.refresh_master_from_model_()
-        anchor_path = os.path.join(resume_from_checkpoint, ANCHOR_WEIGHTS_NAME)
-        if self.anchor is not None and os.path.exists(anchor_path):
-            self._adopt_checkpoint_anchor(load_file(anchor_path))
-        log_path = os.path.join(resume_from_checkpoint, SEED_LOG_NAME)
+        self._load_es_state(resume_from_checkpoint)
+
+    def _load_es_state(self, folder: str) -> None:
+        """The checkpoint's ES master, anchor and seed log, whatever number of processes wrote it (one file each, or
+        ZeRO-3's per-process shards): every process reads exactly its elements (:func:`read_flat_ranges`).
+
+        Raises:
+            ValueError: if the checkpoint's seed log was written for other trained parameters, noise, perturbation or
+                sigma than this run's (before any iteration runs).
+        """
+        log_path = os.path.join(folder, SEED_LOG_NAME)
         if os.path.exists(log_path):
-            self.seed_log.records = SeedLog.load(log_path).records
+            saved_log = SeedLog.load(log_path)
+            for key in ("noise", "perturbation", "sigma", "parameters"):
+                if key in saved_log.header and saved_log.header[key] != self.seed_log.header.get(key):
+                    raise ValueError(f"Cannot resume from {folder!r}: its seed log's {key!r} differs from this run's "
+                                     f"({saved_log.header[key]!r} vs {self.seed_log.header.get(key)!r}).")
+        layout = {e.name: (e.start, e.param.numel()) for e in self.es_params.entries}
+        masters = read_flat_ranges(folder, MASTER_WEIGHTS_NAME, layout)
+        if masters is not None:
+            self.es_params.load_master_state_dict(masters)
+        else:  # the master has the model's dtype: the model just loaded is the master
+            self.es_params.refresh_master_from_model_()
+        if self.anchor is not None:
+            anchor = read_flat_ranges(folder, ANCHOR_WEIGHTS_NAME, layout)
+            if anchor is not None:
+                self._adopt_checkpoint_anchor(anchor)
+        if os.path.exists(log_path):
+            self.seed_log.records = saved_log.records
 
     def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:
         """Use the checkpoint's theta_0: keep the current anchor where it holds the same values (e.g. read from the
@@ -915,58 +950,38 @@ class ESTrainer(_BaseTrainer):
     def _load_deepspeed_checkpoint(self, folder: str) -> None:
         """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted run.
 
-        The checkpoint holds the model gathered into ``model.safetensors`` (written by every ZeRO stage), the ES
-        master and anchor (ZeRO-3: one shard per process, ``es_master.rank{r}-of-{W}.safetensors`` with each tensor's
+        The checkpoint holds the model gathered into ``model.safetensors`` (or shards with an index; written by
+        every ZeRO stage), the ES master and anchor (one file, or ZeRO-3's per-process shards with each tensor's
         ``start,length,numel`` in the metadata) and the seed log. Every process copies its share: its partition of
-        every trained tensor under ZeRO-3, whole tensors otherwise. Checked before any iteration runs; raises
-        ``ValueError`` if the checkpoint was written with another number of processes or partition layout, or lacks
-        the model file. (DeepSpeed's own engine checkpoint is never written: ES has no DeepSpeed optimizer.)
+        every trained tensor under ZeRO-3, whole tensors otherwise, whatever number of processes wrote the
+        checkpoint (:func:`read_flat_ranges`). Runs before any iteration; raises ``ValueError`` for a PEFT model (its
+        adapter checkpoint is not read here), a checkpoint without the gathered model, or, with
+        ``es_optimizer='torch'``, an optimizer state written by another number of processes. (DeepSpeed's own
+        engine checkpoint is never written: ES has no DeepSpeed optimizer.)
         """
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        model_file = os.path.join(folder, "model.safetensors")
-        if not os.path.isfile(model_file):
-            raise ValueError(f"Cannot resume ESTrainer under DeepSpeed from {folder!r}: it has no model.safetensors "
-                             "(the gathered model this trainer writes with every checkpoint).")
-        suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
-        shard_name = (lambda base: base.replace(".safetensors", suffix)) if self.sharded else (lambda base: base)
-        layout = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}
-        files = {}
-        for base in (MASTER_WEIGHTS_NAME, ANCHOR_WEIGHTS_NAME):
-            path = os.path.join(folder, shard_name(base))
-            if os.path.isfile(path):
-                files[base] = path
-            elif self.sharded and any(n.startswith(base.split(".")[0] + ".rank") for n in os.listdir(folder)):
-                raise ValueError(f"Cannot resume from {folder!r}: its {base.split('.')[0]} shards were written by another "
-                                 f"number of processes (this run has {world}; no {shard_name(base)}).")
-        if self.sharded:
-            for path in files.values():
-                with safe_open(path, framework="pt") as f:
-                    stored = f.metadata() or {}
-                if any(stored.get(name) != value for name, value in layout.items()):
-                    raise ValueError(f"Cannot resume from {folder!r}: the partition layout of {path!r} differs from this "
-                                     "run's (another world size or DeepSpeed partitioning).")
-        with torch.no_grad(), safe_open(model_file, framework="pt") as f:
-            keys = set(f.keys())
-            for e in self.es_params.entries:
-                if e.name not in keys:
-                    raise ValueError(f"Cannot resume from {folder!r}: model.safetensors has no tensor {e.name!r}.")
-                flat = f.get_tensor(e.name).reshape(-1)
-                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])
-        if MASTER_WEIGHTS_NAME in files:
-            saved = load_file(files[MASTER_WEIGHTS_NAME])
-            self.es_params.load_master_state_dict({n: t.reshape(-1) for n, t in saved.items()})
-        else:
-            self.es_params.refresh_master_from_model_()
-        if self.anchor is not None and ANCHOR_WEIGHTS_NAME in files:
-            self._adopt_checkpoint_anchor(load_file(files[ANCHOR_WEIGHTS_NAME]))
-        log_path = os.path.join(folder, SEED_LOG_NAME)
-        if os.path.exists(log_path):
-            self.seed_log.records = SeedLog.load(log_path).records
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if hasattr(unwrapped, "peft_config"):
+            raise ValueError("Resuming a PEFT model under DeepSpeed is not supported: start a new run from the "
+                             "checkpoint's adapter, or resume without DeepSpeed.")
+        files = checkpoint_model_files(folder)
+        missing = [e.name for e in self.es_params.entries if e.name not in files]
+        if not files or missing:
+            raise ValueError(f"Cannot resume ESTrainer under DeepSpeed from {folder!r}: its gathered model "
+                             f"(model.safetensors) {'is missing' if not files else f'lacks {missing[:3]}'}.")
+        optimizer_path = None
         if self.args.es_optimizer == "torch":
             name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                raise ValueError(f"Cannot resume es_optimizer='torch' from {folder!r}: no {name}.")
-            self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+            optimizer_path = os.path.join(folder, name)
+            if not os.path.isfile(optimizer_path):
+                raise ValueError(f"Cannot resume es_optimizer='torch' from {folder!r}: no {name} (its optimizer state "
+                                 "is per process: resume with the number of processes that wrote it).")
+        with torch.no_grad():
+            for e in self.es_params.entries:
+                with safe_open(files[e.name], framework="pt") as f:
+                    flat = f.get_tensor(e.name).reshape(-1)
+                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])
+        self._load_es_state(folder)
+        if optimizer_path is not None:
+            self.optimizer.load_state_dict(torch.load(optimizer_path, weights_only=True))
         self._sync_model_view()
-

@@ -91,6 +91,8 @@ def _as_float(value, name: str) -> float:
         return math.nan
     if isinstance(value, bool) or isinstance(value, numbers.Real):
         return float(value)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # numpy scalars, numpy.bool_ too
+        return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.item())
     raise TypeError(
@@ -133,6 +135,8 @@ class RewardScorer:
                 f"reward_weights has {len(reward_weights)} entries but there are {len(self.reward_funcs)} reward "
                 "functions; give one weight per reward function."
             )
+        if not all(math.isfinite(float(w)) for w in reward_weights):
+            raise ValueError(f"reward_weights must be finite numbers, got {list(reward_weights)}.")
         self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
         classes = reward_processing_classes
         if classes is not None and not isinstance(classes, list):
@@ -226,10 +230,12 @@ class RewardScorer:
     def weighted(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """``sum_f w_f * r_f`` per completion, skipping ``None`` (NaN) rewards as GRPO does; NaN if all are ``None``.
 
+        Summed in float64, so finite float32 rewards never overflow into an infinite weighted reward.
+
         Returns:
-            `torch.Tensor`: Shape ``(num_completions,)``, float32.
+            `torch.Tensor`: Shape ``(num_completions,)``, float64.
         """
-        weighted = (rewards_per_func * self.weights[None, :]).nansum(dim=1)
+        weighted = (rewards_per_func.double() * self.weights.double()[None, :]).nansum(dim=1)
         all_nan = torch.isnan(rewards_per_func).all(dim=1)
         return torch.where(all_nan, torch.full_like(weighted, math.nan), weighted)
 
