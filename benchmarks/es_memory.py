@@ -14,7 +14,8 @@ set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (``tracemalloc`` does no
 Every trainer makes the same number of completions per step (``--completions``, each ``--new_tokens`` tokens): ES
 scores ``--population_size`` members, each on ``--completions`` prompts; GRPO generates ``--num_generations``
 completions for each of ``--completions / --num_generations`` prompts, then takes one optimizer step. The model is
-read from a safetensors folder (default: the embedded SmolLM2-135M-Instruct; ``--random_init`` builds the
+read from a safetensors folder in the measured dtype (default: the embedded SmolLM2-135M-Instruct, saved in bf16 for
+the bf16 runs; ``--random_init`` builds the
 SmolLM2-135M config with random weights and saves it to a temporary folder first; ``--scale`` multiplies its
 hidden size and layer count for the largest-model search). Goals (issue): ES/GRPO <= 0.5 with the defaults,
 <= 0.35 in lean mode, both dtypes.
@@ -76,6 +77,20 @@ def save_random_model(folder: str, scale: float, dtype: str) -> str:
         from population_throughput import random_token_tokenizer
 
         random_token_tokenizer(config.vocab_size).save_pretrained(folder)
+    return folder
+
+
+def save_copy(model_name: str | None, folder: str, dtype: str) -> str:
+    """The model (default: the embedded one) saved in ``dtype`` with its tokenizer, so that a run loads weights of
+    that dtype as a user with such a checkpoint would (loading fp32 weights and casting has a larger peak)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.models import resolve_model_path
+
+    path = resolve_model_path(model_name)
+    AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
     return folder
 
 
@@ -164,6 +179,8 @@ def main():
             model = cli.model
             if cli.random_init:
                 model = save_random_model(os.path.join(scratch, dtype), cli.scale, dtype)
+            elif dtype != "float32":  # load a checkpoint in that dtype: no fp32 load-then-cast peak
+                model = save_copy(cli.model, os.path.join(scratch, dtype), dtype)
             for variant in cli.variants:
                 result_path = os.path.join(scratch, f"{variant}-{dtype}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--result", result_path,

@@ -177,9 +177,11 @@ def test_train_on_the_test_split(tmp_path, tiny_model_dir):
                           str(1 << 20), "--num_train_prompts", "4", "--num_validation_prompts", "0",
                           "--num_eval_prompts", "3", "--eval_split", "test", "--plot", "false"])
     # The test split is the eval split: no separate test_accuracy_*.
+    train_seconds = results.pop("train_seconds")
+    assert isinstance(train_seconds, float) and train_seconds >= 0.0
     assert results == {"task": "arithmetic", "eval_split": "test", "num_train_prompts": 4,
                        "num_validation_prompts": 0, "num_test_prompts": 3, "accuracy_before": 0.0,
-                       "accuracy_after": 0.0, "iterations": 1}
+                       "accuracy_after": 0.0, "iterations": 1, "curve": [{"step": 1, "accuracy": 0.0}]}
     assert json.loads((tmp_path / RUN_FILE).read_text())["eval_split"] == "test"
     # A checkpoint folder reads its run's settings from the parent folder.
     (tmp_path / "checkpoint-1").mkdir()

@@ -27,8 +27,12 @@ def parse(dataclass_types, recipe):
 
 
 def test_every_recipe_is_covered():
-    assert sorted(os.listdir(RECIPES)) == ["arithmetic_smollm2.yaml", "hyper_es_arithmetic.yaml",
-                                          "hyper_es_arithmetic_cpu.yaml"]
+    # Each recipe has a test that parses it: this file (main job, Hyper-ES), test_awd_retention.py,
+    # test_parallel_averaging_script.py, test_sequential_recipes.py.
+    assert sorted(os.listdir(RECIPES)) == ["arithmetic_smollm2.yaml", "awd_retention_cpu.yaml",
+                                          "hyper_es_arithmetic.yaml", "hyper_es_arithmetic_cpu.yaml",
+                                          "parallel_averaging_arithmetic_cpu.yaml", "sequential_arithmetic_cpu.yaml",
+                                          "sequential_arithmetic_gpu.yaml"]
 
 
 def test_main_job_recipe():

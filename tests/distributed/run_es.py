@@ -153,6 +153,11 @@ def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from)
+    # Leave together: a process that exits while its peer still holds the gloo pair can abort (SIGABRT) in the
+    # process-group destructor.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -27,7 +27,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from ..analysis._common import group_name
 from ..analysis.diversity import success_diversity
 from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_files, make_anchor
-from ..es.noise import make_noise_source
+from ..es.noise import NOISE_BLOCK_SIZE, make_noise_source
 from ..es.perturbation import LowRankPerturbation, linear_weight_names
 from ..es.population import (
     MemberResult,
@@ -722,8 +722,12 @@ class ESTrainer(_BaseTrainer):
         groups = sorted({group_name(name) for name in self.anchor})
         sums = torch.zeros(len(groups) + 1, 2, dtype=torch.float64)  # row 0: whole model
         for name, master in self.es_params.master_state_dict().items():
-            theta0 = self.anchor[name]
-            row = torch.stack([(master.detach().float().cpu() - theta0).double().pow(2).sum(), theta0.double().pow(2).sum()])
+            flat, theta0 = master.detach().reshape(-1), self.anchor[name].reshape(-1)
+            row = torch.zeros(2, dtype=torch.float64)
+            for lo in range(0, flat.numel(), NOISE_BLOCK_SIZE):  # in blocks: no model-sized float64 temporaries
+                current = flat[lo : lo + NOISE_BLOCK_SIZE].double()
+                initial = theta0[lo : lo + NOISE_BLOCK_SIZE].to(current.device).double()
+                row += torch.stack([(current - initial).pow(2).sum(), initial.pow(2).sum()]).cpu()
             sums[0] += row
             sums[1 + groups.index(group_name(name))] += row
         if self.sharded and self.accelerator.num_processes > 1:  # each process holds a partition
