@@ -137,6 +137,32 @@ def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_mo
     assert_bitwise({k: v for k, v in rebuilt.state_dict().items()}, weights(tmp_path / "model"))
 
 
+@pytest.mark.distributed
+def test_lean_mode_population_parallelism_matches_one_process_and_replays(tmp_path, tiny_model_dir):
+    """The lean mode (lean_memory, batched low-rank members, no master copy of the fp32 weights, fresh Gaussian
+    noise instead of the table): 2 processes end bitwise where one ends, and the seed log replays it."""
+    single_out, single = run_here(tmp_path / "single", tiny_model_dir, lean=True, backend="batched_lowrank")
+    result = torchrun(tmp_path / "two", tiny_model_dir, "--lean", "--backend", "batched_lowrank")
+    assert result["world_size"] == 2 and single["world_size"] == 1
+    trained = weights(tmp_path / "two" / "model")
+    assert_bitwise(trained, weights(single_out / "model"))
+    assert any(not torch.equal(trained[k], v) for k, v in weights(tiny_model_dir).items())
+    assert seed_log(tmp_path / "two") == seed_log(single_out)
+    assert seed_log(single_out)[0]["perturbation"]["type"] == "lowrank"
+    rebuilt = replay(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path / "two"))
+    assert_bitwise(dict(rebuilt.state_dict()), trained)
+
+
+@pytest.mark.distributed
+def test_lean_mode_zero3_matches_one_process(tmp_path, tiny_model_dir):
+    """lean_memory under ZeRO-3 (bf16 model, fp32 master shards, fresh Gaussian noise): the one-process weights."""
+    single_out, _ = run_here(tmp_path / "single", tiny_model_dir, dtype="bfloat16", lean=True)
+    result = deepspeed(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--lean")
+    assert result["sharded"]
+    assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(single_out / "model"))
+    assert seed_log(tmp_path / "zero3") == seed_log(single_out)
+
+
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, tiny_model_dir):
     """A bf16 model partitioned over 2 processes (loaded under zero.Init), fp32 master partitions, a checkpoint after

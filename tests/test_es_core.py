@@ -238,6 +238,19 @@ def test_restore_is_bitwise_exact(dtype):
     assert_bitwise_equal(state(model), before)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_restore_is_bitwise_exact_on_cuda():
+    model = same_shape_model(torch.bfloat16).cuda()
+    before = state(model)
+    params = TrainedParameters(select_parameters(model))
+    for i in range(6):
+        perturb_(params, SMALL_TABLE, Member(i, 1 if i % 2 else -1), sigma=1e-2)
+        assert not torch.equal(model[0].weight, before["0.weight"])
+        params.restore_()
+    assert model[0].weight.is_cuda
+    assert_bitwise_equal(state(model), before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_perturbation_value(dtype):
     model = same_shape_model(dtype)

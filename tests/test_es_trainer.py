@@ -136,6 +136,22 @@ def test_max_steps_updates_and_replay_is_bitwise(tmp_path, tokenizer, dtype):
     assert_bitwise(snapshot(fresh), trained)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_training_on_cuda_replays_bitwise(tmp_path, tokenizer):
+    model = build_llama(tokenizer, dtype=torch.bfloat16)
+    base = snapshot(model)
+    args = es_args(tmp_path, max_steps=2, antithetic=True)
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(8, conversational=True),
+                        processing_class=tokenizer)
+    trainer.train()
+    assert next(trainer.model.parameters()).is_cuda
+    trained = snapshot(trainer.model)
+    assert_changed(trained, base)
+    fresh = build_llama(tokenizer, dtype=torch.bfloat16).cuda()
+    replay(fresh, args.output_dir)
+    assert_bitwise(snapshot(fresh), trained)
+
+
 def test_equal_fitness_gives_zero_update(tmp_path, tokenizer):
     model = build_llama(tokenizer)
     base = snapshot(model)

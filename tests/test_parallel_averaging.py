@@ -18,7 +18,7 @@ from trl_es import (
     ParallelAveragingTrainer,
     replay,
 )
-from trl_es.es.perturbation import GaussianPerturbation
+from trl_es.es.perturbation import GaussianPerturbation, LowRankPerturbation
 from trl_es.es.update import Member, TrainedParameters, es_update_
 from trl_es.rewards import completion_text
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict, make_arithmetic_sft_dataset, worked_answer
@@ -163,14 +163,17 @@ def es_kwargs(tmp_path, **overrides):
     return kwargs
 
 
-def test_es_sft_step_is_the_es_share_plus_the_weighted_sft_update(tokenizer, data, tmp_path):
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_es_sft_step_is_the_es_share_plus_the_weighted_sft_update(tokenizer, data, tmp_path, backend):
+    """Also with the main job's batched low-rank backend (fp32: the masters are the model's own weights)."""
     from tiny import build_llama
 
     rl, sft = data
     base = build_llama(tokenizer)
     theta_bar = params_of(base)
     averaged = copy.deepcopy(base)
-    config = ESParallelAveragingConfig(**es_kwargs(tmp_path / "es_sft"))
+    config = ESParallelAveragingConfig(**es_kwargs(tmp_path / "es_sft", population_backend=backend))
+    perturbation = GaussianPerturbation() if backend == "sequential" else LowRankPerturbation(config.noise_rank)
     trainer = ESParallelAveragingTrainer(averaged, content_reward, args=config, train_dataset=rl, sft_dataset=sft,
                                          processing_class=tokenizer)
     trainer.train()
@@ -184,8 +187,7 @@ def test_es_sft_step_is_the_es_share_plus_the_weighted_sft_update(tokenizer, dat
     named = dict(es_only.named_parameters())
     es_params = TrainedParameters([(n, named[n]) for n in names])
     members = [Member(seed, sign) for seed, sign in record["members"]]
-    es_update_(es_params, GaussianPerturbation(), trainer.noise, members, record["coefficients"],
-               record["learning_rate"])
+    es_update_(es_params, perturbation, trainer.noise, members, record["coefficients"], record["learning_rate"])
     theta_es = {n: m.clone() for n, m in es_params.master_state_dict().items()}
 
     # SFT alone from the same snapshot, with a fresh optimizer over fresh fp32 masters

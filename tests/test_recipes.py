@@ -37,7 +37,9 @@ def test_every_recipe_is_covered():
 
 def test_main_job_recipe():
     task_args, es_args, model_args = parse((TaskArguments, ESConfig, ModelConfig), "arithmetic_smollm2.yaml")
-    assert (es_args.population_size, es_args.sigma, es_args.learning_rate, es_args.max_steps) == (12, 0.005, 0.01, 22)
+    assert (es_args.population_size, es_args.sigma, es_args.learning_rate, es_args.max_steps) == (24, 0.005, 0.01, 26)
+    assert (es_args.population_backend, es_args.prompt_batch_size, es_args.max_completion_length) == (
+        "batched_lowrank", 12, 12)
     assert es_args.antithetic and es_args.fitness_shaping == "zscore"
     assert (task_args.task, task_args.num_train_prompts, task_args.num_eval_prompts) == ("arithmetic", 400, 200)
     assert model_args.model_name_or_path == "embedded:SmolLM2-135M-Instruct"

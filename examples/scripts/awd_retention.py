@@ -10,8 +10,8 @@ This script trains ES on the target task (arithmetic addition, a, b in 1..50: th
 fixed number of iterations ``--max_steps`` with
 
 - ``awd_lambda = 0`` (the baseline) and every value of ``--awd_lambdas`` (the candidates), population
-  ``population_size`` of the ES recipe (12);
-- ``awd_lambda = 0`` with the larger population ``--large_population_size`` (24: twice the cost per iteration).
+  ``population_size`` of the ES recipe (24);
+- ``awd_lambda = 0`` with the larger population ``--large_population_size`` (48: twice the cost per iteration).
 
 Prior tasks: problems the base model already solves, in the same prompt format but with operations the target task
 never trains (``--prior_tasks``, default multiplication and subtraction with operands in 1..12; the base
@@ -88,7 +88,7 @@ class AWDArguments:
     num_chosen: int = field(default=2, metadata={"help": "Candidates chosen on validation for the report."})
     target_tolerance: float = field(default=0.05, metadata={
         "help": "Selection: a candidate's final validation target accuracy may be at most this much below lambda=0's."})
-    large_population_size: int = field(default=24, metadata={
+    large_population_size: int = field(default=48, metadata={
         "help": "Population of the no-AWD cost comparison run (0 = no such run)."})
     es_recipe: str = field(default=DEFAULT_RECIPE, metadata={"help": "YAML recipe whose ESConfig keys configure ES."})
     es_overrides: list[str] = field(default_factory=list,

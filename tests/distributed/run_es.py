@@ -42,6 +42,9 @@ def parse_args():
     parser.add_argument("--skew_rank", type=int, default=-1,
                         help="Plain mode: this process starts from different weights (ESTrainer must broadcast).")
     parser.add_argument("--resume_from", default=None, help="A checkpoint folder to resume from.")
+    parser.add_argument("--lean", action="store_true", help="lean_memory=True (docs/scaling.md).")
+    parser.add_argument("--backend", choices=("sequential", "batched_lowrank"), default="sequential",
+                        help="population_backend (batched_lowrank: no master copy of fp32 weights).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -52,7 +55,8 @@ def mean_code(completions, **kwargs):
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
-        eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None) -> dict:
+        eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
+        lean: bool = False, backend: str = "sequential") -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -82,6 +86,9 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     from trl_es import ESConfig, ESTrainer
     from trl_es.trainer.distributed import fingerprint, fingerprints_agree
 
+    extra["population_backend"] = backend
+    if lean:
+        extra["lean_memory"] = True
     if save_steps:
         extra.update(save_strategy="steps", save_steps=save_steps)
     else:
@@ -152,7 +159,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank, args.dtype, args.resume_from)
+        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend)
     # Leave together: a process that exits while its peer still holds the gloo pair can abort (SIGABRT) in the
     # process-group destructor.
     if torch.distributed.is_initialized():
