@@ -22,7 +22,15 @@ from typing import Any, Union
 
 from trl import TrlParser
 
-__all__ = ["DictValuedFields", "TrlESParser", "decode_dict_fields", "dict_valued_fields", "parse_json_dict"]
+__all__ = [
+    "DictValuedFields",
+    "TrlESParser",
+    "decode_dict_fields",
+    "dict_valued_fields",
+    "es_config_kwargs",
+    "load_recipe",
+    "parse_json_dict",
+]
 
 
 def _is_dict_type(tp: Any) -> bool:
@@ -175,3 +183,32 @@ class TrlESParser(TrlParser):
     def error(self, message: str):
         """Raise ``ValueError(message)`` (argparse would print usage and exit with status 2)."""
         raise ValueError(f"{self.prog}: error: {message}")
+
+
+def load_recipe(path: str) -> dict:
+    """A YAML recipe as a dict (an empty file gives ``{}``)."""
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
+    """The recipe's ``ESConfig`` keys (others, such as task and model keys, are dropped), then ``key=value``
+    overrides whose values are parsed as YAML (the ``--es_overrides`` of the example scripts).
+
+    Raises:
+        ValueError: for an override that is not ``key=value`` with an ``ESConfig`` field as key.
+    """
+    import yaml
+
+    from trl_es import ESConfig
+
+    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
+    kwargs = {k: v for k, v in recipe.items() if k in names}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
+        kwargs[key] = yaml.safe_load(value)
+    return kwargs

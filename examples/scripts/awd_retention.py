@@ -50,6 +50,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from trl_es.arguments import es_config_kwargs as recipe_es_config_kwargs
+from trl_es.arguments import load_recipe
+
 #: Prior tasks: name -> (operator, low, high) of make_arithmetic_dataset_dict.
 PRIOR_TASKS = {
     "mul_1_12": ("*", 1, 12),
@@ -126,30 +129,13 @@ class AWDArguments:
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
-def load_recipe(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
-
-
 def es_config_kwargs(args: AWDArguments) -> dict:
     """The ES recipe's ESConfig keys, the schedule choice, then ``--es_overrides`` (values parsed as YAML)."""
-    import yaml
-
-    from trl_es import ESConfig
-
-    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
-    kwargs = {k: v for k, v in load_recipe(args.es_recipe).items() if k in names}
+    recipe = load_recipe(args.es_recipe)
     if args.es_schedule == "constant":
-        kwargs["lr_scheduler_type"] = "constant"
-        kwargs.pop("lr_scheduler_kwargs", None)
-    for item in args.es_overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
+        recipe = {k: v for k, v in recipe.items() if k != "lr_scheduler_kwargs"}
+        recipe["lr_scheduler_type"] = "constant"
+    return recipe_es_config_kwargs(recipe, args.es_overrides)
 
 
 def completion_length(args: AWDArguments) -> int:

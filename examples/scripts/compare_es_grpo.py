@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainerCallback
 
+from trl_es.arguments import es_config_kwargs, load_recipe
+
 DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml")
 )
@@ -229,29 +231,6 @@ class EvalClockCallback(TrainerCallback):
 
 
 # ---------------------------------------------------------------------------------------------- the two methods
-def load_recipe(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
-
-
-def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
-    """The recipe's ESConfig keys (others, such as task and model keys, are dropped), then ``key=value`` overrides."""
-    import yaml
-
-    from trl_es import ESConfig
-
-    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
-    kwargs = {k: v for k, v in recipe.items() if k in names}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
-
-
 def race_es_kwargs(race: RaceArguments, recipe: dict, output_dir: str) -> dict:
     """The ESConfig keyword arguments of an ES arm: recipe, overrides, then what the race itself sets.
 

@@ -139,18 +139,9 @@ def sft_kwargs(args: ParallelRecipeArguments, output_dir: str, max_steps: int) -
 
 
 def es_kwargs(args: ParallelRecipeArguments, output_dir: str) -> dict:
-    import yaml
+    from trl_es.arguments import es_config_kwargs, load_recipe
 
-    from trl_es import ESConfig
-
-    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
-    with open(args.es_recipe) as f:
-        kwargs = {k: v for k, v in (yaml.safe_load(f) or {}).items() if k in names}
-    for item in args.es_overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
-        kwargs[key] = yaml.safe_load(value)
+    kwargs = es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides)
     kwargs.update(output_dir=output_dir, max_steps=args.es_max_steps, eval_strategy="no", save_strategy="no",
                   report_to="none", seed=args.seed, logging_steps=1, disable_tqdm=True)
     kwargs.setdefault("reward_weights", [1.0])

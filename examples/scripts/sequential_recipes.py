@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from trl_es.arguments import es_config_kwargs, load_recipe
+
 ARMS = {
     "base": (),
     "grpo": (("grpo", 1.0),),
@@ -134,33 +136,6 @@ class SequentialArguments:
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
-def load_recipe(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
-
-
-def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
-    """The recipe's ESConfig keys (task and model keys dropped), then ``key=value`` overrides (values as YAML).
-
-    Raises:
-        ValueError: for an override that is not ``key=value`` with an ESConfig field as key.
-    """
-    import yaml
-
-    from trl_es import ESConfig
-
-    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
-    kwargs = {k: v for k, v in recipe.items() if k in names}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
-
-
 def completion_length(args: SequentialArguments) -> int:
     """Tokens per completion: ``eval_max_new_tokens``, else the ES recipe's ``max_completion_length``."""
     if args.eval_max_new_tokens:
