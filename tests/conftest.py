@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -30,3 +31,12 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     build_llama(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one intra-op thread (tiny models: thread start-up costs more than it gains)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

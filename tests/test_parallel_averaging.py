@@ -20,24 +20,12 @@ from trl_es import (
 )
 from trl_es.es.perturbation import GaussianPerturbation, LowRankPerturbation
 from trl_es.es.update import Member, TrainedParameters, es_update_
-from trl_es.rewards import completion_text
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict, make_arithmetic_sft_dataset, worked_answer
 from trl_es.trainer.parallel_averaging_trainer import average_updates_
 from trl_es.trainer.sft_step import SFTStep, sft_config_from
+from tiny import content_reward
 
-
-def content_reward(completions, **kwargs):
-    """A reward that varies with the text of a random tiny model's completions, so that GRPO's advantages and the ES
-    members' fitness differ."""
-    return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it gains
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Reseed(TrainerCallback):

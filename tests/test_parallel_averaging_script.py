@@ -4,23 +4,10 @@ import json
 import os
 
 import pytest
-import torch
 from example_script import example_script
+from tiny import content_reward
 
-from trl_es.rewards import completion_text
-
-
-def content_reward(completions, **kwargs):
-    """Varies with a random tiny model's text, so that GRPO and ES move the weights (arithmetic would score 0)."""
-    return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it gains
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,7 @@ from trl_es.generation import generate_completions
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
 from trl_es.trainer.scoring import build_generation_config, prompt_texts
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_recorder_entropy_by_hand():

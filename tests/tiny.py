@@ -64,3 +64,11 @@ def build_qwen2(tokenizer, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausal
         tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(config).to(dtype)
+
+
+def content_reward(completions, **kwargs) -> list[float]:
+    """A reward that varies with a random tiny model's text (the sum of its character codes mod 7, in 0..6), so that
+    GRPO's advantages and ES members' fitness differ where the arithmetic reward would score every completion 0."""
+    from trl_es.rewards import completion_text
+
+    return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
