@@ -22,11 +22,13 @@ from trl_es.analysis import (
     off_task_kl,
     parameter_drift,
     pass_at_k,
+    plot_pass_at_k_curves,
     reset_small_updates,
     success_diversity,
     success_diversity_from_matrix,
     tensor_drift,
     update_cosine,
+    weights_fingerprint,
 )
 from trl_es.analysis._common import group_name
 from trl_es.analysis.kl import _completion_mask
@@ -158,6 +160,34 @@ def _toy_pair():
     base = _toy([[1.0, 0.0], [0.0, 1.0]], [0.0, 0.0], [[0.0, 2.0]], [[1.0, 0.0]])
     cur = _toy([[4.0, 0.0], [0.0, 1.0]], [0.0, 4.0], [[0.0, 2.0]], [[1.0, 12.0]])
     return cur, base
+
+
+def test_plot_pass_at_k_curves_writes_png(tmp_path):
+    path = tmp_path / "pass.png"
+    plot_pass_at_k_curves({"a": [0.1, 0.2, 0.4], "b": [0.3, None, 0.5]}, [1, 2, 4], path, title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="curve 'a' has 2 values for 3"):
+        plot_pass_at_k_curves({"a": [0.1, 0.2]}, [1, 2, 4], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="increasing positive"):
+        plot_pass_at_k_curves({"a": [0.1, 0.2]}, [2, 1], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_weights_fingerprint_is_bitwise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    twin = copy.deepcopy(model)
+    assert weights_fingerprint(model) == weights_fingerprint(twin)
+    assert len(weights_fingerprint(model)) == 64
+    with torch.no_grad():  # one ulp in one weight
+        twin[0].weight[1, 2] = torch.nextafter(twin[0].weight[1, 2], torch.tensor(math.inf))
+    assert weights_fingerprint(model) != weights_fingerprint(twin)
+    twin = copy.deepcopy(model)
+    twin[1].num_batches_tracked += 1  # buffers count
+    assert weights_fingerprint(model) != weights_fingerprint(twin)
+    assert weights_fingerprint(copy.deepcopy(model).double()) != weights_fingerprint(model)  # dtypes count
+    with pytest.raises(TypeError, match="nn.Module"):
+        weights_fingerprint({"w": torch.zeros(1)})
 
 
 def test_group_name():

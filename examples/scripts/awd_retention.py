@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.arguments import es_config_kwargs as recipe_es_config_kwargs
 from trl_es.arguments import load_recipe
 
@@ -147,18 +147,6 @@ def task_reward_funcs() -> list:
     from trl_es.tasks.arithmetic import arithmetic_reward
 
     return [arithmetic_reward]
-
-
-def fingerprint(model) -> str:
-    """SHA-256 of every tensor of ``model.state_dict()`` (names, dtypes, shapes, raw bytes): equal means bitwise."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def target_splits(args: AWDArguments):

@@ -266,25 +266,11 @@ def markdown_table(args: ParallelRecipeArguments, rows: list[dict]) -> str:
 
 
 def plot_pass_at_k(args: ParallelRecipeArguments, rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from trl_es.analysis import plot_pass_at_k_curves
 
     ks = sorted(set(args.pass_k))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.plot(ks, [r[f"pass@{k}"] for k in ks], "o-", lw=2, label=ARM_LABELS[r["arm"]])
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("K (samples per prompt)")
-    ax.set_ylabel(f"Pass@K (test split, T={args.sample_temperature:g})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_pass_at_k_curves({ARM_LABELS[r["arm"]]: [r[f"pass@{k}"] for k in ks] for r in rows}, ks, path,
+                          temperature=args.sample_temperature)
 
 
 def parse_args(argv: list[str] | None = None) -> ParallelRecipeArguments:

@@ -42,7 +42,6 @@ Writes to ``--output_dir``: ``results.md`` (the table), ``results.json`` (table,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.arguments import es_config_kwargs, load_recipe
 
 ARMS = {
@@ -141,19 +141,6 @@ def completion_length(args: SequentialArguments) -> int:
     if args.eval_max_new_tokens:
         return args.eval_max_new_tokens
     return int(es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides).get("max_completion_length", 10))
-
-
-def fingerprint(model) -> str:
-    """SHA-256 of every tensor of ``model.state_dict()`` (names, dtypes, shapes and raw bytes, in name order): equal
-    fingerprints mean bitwise-equal weights."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def task_reward_funcs() -> list:
@@ -397,26 +384,12 @@ def markdown_table(args: SequentialArguments, rows: list[dict]) -> str:
 
 
 def plot_pass_at_k(args: SequentialArguments, rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from trl_es.analysis import plot_pass_at_k_curves
 
     ks = sorted(set(args.pass_k))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.plot(ks, [r[f"pass@{k}"] for k in ks], "o-", lw=2, label=r["label"])
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("K (samples per prompt)")
-    ax.set_ylabel(f"Pass@K (test split, T={args.sample_temperature:g})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"Pass@K at a {args.budget_minutes:g}-minute training budget per arm")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_pass_at_k_curves({r["label"]: [r[f"pass@{k}"] for k in ks] for r in rows}, ks, path,
+                          temperature=args.sample_temperature,
+                          title=f"Pass@K at a {args.budget_minutes:g}-minute training budget per arm")
 
 
 def parse_args(argv: list[str] | None = None) -> SequentialArguments:

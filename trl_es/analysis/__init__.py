@@ -9,6 +9,7 @@ Each diagnostic lives in its own module; formulas and sources are in the docstri
 - :mod:`.mode_connectivity`: linear mode connectivity, barriers, update cosine (arXiv 2604.01499).
 - :mod:`.diversity`: population success diversity JS_succ (arXiv 2608.27351).
 - :mod:`.entropy`: mean token entropy of sampled completions, recorded during generation.
+- :mod:`.fingerprint`: SHA-256 of a model's weights (equal means bitwise equal).
 - :mod:`.policy_eval`: :func:`evaluate_policy`, one policy's accuracy, pass@k, JS_succ, entropy, drift and KL.
 - :mod:`.report`: :func:`analyze`, all of the above into ``report.json`` and PNG plots.
 """
@@ -16,9 +17,17 @@ Each diagnostic lives in its own module; formulas and sources are in the docstri
 from .diversity import binary_entropy, success_diversity, success_diversity_from_matrix
 from .drift import parameter_drift, tensor_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
+from .fingerprint import weights_fingerprint
 from .kl import encode_prompts, off_task_kl, prompt_texts
 from .mode_connectivity import barrier, interpolate_models, lm_loss_fn, mode_connectivity, update_cosine
-from .pass_at_k import PASS_AT_K_METRIC_PATH, estimate_pass_at_k, load_pass_at_k_metric, mean_pass_at_k, pass_at_k
+from .pass_at_k import (
+    PASS_AT_K_METRIC_PATH,
+    estimate_pass_at_k,
+    load_pass_at_k_metric,
+    mean_pass_at_k,
+    pass_at_k,
+    plot_pass_at_k_curves,
+)
 from .policy_eval import evaluate_policy, greedy_accuracy
 from .report import analyze
 from .sparsity import functional_sparsity, reset_small_updates
@@ -43,10 +52,12 @@ __all__ = [
     "off_task_kl",
     "parameter_drift",
     "pass_at_k",
+    "plot_pass_at_k_curves",
     "prompt_texts",
     "reset_small_updates",
     "success_diversity",
     "success_diversity_from_matrix",
     "tensor_drift",
     "update_cosine",
+    "weights_fingerprint",
 ]
