@@ -19,7 +19,7 @@ def pa():
 def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(pa, "task_reward_funcs", lambda: [content_reward])
     out = tmp_path / "pa"
-    results = pa.main([
+    argv = [
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
         "--arms", "base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft", "--max_steps", "4", "--es_max_steps", "1",
         "--num_train_prompts", "16", "--num_validation_prompts", "0", "--num_test_prompts", "3",
@@ -28,7 +28,8 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
         "--num_kl_prompts", "2", "--kl_max_new_tokens", "4",
         "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576",
         "max_completion_length=6", "sigma=0.1",
-    ])
+    ]
+    results = pa.main(argv)
     rows = {row["arm"]: row for row in results["table"]}
     assert list(rows) == ["base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft"]
     # equal steps: N updates for every gradient arm, split 2 + 2 for SFT -> RL
@@ -47,6 +48,13 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
         assert label in markdown
     assert (out / "pass_at_k.png").stat().st_size > 0
     assert json.loads((out / "results.json").read_text())["table"] == json.loads(json.dumps(results["table"]))
+
+    # a finished run with fewer arms listed: nothing is trained or evaluated again, the table is the same
+    monkeypatch.setattr(pa, "train_arm", lambda *a, **k: pytest.fail("an arm was trained again"))
+    monkeypatch.setattr(pa, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
+    again = pa.main([*argv[:argv.index("--arms") + 1], "rl", "es_sft", *argv[argv.index("--max_steps"):]])
+    assert [row["arm"] for row in again["table"]] == ["rl", "es_sft"]
+    assert again["table"] == [row for row in json.loads(json.dumps(results["table"])) if row["arm"] in ("rl", "es_sft")]
 
 
 def test_recipe_parses(pa):

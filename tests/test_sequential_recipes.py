@@ -61,6 +61,14 @@ def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq,
         assert label in markdown
     assert (out / "pass_at_k.png").stat().st_size > 0
 
+    # listing only some arms of a finished run reuses their phases and evaluations: nothing runs again
+    monkeypatch.setattr(seq, "train_phase", lambda *a, **k: pytest.fail("a phase was trained again"))
+    monkeypatch.setattr(seq, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
+    again = seq.main(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--budget_minutes", "0.01",
+                      *TINY, "--arms", "es_grpo", "base"])
+    assert [row["arm"] for row in again["table"]] == ["es_grpo", "base"]
+    assert again["table"] == [table["es_grpo"], table["base"]]
+
 
 def test_recipes_parse_into_valid_arguments(seq):
     import os
