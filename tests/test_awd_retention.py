@@ -19,14 +19,15 @@ def awd():
 def test_tiny_end_to_end_tracks_every_column(awd, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(awd, "task_reward_funcs", lambda: [content_reward])
     out = tmp_path / "awd"
-    results = awd.main([
+    argv = [
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
         "--num_train_prompts", "16", "--num_validation_prompts", "3", "--num_test_prompts", "3",
         "--num_prior_prompts", "3", "--max_steps", "3", "--eval_every", "2", "--awd_lambdas", "1", "5",
         "--num_chosen", "1", "--large_population_size", "8", "--num_kl_prompts", "2", "--kl_max_new_tokens", "4",
         "--eval_max_new_tokens", "6", "--es_overrides", "population_size=4", "prompt_batch_size=2",
         "noise_table_size=1048576", "max_completion_length=6", "sigma=0.1", "learning_rate=0.05",
-    ])
+    ]
+    results = awd.main(argv)
     assert [r["run"] for r in results["runs"]] == ["awd_0", "awd_1", "awd_5", "pop_8"]
     assert [r["completions_generated"] for r in results["runs"]] == [3 * 4 * 2] * 3 + [3 * 8 * 2]
     selection = results["selection"]
@@ -53,6 +54,14 @@ def test_tiny_end_to_end_tracks_every_column(awd, tiny_model_dir, tmp_path, monk
         assert header in markdown
     assert (out / "awd_retention.png").stat().st_size > 0
     assert json.loads((out / "results.json").read_text())["selection"] == selection
+
+    # the same run with only the chosen candidate listed: every run and tracking is reused, the report is the same
+    monkeypatch.setattr(awd, "train_run", lambda *a, **k: pytest.fail("a run was trained again"))
+    monkeypatch.setattr(awd, "track", lambda *a, **k: pytest.fail("a run was tracked again"))
+    lam = selection["chosen"][0].removeprefix("awd_")
+    i = argv.index("--awd_lambdas")
+    again = awd.main([*argv[:i + 1], lam, *argv[i + 3:]])
+    assert again["report"] == json.loads(json.dumps(results["report"]))
 
 
 def test_selection_rule(awd):

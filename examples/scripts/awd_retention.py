@@ -325,12 +325,24 @@ def track(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
+#: Arguments that choose which runs exist and which are reported, not what a run or its tracking computes: a saved
+#: result stays reusable when they change (adding a candidate lambda trains and tracks only the new run).
+NOT_IN_RESULT = ("awd_lambdas", "num_chosen", "target_tolerance", "reuse", "worker")
+
+
+def _comparable(spec) -> dict | None:
+    if not isinstance(spec, dict):
+        return None
+    return {**spec, "args": {k: v for k, v in spec.get("args", {}).items() if k not in NOT_IN_RESULT}}
+
+
 def _reusable(spec: dict, reuse: bool) -> dict | None:
+    """The saved ``result.json`` of ``spec`` if it was made with the same specification (up to ``NOT_IN_RESULT``)."""
     if not reuse or not os.path.isfile(spec["result"]):
         return None
     with open(spec["result"]) as f:
         result = json.load(f)
-    return result if result.get("spec") == spec else None
+    return result if _comparable(result.get("spec")) == _comparable(spec) else None
 
 
 def train_all(args: AWDArguments) -> list[dict]:
