@@ -226,29 +226,27 @@ def test_antithetic_pairs_and_validation():
 
 
 # ---------------------------------------------------------------------------------------------- perturb / restore
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_restore_is_bitwise_exact(dtype):
-    model = same_shape_model(dtype)
+def check_perturb_restore_cycles(model, cycles: int):
+    """``cycles`` perturb/restore rounds with alternating signs: each perturbs, and the end is bitwise the start."""
     before = state(model)
     params = TrainedParameters(select_parameters(model))
-    for i in range(20):
+    for i in range(cycles):
         perturb_(params, SMALL_TABLE, Member(i, 1 if i % 2 else -1), sigma=1e-2)
         assert not torch.equal(model[0].weight, before["0.weight"])
         params.restore_()
     assert_bitwise_equal(state(model), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_restore_is_bitwise_exact(dtype):
+    check_perturb_restore_cycles(same_shape_model(dtype), 20)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_restore_is_bitwise_exact_on_cuda():
     model = same_shape_model(torch.bfloat16).cuda()
-    before = state(model)
-    params = TrainedParameters(select_parameters(model))
-    for i in range(6):
-        perturb_(params, SMALL_TABLE, Member(i, 1 if i % 2 else -1), sigma=1e-2)
-        assert not torch.equal(model[0].weight, before["0.weight"])
-        params.restore_()
+    check_perturb_restore_cycles(model, 6)
     assert model[0].weight.is_cuda
-    assert_bitwise_equal(state(model), before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
