@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trl_es.launch import launch_command, main, physical_cores, plan_launch
+from trl_es.launch import launch_command, main, physical_cores, plan_launch, reusable_result
 
 
 def test_cpu_cores_get_one_single_threaded_process_each():
@@ -42,3 +42,25 @@ def test_bad_process_count_and_dry_run(capsys):
 def test_more_processes_than_gpus_is_refused():
     with pytest.raises(ValueError, match="only 2 CUDA device"):
         plan_launch(num_processes=4, gpus=2, cores=16)
+
+
+def test_reusable_result_matches_the_saved_spec_up_to_ignored_args(tmp_path):
+    import json
+
+    path = str(tmp_path / "result.json")
+    spec = {"kind": "train", "arm": "rl", "args": {"arms": ["rl"], "lr": 1e-5}, "result": path}
+    assert reusable_result(spec) is None  # nothing saved yet
+    saved = {"spec": spec, "steps": 32}
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    assert reusable_result(spec) == saved
+    assert reusable_result(spec, reuse=False) is None
+    more_arms = {**spec, "args": {"arms": ["rl", "sft"], "lr": 1e-5}}
+    assert reusable_result(more_arms) is None  # the arm list counts unless ignored ...
+    assert reusable_result(more_arms, ignored_args=("arms",)) == saved  # ... and is ignored when named
+    other_lr = {**spec, "args": {"arms": ["rl"], "lr": 2e-5}}
+    assert reusable_result(other_lr, ignored_args=("arms",)) is None  # what the job computes always counts
+    assert reusable_result({**spec, "arm": "sft"}, ignored_args=("arms",)) is None
+    with open(path, "w") as f:
+        json.dump({"steps": 32}, f)  # a result without its spec is never reused
+    assert reusable_result(spec) is None

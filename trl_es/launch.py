@@ -143,6 +143,35 @@ def _read_result(spec: dict) -> dict:
         return json.load(f)
 
 
+def reusable_result(spec: dict, reuse: bool = True, ignored_args: tuple[str, ...] = ()) -> dict | None:
+    """The result a worker already wrote for ``spec``, if it was made from the same specification; else ``None``.
+
+    Lets a script that hands jobs to :func:`run_worker` / :func:`run_workers` resume: a job whose ``spec["result"]``
+    file holds (under the key ``"spec"``) the same specification is skipped. Keys of ``spec["args"]`` named in
+    ``ignored_args`` are left out of the comparison: arguments that choose which jobs exist (a list of arms, say)
+    rather than what a job computes.
+
+    Args:
+        spec (`dict`): the job's specification; holds ``"result"`` (a file path) and optionally ``"args"`` (a dict).
+        reuse (`bool`): ``False`` always gives ``None`` (redo every job).
+        ignored_args (`tuple[str, ...]`): keys of ``spec["args"]`` that may differ.
+
+    Returns:
+        `dict | None`: the saved result (the JSON of ``spec["result"]``), or ``None`` when there is none, ``reuse`` is
+        ``False``, or the saved specification differs.
+    """
+    if not reuse or not os.path.isfile(spec["result"]):
+        return None
+
+    def comparable(saved) -> dict | None:
+        if not isinstance(saved, dict):
+            return None
+        return {**saved, "args": {k: v for k, v in saved.get("args", {}).items() if k not in ignored_args}}
+
+    result = _read_result(spec)
+    return result if comparable(result.get("spec")) == comparable(spec) else None
+
+
 def run_worker(script: str, spec: dict, num_processes: int | None = None, threads: int | None = None,
                flag: str = "--worker") -> dict:
     """Run ``script FLAG SPEC.json`` under the launch plan for ``num_processes`` and return its result.

@@ -330,19 +330,10 @@ def track(spec: dict) -> dict:
 NOT_IN_RESULT = ("awd_lambdas", "num_chosen", "target_tolerance", "reuse", "worker")
 
 
-def _comparable(spec) -> dict | None:
-    if not isinstance(spec, dict):
-        return None
-    return {**spec, "args": {k: v for k, v in spec.get("args", {}).items() if k not in NOT_IN_RESULT}}
-
-
 def _reusable(spec: dict, reuse: bool) -> dict | None:
-    """The saved ``result.json`` of ``spec`` if it was made with the same specification (up to ``NOT_IN_RESULT``)."""
-    if not reuse or not os.path.isfile(spec["result"]):
-        return None
-    with open(spec["result"]) as f:
-        result = json.load(f)
-    return result if _comparable(result.get("spec")) == _comparable(spec) else None
+    from trl_es.launch import reusable_result
+
+    return reusable_result(spec, reuse, NOT_IN_RESULT)
 
 
 def train_all(args: AWDArguments) -> list[dict]:
