@@ -8,6 +8,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
 
+# Tests run their jobs on tiny local models: trl_es.launch must not build the embedded model's cache in the user's
+# cache folder before each multi-process worker (the tests of that step clear this variable).
+os.environ["TRL_ES_NO_EMBEDDED_CACHE"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

@@ -64,3 +64,46 @@ def test_reusable_result_matches_the_saved_spec_up_to_ignored_args(tmp_path):
     with open(path, "w") as f:
         json.dump({"steps": 32}, f)  # a result without its spec is never reused
     assert reusable_result(spec) is None
+
+
+def test_launcher_prepares_the_embedded_cache_in_the_parent_before_the_workers(monkeypatch, tmp_path):
+    """Several processes: the cache is built (or checked) once, here, before the command starts; one process or
+    --no_embedded_cache: not."""
+    import subprocess
+
+    import trl_es.launch as launch
+
+    events = []
+    monkeypatch.setattr(launch, "prepare_embedded_model", lambda: events.append("prepare") or str(tmp_path))
+    monkeypatch.setattr(subprocess, "call", lambda command, env=None: events.append(command[:2]) or 0)
+    monkeypatch.setattr(launch, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(launch, "physical_cores", lambda: 2)
+    assert main(["job.py", "--a", "1"]) == 0
+    assert events == ["prepare", [sys.executable, "-m"]]  # torchrun, after the cache
+    events.clear()
+    assert main(["--num_processes", "1", "job.py"]) == 0
+    assert events == [[sys.executable, "job.py"]]
+    events.clear()
+    assert main(["--no_embedded_cache", "job.py"]) == 0
+    assert events == [[sys.executable, "-m"]]
+
+
+def test_prepare_embedded_model_builds_the_cache(monkeypatch, tmp_path, tokenizer):
+    import importlib.util
+
+    from tiny import build_llama
+
+    from trl_es import models
+    from trl_es.launch import prepare_embedded_model
+
+    monkeypatch.setenv("TRL_ES_CACHE", str(tmp_path))
+    monkeypatch.setenv("TRL_ES_NO_EMBEDDED_CACHE", "1")
+    monkeypatch.setattr(models, "_load_gguf", lambda: (build_llama(tokenizer), tokenizer))
+    assert prepare_embedded_model() is None and not (tmp_path / "SmolLM2-135M-Instruct").exists()  # opted out
+    monkeypatch.delenv("TRL_ES_NO_EMBEDDED_CACHE")
+    assert prepare_embedded_model() == str(tmp_path / "SmolLM2-135M-Instruct")
+    assert models._cache_problem(tmp_path / "SmolLM2-135M-Instruct") is None
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == models.EMBEDDED_PACKAGE else real_find_spec(name, *a, **k))
+    assert prepare_embedded_model() is None  # no package: nothing to prepare (a worker that needs it says so)

@@ -84,6 +84,11 @@ def test_cache_is_built_once_and_reused(fake_gguf, tmp_path, tokenizer):
     assert {"config.json", "model.safetensors", "tokenizer.json", "trl_es_embedded.json"} <= files
     assert embedded_model_path() == path and len(fake_gguf) == 1  # reused, not rebuilt
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:  # readable as any file the user writes (not mkdtemp's/mkstemp's 0700/0600)
+        assert os.stat(os.path.join(path, name)).st_mode & 0o777 == 0o666 & ~umask, name
+    assert os.stat(path).st_mode & 0o777 == 0o777 & ~umask
 
     model, tok = load_model_and_tokenizer(None)
     expected = build_llama(tokenizer, seed=1).state_dict()

