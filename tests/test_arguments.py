@@ -138,3 +138,82 @@ def test_parse_json_dict_and_python_construction():
     assert EvalArguments(generation_kwargs='{"top_k": 5}').generation_kwargs == {"top_k": 5}
     with pytest.raises(ValueError, match="--chat_template_kwargs must be a JSON object"):
         EvalArguments(chat_template_kwargs="{bad")
+
+
+# ----------------------------------------------------------------------------- non-finite hyper-parameters
+
+
+def _float_fields(cls) -> list[str]:
+    """Every field of a config dataclass whose type admits a float (``float``, ``float | None``, ``list[float]``...)."""
+    import dataclasses
+    import typing
+
+    def admits_float(tp) -> bool:
+        if tp is float:
+            return True
+        return any(admits_float(arg) for arg in typing.get_args(tp))
+
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if f.init and admits_float(hints.get(f.name))]
+
+
+def _configs():
+    from trl_es import ESConfig, ESParallelAveragingConfig, HyperESConfig, ParallelAveragingConfig
+
+    cpu = {"bf16": False, "use_cpu": True}  # GRPOConfig's bf16 default needs a GPU
+    return [(ESConfig, {}), (HyperESConfig, {}), (ESParallelAveragingConfig, {}), (ParallelAveragingConfig, cpu)]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_every_float_field_of_every_config_rejects_non_finite_values(tmp_path, bad):
+    import typing
+
+    checked = 0
+    for cls, extra in _configs():
+        names = _float_fields(cls)
+        assert {"learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"} & set(names)  # inherited ones too
+        hints = typing.get_type_hints(cls)
+        for name in names:
+            is_list = typing.get_origin(hints[name]) is list or any(
+                typing.get_origin(a) is list for a in typing.get_args(hints[name]))
+            value = [1.0, bad] if is_list and float not in typing.get_args(hints[name]) + (hints[name],) else bad
+            with pytest.raises(ValueError, match=rf"^{name}(\[1\])? must be a finite number") as error:
+                cls(output_dir=str(tmp_path), **extra, **{name: value})
+            assert "NaN or +-inf" in str(error.value)
+            checked += 1
+    assert checked >= 4 * 10
+
+
+def test_list_of_floats_is_checked_element_by_element(tmp_path):
+    from trl_es import ESConfig, HyperESConfig
+
+    with pytest.raises(ValueError, match=r"^reward_weights\[1\] must be a finite number .* got nan"):
+        ESConfig(output_dir=str(tmp_path), reward_weights=[1.0, float("nan")])
+    with pytest.raises(ValueError, match=r"^density_bounds\[0\] must be a finite number .* got -inf"):
+        HyperESConfig(output_dir=str(tmp_path), density_bounds=[float("-inf"), 1.0])
+    args = ESConfig(output_dir=str(tmp_path), reward_weights=[1.0, 0.5], learning_rate=1e-2, sigma=5e-3)
+    assert args.reward_weights == [1.0, 0.5] and args.learning_rate == 1e-2  # finite values pass untouched
+
+
+def test_non_finite_flag_on_the_command_line_names_the_field(tmp_path):
+    from trl_es.cli import evaluate, train
+
+    with pytest.raises(ValueError, match="^learning_rate must be a finite number"):
+        train(["--output_dir", str(tmp_path), "--learning_rate", "inf", "--max_steps", "1"])
+    with pytest.raises(ValueError, match="^time_budget_minutes must be a finite number"):
+        train(["--output_dir", str(tmp_path), "--time_budget_minutes", "nan", "--max_steps", "1"])
+    with pytest.raises(ValueError, match="^sample_temperature must be a finite number"):
+        evaluate(["--model_name_or_path", str(tmp_path), "--sample_temperature", "inf"])
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_configs_print_no_deprecation_warning(tmp_path):
+    """ESConfig used to re-declare the deprecated gradient_checkpointing (transformers 5: activation_checkpointing)."""
+    import warnings
+
+    for cls, extra in _configs():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            args = cls(output_dir=str(tmp_path), **extra)
+        expected = cls.__name__ == "ParallelAveragingConfig"  # GRPO's default (on) for the backward passes
+        assert args.activation_checkpointing is expected and args.gradient_checkpointing is expected, cls.__name__

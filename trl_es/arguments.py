@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from typing import Any, Union
@@ -25,6 +26,7 @@ from trl import TrlParser
 __all__ = [
     "DictValuedFields",
     "TrlESParser",
+    "check_finite_floats",
     "decode_dict_fields",
     "dict_valued_fields",
     "es_config_kwargs",
@@ -86,6 +88,31 @@ class DictValuedFields:
                 names += [n for n in inherited if n not in names]
         names += [n for n in dict_valued_fields(owner) if n not in names]
         return names
+
+
+def check_finite_floats(config: Any) -> None:
+    """Reject NaN and +-inf in every float field of a dataclass (inherited ``TrainingArguments`` fields included).
+
+    Called first in the ``__post_init__`` of every trl_es config, so a bad value fails at construction, before a model
+    is loaded or a weight touched. A float is a ``float`` value (``bool``/``int`` are not); a list or tuple of
+    floats (``reward_weights``, ``density_bounds``) is checked element by element. Dict-valued fields (kwargs for
+    other libraries) are left to those libraries.
+
+    Args:
+        config: A dataclass instance.
+
+    Raises:
+        ValueError: naming the field (and the element index for a list) and the value, e.g. ``learning_rate must be
+            a finite number (not NaN or +-inf), got inf.``
+    """
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number (not NaN or +-inf), got {value}.")
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ValueError(f"{f.name}[{i}] must be a finite number (not NaN or +-inf), got {item}.")
 
 
 def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> Any:

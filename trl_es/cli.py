@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 from trl import ModelConfig, get_peft_config
 
-from .arguments import TrlESParser, decode_dict_fields
+from .arguments import TrlESParser, check_finite_floats, decode_dict_fields
 from .trainer.es_config import ESConfig
 from .trainer.reward_names import reward_func_names
 
@@ -101,6 +101,7 @@ class TaskArguments:
     )
 
     def __post_init__(self):
+        check_finite_floats(self)
         if self.task not in TASK_NAMES:
             raise ValueError(f"task must be one of {TASK_NAMES}, got {self.task!r}.")
         if self.eval_split not in EVAL_SPLITS:
@@ -162,6 +163,7 @@ class EvalArguments:
 
     def __post_init__(self):
         decode_dict_fields(self)
+        check_finite_floats(self)
         if self.split not in EVAL_SPLITS:
             raise ValueError(f"split must be one of {EVAL_SPLITS}, got {self.split!r}.")
         if self.num_samples < 0:

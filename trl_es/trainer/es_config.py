@@ -7,7 +7,7 @@ from typing import Any
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..arguments import DictValuedFields
+from ..arguments import DictValuedFields, check_finite_floats
 from ..es.anchor import ANCHOR_STORAGES
 from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
 from ..es.population import POPULATION_BACKENDS
@@ -30,7 +30,7 @@ class ESConfig(_BaseConfig):
     The ES defaults are those of the reference (Qiu et al. 2025, Sec. 4 and Algorithm 1): ``population_size=30``,
     ``sigma=1e-3``, ``learning_rate=5e-4``, z-scored fitness, greedy decoding. Unlike TRL's GRPOConfig,
     ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
-    to ``False`` (ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
+    to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
     and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
     """
 
@@ -58,8 +58,12 @@ class ESConfig(_BaseConfig):
         default=False,
         metadata={"help": "Load/train in bf16 mixed precision. Default False so ESConfig() works on CPU."},
     )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Unused by ES (no backward pass). Default False."}
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Unused by ES (no backward pass); resolves to False. Default None, which (unlike TRL's True) does "
+            "not trigger transformers' deprecation warning for this alias of activation_checkpointing."
+        },
     )
     remove_unused_columns: bool | None = field(
         default=False,
@@ -274,6 +278,7 @@ class ESConfig(_BaseConfig):
     )
 
     def __post_init__(self):
+        check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
         self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
         super().__post_init__()
         if self.population_size < 2:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
+from ..arguments import check_finite_floats
 from ..merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
 from ..merging.genome import GRANULARITIES
 
@@ -240,6 +241,7 @@ class HyperESConfig(_BaseConfig):
     )
 
     def __post_init__(self):
+        check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
         super().__post_init__()
         if self.max_generations < 1:
             raise ValueError(f"max_generations must be >= 1, got {self.max_generations}.")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..arguments import check_finite_floats
 from .sft_step import check_averaging_fields
 
 
@@ -29,6 +30,18 @@ class ParallelAveragingConfig(GRPOConfig):
     ``sft_*`` fields below.
     """
 
+    # GRPOConfig's gradient checkpointing (on, TRL's default) under its transformers 5 name: the deprecated alias
+    # gradient_checkpointing stays None unless set, so constructing the config prints no deprecation warning.
+    activation_checkpointing: bool | None = field(
+        default=True,
+        metadata={"help": "Activation (gradient) checkpointing of the RL and SFT backward passes. Default True, "
+                  "GRPOConfig's gradient_checkpointing default."},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5). Default None: use "
+                  "activation_checkpointing."},
+    )
     rl_weight: float = field(
         default=0.5,
         metadata={"help": "w_RL, the weight of the RL (GRPO) update Delta_RL in theta_bar + w_RL Delta_RL + w_SFT "
@@ -61,5 +74,6 @@ class ParallelAveragingConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
         super().__post_init__()
         check_averaging_fields(self, "rl_weight")
