@@ -168,9 +168,10 @@ def main():
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
 
-    if cli.worker:
-        with open(cli.result, "w") as f:
-            json.dump(worker(cli), f)
+    from trl_es.files import write_json
+
+    if cli.worker:  # one plain process (no launcher): the result is complete or absent
+        write_json(cli.result, worker(cli), indent=None)
         return
 
     results = {}
@@ -212,8 +213,7 @@ def main():
                 above = f"; above the loaded model: {(es - load) / (grpo - load):.3f}" if load else ""
                 print(f"{dtype}: {variant} / grpo peak = {es / grpo:.3f} (goal <= {goal}){above}")
     if cli.output_json:
-        with open(cli.output_json, "w") as f:
-            json.dump({f"{v}/{d}": r for (v, d), r in results.items()}, f, indent=2)
+        write_json(cli.output_json, {f"{v}/{d}": r for (v, d), r in results.items()})
 
 
 if __name__ == "__main__":

@@ -142,10 +142,11 @@ def main():
     cli = parser.parse_args()
 
     if cli.worker:
+        from trl_es.files import write_json
+
         result = worker(cli)
-        if result is not None:
-            with open(cli.result, "w") as f:
-                json.dump(result, f)
+        if result is not None:  # the main process only (worker returns None on the others)
+            write_json(cli.result, result, indent=None)
         return
 
     rows = []

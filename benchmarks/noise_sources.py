@@ -18,7 +18,6 @@ from these figures (docs/scaling.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -29,6 +28,7 @@ from trl_es.es.noise import DEFAULT_TABLE_SIZE, make_noise_source
 from trl_es.es.perturbation import GaussianPerturbation
 from trl_es.es.population import sample_population
 from trl_es.es.update import TrainedParameters, es_update_, select_parameters
+from trl_es.files import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,8 +80,7 @@ def main():
     print(f"device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} trained_params={params.numel:,} "
           f"torch={torch.__version__}")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "figures": figures}, f, indent=2)
+        write_json(args.output_json, {"args": vars(args), "figures": figures})
 
 
 if __name__ == "__main__":

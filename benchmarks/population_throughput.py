@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -43,6 +42,7 @@ from transformers import AutoModelForCausalLM
 from trl_es.es.noise import make_noise_source
 from trl_es.es.population import BatchedLowRankPopulation, MemberResult, Rollout, SequentialPopulation, sample_population
 from trl_es.es.update import TrainedParameters, select_parameters
+from trl_es.files import write_json
 from trl_es.generation import generate_completions, make_engine
 from trl_es.trainer.scoring import build_generation_config
 
@@ -225,9 +225,8 @@ def main():
             print(f"{name:28s} {time.perf_counter() - start:8.2f} s")
     batched.close()
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "engine": engine.describe(), "completions_per_second": rate,
-                       "seconds": seconds, "cpu_seconds": cpu_seconds}, f, indent=2)
+        write_json(args.output_json, {"args": vars(args), "engine": engine.describe(), "completions_per_second": rate,
+                                      "seconds": seconds, "cpu_seconds": cpu_seconds})
 
 
 if __name__ == "__main__":

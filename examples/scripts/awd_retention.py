@@ -52,6 +52,7 @@ from transformers import TrainerCallback
 from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.arguments import es_config_kwargs as recipe_es_config_kwargs
 from trl_es.arguments import load_recipe
+from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 #: Prior tasks: name -> (operator, low, high) of make_arithmetic_dataset_dict.
 PRIOR_TASKS = {
@@ -164,12 +165,6 @@ def prior_splits(args: AWDArguments, name: str):
                                         low=low, high=high, ops=(op,))
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def runs_of(args: AWDArguments) -> list[dict]:
     """The training runs: lambda = 0, each candidate lambda, the large population without AWD."""
     population = int(es_config_kwargs(args).get("population_size", 30))
@@ -224,9 +219,8 @@ def train_run(spec: dict) -> dict:
               * config.num_generations,
               "seed_log": os.path.join(spec["output_dir"], "es_seed_log.jsonl"),
               "final_fingerprint": fingerprint(trained)}
-    if _rank() == 0:
-        with open(spec["result"], "w") as f:
-            json.dump(result, f, indent=2)
+    if trainer.is_world_process_zero():
+        write_json(spec["result"], result)
     return result
 
 
@@ -319,8 +313,8 @@ def track(spec: dict) -> dict:
         replay_exact = fingerprint(model) == spec["final_fingerprint"] if replayer.step == spec["iterations"] else None
     result = {"spec": spec, "run": spec["run"], "split": spec["split"], "points": points,
               "replay_exact": replay_exact}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f, indent=2)
+    if is_main_process():
+        write_json(spec["result"], result)
     return result
 
 
@@ -474,7 +468,7 @@ def plot(args: AWDArguments, shown: list[str], test: dict[str, dict], path: str)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -503,13 +497,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = report_rows(args, reported, test)
     output = {"arguments": dataclasses.asdict(args), "es_config": es_config_kwargs(args), "runs": runs,
               "selection": selection, "validation": validation, "report": rows, "test": test}
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump(output, f, indent=2)
     text = markdown(args, selection, rows)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-        f.write(text)
-    plot(args, shown, test, os.path.join(args.output_dir, "awd_retention.png"))
-    print(text)
+    if is_main_process():
+        write_json(os.path.join(args.output_dir, "results.json"), output)
+        write_text(os.path.join(args.output_dir, "results.md"), text)
+        plot(args, shown, test, os.path.join(args.output_dir, "awd_retention.png"))
+        print(text)
     return output
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser, TrainerCallback
 
 from trl_es.arguments import es_config_kwargs, load_recipe
+from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml")
@@ -352,7 +353,9 @@ def run_worker(spec: dict) -> dict:
     if race.sampled_samples:
         final["sampled_pass@1"] = evaluate(trained, temperature=1.0, samples=race.sampled_samples)
     if race.save_models:
-        trainer.save_model(os.path.join(spec["output_dir"], "model"))
+        from trl_es.trainer.distributed import save_trainer_model
+
+        save_trainer_model(trainer, os.path.join(spec["output_dir"], "model"))
     result = {
         "method": method, "task_seed": spec["task_seed"], "budget_minutes": budget, "split": race.split,
         "processes": _world()[1], "threads": torch.get_num_threads(), "schedule": schedule,
@@ -360,9 +363,8 @@ def run_worker(spec: dict) -> dict:
         "wall_minutes_with_evals": wall_seconds / 60.0, "max_new_tokens": length,
         "curve": clock.records, **final,
     }
-    if _world()[0] == 0:
-        with open(spec["result"], "w") as f:
-            json.dump(result, f, indent=2)
+    if trainer.is_world_process_zero():
+        write_json(spec["result"], result)
     return result
 
 
@@ -473,7 +475,7 @@ def plot_curves(race: RaceArguments, results: list[dict], rows: list[dict], path
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -507,13 +509,12 @@ def main(argv: list[str] | None = None) -> dict:
     output = {"arguments": dataclasses.asdict(race),
               "es_config": race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>") if "es" in race.methods else None,
               "table": rows, "runs": results}
-    with open(os.path.join(race.output_dir, "results.json"), "w") as f:
-        json.dump(output, f, indent=2)
     table = markdown_table(race, rows, sum(starts) / len(starts) if starts else None)
-    with open(os.path.join(race.output_dir, "results.md"), "w") as f:
-        f.write(table)
-    plot_curves(race, results, rows, os.path.join(race.output_dir, "accuracy_vs_time.png"))
-    print(table)
+    if is_main_process():
+        write_json(os.path.join(race.output_dir, "results.json"), output)
+        write_text(os.path.join(race.output_dir, "results.md"), table)
+        plot_curves(race, results, rows, os.path.join(race.output_dir, "accuracy_vs_time.png"))
+        print(table)
     return output
 
 

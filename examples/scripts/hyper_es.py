@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from trl_es.arguments import TrlESParser
+from trl_es.files import write_json
 from trl_es.merging import build_direction_pool
 from trl_es.merging.direction_pool import POOL_NAME
 from trl_es.models import load_model_and_tokenizer
@@ -153,10 +154,9 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         "n_eval": len(held_out),
         "n_fitness": len(fitness_rows),
     }
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # every process; checks the files where it writes them
     if trainer.is_world_process_zero():
-        with open(os.path.join(training_args.output_dir, "comparison.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(os.path.join(training_args.output_dir, "comparison.json"), results)
         print("held-out mean reward:")
         print(f"  base                 {results['base']:.4f}")
         print(

@@ -13,12 +13,13 @@ import os
 import sys
 
 from trl_es.cli import train
+from trl_es.files import is_main_process
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "arithmetic_smollm2.yaml")
 
 if __name__ == "__main__":
     results = train(["--config", RECIPE, *sys.argv[1:]])
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main_process():
         before, after = results.get("test_accuracy_before"), results.get("test_accuracy_after")
         if after is not None:
             print(f"test accuracy: {before if before is not None else float('nan'):.3f} -> {after:.3f}")

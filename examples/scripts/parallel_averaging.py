@@ -36,6 +36,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from trl_es.files import is_main_process, require_files, write_json, write_text
+
 ARMS = ("base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft")
 ARM_LABELS = {"base": "base model", "rl": "RL only (GRPO)", "sft": "SFT only", "sft_rl": "SFT -> RL",
               "rl_sft": "RL + SFT parallel averaging", "es": "ES only", "es_sft": "ES + SFT parallel averaging"}
@@ -161,6 +163,7 @@ def train_arm(args: ParallelRecipeArguments, arm: str, folder: str) -> dict:
         ParallelAveragingTrainer,
     )
     from trl_es.models import load_model_and_tokenizer
+    from trl_es.trainer.distributed import SAVED_MODEL_FILES
 
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path)
     rl, sft, _ = datasets_of(args)
@@ -200,8 +203,10 @@ def train_arm(args: ParallelRecipeArguments, arm: str, folder: str) -> dict:
         run(ESParallelAveragingTrainer(model, funcs, args=config, train_dataset=rl, sft_dataset=sft,
                                        processing_class=tokenizer), "es+sft")
     model_dir = os.path.join(folder, "model")
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    if is_main_process():  # save_pretrained writes no weights on a torch.distributed rank != 0: checked below
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        require_files(model_dir, SAVED_MODEL_FILES, f"the model of arm {arm!r}")
     return {"stages": stages, "training_minutes": (time.monotonic() - start) / 60.0, "model_dir": model_dir}
 
 
@@ -232,8 +237,8 @@ def evaluate_arm(spec: dict) -> dict:
     if is_base:  # the base model against itself: zero by definition (not measured)
         report.update(drift_l2=0.0, drift_relative=0.0, off_task_kl=0.0 if prompts else None)
     result = {"spec": spec, "arm": spec["arm"], **report}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f, indent=2)
+    if is_main_process():
+        write_json(spec["result"], result)
     return result
 
 
@@ -305,8 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
             record = train_arm(args, arm, folder) if arm != "base" else \
                 {"stages": [], "training_minutes": 0.0, "model_dir": args.model_name_or_path}
             result = {"spec": spec, **record}
-            with open(spec["result"], "w") as f:
-                json.dump(result, f, indent=2)
+            if is_main_process():
+                write_json(spec["result"], result)
         trained[arm] = result
     specs = [{"kind": "evaluate", "arm": arm, "model": trained[arm]["model_dir"], "args": dataclasses.asdict(args),
               "result": os.path.join(args.output_dir, arm, "evaluation.json")} for arm in args.arms]
@@ -326,13 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
                      "training_minutes": trained[arm]["training_minutes"],
                      **{k: v for k, v in ev.items() if k not in ("spec", "arm", "correct_per_prompt")}})
     output = {"arguments": dataclasses.asdict(args), "table": rows, "evaluations": evaluations}
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump(output, f, indent=2)
     table = markdown_table(args, rows)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-        f.write(table)
-    plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
-    print(table)
+    if is_main_process():
+        write_json(os.path.join(args.output_dir, "results.json"), output)
+        write_text(os.path.join(args.output_dir, "results.md"), table)
+        plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
+        print(table)
     return output
 
 

@@ -51,6 +51,7 @@ from transformers import TrainerCallback
 
 from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.arguments import es_config_kwargs, load_recipe
+from trl_es.files import is_main_process, write_json, write_text
 
 ARMS = {
     "base": (),
@@ -157,12 +158,6 @@ def splits_of(args: SequentialArguments):
                                         seed=args.task_seed)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class FingerprintAtStart(TrainerCallback):
     """The weights' :func:`fingerprint` at train begin (after the trainer was built, before the first step)."""
 
@@ -221,6 +216,7 @@ def train_phase(spec: dict) -> dict:
     """One phase (in every process of its launch): load ``spec["model"]``, train ``spec["method"]`` for
     ``spec["budget_seconds"]`` of training time, save to ``spec["output_dir"]/model``; process 0 writes the result."""
     from trl_es.models import load_model_and_tokenizer
+    from trl_es.trainer.distributed import save_trainer_model
     from trl_es.trainer.time_budget import TimeScheduleCallback, TrainingClock
 
     args = SequentialArguments(**spec["args"])
@@ -237,15 +233,14 @@ def train_phase(spec: dict) -> dict:
         trainer = build_grpo_trainer(model, tokenizer, train, args, spec["output_dir"], callbacks)
     trainer.train()
     model_dir = os.path.join(spec["output_dir"], "model")
-    trainer.save_model(model_dir)
+    save_trainer_model(trainer, model_dir)  # every process (ZeRO-3 gathers); checked where it was written
     trained = trainer.accelerator.unwrap_model(trainer.model)
     result = {"spec": spec, "method": spec["method"], "steps": trainer.state.global_step,
               "training_minutes": clock.training_seconds / 60.0, "model_dir": model_dir,
               "initial_fingerprint": start.value, "final_fingerprint": fingerprint(trained)}
-    if _rank() == 0:
+    if trainer.is_world_process_zero():
         tokenizer.save_pretrained(model_dir)
-        with open(spec["result"], "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(spec["result"], result)
     return result
 
 
@@ -282,8 +277,8 @@ def evaluate_arm(spec: dict) -> dict:
     if is_base:  # the base model against itself: zero by definition (not measured)
         report.update(drift_l2=0.0, drift_relative=0.0, off_task_kl=0.0 if args.num_kl_prompts else None)
     result = {"spec": spec, "arm": spec["arm"], **report}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f, indent=2)
+    if is_main_process():
+        write_json(spec["result"], result)
     return result
 
 
@@ -415,13 +410,12 @@ def main(argv: list[str] | None = None) -> dict:
     evaluations = evaluate_arms(args, trained)
     rows = table_rows(args, trained, evaluations)
     output = {"arguments": dataclasses.asdict(args), "table": rows, "arms": trained, "evaluations": evaluations}
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump(output, f, indent=2)
     table = markdown_table(args, rows)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-        f.write(table)
-    plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
-    print(table)
+    if is_main_process():
+        write_json(os.path.join(args.output_dir, "results.json"), output)
+        write_text(os.path.join(args.output_dir, "results.md"), table)
+        plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
+        print(table)
     return output
 
 

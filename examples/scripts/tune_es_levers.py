@@ -23,6 +23,8 @@ import time
 
 import yaml
 
+from trl_es.files import is_main_process, write_json, write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE = os.path.normpath(os.path.join(HERE, "..", "recipes", "arithmetic_smollm2.yaml"))
 
@@ -93,15 +95,14 @@ def summarize(output_dir: str) -> dict:
                 table.setdefault(arm, {})[seed_dir] = {
                     "curve": result.get("curve", []), "final": result["accuracy_after"],
                     "iterations": result["iterations"], "train_seconds": result.get("train_seconds")}
-    with open(os.path.join(output_dir, "levers.json"), "w") as f:
-        json.dump(table, f, indent=2)
     lines = ["| arm | task seed | iterations | validation accuracy at each evaluation | final |", "|---|---|---|---|---|"]
     for arm, seeds in table.items():
         for seed, r in seeds.items():
             curve = ", ".join(f"{c['step']}: {c['accuracy']:.3f}" for c in r["curve"])
             lines.append(f"| {arm} | {seed[4:]} | {r['iterations']} | {curve} | {r['final']:.3f} |")
-    with open(os.path.join(output_dir, "levers.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    if is_main_process():
+        write_json(os.path.join(output_dir, "levers.json"), table)
+        write_text(os.path.join(output_dir, "levers.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     return table
 

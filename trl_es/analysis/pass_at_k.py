@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..files import save_figure
+
 __all__ = [
     "PASS_AT_K_METRIC_PATH",
     "estimate_pass_at_k",
@@ -194,4 +196,4 @@ def plot_pass_at_k_curves(
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from ..files import is_main_process, save_figure, write_json
 from ._common import load_model, merged_module
 from .drift import parameter_drift
 from .kl import off_task_kl
@@ -59,7 +59,7 @@ def _plot_drift(drift: dict, path: str) -> None:
     ax.set_ylabel(r"$\|\theta-\theta_0\| / \|\theta_0\|$")
     ax.set_title("Relative parameter drift per module type")
     ax.legend()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def _plot_kl(kl: dict, path: str) -> None:
@@ -73,7 +73,7 @@ def _plot_kl(kl: dict, path: str) -> None:
     ax.set_ylabel("KL per token (nats)")
     ax.set_title("Off-task KL drift from the base model")
     ax.legend()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def _plot_sparsity(sparsity: dict, path: str) -> None:
@@ -91,7 +91,7 @@ def _plot_sparsity(sparsity: dict, path: str) -> None:
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best")
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def _plot_lmc(lmc: dict, path: str) -> None:
@@ -107,7 +107,7 @@ def _plot_lmc(lmc: dict, path: str) -> None:
         ax.set_ylabel(name)
         ax.set_title(f"{name} along the path, barrier {bar:.3g}")
         ax.legend()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def analyze(
@@ -242,9 +242,11 @@ def analyze(
     else:
         report["skipped"]["update_cosine"] = "needs `model_b`"
 
-    if output_dir is not None:
+    if output_dir is not None:  # every process computed the same report: the main one writes it
         output_dir = os.fspath(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
+        writes = is_main_process()
+        if writes:
+            os.makedirs(output_dir, exist_ok=True)
         plotters = [
             ("drift.png", _plot_drift, report["drift"]),
             ("kl.png", _plot_kl, report["kl"]),
@@ -253,8 +255,9 @@ def analyze(
         ]
         for filename, plot, data in plotters:
             if data:
-                plot(data, os.path.join(output_dir, filename))
+                if writes:
+                    plot(data, os.path.join(output_dir, filename))
                 report["plots"].append(filename)
-        with open(os.path.join(output_dir, "report.json"), "w") as f:
-            json.dump(_json_safe(report), f, indent=2, allow_nan=False)
+        if writes:
+            write_json(os.path.join(output_dir, "report.json"), _json_safe(report), allow_nan=False)
     return report

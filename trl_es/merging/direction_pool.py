@@ -8,12 +8,13 @@ are a seeded random split of the data (default) or contiguous quantiles of a use
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ..files import is_main_process, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ def build_direction_pool(
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
+    from ..trainer.distributed import save_trainer_model
+
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
     buckets = split_buckets(train_dataset, num_adapters, seed=seed, split_key=split_key)
@@ -153,7 +156,7 @@ def build_direction_pool(
             callbacks=callbacks,
         )
         result = trainer.train()
-        trainer.save_model(adapter_dir)
+        save_trainer_model(trainer, adapter_dir, f"adapter {k} of the direction pool")
         moved = any(p.detach().abs().max().item() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
         if not moved:
             logger.warning(
@@ -175,8 +178,9 @@ def build_direction_pool(
         logger.info(f"Direction pool: adapter {k} trained on {len(bucket)} rows for {result.global_step} steps.")
         paths.append(adapter_dir)
         del trainer, run_model
-    with open(os.path.join(output_dir, POOL_NAME), "w") as f:
-        json.dump(
+    if is_main_process():  # written last: its presence marks a complete pool (``hyper_es.py --reuse_pool``)
+        write_json(
+            os.path.join(output_dir, POOL_NAME),
             {
                 "num_adapters": num_adapters,
                 "split": "random" if split_key is None else "key quantiles",
@@ -192,7 +196,5 @@ def build_direction_pool(
                 },
                 "adapters": records,
             },
-            f,
-            indent=2,
         )
     return paths

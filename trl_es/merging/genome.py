@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..files import write_json
+
 GRANULARITIES = ("global", "layer", "module")
 _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 
@@ -133,8 +135,9 @@ class Genome:
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        """Write :meth:`to_dict` as JSON, atomically (:func:`trl_es.files.write_json`; the caller picks the one
+        process that writes)."""
+        write_json(path, self.to_dict())
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> Genome:

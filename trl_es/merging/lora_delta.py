@@ -8,7 +8,6 @@ matrices are built on demand, one module at a time, with the formula of peft's `
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
+
+from ..files import atomic_path, require_files, write_json
 
 
 @dataclass
@@ -271,6 +272,10 @@ def save_deltas_as_lora(
     The adapter has ``lora_alpha = r`` (scaling 1) and targets exactly the given modules; load it with
     ``PeftModel.from_pretrained(base_model, output_dir)``.
 
+    Call it on the one process that writes (``HyperESTrainer.save_model`` does, under ``args.should_save``). The
+    weights and ``hyper_es_export.json`` are written atomically (:func:`trl_es.files.atomic_path`), and the folder is
+    checked at the end.
+
     Args:
         deltas (`dict[str, torch.Tensor]`): Module name (relative to the base model) -> ``(out, in)`` delta.
         rank (`int`): LoRA rank.
@@ -279,6 +284,9 @@ def save_deltas_as_lora(
 
     Returns:
         `LoraConfig`: The saved config.
+
+    Raises:
+        RuntimeError: if ``adapter_config.json`` or ``adapter_model.safetensors`` is missing afterwards.
     """
     from safetensors.torch import save_file
 
@@ -300,7 +308,9 @@ def save_deltas_as_lora(
         base_model_name_or_path=base_model_name_or_path,
     )
     config.save_pretrained(os.fspath(output_dir))
-    save_file(state, os.path.join(output_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output_dir, "hyper_es_export.json"), "w") as f:
-        json.dump({"rank": rank, "method": "truncated SVD of the merged full delta per module"}, f, indent=2)
+    with atomic_path(os.path.join(output_dir, "adapter_model.safetensors")) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
+    write_json(os.path.join(output_dir, "hyper_es_export.json"),
+               {"rank": rank, "method": "truncated SVD of the merged full delta per module"})
+    require_files(output_dir, ["adapter_config.json", "adapter_model.safetensors"], "the exported LoRA adapter")
     return config

@@ -153,8 +153,7 @@ class ESParallelAveragingTrainer(ESTrainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save and self.sft_step.lr_scheduler is not None:
-            os.makedirs(output_dir, exist_ok=True)
-            torch.save(self.sft_step.state_dict(), os.path.join(output_dir, SFT_STATE_NAME))
+            self.sft_step.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

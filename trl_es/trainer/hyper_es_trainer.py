@@ -25,9 +25,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..es.population import member_indices, member_seed
+from ..files import atomic_path, require_files
 from ..merging.dare_ties import MergeApplier
 from ..merging.genome import Genome, GenomeSpace
 from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
+from .distributed import SAVED_MODEL_FILES
 from .hyper_es_config import HyperESConfig
 from .scoring import RewardScorer, build_generation_config, score_model, validate_dataset
 
@@ -565,13 +567,15 @@ class HyperESTrainer(_BaseTrainer):
                 "group_names": self.space.group_names,
                 "adapter_names": self.space.adapter_names,
             }
-            with open(os.path.join(folder, STATE_NAME), "wb") as f:
-                pickle.dump(payload, f)
             if self.search.best_x is not None:
                 self.candidate_genome(self.search.best_x, *self.search.best_tag).save_json(
                     os.path.join(folder, GENOME_NAME)
                 )
-            self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+            with atomic_path(os.path.join(folder, TRAINER_STATE_NAME)) as tmp:
+                self.state.save_to_json(tmp)
+            # The CMA-ES state last: a checkpoint folder that holds it is complete (resuming needs it).
+            with atomic_path(os.path.join(folder, STATE_NAME)) as tmp, open(tmp, "wb") as f:
+                pickle.dump(payload, f)
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
         return folder
 
@@ -666,7 +670,10 @@ class HyperESTrainer(_BaseTrainer):
         ``best_genome.json`` and, with ``export_lora_rank``, the merge as a LoRA adapter in ``merged_lora/``."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         super().save_model(output_dir, _internal_call=_internal_call)
-        if not self.args.should_save or self.best_genome is None:
+        if not self.args.should_save:
+            return
+        require_files(output_dir, SAVED_MODEL_FILES, "the Hyper-ES model")  # save_pretrained may skip silently
+        if self.best_genome is None:
             return
         self.best_genome.save_json(os.path.join(output_dir, GENOME_NAME))
         if self.args.export_lora_rank is not None:

@@ -22,6 +22,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
+from ..files import atomic_path
+
 __all__ = ["SFT_STATE_NAME", "SFTStep", "check_averaging_fields", "sft_config_from"]
 
 #: File of a checkpoint holding the SFT side's optimizer and scheduler states.
@@ -258,6 +260,12 @@ class SFTStep:
     def state_dict(self) -> dict:
         """The optimizer's and the scheduler's states (the batch order depends on the step index only)."""
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
+
+    def save(self, folder: str) -> None:
+        """:meth:`state_dict` to ``folder/SFT_STATE_NAME``, atomically (:func:`trl_es.files.atomic_path`). Called by the
+        one process that writes the checkpoint (``args.should_save``)."""
+        with atomic_path(os.path.join(folder, SFT_STATE_NAME)) as tmp:
+            torch.save(self.state_dict(), tmp)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (to resume)."""
