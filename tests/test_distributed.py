@@ -308,3 +308,20 @@ def test_es_deepspeed_config():
     explicit = config(3)
     explicit["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
     assert es_deepspeed_config(explicit, 1, 1)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+
+
+@pytest.mark.distributed
+def test_iterable_dataset_population_parallelism_matches_one_process(tmp_path, tiny_model_dir):
+    """A streaming (iterable) train dataset: both processes read the stream, each keeps its slice of every batch,
+    the slices are gathered: every process scores the same prompts in stream order, and the weights end bitwise as
+    with one process. Three iterations over 8 rows in batches of 4 wrap around the stream once."""
+    ref_out, ref = run_here(tmp_path / "one", tiny_model_dir, steps=3, iterable=True)
+    result = torchrun(tmp_path / "two", tiny_model_dir, "--iterable", "--steps", "3")
+    expected = [[f"Write: {i}" for i in range(4)], [f"Write: {i}" for i in range(4, 8)],
+                [f"Write: {i}" for i in range(4)]]
+    assert ref["prompt_batches"] == expected
+    assert result["prompt_batches"] == expected and result["prompt_batches_identical"]
+    assert result["replicas_identical"] == [True, True, True]
+    assert_bitwise(weights(tmp_path / "two" / "model"), weights(ref_out / "model"))
+    assert seed_log(tmp_path / "two") == seed_log(ref_out)
+    assert result["eval"]["eval_reward"] == ref["eval"]["eval_reward"]

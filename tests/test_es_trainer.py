@@ -599,3 +599,104 @@ def test_weighted_rewards_do_not_overflow(tmp_path, tokenizer):
         return [np.bool_(True), np.float32(0.5)]
 
     assert RewardScorer([numpy_bools])([{"prompt": "p"}] * 2, ["a", "b"], [[1], [2]]).tolist() == [[1.0], [0.5]]
+
+
+# ---------------------------------------------------------------------------------------------- iterable datasets
+class PromptLog:
+    """A reward (mean_code) that records the distinct prompt batch of every training call, in order."""
+
+    __name__ = "mean_code"
+
+    def __init__(self):
+        self.batches = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        distinct = {}
+        for prompt in prompts:  # a member's call repeats each prompt num_generations times
+            distinct.setdefault(str(prompt), prompt)
+        batch = [text(p) for p in distinct.values()]
+        if not self.batches or self.batches[-1] != batch:
+            self.batches.append(batch)
+        return mean_code(completions)
+
+
+@pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
+def test_iterable_dataset_trains_in_stream_order(tmp_path, tokenizer, conversational):
+    """TRL's trainers take a datasets.IterableDataset with max_steps; so does ESTrainer: the prompts come in stream
+    order, and the run equals the same prompts given as a map-style dataset read sequentially, bitwise."""
+    data = prompts(12, conversational=conversational)
+    log = PromptLog()
+    stream = ESTrainer(build_llama(tokenizer), log, args=es_args(tmp_path / "stream", max_steps=3),
+                       train_dataset=data.to_iterable_dataset(), processing_class=tokenizer)
+    stream.train()
+    content = [f"Write: {i}" for i in range(12)]
+    assert log.batches == [content[0:4], content[4:8], content[8:12]]
+    assert stream.state.global_step == 3 and [r["step"] for r in stream.seed_log.records] == [1, 2, 3]
+
+    sequential = ESTrainer(build_llama(tokenizer), mean_code,
+                           args=es_args(tmp_path / "map", max_steps=3, train_sampling_strategy="sequential"),
+                           train_dataset=data, processing_class=tokenizer)
+    sequential.train()
+    assert_bitwise(snapshot(stream.model), snapshot(sequential.model))
+    assert_bitwise(snapshot(replay(build_llama(tokenizer), str(tmp_path / "stream" / "out"))), snapshot(stream.model))
+
+
+def test_iterable_dataset_resume_keeps_its_place_in_the_stream(tmp_path, tokenizer):
+    data = prompts(16, conversational=True).to_iterable_dataset()
+    full_log = PromptLog()
+    full = ESTrainer(build_llama(tokenizer), full_log, args=es_args(tmp_path / "full", max_steps=4),
+                     train_dataset=data, processing_class=tokenizer)
+    full.train()
+    assert len(full_log.batches) == 4
+
+    args = es_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2)
+    ESTrainer(build_llama(tokenizer), PromptLog(), args=args, train_dataset=data, processing_class=tokenizer).train()
+    resumed_log = PromptLog()
+    resumed = ESTrainer(build_llama(tokenizer), resumed_log, args=args, train_dataset=data, processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    assert resumed_log.batches == full_log.batches[2:]  # iterations 3 and 4 read the stream's batches 3 and 4
+    assert_bitwise(snapshot(resumed.model), snapshot(full.model))
+
+
+@pytest.mark.parametrize(
+    "data, kwargs, message",
+    [
+        (Dataset.from_dict({"prompt": ["a", "b"]}), {"max_steps": -1, "num_train_epochs": 1},
+         "iterable .* set max_steps"),
+        (None, {}, "is an empty iterable dataset"),
+        (Dataset.from_dict({"question": ["a"]}), {}, "must have a 'prompt' column"),
+        (Dataset.from_dict({"prompt": ["a"]}), {"accelerator_config": {"dispatch_batches": True}},
+         "dispatch_batches=True cannot dispatch"),
+    ],
+    ids=["no_max_steps", "empty", "no_prompt", "dispatch_batches"],
+)
+def test_bad_iterable_dataset(tmp_path, tokenizer, data, kwargs, message):
+    from datasets import IterableDataset
+
+    def nothing():
+        yield from ()
+
+    stream = IterableDataset.from_generator(nothing) if data is None else data.to_iterable_dataset()
+    with pytest.raises(ValueError, match=message):
+        ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path, **kwargs), train_dataset=stream,
+                  processing_class=tokenizer)
+
+
+def test_iterable_rows_without_declared_columns_are_checked_on_the_first_row(tmp_path, tokenizer):
+    from datasets import IterableDataset
+
+    def rows():
+        yield {"question": "a"}
+
+    with pytest.raises(ValueError, match="must yield rows with a 'prompt' field.*\\['question'\\]"):
+        ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path),
+                  train_dataset=IterableDataset.from_generator(rows), processing_class=tokenizer)
+
+
+def test_iterable_eval_dataset_equals_map_style(tmp_path, tokenizer):
+    data = prompts(6, offset=20)
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path), train_dataset=prompts(),
+                        processing_class=tokenizer)
+    as_map = trainer.evaluate(data)
+    as_stream = trainer.evaluate(data.to_iterable_dataset())
+    assert as_stream["eval_reward"] == as_map["eval_reward"] and as_stream["eval_num_completions"] == 6

@@ -45,18 +45,26 @@ def parse_args():
     parser.add_argument("--lean", action="store_true", help="lean_memory=True (docs/scaling.md).")
     parser.add_argument("--backend", choices=("sequential", "batched_lowrank"), default="sequential",
                         help="population_backend (batched_lowrank: no master copy of fp32 weights).")
+    parser.add_argument("--iterable", action="store_true",
+                        help="Train on the prompts as a datasets.IterableDataset (a stream) instead of a Dataset.")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
 
-def mean_code(completions, **kwargs):
-    """Mean character code / 128: differs between almost any two completions."""
+#: The prompt batch of every reward call in training (each member's call), in order.
+PROMPTS_SEEN: list[list[str]] = []
+
+
+def mean_code(completions, prompts=None, **kwargs):
+    """Mean character code / 128: differs between almost any two completions. Records the prompts it was called on."""
+    if prompts is not None:
+        PROMPTS_SEEN.append(list(dict.fromkeys(prompts)))
     return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
-        lean: bool = False, backend: str = "sequential") -> dict:
+        lean: bool = False, backend: str = "sequential", iterable: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -112,6 +120,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         config.hf_deepspeed_config.mismatches = []  # CPU only: see the module docstring
     tokenizer = AutoTokenizer.from_pretrained(model)
     train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+    if iterable:
+        train = train.to_iterable_dataset()
     evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(eval_size)]})
 
     checks, steps_run = [], []
@@ -136,7 +146,16 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             model_or_path.model.norm.weight.add_(1.0)
     trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()])
+    PROMPTS_SEEN.clear()  # (a previous run in this process scored its evaluation prompts)
     trainer.train(resume_from_checkpoint=resume_from)
+    # The distinct prompt batches the training iterations scored on (one per iteration: all members share it).
+    batches = [b for i, b in enumerate(PROMPTS_SEEN) if i == 0 or b != PROMPTS_SEEN[i - 1]]
+    PROMPTS_SEEN.clear()
+    if torch.distributed.is_initialized() and not trainer.sharded:
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, batches)
+    else:
+        every = [batches]
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
     result = {}
@@ -146,6 +165,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             "sharded": trainer.sharded,
             "model_wrapped": type(trainer.model_wrapped).__name__,
             "replicas_identical": checks,
+            "prompt_batches": batches,
+            "prompt_batches_identical": all(b == batches for b in every),
             "steps_run": steps_run,
             "log_history": trainer.state.log_history,
             "eval": metrics,
@@ -159,7 +180,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend)
+        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

@@ -183,9 +183,12 @@ class ESTrainer(_BaseTrainer):
             ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, a sequence-classification
             reward model (or its id/path), or a list of them.
         args (`ESConfig`, *optional*): The configuration; default ``ESConfig(f"{model_name}-ES")``.
-        train_dataset (`datasets.Dataset`): Rows with a ``prompt`` (standard text or conversational messages);
-            other columns reach reward functions as keyword arguments.
-        eval_dataset (`datasets.Dataset`, *optional*): Scored by :meth:`evaluate` with the unperturbed model.
+        train_dataset (`datasets.Dataset` or `datasets.IterableDataset`): Rows with a ``prompt`` (standard text or
+            conversational messages); other columns reach reward functions as keyword arguments. An iterable
+            (streaming) dataset needs ``max_steps``; every process reads the stream (see
+            :meth:`_check_iterable_train_dataset`).
+        eval_dataset (`datasets.Dataset`, *optional*): Scored by :meth:`evaluate` with the unperturbed model (an
+            iterable one is read whole: it must be finite).
         processing_class (`PreTrainedTokenizerBase`, *optional*): Default: loaded from the model's path.
         reward_processing_classes (*optional*): Tokenizers of reward models, as in GRPOTrainer.
         callbacks (`list[TrainerCallback]`, *optional*): Extra Trainer callbacks.
@@ -194,7 +197,8 @@ class ESTrainer(_BaseTrainer):
         peft_config (`peft.PeftConfig`, *optional*): Wrap the model with PEFT; ES then perturbs the adapter only.
 
     Raises:
-        ValueError: for a dataset without ``prompt`` or an empty dataset, reward weights of the wrong length.
+        ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
+            ``max_steps``, reward weights of the wrong length.
     """
 
     _tag_names = ["trl", "trl-es", "evolution-strategies"]
@@ -254,6 +258,8 @@ class ESTrainer(_BaseTrainer):
 
         # Data
         validate_dataset(train_dataset, "train_dataset")
+        if train_dataset is not None and not hasattr(train_dataset, "__len__"):
+            self._check_iterable_train_dataset(args)
         if isinstance(eval_dataset, dict):
             for key, dataset in eval_dataset.items():
                 validate_dataset(dataset, f"eval_dataset[{key!r}]")
@@ -382,6 +388,28 @@ class ESTrainer(_BaseTrainer):
         return {"noise_rank": self.args.noise_rank, "member_chunk_size": self.args.member_chunk_size}
 
     # ------------------------------------------------------------------ data
+    @staticmethod
+    def _check_iterable_train_dataset(args: ESConfig) -> None:
+        """An iterable (streaming) train dataset, as TRL's trainers take it: ``max_steps`` must say how long to train,
+        and every process reads the stream itself.
+
+        ``accelerate`` would otherwise *dispatch* an iterable dataset's batches: process 0 reads them and broadcasts
+        them as tensors, which text rows are not. With ``dispatch_batches=False`` every process iterates the same
+        stream and keeps its slice of each ``prompt_batch_size`` batch (``IterableDatasetShard``); the slices are then
+        gathered as for a map-style dataset, so every process scores the same prompt rows in the same order. On resume,
+        ``Trainer`` skips the batches already used by reading past them (unless ``ignore_data_skip``).
+
+        Raises:
+            ValueError: if ``max_steps`` is not set, or ``accelerator_config.dispatch_batches`` is ``True``.
+        """
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError("train_dataset is an iterable (streaming) dataset, which has no length: set max_steps "
+                             "(the number of ES iterations) to a positive value, or pass a map-style datasets.Dataset.")
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError("accelerator_config.dispatch_batches=True cannot dispatch an iterable dataset's text rows "
+                             "(accelerate broadcasts tensors only): leave it unset (None) or set it to False.")
+        args.accelerator_config.dispatch_batches = False
+
     def _set_signature_columns_if_needed(self):
         # Rows go to the reward functions as they are: keep every column.
         if self._signature_columns is None:
@@ -773,6 +801,8 @@ class ESTrainer(_BaseTrainer):
                 metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
             return metrics
         validate_dataset(dataset, "eval_dataset")
+        if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
+            dataset = list(dataset)
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
             self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
         self._sync_model_view()

@@ -26,6 +26,11 @@ RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
 def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
     """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
 
+    A map-style dataset (``datasets.Dataset``, a list of rows) is checked by its columns and length. An iterable one
+    (``datasets.IterableDataset``, e.g. ``load_dataset(..., streaming=True)`` or ``Dataset.to_iterable_dataset()``)
+    has no length: its declared columns are checked when it has them, and its first row is read to check that the
+    stream is not empty and has a ``prompt``.
+
     Raises:
         ValueError: naming ``field_name``.
     """
@@ -37,6 +42,15 @@ def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
             f"{field_name} must have a 'prompt' column (TRL's standard or conversational prompt format); "
             f"found columns {list(columns)}."
         )
+    if not hasattr(dataset, "__len__"):  # an iterable (streaming) dataset
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"{field_name} is an empty iterable dataset: ES needs at least one prompt.")
+        if not isinstance(first, dict) or "prompt" not in first:
+            found = sorted(first) if isinstance(first, dict) else type(first).__name__
+            raise ValueError(f"{field_name} must yield rows with a 'prompt' field (TRL's standard or conversational "
+                             f"prompt format); its first row has {found}.")
+        return
     if len(dataset) == 0:
         raise ValueError(f"{field_name} is empty: ES needs at least one prompt.")
 
