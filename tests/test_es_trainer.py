@@ -700,3 +700,21 @@ def test_iterable_eval_dataset_equals_map_style(tmp_path, tokenizer):
     as_map = trainer.evaluate(data)
     as_stream = trainer.evaluate(data.to_iterable_dataset())
     assert as_stream["eval_reward"] == as_map["eval_reward"] and as_stream["eval_num_completions"] == 6
+
+
+def test_save_model_fails_loudly_when_save_pretrained_writes_nothing(tmp_path, tokenizer, monkeypatch):
+    """transformers 5 ``save_pretrained`` skips silently on a torch.distributed rank != 0 (``save_on_each_node`` on a
+    second node): ESTrainer.save_model raises instead of leaving a folder without weights (and writes no seed log
+    beside nothing)."""
+    model = build_llama(tokenizer)
+    trainer = ESTrainer(model, share_a, args=es_args(tmp_path, max_steps=1), train_dataset=prompts(),
+                        processing_class=tokenizer)
+    trainer.train()
+    monkeypatch.setattr(type(model), "should_save_on_this_rank", lambda self, is_main_process: False)
+    folder = tmp_path / "saved"
+    with pytest.raises(RuntimeError, match=r"the model saved by ESTrainer .* is incomplete: \['model.safetensors"):
+        trainer.save_model(str(folder))
+    assert not (folder / SEED_LOG_NAME).exists()
+    monkeypatch.undo()
+    trainer.save_model(str(folder))
+    assert (folder / "model.safetensors").is_file() and (folder / SEED_LOG_NAME).is_file()

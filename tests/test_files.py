@@ -11,7 +11,7 @@ from example_script import example_script
 
 from trl_es import files
 from trl_es.files import atomic_path, is_main_process, process_rank, require_files, save_figure, write_json, write_text
-from trl_es.trainer.distributed import SAVED_MODEL_FILES, save_trainer_model
+from trl_es.files import SAVED_MODEL_FILES, save_trainer_model
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 from trl import ModelConfig, get_peft_config
 
 from .arguments import TrlESParser, check_finite_floats, decode_dict_fields
+from .files import save_figure, write_json
 from .trainer.es_config import ESConfig
 from .trainer.reward_names import reward_func_names
 
@@ -369,7 +370,7 @@ def plot_training_curves(log_history: list[dict], accuracy_key: str, path: str, 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -426,9 +427,7 @@ def train(argv: list[str]) -> dict:
         callbacks=[TimeBudgetCallback(task_args.time_budget_minutes)] if task_args.time_budget_minutes else None,
     )
     if trainer.accelerator.is_main_process:
-        os.makedirs(es_args.output_dir, exist_ok=True)
-        with open(os.path.join(es_args.output_dir, RUN_FILE), "w", encoding="utf-8") as f:
-            json.dump(run_settings(task_args, es_args), f, indent=2)
+        write_json(os.path.join(es_args.output_dir, RUN_FILE), run_settings(task_args, es_args))
     name = _accuracy_name(task)
     key, test_key = f"eval_rewards/{name}/mean", f"eval_test_rewards/{name}/mean"
     score_test = split == "validation" and len(test_dataset) > 0 and task_args.score_test_split
@@ -452,15 +451,14 @@ def train(argv: list[str]) -> dict:
     if score_test:
         results["test_accuracy_after"] = trainer.evaluate(test_dataset, metric_key_prefix="eval_test")[test_key]
         trainer.accelerator.print(f"test accuracy after training: {results['test_accuracy_after']:.3f}")
-    trainer.save_model(es_args.output_dir)
+    trainer.save_model(es_args.output_dir)  # every process (ZeRO-3 gathers); checked where it is written
     if trainer.accelerator.is_main_process:
         if task_args.plot:
             plot_training_curves(
                 trainer.state.log_history, key, os.path.join(es_args.output_dir, "training_curves.png"),
                 results.get("accuracy_before"), label=f"{split} accuracy (greedy)",
             )
-        with open(os.path.join(es_args.output_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(os.path.join(es_args.output_dir, "results.json"), results)  # last: marks a finished run
     return results
 
 
@@ -660,8 +658,7 @@ def evaluate(argv: list[str]) -> dict:
         )
         print(json.dumps(metrics, indent=2))
         if eval_args.output_file:
-            with open(eval_args.output_file, "w") as f:
-                json.dump(metrics, f, indent=2)
+            write_json(eval_args.output_file, metrics)
     return metrics
 
 

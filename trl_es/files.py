@@ -22,8 +22,8 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 
-__all__ = ["atomic_path", "is_main_process", "process_rank", "require_files", "save_figure", "write_json",
-           "write_text"]
+__all__ = ["SAVED_MODEL_FILES", "atomic_path", "is_main_process", "process_rank", "require_files", "save_figure",
+           "save_trainer_model", "write_json", "write_text"]
 
 
 def process_rank() -> int:
@@ -108,7 +108,11 @@ def write_json(path: str | os.PathLike, obj, indent: int | None = 2, **json_kwar
 
 def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
     """``fig.savefig(path)`` atomically; the format comes from ``path``'s extension (``.png``, ``.pdf``, ...)."""
-    fmt = os.path.splitext(os.fspath(path))[1].lstrip(".") or None
+    fmt = os.path.splitext(os.fspath(path))[1].lstrip(".")
+    if not fmt:  # no extension: matplotlib's default format (it would read the temporary name's ".tmp" otherwise)
+        import matplotlib
+
+        fmt = matplotlib.rcParams["savefig.format"]
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=fmt, **savefig_kwargs)
 
@@ -146,3 +150,35 @@ def require_files(folder: str | os.PathLike, names: Iterable[str], what: str = "
             f"{process_rank()}. (transformers' save_pretrained writes nothing on a torch.distributed rank != 0; "
             "write from the main process.)"
         )
+
+
+# ---------------------------------------------------------------------------------------------- saved models
+#: What a folder written by ``save_pretrained`` / ``Trainer.save_model`` must hold (for
+#: :func:`trl_es.files.require_files`): the weights (one file, the index of the shards, or a peft adapter) and the
+#: configuration (the model's, or the adapter's).
+SAVED_MODEL_FILES = (
+    ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"),
+    ("config.json", "adapter_config.json"),
+)
+
+
+def save_trainer_model(trainer, output_dir: str, what: str | None = None) -> None:
+    """``trainer.save_model(output_dir)``, then, on the process that wrote it (``args.should_save``), a check that the
+    folder holds a model (:data:`SAVED_MODEL_FILES`).
+
+    Call it on every process (under ZeRO-3 or FSDP the weights are gathered by all of them). ``save_pretrained``
+    writes no weights on a ``torch.distributed`` rank != 0 even when told ``is_main_process=True`` (the first process
+    of a second node with ``save_on_each_node``): this turns that into an error instead of a folder that only looks
+    complete.
+
+    Args:
+        trainer (`transformers.Trainer`): Any trainer (``ESTrainer``, TRL's ``GRPOTrainer``, ...).
+        output_dir (`str`): Where to save.
+        what (`str`, *optional*): Named in the error (default: the trainer's class).
+
+    Raises:
+        RuntimeError: if the writing process finds no weights or no configuration in ``output_dir`` afterwards.
+    """
+    trainer.save_model(output_dir)
+    if trainer.args.should_save:
+        require_files(output_dir, SAVED_MODEL_FILES, what or f"the model saved by {type(trainer).__name__}")

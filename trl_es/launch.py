@@ -163,9 +163,15 @@ def _write_spec(spec: dict) -> str:
     return handle.name
 
 
-def _read_result(spec: dict) -> dict:
+def _read_result(spec: dict, script: str | None = None) -> dict:
     import json
 
+    if not os.path.isfile(spec["result"]):
+        raise RuntimeError(
+            f"{script or 'The worker'} exited without error but wrote no result to {spec['result']!r}: the worker must "
+            "write it from its main process (global rank 0). Is this orchestrator itself running as a rank != 0 of "
+            "another launch (the workers inherit RANK)?"
+        )
     with open(spec["result"]) as f:
         return json.load(f)
 
@@ -232,7 +238,7 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
         subprocess.run(launch_command(plan, script, [flag, path]), env=env, check=True)
     finally:
         os.remove(path)
-    return _read_result(spec)
+    return _read_result(spec, script)
 
 
 def run_workers(script: str, specs: list[dict], max_parallel: int | None = None, flag: str = "--worker",
@@ -289,7 +295,7 @@ def run_workers(script: str, specs: list[dict], max_parallel: int | None = None,
             failed.append(index)
     if failed:
         raise RuntimeError(f"{len(failed)} worker(s) of {script} failed: specs {failed}.")
-    return [_read_result(spec) for spec in specs]
+    return [_read_result(spec, script) for spec in specs]
 
 
 def main(argv: list[str] | None = None) -> int:

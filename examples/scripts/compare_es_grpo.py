@@ -353,7 +353,7 @@ def run_worker(spec: dict) -> dict:
     if race.sampled_samples:
         final["sampled_pass@1"] = evaluate(trained, temperature=1.0, samples=race.sampled_samples)
     if race.save_models:
-        from trl_es.trainer.distributed import save_trainer_model
+        from trl_es.files import save_trainer_model
 
         save_trainer_model(trainer, os.path.join(spec["output_dir"], "model"))
     result = {

@@ -163,7 +163,7 @@ def train_arm(args: ParallelRecipeArguments, arm: str, folder: str) -> dict:
         ParallelAveragingTrainer,
     )
     from trl_es.models import load_model_and_tokenizer
-    from trl_es.trainer.distributed import SAVED_MODEL_FILES
+    from trl_es.files import SAVED_MODEL_FILES
 
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path)
     rl, sft, _ = datasets_of(args)

@@ -216,7 +216,7 @@ def train_phase(spec: dict) -> dict:
     """One phase (in every process of its launch): load ``spec["model"]``, train ``spec["method"]`` for
     ``spec["budget_seconds"]`` of training time, save to ``spec["output_dir"]/model``; process 0 writes the result."""
     from trl_es.models import load_model_and_tokenizer
-    from trl_es.trainer.distributed import save_trainer_model
+    from trl_es.files import save_trainer_model
     from trl_es.trainer.time_budget import TimeScheduleCallback, TrainingClock
 
     args = SequentialArguments(**spec["args"])

@@ -60,13 +60,12 @@ class SeedLog:
         self.records = [r for r in self.records if r["step"] <= step]
 
     def save(self, path: str) -> None:
-        """Write the log as JSON Lines (atomically: a temporary file then a rename)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"format": FORMAT, "version": VERSION, **self.header}) + "\n")
-            for record in self.records:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, path)
+        """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a rename)."""
+        from ..files import write_text
+
+        lines = [json.dumps({"format": FORMAT, "version": VERSION, **self.header})]
+        lines += [json.dumps(record) for record in self.records]
+        write_text(path, "".join(line + "\n" for line in lines))
 
     @classmethod
     def load(cls, path: str) -> SeedLog:

@@ -112,7 +112,7 @@ def build_direction_pool(
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..trainer.distributed import save_trainer_model
+    from ..files import save_trainer_model
 
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}.")

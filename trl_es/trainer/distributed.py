@@ -296,36 +296,3 @@ def checkpoint_model_files(folder: str) -> dict[str, str]:
             return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
     return {}
 
-
-# ---------------------------------------------------------------------------------------------- saved models
-#: What a folder written by ``save_pretrained`` / ``Trainer.save_model`` must hold (for
-#: :func:`trl_es.files.require_files`): the weights (one file, the index of the shards, or a peft adapter) and the
-#: configuration (the model's, or the adapter's).
-SAVED_MODEL_FILES = (
-    ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"),
-    ("config.json", "adapter_config.json"),
-)
-
-
-def save_trainer_model(trainer, output_dir: str, what: str | None = None) -> None:
-    """``trainer.save_model(output_dir)``, then, on the process that wrote it (``args.should_save``), a check that the
-    folder holds a model (:data:`SAVED_MODEL_FILES`).
-
-    Call it on every process (under ZeRO-3 or FSDP the weights are gathered by all of them). ``save_pretrained``
-    writes no weights on a ``torch.distributed`` rank != 0 even when told ``is_main_process=True`` (the first process
-    of a second node with ``save_on_each_node``): this turns that into an error instead of a folder that only looks
-    complete.
-
-    Args:
-        trainer (`transformers.Trainer`): Any trainer (``ESTrainer``, TRL's ``GRPOTrainer``, ...).
-        output_dir (`str`): Where to save.
-        what (`str`, *optional*): Named in the error (default: the trainer's class).
-
-    Raises:
-        RuntimeError: if the writing process finds no weights or no configuration in ``output_dir`` afterwards.
-    """
-    from ..files import require_files
-
-    trainer.save_model(output_dir)
-    if trainer.args.should_save:
-        require_files(output_dir, SAVED_MODEL_FILES, what or f"the model saved by {type(trainer).__name__}")

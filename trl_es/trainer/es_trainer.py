@@ -38,6 +38,7 @@ from ..es.population import (
     sample_population,
 )
 from ..es.seedlog import SEED_LOG_NAME, SeedLog
+from ..files import SAVED_MODEL_FILES, atomic_path, require_files
 from ..es.shaping import shape_fitness
 from ..es.update import TrainedParameters, es_gradient_, es_update_, select_parameters
 from ..generation import make_engine
@@ -883,7 +884,9 @@ class ESTrainer(_BaseTrainer):
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
+            # save_pretrained writes nothing on a torch.distributed rank != 0 (e.g. the first process of a second
+            # node with save_on_each_node): fail here rather than leave a folder without weights.
+            require_files(output_dir, SAVED_MODEL_FILES, "the model saved by ESTrainer")
             self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
 
     def _keep_anchor_out_of(self, folder: str) -> None:
@@ -905,9 +908,11 @@ class ESTrainer(_BaseTrainer):
         # The model's weights are a rendering of the master: save the master too when they differ in dtype.
         masters = self.es_params.master_state_dict()
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
-            save_file({n: t.detach().cpu().contiguous() for n, t in masters.items()}, os.path.join(folder, MASTER_WEIGHTS_NAME))
+            with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME)) as tmp:
+                save_file({n: t.detach().cpu().contiguous() for n, t in masters.items()}, tmp)
         if self.anchor is not None:
-            save_file({n: t.contiguous() for n, t in self.anchor.items()}, os.path.join(folder, ANCHOR_WEIGHTS_NAME))
+            with atomic_path(os.path.join(folder, ANCHOR_WEIGHTS_NAME)) as tmp:
+                save_file({n: t.contiguous() for n, t in self.anchor.items()}, tmp)
 
     def _save_es_shards(self, folder: str) -> None:
         """ZeRO-3: every process writes its partitions of the master (when it differs in dtype from the model, i.e.
@@ -920,10 +925,12 @@ class ESTrainer(_BaseTrainer):
         suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
             masters = {n: t.detach().cpu().contiguous() for n, t in self.es_params.master_state_dict().items()}
-            save_file(masters, os.path.join(folder, MASTER_WEIGHTS_NAME.replace(".safetensors", suffix)), metadata)
+            with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME.replace(".safetensors", suffix))) as tmp:
+                save_file(masters, tmp, metadata)
         if self.anchor is not None:
             anchor = {n: t.contiguous() for n, t in self.anchor.items()}
-            save_file(anchor, os.path.join(folder, ANCHOR_WEIGHTS_NAME.replace(".safetensors", suffix)), metadata)
+            with atomic_path(os.path.join(folder, ANCHOR_WEIGHTS_NAME.replace(".safetensors", suffix))) as tmp:
+                save_file(anchor, tmp, metadata)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Under DeepSpeed the optimizer is ``Trainer``'s torch optimizer over ES's masters, not DeepSpeed's: save it
@@ -935,9 +942,11 @@ class ESTrainer(_BaseTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if self.args.es_optimizer == "torch" and (self.sharded or self.args.should_save):
             name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, name))
+            with atomic_path(os.path.join(output_dir, name)) as tmp:
+                torch.save(self.optimizer.state_dict(), tmp)
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            with atomic_path(os.path.join(output_dir, "scheduler.pt")) as tmp:
+                torch.save(self.lr_scheduler.state_dict(), tmp)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)

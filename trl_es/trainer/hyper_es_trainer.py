@@ -25,11 +25,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..es.population import member_indices, member_seed
-from ..files import atomic_path, require_files
+from ..files import SAVED_MODEL_FILES, atomic_path, require_files
 from ..merging.dare_ties import MergeApplier
 from ..merging.genome import Genome, GenomeSpace
 from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
-from .distributed import SAVED_MODEL_FILES
 from .hyper_es_config import HyperESConfig
 from .scoring import RewardScorer, build_generation_config, score_model, validate_dataset
 
