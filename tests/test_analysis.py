@@ -130,6 +130,26 @@ def test_pass_at_k_evaluate_metric_offline(monkeypatch, tmp_path):
         metric.compute(predictions=[1], references=[4], k=[5])
 
 
+def test_pass_at_k_has_one_implementation_and_the_metric_no_cycle():
+    """The metric module and trl_es.analysis share one estimator, which imports nothing of trl_es; the metric imports
+    it relatively (evaluate.load copies it along), not trl_es.analysis (which loads the metric by path)."""
+    import ast
+
+    from trl_es.analysis import PASS_AT_K_METRIC_PATH
+    from trl_es.metrics.pass_at_k import estimator
+
+    assert pass_at_k is estimator.pass_at_k and mean_pass_at_k is estimator.mean_pass_at_k
+    assert estimate_pass_at_k is estimator.estimate_pass_at_k
+
+    def imports(path):
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        return names + ["." * n.level + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+
+    assert not [m for m in imports(PASS_AT_K_METRIC_PATH) if m.startswith("trl_es")]
+    assert set(imports(estimator.__file__)) <= {"__future__", "numbers", "collections.abc", "numpy"}
+
+
 # ----------------------------------------------------------------------------------------------------------- drift
 
 
@@ -188,6 +208,35 @@ def test_weights_fingerprint_is_bitwise():
     assert weights_fingerprint(copy.deepcopy(model).double()) != weights_fingerprint(model)  # dtypes count
     with pytest.raises(TypeError, match="nn.Module"):
         weights_fingerprint({"w": torch.zeros(1)})
+
+
+def test_weights_fingerprint_value_is_stable():
+    """Recipes write the fingerprint into result files: its definition (SHA-256 of name|dtype|shape and raw bytes of
+    the sorted state dict) must not change. The values were computed by the original implementation."""
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7)
+        model.bias.copy_(torch.tensor([-1.5, 2.25]))
+    model.register_buffer("steps", torch.arange(4))
+    assert weights_fingerprint(model) == "70af1b28c00851458ed51f17a0ad90ccd7ed30691640070c5587722d88a75737"
+    assert weights_fingerprint(model.to(torch.bfloat16)) == (
+        "4a2e4db418ba033b17bec8663091bbd7d8eb391a5a12987cd26d4a6004b2e5f1"
+    )
+
+
+def test_tensors_fingerprint_names_shapes_and_size():
+    from trl_es.fingerprint import tensors_fingerprint
+
+    model = nn.Linear(3, 2)
+    state = dict(sorted(model.state_dict().items()))
+    assert tensors_fingerprint(state).hex() == weights_fingerprint(model)
+    assert tensors_fingerprint(state, digest_size=16) == tensors_fingerprint(state)[:16]
+    assert tensors_fingerprint(list(state.values())) != tensors_fingerprint(state)  # unnamed: named by position
+    assert tensors_fingerprint([torch.zeros(2, 3)]) != tensors_fingerprint([torch.zeros(3, 2)])  # shapes count
+    transposed = torch.arange(6.0).reshape(2, 3).T
+    assert tensors_fingerprint([transposed]) == tensors_fingerprint([transposed.contiguous()])
+    with pytest.raises(ValueError, match="digest_size"):
+        tensors_fingerprint(state, digest_size=33)
 
 
 def test_group_name():

@@ -16,6 +16,7 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import merge_utils
 from transformers import TrainerCallback
 
+from trl_es.es.cma_search import CMASearch, stand_in_fitness
 from trl_es.merging import (
     Genome,
     GenomeSpace,
@@ -29,7 +30,7 @@ from trl_es.merging import (
 )
 from trl_es.merging.dare_ties import seeded_rng
 from trl_es.trainer.hyper_es_config import HyperESConfig
-from trl_es.trainer.hyper_es_trainer import CMASearch, HyperESTrainer
+from trl_es.trainer.hyper_es_trainer import HyperESTrainer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Q0 = "model.layers.0.self_attn.q_proj"
@@ -352,6 +353,21 @@ def test_cma_search_is_seeded_bounded_and_isolated():
     assert all(x.min() >= 0.0 and x.max() <= 1.0 for x in xa)
     assert not np.array_equal(CMASearch(np.full(5, 0.5), 0.3, seed=1).ask()[0], xa[0])
     assert a.best_fitness == max(-float(np.sum((x - 0.2) ** 2)) for x in xa) and a.generation == 1
+
+
+def test_cma_search_lives_in_the_es_room_and_old_checkpoints_still_unpickle():
+    import trl_es.es
+    import trl_es.trainer.hyper_es_trainer as hyper_es_trainer
+
+    assert CMASearch.__module__ == "trl_es.es.cma_search" and trl_es.es.CMASearch is CMASearch
+    # Checkpoints written before the move pickled the class as trl_es.trainer.hyper_es_trainer.CMASearch.
+    assert hyper_es_trainer.CMASearch is CMASearch
+
+
+def test_stand_in_fitness_is_the_worst_finite_one():
+    assert stand_in_fitness([0.2, math.nan, -0.5, math.inf]) == [0.2, -0.5, -0.5, -0.5]
+    assert stand_in_fitness([math.nan, math.nan]) == [0.0, 0.0]
+    assert stand_in_fitness([0.1, 0.3]) == [0.1, 0.3]
 
 
 def test_cma_beats_uniform_merge_on_a_toy_fitness(tiny_llama, delta_set, tmp_path):

@@ -1,9 +1,10 @@
 """The ES algorithm on any ``nn.Module``: noise, perturbations, fitness shaping, the update, population evaluation,
-the seed log.
+the seed log; and CMA-ES in the unit box (:mod:`.cma_search`, Hyper-ES's search over merge coefficients).
 
 Nothing here imports TRL or ``transformers.Trainer``.
 """
 
+from .cma_search import CMASearch, stand_in_fitness
 from .noise import (
     NOISE_BLOCK_SIZE,
     NOISE_SOURCES,
@@ -45,6 +46,7 @@ __all__ = [
     "NOISE_SOURCES",
     "POPULATION_BACKENDS",
     "BatchedLowRankPopulation",
+    "CMASearch",
     "DeviceGaussianNoise",
     "GaussianNoise",
     "GaussianPerturbation",
@@ -77,4 +79,5 @@ __all__ = [
     "sample_population",
     "select_parameters",
     "shape_fitness",
+    "stand_in_fitness",
 ]

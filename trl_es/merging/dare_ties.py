@@ -235,16 +235,6 @@ class MergeApplier:
         self.state = k
 
     @torch.no_grad()
-    def apply_deltas(self, deltas: dict[str, torch.Tensor]) -> None:
-        """Put arbitrary full deltas (module name -> tensor) into the model; other target modules get ``W0``."""
-        for name in self.delta_set.module_names:
-            if name in deltas:
-                self._write(name, deltas[name].to(self.device))
-            else:
-                self.weights[name].copy_(self.base[name])
-        self.state = "deltas"
-
-    @torch.no_grad()
     def restore(self) -> None:
         """Copy the base weights back (bitwise)."""
         for name, weight in self.weights.items():

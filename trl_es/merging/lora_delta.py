@@ -168,12 +168,6 @@ class LoraDeltaSet:
         return self
 
     @classmethod
-    def from_peft_model(cls, peft_model: PeftModel, adapter_names: Sequence[str] | None = None) -> LoraDeltaSet:
-        """Read several adapters loaded in one ``PeftModel`` (all of them by default)."""
-        names = list(adapter_names) if adapter_names is not None else list(peft_model.peft_config)
-        return cls([extract_lora_factors(peft_model, n) for n in names], names)
-
-    @classmethod
     def from_adapters(
         cls,
         base_model: nn.Module,

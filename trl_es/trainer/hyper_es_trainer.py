@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -24,160 +23,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, rotate_checkpoints
 from trl.trainer.base_trainer import _BaseTrainer
 
+# CMASearch is also imported so that checkpoints pickled as trl_es.trainer.hyper_es_trainer.CMASearch still load.
+from ..es.cma_search import CMASearch, stand_in_fitness
 from ..es.population import member_indices, member_seed
-from ..files import SAVED_MODEL_FILES, atomic_path, require_files
+from ..files import SAVED_MODEL_FILES, require_files
 from ..merging.dare_ties import MergeApplier
 from ..merging.genome import Genome, GenomeSpace
 from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
+from .hyper_es_checkpoint import GENOME_NAME, load_search_checkpoint, save_search_checkpoint
 from .hyper_es_config import HyperESConfig
 from .scoring import RewardScorer, build_generation_config, score_model, validate_dataset
 
 logger = logging.getLogger(__name__)
 
-STATE_NAME = "hyper_es_state.pkl"
-GENOME_NAME = "best_genome.json"
-TRAINER_STATE_NAME = "trainer_state.json"
-
 FitnessFn = Callable[[nn.Module, Genome], float]
-
-
-class CMASearch:
-    """pycma's ask/tell in the unit box ``[0, 1]^n``, maximizing, with a private and checkpointed numpy RNG.
-
-    By default pycma samples from numpy's *global* RNG (``np.random.randn``) and seeds it from ``opts["seed"]``
-    (``0``/``None`` meaning "from the clock"). Here pycma samples from a private ``np.random.RandomState(seed)``
-    (pycma's ``randn`` option; its own seeding is switched off with ``seed=nan``), and the global RNG is also swapped
-    for a private state around every ``ask``/``tell`` in case pycma draws from it elsewhere. So the search is
-    reproducible from ``seed`` alone (any integer, 0 included), does not disturb the caller's numpy RNG, and a pickle
-    of this object (pycma's ``CMAEvolutionStrategy`` pickles, with its sampler's RNG) resumes bit-for-bit.
-
-    Args:
-        x0 (`np.ndarray`): Initial mean, shape ``(n,)``, in ``[0, 1]``.
-        sigma0 (`float`): Initial step size (unit-box units).
-        popsize (`int`, *optional*): Population size; pycma's default ``4 + floor(3 ln n)`` when `None`.
-        seed (`int`): Seed of the sampling RNG.
-        options (`dict`, *optional*): Extra pycma options, applied last.
-        top_k (`int`, defaults to 5): How many of the best candidates told so far are kept in :attr:`top`.
-    """
-
-    def __init__(
-        self,
-        x0: np.ndarray,
-        sigma0: float,
-        popsize: int | None = None,
-        seed: int = 0,
-        options: dict | None = None,
-        top_k: int = 5,
-    ):
-        import cma
-
-        self._rng = np.random.RandomState(seed)
-        self._rng_state = np.random.RandomState(seed + 1).get_state()
-        opts = {
-            "bounds": [0.0, 1.0],
-            "randn": self._rng.randn,  # pickled with the strategy: resume continues the same stream
-            "seed": float("nan"),  # no pycma seeding: this object owns the RNG state
-            "verbose": -9,
-            "verb_log": 0,
-            "verb_disp": 0,
-            # Rewards are often discrete (accuracy) and greedy decoding makes plateaus common: pycma's flat-fitness
-            # and function-value tolerances would stop the search early. The budget (max_generations) is enforced by the
-            # caller's loop, not pycma's ``maxiter``, so a resumed run may extend it.
-            "tolflatfitness": 10**9,
-            "tolfun": 0.0,
-            "tolfunhist": 0.0,
-        }
-        if popsize is not None:
-            opts["popsize"] = int(popsize)
-        opts.update(options or {})
-        with self._numpy_rng():
-            self.es = cma.CMAEvolutionStrategy(np.asarray(x0, dtype=np.float64), float(sigma0), opts)
-        self.best_x: np.ndarray | None = None
-        self.best_fitness = -math.inf
-        self.best_tag = None
-        self.top_k = int(top_k)
-        self.top: list[tuple[float, np.ndarray, object]] = []  # (fitness, x, tag), highest first
-        self.num_told = 0  # candidates told
-        self.num_finite = 0  # ... of which had a finite fitness
-
-    @contextlib.contextmanager
-    def _numpy_rng(self):
-        outer = np.random.get_state()
-        np.random.set_state(self._rng_state)
-        try:
-            yield
-        finally:
-            self._rng_state = np.random.get_state()
-            np.random.set_state(outer)
-
-    @property
-    def popsize(self) -> int:
-        return int(self.es.popsize)
-
-    @property
-    def generation(self) -> int:
-        """Completed generations (pycma ``countiter``)."""
-        return int(self.es.countiter)
-
-    @property
-    def sigma(self) -> float:
-        return float(self.es.sigma)
-
-    @property
-    def mean(self) -> np.ndarray:
-        """The distribution mean, inside the box (pycma ``result.xfavorite``, clipped)."""
-        return np.clip(np.asarray(self.es.result.xfavorite, dtype=np.float64), 0.0, 1.0)
-
-    def ask(self) -> list[np.ndarray]:
-        """Sample one generation, every vector in ``[0, 1]^n``."""
-        with self._numpy_rng():
-            return [np.asarray(x, dtype=np.float64) for x in self.es.ask()]
-
-    def tell(
-        self,
-        xs: Sequence[np.ndarray],
-        fitness: Sequence[float],
-        tags: Sequence | None = None,
-        scored: Sequence[bool] | None = None,
-    ) -> None:
-        """Report the fitness (to *maximize*) of the vectors from the last :meth:`ask`.
-
-        Args:
-            xs (`Sequence[np.ndarray]`): The vectors of the last :meth:`ask`.
-            fitness (`Sequence[float]`): One fitness per vector, none NaN.
-            tags (`Sequence`, *optional*): One tag per vector, kept with the best vector (:attr:`best_tag`) and in
-                :attr:`top`.
-            scored (`Sequence[bool]`, *optional*): Whether each fitness was measured (``False``: a stand-in for a
-                candidate without any reward). Unscored vectors still steer pycma but never become :attr:`best_x`
-                or enter :attr:`top`. Default: all scored.
-
-        Raises:
-            ValueError: if a fitness is NaN (replace it before telling).
-        """
-        fitness = [float(f) for f in fitness]
-        if any(math.isnan(f) for f in fitness):
-            raise ValueError("CMASearch.tell got a NaN fitness; replace it by a finite value first.")
-        tags = list(tags) if tags is not None else [None] * len(fitness)
-        scored = list(scored) if scored is not None else [True] * len(fitness)
-        if not hasattr(self, "top"):  # a search pickled before top-k bookkeeping existed
-            self.top_k, self.top, self.num_told, self.num_finite = 5, [], 0, 0
-        for x, f, tag, measured in zip(xs, fitness, tags, scored, strict=True):
-            self.num_told += 1
-            if not measured:
-                continue
-            self.num_finite += 1
-            if f > self.best_fitness:
-                self.best_fitness, self.best_x, self.best_tag = f, np.array(x, dtype=np.float64), tag
-            if len(self.top) < self.top_k or f > self.top[-1][0]:
-                self.top.append((f, np.array(x, dtype=np.float64), tag))
-                self.top.sort(key=lambda item: -item[0])  # stable: earlier candidates first among equals
-                del self.top[self.top_k :]
-        with self._numpy_rng():
-            self.es.tell(list(xs), [-f for f in fitness])
-
-    def stop(self) -> dict:
-        """pycma's termination conditions met so far (empty dict: keep going)."""
-        return dict(self.es.stop())
 
 
 class HyperESTrainer(_BaseTrainer):
@@ -375,27 +234,6 @@ class HyperESTrainer(_BaseTrainer):
             torch.distributed.all_reduce(fitness)
         return fitness.cpu().tolist()
 
-    def evaluate_population(self, xs: Sequence[np.ndarray], rows: list[dict], generation: int) -> list[float]:
-        """Score every candidate of ``generation`` (see :meth:`score_genomes`).
-
-        Returns:
-            `list[float]`: One fitness per candidate; NaN (every reward ``None``) is replaced by the generation's
-            worst finite fitness (0.0 if none is finite).
-        """
-        genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
-        return self._replace_non_finite(self.score_genomes(genomes, rows), generation)
-
-    @staticmethod
-    def _replace_non_finite(values: list[float], generation: int) -> list[float]:
-        finite = [f for f in values if math.isfinite(f)]
-        if len(finite) < len(values):
-            worst = min(finite) if finite else 0.0
-            logger.warning(
-                f"Generation {generation}: {len(values) - len(finite)} candidate(s) had no reward; scored {worst}."
-            )
-            values = [f if math.isfinite(f) else worst for f in values]
-        return values
-
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run CMA-ES for ``max_generations`` generations (or until pycma's termination criteria), then put the final
         merge (``final_genome``) into the model.
@@ -449,10 +287,13 @@ class HyperESTrainer(_BaseTrainer):
             rows = self.fitness_rows(generation)
             genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
             raw = self.score_genomes(genomes, rows)
-            fitness = self._replace_non_finite(raw, generation)
-            search.tell(
-                xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=[math.isfinite(f) for f in raw]
-            )
+            scored = [math.isfinite(f) for f in raw]
+            fitness = stand_in_fitness(raw)  # NaN where no reward: the generation's worst (CMASearch.tell takes no NaN)
+            if not all(scored):
+                logger.warning(
+                    f"Generation {generation}: {scored.count(False)} candidate(s) had no reward; scored {min(fitness)}."
+                )
+            search.tell(xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=scored)
             self.state.global_step = search.generation
             self.state.epoch = None
             best = int(np.argmax(fitness))
@@ -555,44 +396,18 @@ class HyperESTrainer(_BaseTrainer):
     # ---- Checkpoints ----
 
     def _save_checkpoint_state(self) -> str:
-        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.search.generation}")
+        search = self.search
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{search.generation}")
         if self.args.should_save:
-            os.makedirs(folder, exist_ok=True)
-            payload = {
-                "version": 1,
-                "search": self.search,
-                "history": self.history,
-                "space_dim": self.space.dim,
-                "group_names": self.space.group_names,
-                "adapter_names": self.space.adapter_names,
-            }
-            if self.search.best_x is not None:
-                self.candidate_genome(self.search.best_x, *self.search.best_tag).save_json(
-                    os.path.join(folder, GENOME_NAME)
-                )
-            with atomic_path(os.path.join(folder, TRAINER_STATE_NAME)) as tmp:
-                self.state.save_to_json(tmp)
-            # The CMA-ES state last: a checkpoint folder that holds it is complete (resuming needs it).
-            with atomic_path(os.path.join(folder, STATE_NAME)) as tmp, open(tmp, "wb") as f:
-                pickle.dump(payload, f)
+            best = self.candidate_genome(search.best_x, *search.best_tag) if search.best_x is not None else None
+            save_search_checkpoint(folder, search, self.history, self.space, self.state, best_genome=best)
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
         return folder
 
     def _load_checkpoint(self, folder: str) -> None:
-        from transformers.trainer_callback import TrainerState
-
-        with open(os.path.join(folder, STATE_NAME), "rb") as f:
-            payload = pickle.load(f)  # our own checkpoint format (pycma's state pickles)
-        if payload["space_dim"] != self.space.dim or payload["adapter_names"] != self.space.adapter_names:
-            raise ValueError(
-                f"Checkpoint {folder!r} was made for {payload['space_dim']} coefficients over adapters "
-                f"{payload['adapter_names']}; this trainer has {self.space.dim} over {self.space.adapter_names}."
-            )
-        self.search = payload["search"]
-        self.history = payload["history"]
-        state_file = os.path.join(folder, TRAINER_STATE_NAME)
-        if os.path.exists(state_file):
-            self.state = TrainerState.load_from_json(state_file)
+        self.search, self.history, state = load_search_checkpoint(folder, self.space)
+        if state is not None:
+            self.state = state
         self.state.global_step = self.search.generation
         logger.info(f"Resumed Hyper-ES from {folder} at generation {self.search.generation}.")
 

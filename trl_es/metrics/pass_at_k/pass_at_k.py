@@ -7,7 +7,9 @@ Load it offline from the installed package with ``trl_es.analysis.load_pass_at_k
 import datasets
 import evaluate
 
-from trl_es.analysis.pass_at_k import estimate_pass_at_k
+# The one implementation of the estimator, pure numpy; evaluate.load copies this relative import along. No comment on
+# the import line itself: evaluate would read it as the URL of an external file.
+from .estimator import estimate_pass_at_k
 
 _CITATION = """\
 @article{chen2021codex,

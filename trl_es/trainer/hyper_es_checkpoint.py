@@ -1,0 +1,83 @@
+"""Hyper-ES checkpoint files: what ``checkpoint-<generation>/`` holds, written and read back.
+
+A checkpoint folder holds ``hyper_es_state.pkl`` (the pickled :class:`~trl_es.es.cma_search.CMASearch`, its history
+and the shape of the genome space it was made for), ``best_genome.json`` (the best candidate so far, when there is
+one) and ``trainer_state.json``. No model weights: the merge is rebuilt from a genome and the adapters. Every file is
+written atomically (:func:`trl_es.files.atomic_path`) and the search state last, so a folder that holds it is
+complete. Checkpoints are pickles: only load your own.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+from transformers.trainer_callback import TrainerState
+
+from ..es.cma_search import CMASearch
+from ..files import atomic_path
+from ..merging.genome import Genome, GenomeSpace
+
+__all__ = ["GENOME_NAME", "STATE_NAME", "TRAINER_STATE_NAME", "load_search_checkpoint", "save_search_checkpoint"]
+
+STATE_NAME = "hyper_es_state.pkl"
+GENOME_NAME = "best_genome.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+def save_search_checkpoint(
+    folder: str,
+    search: CMASearch,
+    history: list[dict],
+    space: GenomeSpace,
+    trainer_state: TrainerState,
+    best_genome: Genome | None = None,
+) -> None:
+    """Write a checkpoint of the search into ``folder`` (created if needed).
+
+    Args:
+        folder (`str`): The ``checkpoint-<generation>`` folder.
+        search (`CMASearch`): The search, pickled with its sampler's RNG (resuming continues it bit for bit).
+        history (`list[dict]`): The per-generation records so far.
+        space (`GenomeSpace`): The genome space; its size and adapter names are recorded to check a resume.
+        trainer_state (`TrainerState`): Saved as ``trainer_state.json``.
+        best_genome (`Genome`, *optional*): The best candidate so far, saved as ``best_genome.json``.
+    """
+    os.makedirs(folder, exist_ok=True)
+    payload = {
+        "version": 1,
+        "search": search,
+        "history": history,
+        "space_dim": space.dim,
+        "group_names": space.group_names,
+        "adapter_names": space.adapter_names,
+    }
+    if best_genome is not None:
+        best_genome.save_json(os.path.join(folder, GENOME_NAME))
+    with atomic_path(os.path.join(folder, TRAINER_STATE_NAME)) as tmp:
+        trainer_state.save_to_json(tmp)
+    # The CMA-ES state last: a checkpoint folder that holds it is complete (resuming needs it).
+    with atomic_path(os.path.join(folder, STATE_NAME)) as tmp, open(tmp, "wb") as f:
+        pickle.dump(payload, f)
+
+
+def load_search_checkpoint(folder: str, space: GenomeSpace) -> tuple[CMASearch, list[dict], TrainerState | None]:
+    """Read back what :func:`save_search_checkpoint` wrote.
+
+    Returns:
+        `(CMASearch, list[dict], TrainerState | None)`: The search, its history, and the Trainer state (`None` when
+        the folder has no ``trainer_state.json``).
+
+    Raises:
+        ValueError: If the checkpoint was made for another genome space (size or adapters).
+    """
+    with open(os.path.join(folder, STATE_NAME), "rb") as f:
+        payload = pickle.load(f)  # our own checkpoint format (pycma's state pickles)
+    if payload["space_dim"] != space.dim or payload["adapter_names"] != space.adapter_names:
+        raise ValueError(
+            f"Checkpoint {folder!r} was made for {payload['space_dim']} coefficients over adapters "
+            f"{payload['adapter_names']}; this trainer has {space.dim} over {space.adapter_names}."
+        )
+    state_file = os.path.join(folder, TRAINER_STATE_NAME)
+    trainer_state = TrainerState.load_from_json(state_file) if os.path.exists(state_file) else None
+    return payload["search"], payload["history"], trainer_state
