@@ -251,3 +251,80 @@ def test_checkpoint_holds_the_sft_optimizer_and_resume_restores_it(tokenizer, da
     resumed.train(resume_from_checkpoint=str(checkpoint))
     states = resumed.sft_step.optimizer.state.values()
     assert states and all(float(s["step"]) == 2.0 for s in states)  # 1 step from the checkpoint + 1 after resuming
+
+
+def test_shared_sft_fields_keep_each_configs_order_defaults_and_fallbacks(tmp_path):
+    """The sft_* fields are declared once (SFTAveragingFields); each config keeps its weight first, its defaults, and
+    its rule for None (GRPO: the host's learning_rate / max_grad_norm; ES: passed on as it is)."""
+    import dataclasses
+
+    from trl import TrlParser
+
+    sft_names = ["sft_weight", "sft_learning_rate", "sft_per_device_train_batch_size", "sft_max_length",
+                 "sft_completion_only_loss", "sft_max_grad_norm"]
+    for cls, weight in ((ParallelAveragingConfig, "rl_weight"), (ESParallelAveragingConfig, "es_weight")):
+        fields = dataclasses.fields(cls)
+        assert [f.name for f in fields][-7:] == [weight, *sft_names], cls.__name__
+        assert all(f.metadata.get("help") for f in fields[-7:]), cls.__name__  # TrlParser's --help for each
+    grpo = ParallelAveragingConfig(**grpo_kwargs(tmp_path), max_grad_norm=0.25)
+    assert (grpo.rl_weight, grpo.sft_weight, grpo.sft_learning_rate, grpo.sft_max_grad_norm) == (0.5, 0.5, None, None)
+    sft = grpo.sft_config()
+    assert (sft.learning_rate, sft.max_grad_norm, sft.per_device_train_batch_size, sft.max_length) == (
+        1e-2, 0.25, 8, 1024)
+    sft = ParallelAveragingConfig(**grpo_kwargs(tmp_path), sft_learning_rate=3e-3, sft_max_grad_norm=0.0).sft_config()
+    assert (sft.learning_rate, sft.max_grad_norm) == (3e-3, 0.0)
+    es = ESParallelAveragingConfig(output_dir=str(tmp_path))
+    assert (es.es_weight, es.sft_weight, es.sft_learning_rate, es.sft_max_grad_norm) == (0.5, 0.5, 1e-5, 1.0)
+    sft = es.sft_config()
+    assert (sft.learning_rate, sft.max_grad_norm, sft.completion_only_loss) == (1e-5, 1.0, None)
+    sft = ESParallelAveragingConfig(output_dir=str(tmp_path), sft_max_grad_norm=None, max_grad_norm=0.5).sft_config()
+    assert sft.max_grad_norm is None  # not ES's max_grad_norm
+    (parsed,) = TrlParser((ESParallelAveragingConfig,)).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--es_weight", "0.3", "--sft_weight", "0.7", "--sft_max_length", "64"])
+    assert (parsed.es_weight, parsed.sft_weight, parsed.sft_max_length) == (0.3, 0.7, 64)
+    (parsed,) = TrlParser((ParallelAveragingConfig,)).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true", "--rl_weight", "0.3",
+         "--sft_learning_rate", "1e-4"])
+    assert (parsed.rl_weight, parsed.sft_weight, parsed.sft_learning_rate) == (0.3, 0.5, 1e-4)
+
+
+def test_constructor_checks_name_each_trainer(tokenizer, data, tmp_path):
+    rl, sft = data
+    with pytest.raises(TypeError, match="^args must be a ParallelAveragingConfig, got GRPOConfig"):
+        ParallelAveragingTrainer("x", content_reward, args=GRPOConfig(**grpo_kwargs(tmp_path)), sft_dataset=sft)
+    with pytest.raises(TypeError, match="^args must be an ESParallelAveragingConfig, got ParallelAveragingConfig"):
+        ESParallelAveragingTrainer("x", content_reward, args=ParallelAveragingConfig(**grpo_kwargs(tmp_path)),
+                                   sft_dataset=sft)
+    with pytest.raises(ValueError, match="^ParallelAveragingTrainer needs an sft_dataset"):
+        ParallelAveragingTrainer("x", content_reward, args=ParallelAveragingConfig(**grpo_kwargs(tmp_path)),
+                                 train_dataset=rl)
+    with pytest.raises(ValueError, match="^ESParallelAveragingTrainer needs an sft_dataset"):
+        ESParallelAveragingTrainer("x", content_reward, args=ESParallelAveragingConfig(**es_kwargs(tmp_path)),
+                                   train_dataset=rl)
+
+
+def test_es_checkpoint_holds_the_sft_optimizer_and_resume_restores_it(tokenizer, data, tmp_path):
+    import shutil
+
+    from tiny import build_llama
+
+    rl, sft = data
+    config = ESParallelAveragingConfig(**es_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=1))
+    ESParallelAveragingTrainer(build_llama(tokenizer), content_reward, args=config, train_dataset=rl,
+                               sft_dataset=sft, processing_class=tokenizer).train()
+    checkpoint = tmp_path / "checkpoint-1"
+    saved = torch.load(checkpoint / "sft_optimizer.pt", weights_only=True)
+    assert saved["optimizer"]["state"] and all(float(s["step"]) == 1.0 for s in saved["optimizer"]["state"].values())
+    assert saved["lr_scheduler"]["last_epoch"] == 1
+    resumed = ESParallelAveragingTrainer(build_llama(tokenizer), content_reward, args=config, train_dataset=rl,
+                                         sft_dataset=sft, processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    states = resumed.sft_step.optimizer.state.values()
+    assert states and all(float(s["step"]) == 2.0 for s in states)  # 1 step from the checkpoint + 1 after resuming
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(checkpoint, incomplete)
+    (incomplete / "sft_optimizer.pt").unlink()
+    again = ESParallelAveragingTrainer(build_llama(tokenizer), content_reward, args=config, train_dataset=rl,
+                                       sft_dataset=sft, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="^Cannot resume ESParallelAveragingTrainer from .*: no sft_optimizer.pt"):
+        again.train(resume_from_checkpoint=str(incomplete))

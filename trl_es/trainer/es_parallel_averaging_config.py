@@ -5,11 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .es_config import ESConfig
+from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
 
 
+_ESWeightField = update_weight_field(
+    "es_weight",
+    "w_ES, the weight of the ES update: the ES step is taken with learning rate w_ES * alpha "
+    "(recorded in the seed log). Default 1/2, as the RL weight of arXiv 2606.04272.",
+)
+
+
 @dataclass
-class ESParallelAveragingConfig(ESConfig):
+class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
     r"""
     Configuration class for [`ESParallelAveragingTrainer`]: the parallel-averaging rule of *RL Excursions during
     Pre-Training* (arXiv 2606.04272) with an ES update in place of the RL update. Per ES iteration, from the snapshot
@@ -25,34 +33,17 @@ class ESParallelAveragingConfig(ESConfig):
 
     Every [`ESConfig`] field configures ES as in ``ESTrainer``. The SFT optimizer is ``optim`` with its keyword
     arguments (AdamW by default), the ``lr_scheduler_type`` schedule, at ``sft_learning_rate``. It needs
-    ``es_optimizer="es"``.
+    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.sft_averaging.SFTAveragingFields`, with
+    ES's own defaults of ``sft_learning_rate`` and ``sft_max_grad_norm`` (``None`` in them is passed on as it is: no
+    fallback to ES's ``learning_rate`` or ``max_grad_norm``).
     """
 
-    es_weight: float = field(
-        default=0.5,
-        metadata={"help": "w_ES, the weight of the ES update: the ES step is taken with learning rate w_ES * alpha "
-                  "(recorded in the seed log). Default 1/2, as the RL weight of arXiv 2606.04272."},
-    )
-    sft_weight: float = field(
-        default=0.5,
-        metadata={"help": "w_SFT, the weight of the SFT update Delta_SFT. Default 1/2 (arXiv 2606.04272)."},
-    )
+    _sft_host_defaults = ()  # ES's learning_rate is alpha, its max_grad_norm that of the ES gradient estimate
+
     sft_learning_rate: float = field(
         default=1e-5,
         metadata={"help": "Learning rate of the SFT optimizer (learning_rate is ES's alpha). Default 1e-5, the GRPO "
                   "learning rate of examples/scripts/compare_es_grpo.py."},
-    )
-    sft_per_device_train_batch_size: int = field(
-        default=8, metadata={"help": "SFT examples (prompt + target completion) per ES iteration. Ours."}
-    )
-    sft_max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Tokens per SFT example, truncated beyond; None = no truncation. Default 1024, SFTConfig's."},
-    )
-    sft_completion_only_loss: bool | None = field(
-        default=None,
-        metadata={"help": "SFT loss on completion tokens only. None (default): SFTTrainer's default, True for "
-                  "prompt-completion data."},
     )
     sft_max_grad_norm: float = field(
         default=1.0,

@@ -7,11 +7,19 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..arguments import check_finite_floats
+from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
 
 
+_RLWeightField = update_weight_field(
+    "rl_weight",
+    "w_RL, the weight of the RL (GRPO) update Delta_RL in theta_bar + w_RL Delta_RL + w_SFT "
+    "Delta_SFT. Default 1/2 (arXiv 2606.04272).",
+)
+
+
 @dataclass
-class ParallelAveragingConfig(GRPOConfig):
+class ParallelAveragingConfig(SFTAveragingFields, _RLWeightField, GRPOConfig):
     r"""
     Configuration class for [`ParallelAveragingTrainer`]: parallel averaging of an RL (GRPO) update and an SFT update,
     the rule of *RL Excursions during Pre-Training* (Bansal, Mohri, Qin et al. 2026, arXiv 2606.04272). Per step, from
@@ -27,7 +35,9 @@ class ParallelAveragingConfig(GRPOConfig):
     Every [`~trl.GRPOConfig`] field configures the RL side exactly as in ``GRPOTrainer`` (its optimizer, learning
     rate, schedule, generation, loss). The SFT side copies the optimizer class and its keyword arguments, the schedule
     type, precision and seed from these fields (see :func:`trl_es.trainer.sft_step.sft_config_from`), and takes the
-    ``sft_*`` fields below.
+    ``sft_*`` fields (:class:`~trl_es.trainer.sft_averaging.SFTAveragingFields`: ``sft_weight``,
+    ``sft_learning_rate`` (default ``None``: ``learning_rate``), ``sft_per_device_train_batch_size``,
+    ``sft_max_length``, ``sft_completion_only_loss``, ``sft_max_grad_norm`` (default ``None``: ``max_grad_norm``)).
     """
 
     # GRPOConfig's gradient checkpointing (on, TRL's default) under its transformers 5 name: the deprecated alias
@@ -41,36 +51,6 @@ class ParallelAveragingConfig(GRPOConfig):
         default=None,
         metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5). Default None: use "
                   "activation_checkpointing."},
-    )
-    rl_weight: float = field(
-        default=0.5,
-        metadata={"help": "w_RL, the weight of the RL (GRPO) update Delta_RL in theta_bar + w_RL Delta_RL + w_SFT "
-                  "Delta_SFT. Default 1/2 (arXiv 2606.04272)."},
-    )
-    sft_weight: float = field(
-        default=0.5,
-        metadata={"help": "w_SFT, the weight of the SFT update Delta_SFT. Default 1/2 (arXiv 2606.04272)."},
-    )
-    sft_learning_rate: float | None = field(
-        default=None,
-        metadata={"help": "Learning rate of the SFT optimizer. Default None: learning_rate (the RL side's)."},
-    )
-    sft_per_device_train_batch_size: int = field(
-        default=8, metadata={"help": "SFT examples (prompt + target completion) per step. Ours."}
-    )
-    sft_max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Tokens per SFT example (prompt + completion), truncated beyond; None = no truncation. "
-                  "Default 1024, SFTConfig's."},
-    )
-    sft_completion_only_loss: bool | None = field(
-        default=None,
-        metadata={"help": "SFT loss on completion tokens only. None (default): SFTTrainer's default, True for "
-                  "prompt-completion data."},
-    )
-    sft_max_grad_norm: float | None = field(
-        default=None,
-        metadata={"help": "Clip the SFT gradient to this norm (0 = no clipping). Default None: max_grad_norm."},
     )
 
     def __post_init__(self):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import torch
@@ -10,7 +9,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .parallel_averaging_config import ParallelAveragingConfig
-from .sft_step import SFT_STATE_NAME, SFTStep, sft_config_from
+from .sft_averaging import SFTAveragingTrainerMixin, restore_snapshot, snapshot
 
 __all__ = ["ParallelAveragingTrainer", "average_updates_"]
 
@@ -62,7 +61,7 @@ class _AverageAroundOptimizerStep(TrainerCallback):
         self.trainer._average_with_sft_step()
 
 
-class ParallelAveragingTrainer(GRPOTrainer):
+class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
     r"""GRPO and SFT updates averaged in parallel at every step (*RL Excursions during Pre-Training*, Bansal, Mohri,
     Qin, Alvarez-Melis, Kakade 2026, arXiv 2606.04272):
 
@@ -124,45 +123,19 @@ class ParallelAveragingTrainer(GRPOTrainer):
             }"""),
     }
 
-    def __init__(
-        self,
-        model,
-        reward_funcs,
-        args: ParallelAveragingConfig | None = None,
-        train_dataset=None,
-        sft_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        peft_config=None,
-    ):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = ParallelAveragingConfig(f"{name.split('/')[-1]}-ParallelAveraging")
-        if not isinstance(args, ParallelAveragingConfig):
-            raise TypeError(f"args must be a ParallelAveragingConfig, got {type(args).__name__}.")
-        if sft_dataset is None:
-            raise ValueError("ParallelAveragingTrainer needs an sft_dataset (the SFT side's data).")
-        super().__init__(
-            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
-        )
+    _averaging_config_class = ParallelAveragingConfig
+    _averaging_output_suffix = "-ParallelAveraging"
+    _averaging_update = "rl"
+
+    def _check_one_process(self) -> None:
         if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ParallelAveragingTrainer runs in one process, without DeepSpeed or FSDP: its SFT step "
                              "runs outside the Trainer's distributed wrapping.")
-        sft_args = sft_config_from(
-            args,
-            learning_rate=args.sft_learning_rate or args.learning_rate,
-            per_device_train_batch_size=args.sft_per_device_train_batch_size,
-            max_length=args.sft_max_length,
-            completion_only_loss=args.sft_completion_only_loss,
-            max_grad_norm=args.max_grad_norm if args.sft_max_grad_norm is None else args.sft_max_grad_norm,
-        )
-        self.sft_step = SFTStep(self.accelerator.unwrap_model(self.model), self.processing_class, sft_dataset,
-                                sft_args)
+
+    def _train_metrics(self):
+        return self._metrics["train"]
+
+    def _start_averaging(self) -> None:
         self._theta_bar: list[torch.Tensor] | None = None
         self.add_callback(_AverageAroundOptimizerStep(self))
 
@@ -170,49 +143,15 @@ class ParallelAveragingTrainer(GRPOTrainer):
         """Every trainable parameter of the (unwrapped) model, tied weights once."""
         return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
 
-    @torch.no_grad()
     def _snapshot_theta_bar(self) -> None:
-        self._theta_bar = [p.detach().clone() for p in self._averaged_parameters()]
+        self._theta_bar = snapshot(self._averaged_parameters())
 
     def _average_with_sft_step(self) -> None:
         """After the RL optimizer step: restore theta_bar, take the SFT step, write the weighted average."""
         if self._theta_bar is None:
             raise RuntimeError("The RL optimizer stepped without a theta_bar snapshot (on_pre_optimizer_step).")
         params, theta_bar = self._averaged_parameters(), self._theta_bar
-        with torch.no_grad():
-            theta_rl = [p.detach().clone() for p in params]
-            for p, bar in zip(params, theta_bar):
-                p.copy_(bar)
-        sft_metrics = self.sft_step.step(self.state.global_step)
-        with torch.no_grad():
-            rl_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm((a.float() - b.float()), dtype=torch.float64)
-                             for a, b in zip(theta_rl, theta_bar)]))
-            sft_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm((p.float() - b.float()), dtype=torch.float64)
-                             for p, b in zip(params, theta_bar)]))
-            average_updates_(params, theta_bar, theta_rl, self.args.rl_weight, self.args.sft_weight)
+        theta_rl = restore_snapshot(params, theta_bar)
+        self._sft_step_and_log(theta_rl, params, theta_bar, float32=True)
+        average_updates_(params, theta_bar, theta_rl, self.args.rl_weight, self.args.sft_weight)
         self._theta_bar = None
-        metrics = self._metrics["train"]
-        for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy"):
-            if key in sft_metrics:
-                metrics[f"sft/{key}"].append(sft_metrics[key])
-        metrics["update_norm/rl"].append(float(rl_norm))
-        metrics["update_norm/sft"].append(float(sft_norm))
-
-    # ------------------------------------------------------------------ checkpoints
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            self.sft_step.save(output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, SFT_STATE_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(f"Cannot resume ParallelAveragingTrainer from {checkpoint!r}: no {SFT_STATE_NAME} (the "
-                             "SFT optimizer's state).")
-        self.sft_step.create_scheduler(self.state.max_steps)
-        self.sft_step.load_state_dict(torch.load(path, weights_only=True))

@@ -6,7 +6,8 @@ its loss (``SFTTrainer.compute_loss``, through ``SFTTrainer.training_step``). It
 (the SFTTrainer's optimizer class and keyword arguments, AdamW by default) and learning-rate scheduler, so its
 moment estimates never mix with the other trainer's. The other trainer decides when an SFT step happens
 (:class:`~trl_es.trainer.parallel_averaging_trainer.ParallelAveragingTrainer`,
-:class:`~trl_es.trainer.es_parallel_averaging_trainer.ESParallelAveragingTrainer`).
+:class:`~trl_es.trainer.es_parallel_averaging_trainer.ESParallelAveragingTrainer`; what the two share, their
+``sft_*`` config fields included, is in :mod:`trl_es.trainer.sft_averaging`).
 
 Both trainers patch ``model.forward`` with TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), each with
 its own settings (GRPO's temperature, the SFT metrics). :class:`SFTStep` keeps the SFT patch aside and installs it
@@ -271,3 +272,9 @@ class SFTStep:
         """Restore :meth:`state_dict` (to resume)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def load(self, folder: str, num_training_steps: int) -> None:
+        """Resume from what :meth:`save` wrote to ``folder``: :meth:`create_scheduler` (over ``num_training_steps``,
+        if not yet created), then :meth:`load_state_dict` of ``folder/SFT_STATE_NAME``."""
+        self.create_scheduler(num_training_steps)
+        self.load_state_dict(torch.load(os.path.join(folder, SFT_STATE_NAME), weights_only=True))
