@@ -189,6 +189,36 @@ def test_train_on_the_test_split(tmp_path, tiny_model_dir):
     assert read_run_settings(str(tmp_path / "elsewhere")) == {}
 
 
+def test_train_stops_at_the_time_budget_on_a_held_out_point(tmp_path, tiny_model_dir, monkeypatch):
+    """--time_budget_minutes stops on trl_es.trainer.time_budget.TrainingClock after the first iteration past the
+    budget, and that iteration is evaluated during training (the curve ends on it) although eval_steps=100 would not
+    evaluate it."""
+    evaluations, training = [], []
+    train, evaluate = ESTrainer.train, ESTrainer.evaluate
+
+    def recording_train(self, *args, **kwargs):
+        training.append(True)
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            training.pop()
+
+    def recording_evaluate(self, *args, **kwargs):
+        evaluations.append((self.state.global_step, bool(training)))
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(ESTrainer, "train", recording_train)
+    monkeypatch.setattr(ESTrainer, "evaluate", recording_evaluate)
+    results = main_train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--report_to", "none",
+                          "--save_strategy", "no", "--max_steps", "5", "--population_size", "2",
+                          "--prompt_batch_size", "2", "--max_completion_length", "2", "--noise_table_size",
+                          str(1 << 20), "--num_train_prompts", "4", "--num_validation_prompts", "2",
+                          "--num_eval_prompts", "0", "--eval_strategy", "steps", "--eval_steps", "100",
+                          "--eval_before_training", "false", "--plot", "false", "--time_budget_minutes", "1e-9"])
+    assert results["iterations"] == 1 and results["curve"] == [{"step": 1, "accuracy": 0.0}]
+    assert evaluations == [(1, True)]  # at the stop, inside training; not again after it
+
+
 def main_train(args):
     import trl_es.cli
 
@@ -230,6 +260,8 @@ def test_task_arguments_validation():
         TaskArguments(eval_split="train")
     with pytest.raises(ValueError, match="num_validation_prompts must be an integer >= 0, got -1"):
         TaskArguments(num_validation_prompts=-1)
+    with pytest.raises(ValueError, match=r"time_budget_minutes must be >= 0 \(0 or unset: no budget\), got -1"):
+        TaskArguments(time_budget_minutes=-1.0)
 
 
 def test_console_script_help():

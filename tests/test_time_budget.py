@@ -27,6 +27,28 @@ def test_clock_stops_at_the_first_step_end_past_the_budget():
         TrainingClock(0)
 
 
+def test_clock_evaluates_at_the_stop_when_asked():
+    """evaluate_at_stop (``trl-es train --time_budget_minutes``): the stopping step also evaluates, so the accuracy
+    curve ends on a held-out point; never with eval_strategy "no", and not before the budget is reached."""
+    for eval_strategy, expected in (("steps", True), ("no", False)):
+        clock = TrainingClock(budget_seconds=0.05, evaluate_at_stop=True)
+        args, state = SimpleNamespace(eval_strategy=eval_strategy), SimpleNamespace(global_step=1)
+        control = SimpleNamespace(should_training_stop=False, should_evaluate=False)
+        clock.on_train_begin(args, state, control)
+        clock.on_step_end(args, state, control)
+        assert not control.should_training_stop and not control.should_evaluate  # before the budget
+        time.sleep(0.06)
+        state.global_step = 2
+        clock.on_step_end(args, state, control)
+        assert control.should_training_stop and control.should_evaluate is expected
+    plain = TrainingClock(budget_seconds=0.01)  # default: stops, leaves evaluation to the trainer's eval_strategy
+    control = SimpleNamespace(should_training_stop=False, should_evaluate=False)
+    plain.on_train_begin(None, state, control)
+    time.sleep(0.02)
+    plain.on_step_end(SimpleNamespace(eval_strategy="steps"), state, control)
+    assert control.should_training_stop and not control.should_evaluate
+
+
 def test_time_schedule_by_hand():
     clock = TrainingClock(100.0)
     schedule = TimeScheduleCallback(clock, learning_rate=0.01, budget_seconds=100.0, decay_fraction=0.4)

@@ -29,8 +29,6 @@ __all__ = [
     "check_finite_floats",
     "decode_dict_fields",
     "dict_valued_fields",
-    "es_config_kwargs",
-    "load_recipe",
     "parse_json_dict",
 ]
 
@@ -211,31 +209,3 @@ class TrlESParser(TrlParser):
         """Raise ``ValueError(message)`` (argparse would print usage and exit with status 2)."""
         raise ValueError(f"{self.prog}: error: {message}")
 
-
-def load_recipe(path: str) -> dict:
-    """A YAML recipe as a dict (an empty file gives ``{}``)."""
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
-
-
-def es_config_kwargs(recipe: dict, overrides: list[str]) -> dict:
-    """The recipe's ``ESConfig`` keys (others, such as task and model keys, are dropped), then ``key=value``
-    overrides whose values are parsed as YAML (the ``--es_overrides`` of the example scripts).
-
-    Raises:
-        ValueError: for an override that is not ``key=value`` with an ``ESConfig`` field as key.
-    """
-    import yaml
-
-    from trl_es import ESConfig
-
-    names = {f.name for f in dataclasses.fields(ESConfig) if f.init}
-    kwargs = {k: v for k, v in recipe.items() if k in names}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--es_overrides entries must be key=value with an ESConfig field as key, got {item!r}.")
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from trl_es.analysis import weights_fingerprint as fingerprint
-from trl_es.arguments import es_config_kwargs as recipe_es_config_kwargs
-from trl_es.arguments import load_recipe
+from trl_es.cli import es_config_kwargs as recipe_es_config_kwargs
+from trl_es.cli import load_recipe
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 #: Prior tasks: name -> (operator, low, high) of make_arithmetic_dataset_dict.

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainerCallback
 
-from trl_es.arguments import es_config_kwargs, load_recipe
+from trl_es.cli import es_config_kwargs, load_recipe
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 DEFAULT_RECIPE = os.path.normpath(

@@ -141,7 +141,7 @@ def sft_kwargs(args: ParallelRecipeArguments, output_dir: str, max_steps: int) -
 
 
 def es_kwargs(args: ParallelRecipeArguments, output_dir: str) -> dict:
-    from trl_es.arguments import es_config_kwargs, load_recipe
+    from trl_es.cli import es_config_kwargs, load_recipe
 
     kwargs = es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides)
     kwargs.update(output_dir=output_dir, max_steps=args.es_max_steps, eval_strategy="no", save_strategy="no",

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from trl_es.analysis import weights_fingerprint as fingerprint
-from trl_es.arguments import es_config_kwargs, load_recipe
+from trl_es.cli import es_config_kwargs, load_recipe
 from trl_es.files import is_main_process, write_json, write_text
 
 ARMS = {

@@ -4,7 +4,7 @@ Both are ``transformers.TrainerCallback``s, for any trainer (``ESTrainer``, TRL'
 methods "at the same wall-clock budget of training" needs a clock that every method reads the same way:
 :class:`TrainingClock` starts at ``on_train_begin`` (after model loading and trainer construction) and is checked at
 every step end; with several processes it is the slowest process's clock (a ``torch.distributed`` max), so all of
-them stop at the same step.
+them stop at the same step. ``trl-es train --time_budget_minutes`` stops on this clock too.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class TrainingClock(TrainerCallback):
     Args:
         budget_seconds (`float` or `None`): Stop once this much training time has passed; ``None`` = never (the
             trainer's ``max_steps`` ends the run, the clock only measures).
+        evaluate_at_stop (`bool`, defaults to `False`): At the step that reaches the budget, also evaluate (when
+            ``args.eval_strategy`` is not ``"no"``), so an accuracy curve ends on a held-out point at the stop
+            (``trl-es train --time_budget_minutes`` does).
 
     Attributes:
         training_seconds (`float`): Training time up to the last step end.
@@ -49,10 +52,11 @@ class TrainingClock(TrainerCallback):
         ValueError: if ``budget_seconds`` is not ``None`` and not ``> 0``.
     """
 
-    def __init__(self, budget_seconds: float | None = None):
+    def __init__(self, budget_seconds: float | None = None, evaluate_at_stop: bool = False):
         if budget_seconds is not None and not budget_seconds > 0:
             raise ValueError(f"budget_seconds must be > 0 or None, got {budget_seconds}.")
         self.budget_seconds = budget_seconds
+        self.evaluate_at_stop = evaluate_at_stop
         self.training_seconds = 0.0
         self.steps = 0
         self._start = None
@@ -65,6 +69,8 @@ class TrainingClock(TrainerCallback):
         self.steps = state.global_step
         if self.budget_seconds is not None and self.training_seconds >= self.budget_seconds:
             control.should_training_stop = True
+            if self.evaluate_at_stop:
+                control.should_evaluate = args.eval_strategy != "no"  # end on a held-out point for the curve
 
 
 class TimeScheduleCallback(TrainerCallback):

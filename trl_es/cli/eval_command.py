@@ -1,0 +1,219 @@
+"""``trl-es eval``: greedy accuracy, sampled pass@k and per-reward-function means on one split, graded with the
+run's settings (:data:`trl_es.cli.RUN_FILE`) unless a flag or a recipe says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from trl import ModelConfig
+
+from ..arguments import TrlESParser
+from ..files import write_json
+from ..trainer.es_config import ESConfig
+from .arguments import DEFAULT_MAX_NEW_TOKENS, EvalArguments, TaskArguments
+from .loading import load_model_and_tokenizer
+from .run_file import read_run_settings
+from .splits import task_splits
+
+
+def _split_config(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--config PATH`` (as TRL's ``TrlParser`` reads it), and ``PATH``."""
+    argv = list(argv)
+    if "--config" not in argv:
+        return argv, None
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise ValueError("--config needs a path to a YAML recipe.")
+    path = argv[index + 1]
+    del argv[index : index + 2]
+    return argv, path
+
+
+def _given_flags(dataclass_types, argv: list[str]) -> set[str]:
+    """The destinations of the flags written in ``argv`` (whatever their value)."""
+    probe = TrlESParser(dataclass_types)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    namespace, _ = probe.parse_known_args(argv)
+    return set(vars(namespace))
+
+
+#: EvalArguments setting -> the ESConfig key (in a recipe or trl_es_run.json) it is read from.
+_EVAL_SETTING_SOURCES = {
+    "max_new_tokens": "max_completion_length",
+    "sample_temperature": "temperature",
+    "top_p": "top_p",
+    "generation_kwargs": "generation_kwargs",
+    "chat_template_kwargs": "chat_template_kwargs",
+}
+_EVAL_DEFAULTS = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "sample_temperature": 1.0, "top_p": 1.0}
+_TASK_SETTINGS = ("task", "task_seed", "num_train_prompts", "num_validation_prompts", "num_eval_prompts",
+                  "countdown_json")
+
+
+def parse_eval_arguments(argv: list[str]):
+    """Parse ``trl-es eval`` arguments and resolve every setting: flag, then recipe, then run file, then default.
+
+    A ``--config`` recipe may be a training recipe: its ``trl-es eval`` keys are used as such, its ``ESConfig``
+    generation keys map to the eval settings (``max_completion_length`` -> ``max_new_tokens``, ``temperature`` ->
+    ``sample_temperature`` when ``> 0``, ``top_p``, ``generation_kwargs``, ``chat_template_kwargs``), its other
+    ``ESConfig`` keys are ignored. The run file is ``trl_es_run.json`` of ``--model_name_or_path``
+    (:func:`read_run_settings`).
+
+    Args:
+        argv (`list[str]`): Command-line arguments after ``eval``.
+
+    Returns:
+        (`tuple[TaskArguments, EvalArguments, ModelConfig, dict]`): The resolved arguments and, per resolved
+            setting, ``{"value": ..., "source": "flag" | "recipe" | "run" | "default"}``.
+
+    Raises:
+        ValueError: On bad flags (naming them), or recipe keys that are neither eval arguments nor ESConfig fields.
+    """
+    import yaml
+
+    dataclass_types = (TaskArguments, EvalArguments, ModelConfig)
+    parser = TrlESParser(dataclass_types, prog="trl-es eval")
+    argv, config_path = _split_config(argv)
+    recipe = {}
+    if config_path is not None:
+        with open(config_path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f) or {}
+        if not isinstance(recipe, dict):
+            raise ValueError(f"Config file {config_path} must contain a YAML mapping.")
+        for key, value in (recipe.pop("env", None) or {}).items():  # as TrlParser
+            os.environ[key] = str(value)
+    known = {action.dest for action in parser._actions}
+    es_fields = {f.name for f in dataclasses.fields(ESConfig)}
+    unknown = sorted(k for k in recipe if k not in known and k not in es_fields)
+    if unknown:
+        raise ValueError(
+            f"--config {config_path}: {unknown} are neither trl-es eval arguments nor ESConfig fields."
+        )
+    parser.set_defaults_with_config(**{k: v for k, v in recipe.items() if k in known})
+    given = _given_flags(dataclass_types, argv)
+    task_args, eval_args, model_args = parser.parse_args_into_dataclasses(argv)
+    run = read_run_settings(model_args.model_name_or_path)
+
+    settings = {}
+    for name in _TASK_SETTINGS:  # the parsed value already holds a flag's or the recipe's value
+        if name in given:
+            source = "flag"
+        elif name in recipe:
+            source = "recipe"
+        elif name in run:
+            source = "run"
+            setattr(task_args, name, run[name])
+        else:
+            source = "default"
+        settings[name] = {"value": getattr(task_args, name), "source": source}
+    for name, es_key in _EVAL_SETTING_SOURCES.items():
+        value = getattr(eval_args, name)
+        source = "flag" if name in given else "recipe" if name in recipe else None
+        for origin, values in (("recipe", recipe), ("run", run)):  # the ESConfig key, e.g. max_completion_length
+            candidate = values.get(es_key)
+            if source is not None or candidate is None:
+                continue
+            if name == "sample_temperature" and not candidate > 0:
+                continue  # trained with greedy decoding: sample at the default temperature
+            value, source = candidate, origin
+        if source is None:
+            value, source = _EVAL_DEFAULTS.get(name), "default"
+        setattr(eval_args, name, value)
+        settings[name] = {"value": value, "source": source}
+    TaskArguments.__post_init__(task_args)
+    EvalArguments.__post_init__(eval_args)  # checks (and JSON-decodes) the resolved values
+    return task_args, eval_args, model_args, settings
+
+
+def evaluate(argv: list[str]) -> dict:
+    """``trl-es eval``: greedy accuracy, sampled pass@1 and pass@k (Chen et al. 2021), per-reward-function means.
+
+    Grades exactly as training did unless told otherwise: the task, split sizes and generation settings come from
+    the model's ``trl_es_run.json`` (see :func:`parse_eval_arguments` for the order of precedence). One split
+    (``--split``, default test) is scored with greedy decoding (``accuracy_greedy``) and with ``num_samples`` (at
+    least 1) sampled completions per prompt at ``sample_temperature`` (``pass@1``, and ``pass@k`` for each
+    ``--pass_k``). A completion is correct when the task's answer reward (its last reward function) is above 0.5.
+    Every reward function's mean is reported under its distinct name (``greedy_rewards/<name>/mean``,
+    ``sampled_rewards/<name>/mean``).
+
+    Args:
+        argv (`list[str]`): Command-line arguments after ``eval``.
+
+    Returns:
+        `dict`: The metrics (also printed, and written to ``--output_file`` if given), with ``settings``: each
+            resolved setting's value and where it came from.
+
+    Raises:
+        ValueError: On bad arguments, ``pass_k`` above the number of samples, or an empty split.
+    """
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from ..analysis import mean_pass_at_k
+    from ..trainer.scoring import RewardScorer, build_generation_config, score_model
+
+    task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
+    num_samples = eval_args.num_samples or 1
+    if max(eval_args.pass_k) > num_samples:
+        raise ValueError(
+            f"pass_k values must be <= num_samples ({eval_args.num_samples}; 0 means one sample), got "
+            f"{eval_args.pass_k}; raise --num_samples."
+        )
+    task, splits = task_splits(task_args)
+    dataset = splits[eval_args.split]
+    if len(dataset) == 0:
+        raise ValueError(f"The {eval_args.split} split is empty; set its size (num_*_prompts) >= 1.")
+    state = PartialState()
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    model.to(state.device)
+    scorer = RewardScorer(task.reward_funcs)
+    answer = len(scorer.names) - 1  # the answer reward: > 0.5 = correct
+    rows = [dataset[i] for i in range(len(dataset))]
+    common = {"top_p": eval_args.top_p, "generation_kwargs": eval_args.generation_kwargs}
+    greedy = build_generation_config(tokenizer, eval_args.max_new_tokens, 0.0, **common)
+    sampled = build_generation_config(tokenizer, eval_args.max_new_tokens, eval_args.sample_temperature, **common)
+    local = []  # per prompt: greedy rewards per function, sampled rewards per function (n rows), correct samples
+    with state.split_between_processes(list(range(len(rows)))) as mine:
+        torch.manual_seed(task_args.task_seed + state.process_index)
+        for first in range(0, len(mine), eval_args.batch_size):
+            batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
+            out_greedy = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs)
+            out_sampled = score_model(
+                model, tokenizer, batch, scorer, sampled, num_samples, eval_args.chat_template_kwargs
+            )
+            per_func = out_sampled["rewards_per_func"].view(len(batch), num_samples, -1)
+            for j in range(len(batch)):
+                local.append((out_greedy["rewards_per_func"][j].tolist(), per_func[j].tolist(),
+                               int((per_func[j, :, answer] > 0.5).sum())))
+    results = gather_object(local)
+    metrics = {
+        "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
+        "sample_temperature": eval_args.sample_temperature, "max_new_tokens": eval_args.max_new_tokens,
+        "accuracy_greedy": sum(g[answer] > 0.5 for g, _, _ in results) / len(results),
+    }
+    for k in sorted({1, *eval_args.pass_k}):
+        metrics[f"pass@{k}"] = mean_pass_at_k(num_samples, [c for _, _, c in results], k)
+    for f, name in enumerate(scorer.names):
+        greedy_values = [g[f] for g, _, _ in results if g[f] == g[f]]  # NaN (None rewards) skipped
+        sampled_values = [s[f] for _, samples, _ in results for s in samples if s[f] == s[f]]
+        metrics[f"greedy_rewards/{name}/mean"] = sum(greedy_values) / len(greedy_values) if greedy_values else None
+        metrics[f"sampled_rewards/{name}/mean"] = (
+            sum(sampled_values) / len(sampled_values) if sampled_values else None
+        )
+    metrics["settings"] = settings
+    if state.is_main_process:
+        print(
+            f"{task.name} {eval_args.split} split, {len(results)} prompts: greedy accuracy "
+            f"{metrics['accuracy_greedy']:.3f} | sampled pass@1 {metrics['pass@1']:.3f} "
+            f"(temperature {eval_args.sample_temperature:g}, {num_samples} sample(s) per prompt, "
+            f"max_new_tokens {eval_args.max_new_tokens})"
+        )
+        print(json.dumps(metrics, indent=2))
+        if eval_args.output_file:
+            write_json(eval_args.output_file, metrics)
+    return metrics

@@ -1,0 +1,100 @@
+"""``trl-es train``: ES on a task, with its model, seed log, ``results.json``, run file and training curves."""
+
+from __future__ import annotations
+
+import os
+
+from trl import ModelConfig, get_peft_config
+
+from ..arguments import TrlESParser
+from ..files import write_json
+from ..trainer.es_config import ESConfig
+from ..trainer.reward_names import reward_func_names
+from ..trainer.time_budget import TrainingClock
+from .arguments import TaskArguments
+from .loading import load_model_and_tokenizer
+from .plotting import plot_training_curves
+from .run_file import RUN_FILE, run_settings
+from .splits import task_splits
+
+
+def _accuracy_name(task) -> str:
+    # The task's answer reward is its last reward function (countdown: [format, answer]); the trainers log it under
+    # its distinct name (trl_es.trainer.reward_names.reward_func_names).
+    return reward_func_names(task.reward_funcs)[-1]
+
+
+def train(argv: list[str]) -> dict:
+    """``trl-es train``: ES on a task; model, seed log, ``results.json``, ``trl_es_run.json`` and a plot in output_dir.
+
+    ``results.json`` holds ``accuracy_before``/``accuracy_after`` on the eval split (``--eval_split``, default
+    validation: what the trainer's evaluations read) and, when that is validation, ``test_accuracy_before``/
+    ``test_accuracy_after``: the test split scored once before and once after training, for reporting.
+
+    Args:
+        argv (`list[str]`): Command-line arguments after ``train``.
+
+    Returns:
+        `dict`: The contents of ``results.json``.
+
+    Raises:
+        ValueError: On bad arguments (naming the flag), or an empty eval split.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from ..trainer.es_trainer import ESTrainer
+
+    parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
+    task_args, es_args, model_args = parser.parse_args_and_config(argv)
+    hf_logging.set_verbosity_warning()
+    task, splits = task_splits(task_args)
+    split = task_args.eval_split
+    eval_dataset, test_dataset = splits[split], splits["test"]
+    if len(eval_dataset) == 0:
+        count = "num_validation_prompts" if split == "validation" else "num_eval_prompts"
+        raise ValueError(f"eval_split={split!r} is empty: set --{count} >= 1 (or choose the other --eval_split).")
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    if es_args.reward_weights is None:
+        es_args.reward_weights = task.reward_weights
+    trainer = ESTrainer(
+        model, task.reward_funcs, args=es_args, train_dataset=splits["train"], eval_dataset=eval_dataset,
+        processing_class=tokenizer, peft_config=get_peft_config(model_args),
+        callbacks=(
+            [TrainingClock(60.0 * task_args.time_budget_minutes, evaluate_at_stop=True)]
+            if task_args.time_budget_minutes else None
+        ),
+    )
+    if trainer.accelerator.is_main_process:
+        write_json(os.path.join(es_args.output_dir, RUN_FILE), run_settings(task_args, es_args))
+    name = _accuracy_name(task)
+    key, test_key = f"eval_rewards/{name}/mean", f"eval_test_rewards/{name}/mean"
+    score_test = split == "validation" and len(test_dataset) > 0 and task_args.score_test_split
+    results = {"task": task.name, "eval_split": split, "num_train_prompts": len(splits["train"]),
+               "num_validation_prompts": len(splits["validation"]), "num_test_prompts": len(test_dataset)}
+    if task_args.eval_before_training:
+        results["accuracy_before"] = trainer.evaluate()[key]
+        trainer.accelerator.print(f"{split} accuracy before training: {results['accuracy_before']:.3f}")
+        if score_test:
+            results["test_accuracy_before"] = trainer.evaluate(test_dataset, metric_key_prefix="eval_test")[test_key]
+            trainer.accelerator.print(f"test accuracy before training: {results['test_accuracy_before']:.3f}")
+    trainer.train(resume_from_checkpoint=es_args.resume_from_checkpoint)
+    last = [h for h in trainer.state.log_history if key in h and h.get("step") == trainer.state.global_step]
+    results["accuracy_after"] = last[-1][key] if last else trainer.evaluate()[key]
+    results["iterations"] = trainer.state.global_step
+    results["curve"] = [{"step": h["step"], "accuracy": h[key]} for h in trainer.state.log_history
+                        if key in h and "step" in h]
+    results["train_seconds"] = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h),
+                                    None)
+    trainer.accelerator.print(f"{split} accuracy after training: {results['accuracy_after']:.3f}")
+    if score_test:
+        results["test_accuracy_after"] = trainer.evaluate(test_dataset, metric_key_prefix="eval_test")[test_key]
+        trainer.accelerator.print(f"test accuracy after training: {results['test_accuracy_after']:.3f}")
+    trainer.save_model(es_args.output_dir)  # every process (ZeRO-3 gathers); checked where it is written
+    if trainer.accelerator.is_main_process:
+        if task_args.plot:
+            plot_training_curves(
+                trainer.state.log_history, key, os.path.join(es_args.output_dir, "training_curves.png"),
+                results.get("accuracy_before"), label=f"{split} accuracy (greedy)",
+            )
+        write_json(os.path.join(es_args.output_dir, "results.json"), results)  # last: marks a finished run
+    return results
