@@ -1,7 +1,7 @@
 """Cost of the ES noise sources: perturb + restore of every trained weight, and one update, per source and device.
 
 For a model's trained tensors (default: the SmolLM2-135M architecture with random weights, all 134.5M parameters),
-times ``GaussianPerturbation.perturb_`` + ``restore_`` for ``--members`` members and one ``es_update_`` over them,
+times ``GaussianPerturbation.perturb_`` + the restore (``TrainedParameters.render_``) for ``--members`` members and one ``es_update_`` over them,
 with each noise source of ``trl_es.es.noise``:
 
 - ``table``: slices of the shared 256 MiB table (memory-bound adds);
@@ -60,12 +60,12 @@ def main():
     for kind in args.sources:
         noise = make_noise_source(DEFAULT_TABLE_SIZE, kind, args.device)
         perturbation.perturb_(params, noise, members[0], 1e-3)  # warm-up: builds the table, loads kernels
-        perturbation.restore_(params)
+        params.render_()
         sync()
         start = time.perf_counter()
         for member in members:
             perturbation.perturb_(params, noise, member, 1e-3)
-            perturbation.restore_(params)
+            params.render_()
         sync()
         perturb = (time.perf_counter() - start) / len(members)
         start = time.perf_counter()

@@ -40,11 +40,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_es.es.noise import make_noise_source
-from trl_es.es.population import BatchedLowRankPopulation, MemberResult, Rollout, SequentialPopulation, sample_population
+from trl_es.es.population import BatchedLowRankPopulation, SequentialPopulation, sample_population
 from trl_es.es.update import TrainedParameters, select_parameters
 from trl_es.files import write_json
 from trl_es.generation import generate_completions, make_engine
-from trl_es.trainer.scoring import build_generation_config
+from trl_es.rollout import build_generation_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "smollm2_135m_config.json")
@@ -157,26 +157,16 @@ def main():
         assert all(len(row) == args.new_tokens for row in ids), "every completion must have new_tokens tokens"
         return ids
 
-    class BenchRollout(Rollout):
-        """ESTrainer's rollout contract: ``member(i)`` scores the model as it is, ``stacked`` many members."""
+    def member_loop(backend, noise):
+        """ESTrainer's member loop: each group of members applied (restored on exit), one generate per group."""
+        for group in backend.groups(indices):
+            with backend.apply(params, noise, [members[i] for i in group], args.sigma, model):
+                generate(prompts * len(group), groups=len(group))
 
-        def __init__(self, rows):
-            self.rows, self.model = rows, model
-
-        def member(self, index):
-            generate(self.rows)
-            return MemberResult(0.0)
-
-        def stacked(self, chunk):
-            generate(self.rows * len(chunk), groups=len(chunk))
-            return {i: MemberResult(0.0) for i in chunk}
-
-    rollout = BenchRollout(prompts)
     variants = {
         "(a) plain generate": lambda: generate(prompts * args.population),
-        "(b) sequential full-rank": lambda: sequential.evaluate(params, noise_full, members, indices, args.sigma,
-                                                                 rollout),
-        "(c) batched low-rank": lambda: batched.evaluate(params, noise_lowrank, members, indices, args.sigma, rollout),
+        "(b) sequential full-rank": lambda: member_loop(sequential, noise_full),
+        "(c) batched low-rank": lambda: member_loop(batched, noise_lowrank),
     }
     with torch.no_grad():  # warm-up: every variant once (kernels, compilation of its shapes, the noise table)
         for run in variants.values():

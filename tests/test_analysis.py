@@ -30,7 +30,7 @@ from trl_es.analysis import (
     update_cosine,
     weights_fingerprint,
 )
-from trl_es.analysis._common import group_name
+from trl_es.analysis.drift import group_name
 from trl_es.analysis.kl import _completion_mask
 
 LN2 = math.log(2.0)

@@ -18,9 +18,7 @@ from trl_es.es import (
     GaussianNoise,
     GaussianPerturbation,
     Member,
-    MemberResult,
     NoiseTable,
-    Rollout,
     SeedLog,
     SequentialPopulation,
     TrainedParameters,
@@ -36,6 +34,8 @@ from trl_es.es import (
     select_parameters,
     shape_fitness,
 )
+from population_loop import score_population
+
 from trl_es.es.anchor import FileAnchor, MemoryAnchor, make_anchor
 
 SMALL_TABLE = NoiseTable(NOISE_BLOCK_SIZE)
@@ -49,14 +49,6 @@ def perturb_(params, noise, member, sigma):
 
 def update_(params, noise, members, z, learning_rate):
     es_update_(params, GAUSSIAN, noise, members, z, learning_rate)
-
-
-class FunctionRollout(Rollout):
-    def __init__(self, fn):
-        self.fn = fn
-
-    def member(self, index):
-        return MemberResult(self.fn(index))
 
 
 def same_shape_model(dtype=torch.float32):
@@ -233,7 +225,7 @@ def check_perturb_restore_cycles(model, cycles: int):
     for i in range(cycles):
         perturb_(params, SMALL_TABLE, Member(i, 1 if i % 2 else -1), sigma=1e-2)
         assert not torch.equal(model[0].weight, before["0.weight"])
-        params.restore_()
+        params.render_()
     assert_bitwise_equal(state(model), before)
 
 
@@ -276,8 +268,15 @@ def test_exception_in_rollout_restores_weights(error):
             raise error("member 2 failed")
         return 1.0
 
+    seen = []
+
+    def score(group):
+        seen.append(list(group))
+        return {i: rollout(i) for i in group}
+
     with pytest.raises(error):
-        SequentialPopulation().evaluate(params, SMALL_TABLE, members, range(4), 0.1, FunctionRollout(rollout))
+        score_population(SequentialPopulation(), params, SMALL_TABLE, members, range(4), 0.1, score)
+    assert seen == [[0], [1], [2]]  # one member at a time, the failing one last
     assert_bitwise_equal(state(model), before)
 
 

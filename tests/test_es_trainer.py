@@ -396,7 +396,7 @@ def test_reward_model_is_accepted(tmp_path, tokenizer):
     metrics = trainer.evaluate()
     # The reward model scores prompt + completion (as GRPOTrainer does); check against a direct forward.
     rows = [prompts(4, offset=20)[i] for i in range(4)]
-    from trl_es.trainer.scoring import generate_completions, prompt_texts
+    from trl_es.rollout import generate_completions, prompt_texts
 
     texts, _ = generate_completions(trainer.model, tokenizer, prompt_texts(rows, tokenizer), trainer.generation_config)
     inputs = tokenizer([r["prompt"] + t for r, t in zip(rows, texts)], return_tensors="pt", padding=True,
@@ -582,7 +582,7 @@ def test_saving_into_the_base_model_folder_keeps_theta_0(tmp_path, tokenizer, ti
 
 
 def test_weighted_rewards_do_not_overflow(tmp_path, tokenizer):
-    from trl_es.trainer.scoring import RewardScorer
+    from trl_es.rollout import RewardScorer
 
     def big(completions, **kwargs):
         return [3e38] * len(completions)

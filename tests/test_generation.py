@@ -21,7 +21,7 @@ from trl_es.generation import (
     make_engine,
     resolve_engine_name,
 )
-from trl_es.trainer.scoring import build_generation_config
+from trl_es.rollout import build_generation_config
 
 LINEARS = r"(proj|lm_head)\.weight$"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

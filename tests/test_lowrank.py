@@ -14,9 +14,11 @@ from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
 from trl_es.es.noise import NoiseTable, full_noise
 from trl_es.es.perturbation import LowRankPerturbation, linear_weight_names, lowrank_perturbation
-from trl_es.es.population import BatchedLowRankPopulation, MemberResult, Rollout, make_population_backend
+from population_loop import score_population
+
+from trl_es.es.population import BatchedLowRankPopulation, make_population_backend
 from trl_es.es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
-from trl_es.trainer.scoring import build_generation_config, generate_completions
+from trl_es.rollout import build_generation_config, generate_completions
 
 SMALL_TABLE = 1 << 20
 LINEARS = r"(proj|lm_head)\.weight$"
@@ -49,9 +51,9 @@ def materialized(model, noise, member, sigma, rank, include=LINEARS):
     return copy_
 
 
-class StackedRollout(Rollout):
-    """The rollout contract of ESTrainer: ``stacked(indices)`` runs ONE greedy generate over the prompts repeated
-    once per member; member ``indices[k]`` owns rows ``[k * W, (k + 1) * W)``."""
+class StackedRollout:
+    """ESTrainer's rollout of a group: ONE greedy generate over the prompts repeated once per member of the group;
+    member ``group[k]`` owns rows ``[k * W, (k + 1) * W)``. Called with the group's members applied."""
 
     def __init__(self, model, tokenizer, prompts=PROMPTS, max_new_tokens=8, use_cache=True, fail=False):
         self.model, self.tokenizer, self.prompts = model, tokenizer, list(prompts)
@@ -59,10 +61,7 @@ class StackedRollout(Rollout):
         self.use_cache, self.fail = use_cache, fail
         self.ids, self.calls = {}, []
 
-    def member(self, index):
-        raise AssertionError("the batched backend must use rollout.stacked")
-
-    def stacked(self, indices):
+    def __call__(self, indices):
         self.calls.append(list(indices))
         _, ids = generate_completions(self.model, self.tokenizer, self.prompts * len(indices), self.config,
                                       use_cache=self.use_cache)
@@ -71,7 +70,12 @@ class StackedRollout(Rollout):
         width = len(self.prompts)
         for k, index in enumerate(indices):
             self.ids[index] = ids[k * width : (k + 1) * width]
-        return {index: MemberResult(float(sum(map(sum, self.ids[index])))) for index in indices}
+        return {index: float(sum(map(sum, self.ids[index]))) for index in indices}
+
+
+def evaluate(backend, params, noise, members, indices, sigma, rollout):
+    """The member loop over ``backend``'s groups with ``rollout`` (a :class:`StackedRollout`)."""
+    return score_population(backend, params, noise, members, indices, sigma, rollout, rollout.model)
 
 
 def greedy_ids(model, tokenizer, prompts=PROMPTS, max_new_tokens=8, use_cache=True):
@@ -149,10 +153,10 @@ def test_evaluate_generate_matches_materialized_members(tokenizer, noise, use_ca
     members, sigma = members3(), 0.05
     rollout = StackedRollout(model, tokenizer, use_cache=use_cache)
     backend = BatchedLowRankPopulation(noise_rank=2)
-    results = backend.evaluate(params, noise, members, [0, 1, 2], sigma, rollout)
+    results = evaluate(backend, params, noise, members, [0, 1, 2], sigma, rollout)
     assert rollout.calls == [[0, 1, 2]]  # one generate for all members
     assert sorted(results) == [0, 1, 2]
-    assert all(results[i].fitness == float(sum(map(sum, rollout.ids[i]))) for i in range(3))
+    assert all(results[i] == float(sum(map(sum, rollout.ids[i]))) for i in range(3))
     for i, member in enumerate(members):
         expected = greedy_ids(materialized(model, noise, member, sigma, 2), tokenizer, use_cache=use_cache)
         assert rollout.ids[i] == expected, i
@@ -166,10 +170,10 @@ def test_member_chunks_give_the_same_results(tokenizer, noise):
     params = TrainedParameters(select_parameters(model, LINEARS))
     members = members3() + [Member(29, -1)]
     whole = StackedRollout(model, tokenizer, max_new_tokens=5)
-    BatchedLowRankPopulation(noise_rank=1).evaluate(params, noise, members, [0, 1, 2, 3], 0.05, whole)
+    evaluate(BatchedLowRankPopulation(noise_rank=1), params, noise, members, [0, 1, 2, 3], 0.05, whole)
     chunked = StackedRollout(model, tokenizer, max_new_tokens=5)
-    results = BatchedLowRankPopulation(noise_rank=1, member_chunk_size=3).evaluate(
-        params, noise, members, [3, 1, 2, 0], 0.05, chunked)
+    results = evaluate(BatchedLowRankPopulation(noise_rank=1, member_chunk_size=3), params, noise, members,
+                       [3, 1, 2, 0], 0.05, chunked)
     assert chunked.calls == [[3, 1, 2], [0]]
     assert sorted(results) == [0, 1, 2, 3]
     assert chunked.ids == whole.ids
@@ -186,14 +190,14 @@ def test_adapters_are_registered_once_and_inactive_after_exception(tokenizer, no
     with torch.no_grad():
         before = model(**inputs).logits
     backend = BatchedLowRankPopulation(noise_rank=2)
-    backend.evaluate(params, noise, members3(), [0, 1, 2], 0.05, StackedRollout(model, tokenizer))
+    evaluate(backend, params, noise, members3(), [0, 1, 2], 0.05, StackedRollout(model, tokenizer))
     hooks = hook_ids(model)
     assert len(hooks) == len(params.entries)  # one persistent hook per targeted Linear
-    backend.evaluate(params, noise, members3(), [0, 1], 0.05, StackedRollout(model, tokenizer))
+    evaluate(backend, params, noise, members3(), [0, 1], 0.05, StackedRollout(model, tokenizer))
     assert hook_ids(model) == hooks  # nothing registered per call
     rollout = StackedRollout(model, tokenizer, fail=True)
     with pytest.raises(RuntimeError, match="reward function failed"):
-        backend.evaluate(params, noise, members3(), [0, 1, 2], 0.05, rollout)
+        evaluate(backend, params, noise, members3(), [0, 1, 2], 0.05, rollout)
     assert len(rollout.calls) == 1  # the perturbed generate ran before the failure
     assert not backend.adapters(model, params).active
     with torch.no_grad():
@@ -218,13 +222,13 @@ def test_non_linear_parameters_are_rejected(tokenizer, noise):
     rollout = StackedRollout(llama, tokenizer)
     norms = TrainedParameters(select_parameters(llama, r"(q_proj\.weight|norm\.weight)$"))
     with pytest.raises(ValueError, match="include_parameters") as error:
-        backend.evaluate(norms, noise, members3(), [0, 1, 2], 0.05, rollout)
+        evaluate(backend, norms, noise, members3(), [0, 1, 2], 0.05, rollout)
     assert "input_layernorm" in str(error.value) and "q_proj" not in str(error.value)
     assert rollout.calls == []
     qwen = build_qwen2(tokenizer)  # lm_head tied to the embeddings: not a plain Linear weight
     tied = TrainedParameters(select_parameters(qwen, r"embed_tokens"))
     with pytest.raises(ValueError, match="embed_tokens"):
-        backend.evaluate(tied, noise, members3(), [0, 1, 2], 0.05, StackedRollout(qwen, tokenizer))
+        evaluate(backend, tied, noise, members3(), [0, 1, 2], 0.05, StackedRollout(qwen, tokenizer))
     masters = [e.master.clone() for e in norms.entries]
     with pytest.raises(ValueError, match="low-rank noise"):
         es_update_(norms, backend.perturbation, noise, members3(), [1.0, 0.0, -1.0], 0.1)
@@ -232,12 +236,14 @@ def test_non_linear_parameters_are_rejected(tokenizer, noise):
     with pytest.raises(ValueError, match="include_parameters"):
         backend.check(norms, llama)
 
-    class NoModel(Rollout):
-        def member(self, index):
-            return MemberResult(0.0)
+    class NoModel:
+        model = None
+
+        def __call__(self, group):
+            return {i: 0.0 for i in group}
 
     with pytest.raises(ValueError, match="model"):
-        backend.evaluate(TrainedParameters(select_parameters(llama, LINEARS)), noise, members3(), [0], 0.05, NoModel())
+        evaluate(backend, TrainedParameters(select_parameters(llama, LINEARS)), noise, members3(), [0], 0.05, NoModel())
 
 
 # ---------------------------------------------------------------------------------------------- update
@@ -409,20 +415,18 @@ def test_optimizer_follows_shared_masters_that_moved(tmp_path, tokenizer):
 def test_sampling_chunks_draw_from_different_streams(tmp_path, tokenizer):
     """With sampling, each stacked generate call is seeded by its first member: two chunks of two members each do not
     replay the same random numbers, and the same call gives the same samples again."""
-    from trl_es.trainer.es_trainer import _PromptBatchRollout
-
-    args = es_args(tmp_path, temperature=1.0, member_chunk_size=2, include_parameters=None)
+    args = es_args(tmp_path, temperature=1.0, member_chunk_size=2, include_parameters=None, population_size=4)
     trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(8),
                         processing_class=tokenizer)
     members = [Member(5, 1), Member(5, -1), Member(9, 1), Member(9, -1)]
     rows = [prompts(4)[i] for i in range(4)]
+    trainer.args.sigma = 0.0  # every member is the unperturbed model: only the random streams differ
 
     def run():
-        rollout = _PromptBatchRollout(trainer, rows, step=0)
-        return trainer.population.evaluate(trainer.es_params, trainer.noise, members, [0, 1, 2, 3], 0.0, rollout)
+        return trainer._score_members(members, rows, step=0)  # the trainer's member loop
 
-    first, again = run(), run()  # sigma 0: every member is the unperturbed model, only the random streams differ
-    texts = {i: first[i].details["completions"] for i in range(4)}
-    assert texts == {i: again[i].details["completions"] for i in range(4)}
+    first, again = run(), run()
+    texts = {i: first[i].texts for i in range(4)}
+    assert texts == {i: again[i].texts for i in range(4)}
     assert texts[0] != texts[2]  # chunk [0, 1] and chunk [2, 3] used different streams
     trainer.population.close()

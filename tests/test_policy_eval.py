@@ -9,7 +9,7 @@ import torch
 from trl_es.analysis import TokenEntropyRecorder, evaluate_policy, greedy_accuracy, mean_completion_entropy
 from trl_es.generation import generate_completions
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
-from trl_es.trainer.scoring import build_generation_config, prompt_texts
+from trl_es.rollout import build_generation_config, prompt_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -146,7 +146,7 @@ class SplitAccuracy:
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 50):
         from trl_es.generation import EagerEngine
         from trl_es.tasks.arithmetic import arithmetic_reward
-        from trl_es.trainer.scoring import RewardScorer
+        from trl_es.rollout import RewardScorer
 
         self.tokenizer, self.rows, self.batch_size = tokenizer, rows, batch_size
         self.max_new_tokens = max_new_tokens
@@ -156,7 +156,7 @@ class SplitAccuracy:
     def __call__(self, model, max_new_tokens: int | None = None, temperature: float = 0.0, samples: int = 1) -> float:
         import torch
 
-        from trl_es.trainer.scoring import build_generation_config, score_model
+        from trl_es.rollout import build_generation_config, score_model
 
         rank, world = _world()
         mine = self.rows[rank::world]

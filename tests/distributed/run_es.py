@@ -92,7 +92,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     from transformers import AutoTokenizer, TrainerCallback
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.trainer.distributed import fingerprint, fingerprints_agree
+    from trl_es.fingerprint import tensors_fingerprint
+    from trl_es.trainer.distributed import fingerprints_agree
 
     extra["population_backend"] = backend
     if lean:
@@ -135,7 +136,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
                 return
             model = trainer.accelerator.unwrap_model(trainer.model)
             tensors = list(model.state_dict().values()) + list(trainer.es_params.master_state_dict().values())
-            checks.append(fingerprints_agree(fingerprint(tensors))[0])
+            checks.append(fingerprints_agree(tensors_fingerprint(tensors, digest_size=16))[0])
 
     model_or_path = model
     if skew_rank >= 0 and int(os.environ.get("RANK", "0")) == skew_rank:

@@ -18,7 +18,7 @@ from .diversity import binary_entropy, success_diversity, success_diversity_from
 from .drift import parameter_drift, tensor_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .fingerprint import weights_fingerprint
-from .kl import encode_prompts, off_task_kl, prompt_texts
+from .kl import encode_prompts, off_task_kl
 from .mode_connectivity import barrier, interpolate_models, lm_loss_fn, mode_connectivity, update_cosine
 from .pass_at_k import (
     PASS_AT_K_METRIC_PATH,
@@ -53,7 +53,6 @@ __all__ = [
     "parameter_drift",
     "pass_at_k",
     "plot_pass_at_k_curves",
-    "prompt_texts",
     "reset_small_updates",
     "success_diversity",
     "success_diversity_from_matrix",

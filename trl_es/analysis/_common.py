@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import re
 import warnings
 from collections.abc import Mapping
 
@@ -14,7 +13,6 @@ from torch import nn
 
 ModelLike = nn.Module | Mapping | str | os.PathLike
 
-_LAYER_INDEX = re.compile(r"^\d+$")
 
 
 def is_peft_model(model) -> bool:
@@ -129,16 +127,6 @@ def shared_names(*param_dicts: Mapping[str, torch.Tensor], labels: tuple[str, ..
     return common
 
 
-def group_name(param_name: str) -> str:
-    """Module-type group of a parameter: the last module name before the leaf (``weight``/``bias``/...), numeric
-    layer indices dropped. ``model.layers.3.self_attn.q_proj.weight`` -> ``q_proj``; ``lm_head.weight`` ->
-    ``lm_head``; a bare ``weight`` (no module) -> ``weight``."""
-    parts = [p for p in param_name.split(".") if not _LAYER_INDEX.match(p)]
-    if len(parts) <= 1:
-        return parts[0] if parts else param_name
-    return parts[-2]
-
-
 def check_taus_or_ts(values, name: str, lo: float | None = None, hi: float | None = None) -> list[float]:
     """A non-empty list of finite floats within ``[lo, hi]``."""
     if isinstance(values, (int, float)):
@@ -173,10 +161,3 @@ class eval_mode:
         for m, flag in zip(self.modules, self.flags):
             m.train(flag)
         return False
-
-
-def model_device(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")

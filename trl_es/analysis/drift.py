@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
 
-from ._common import ModelLike, group_name, named_float_params, shared_names
+from ._common import ModelLike, named_float_params, shared_names
 
-__all__ = ["parameter_drift", "tensor_drift"]
+__all__ = ["group_name", "parameter_drift", "tensor_drift"]
+
+_LAYER_INDEX = re.compile(r"^\d+$")
+
+
+def group_name(param_name: str) -> str:
+    """Module-type group of a parameter: the last module name before the leaf (``weight``/``bias``/...), numeric
+    layer indices dropped. ``model.layers.3.self_attn.q_proj.weight`` -> ``q_proj``; ``lm_head.weight`` ->
+    ``lm_head``; a bare ``weight`` (no module) -> ``weight``."""
+    parts = [p for p in param_name.split(".") if not _LAYER_INDEX.match(p)]
+    if len(parts) <= 1:
+        return parts[0] if parts else param_name
+    return parts[-2]
 
 
 def tensor_drift(

@@ -8,13 +8,23 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from ._common import ModelLike, eval_mode, load_model, model_device
+from ..generation.base import model_device
+from ._common import ModelLike, eval_mode, load_model
 
-__all__ = ["encode_prompts", "off_task_kl", "prompt_texts"]
+__all__ = ["encode_prompts", "off_task_kl"]
 
 
 def _render(tokenizer, prompts: Sequence) -> list[tuple[str, bool]]:
-    """(text, is_templated) per prompt; see :func:`prompt_texts`."""
+    """(text, is_templated) per prompt: a ``str`` as it is; a conversation (a non-empty list of ``{"role",
+    "content"}`` dicts, TRL's conversational format) through the chat template with the generation prompt, as
+    :func:`trl_es.rollout.prompt_texts` renders it.
+
+    Raises:
+        ValueError: if ``prompts`` is empty.
+        TypeError: if an element is neither a string nor a list of messages.
+    """
+    from ..rollout import prompt_texts
+
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)
@@ -25,7 +35,7 @@ def _render(tokenizer, prompts: Sequence) -> list[tuple[str, bool]]:
         if isinstance(p, str):
             out.append((p, False))
         elif isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
-            out.append((tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True), True))
+            out.append((prompt_texts([{"prompt": list(p)}], tokenizer)[0], True))
         else:
             raise TypeError(
                 f"prompts[{i}] must be a str or a non-empty list of {{'role', 'content'}} messages, "
@@ -34,37 +44,19 @@ def _render(tokenizer, prompts: Sequence) -> list[tuple[str, bool]]:
     return out
 
 
-def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
-    """Render prompts to text: a ``str`` is used as is; a conversation (list of ``{"role", "content"}`` dicts, the
-    TRL conversational format) goes through ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
-
-    Args:
-        tokenizer (PreTrainedTokenizerBase): the tokenizer (with a chat template for conversational prompts).
-        prompts (Sequence[str | list[dict]]): the prompts.
-
-    Returns:
-        list[str]: one text per prompt.
-
-    Raises:
-        ValueError: if ``prompts`` is empty.
-        TypeError: if an element is neither a string nor a list of messages.
-    """
-    return [text for text, _ in _render(tokenizer, prompts)]
-
-
 def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
     """Token ids of each prompt: strings are tokenized with the tokenizer's special tokens (e.g. BOS), rendered
     conversations without (the chat template already holds them).
 
     Args:
         tokenizer (PreTrainedTokenizerBase): the tokenizer.
-        prompts (Sequence[str | list[dict]]): the prompts (see :func:`prompt_texts`).
+        prompts (Sequence[str | list[dict]]): the prompts (see :func:`_render`).
 
     Returns:
         list[list[int]]: unpadded token ids per prompt.
 
     Raises:
-        ValueError, TypeError: as :func:`prompt_texts`; ValueError if a prompt encodes to no tokens.
+        ValueError, TypeError: as :func:`_render`; ValueError if a prompt encodes to no tokens.
     """
     out = []
     for i, (text, templated) in enumerate(_render(tokenizer, prompts)):
@@ -137,7 +129,7 @@ def off_task_kl(
         base_model (nn.Module | str): the reference model :math:`p_{\theta_0}` (same tokenizer).
         tokenizer (PreTrainedTokenizerBase): tokenizer of both models (not modified).
         prompts (Sequence[str | list[dict]]): off-task prompts; strings are used verbatim, conversations are
-            rendered with the chat template (see :func:`prompt_texts`).
+            rendered with the chat template (see :func:`_render`).
         max_new_tokens (int): maximum completion length, >= 1.
         num_samples (int): completions sampled per prompt, >= 1.
         seed (int): RNG seed for sampling.

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..generation.base import model_device
 from ._common import (
     ModelLike,
     check_taus_or_ts,
     eval_mode,
     load_model,
     merged_module,
-    model_device,
     named_float_params,
     shared_names,
 )

@@ -17,7 +17,7 @@ __all__ = ["evaluate_policy", "greedy_accuracy"]
 
 
 def _scorer(reward_funcs):
-    from ..trainer.scoring import RewardScorer
+    from ..rollout import RewardScorer
 
     return RewardScorer(list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
 
@@ -35,7 +35,7 @@ def greedy_accuracy(
     """Greedy accuracy: the fraction of prompts whose greedy completion scores above ``success_threshold``.
 
     A completion is correct when the **last** reward function (the task's answer reward, as ``trl-es eval`` reads it)
-    gives more than ``success_threshold``. Generation: :func:`trl_es.trainer.scoring.score_model` with the eager
+    gives more than ``success_threshold``. Generation: :func:`trl_es.rollout.score_model` with the eager
     engine and a shared prompt prefix, ``batch_size`` prompts per ``generate`` call.
 
     Args:
@@ -55,7 +55,7 @@ def greedy_accuracy(
         ValueError: if ``rows`` is empty.
     """
     from ..generation import EagerEngine
-    from ..trainer.scoring import build_generation_config, score_model
+    from ..rollout import build_generation_config, score_model
 
     if not rows:
         raise ValueError("greedy_accuracy needs at least one row.")
@@ -143,7 +143,7 @@ def evaluate_policy(
             ``temperature <= 0`` with ``num_samples > 0``.
     """
     from ..generation import EagerEngine
-    from ..trainer.scoring import build_generation_config, score_model
+    from ..rollout import build_generation_config, score_model
 
     if not rows:
         raise ValueError("evaluate_policy needs at least one row.")

@@ -15,7 +15,7 @@ def analyze(argv: list[str]) -> dict:
     (rewards on the task's test split)."""
     from ..analysis import analyze as run_analysis
     from ..models import resolve_model_path
-    from ..trainer.scoring import RewardScorer, build_generation_config, score_model
+    from ..rollout import RewardScorer, build_generation_config, score_model
 
     parser = TrlESParser((AnalyzeArguments, TaskArguments), prog="trl-es analyze")
     analyze_args, task_args = parser.parse_args_and_config(argv)

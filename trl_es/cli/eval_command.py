@@ -155,7 +155,7 @@ def evaluate(argv: list[str]) -> dict:
     from accelerate.utils import gather_object
 
     from ..analysis import mean_pass_at_k
-    from ..trainer.scoring import RewardScorer, build_generation_config, score_model
+    from ..rollout import RewardScorer, build_generation_config, score_model
 
     task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
     num_samples = eval_args.num_samples or 1

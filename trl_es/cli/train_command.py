@@ -9,7 +9,7 @@ from trl import ModelConfig, get_peft_config
 from ..arguments import TrlESParser
 from ..files import write_json
 from ..trainer.es_config import ESConfig
-from ..trainer.reward_names import reward_func_names
+from ..reward_names import reward_func_names
 from ..trainer.time_budget import TrainingClock
 from .arguments import TaskArguments
 from .loading import load_model_and_tokenizer
@@ -20,7 +20,7 @@ from .splits import task_splits
 
 def _accuracy_name(task) -> str:
     # The task's answer reward is its last reward function (countdown: [format, answer]); the trainers log it under
-    # its distinct name (trl_es.trainer.reward_names.reward_func_names).
+    # its distinct name (trl_es.reward_names.reward_func_names).
     return reward_func_names(task.reward_funcs)[-1]
 
 

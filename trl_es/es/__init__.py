@@ -5,6 +5,7 @@ Nothing here imports TRL or ``transformers.Trainer``.
 """
 
 from .cma_search import CMASearch, stand_in_fitness
+from .fitness import MemberScores, PopulationScores
 from .noise import (
     NOISE_BLOCK_SIZE,
     NOISE_SOURCES,
@@ -27,9 +28,7 @@ from .perturbation import (
 from .population import (
     POPULATION_BACKENDS,
     BatchedLowRankPopulation,
-    MemberResult,
     PopulationBackend,
-    Rollout,
     SequentialPopulation,
     make_population_backend,
     member_indices,
@@ -53,12 +52,12 @@ __all__ = [
     "LowRankAdapters",
     "LowRankPerturbation",
     "Member",
-    "MemberResult",
+    "MemberScores",
     "NoiseSource",
     "NoiseTable",
     "Perturbation",
     "PopulationBackend",
-    "Rollout",
+    "PopulationScores",
     "SEED_LOG_NAME",
     "SeedLog",
     "SequentialPopulation",

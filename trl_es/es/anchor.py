@@ -131,23 +131,35 @@ def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:
     return rows[offset : offset + length]
 
 
-def checkpoint_files(model) -> list[str]:
-    """The safetensors files of ``model``'s checkpoint folder (``model.name_or_path``), or ``[]``.
+def checkpoint_weight_map(folder: str) -> dict[str, str]:
+    """``tensor name -> safetensors file`` of a checkpoint folder: ``model.safetensors`` (its header is read), or the
+    shards that ``model.safetensors.index.json`` lists; ``{}`` if the folder holds neither. The one reader of a
+    checkpoint's weight files (the anchor's theta_0, resuming under DeepSpeed).
 
-    Reads ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
+    Args:
+        folder (`str`): A ``save_pretrained`` folder.
+
+    Returns:
+        `dict[str, str]`: Paths joined with ``folder``.
     """
-    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not folder or not os.path.isdir(folder):
-        return []
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
-        return [single]
+        with safe_open(single, framework="pt", device="cpu") as f:
+            return dict.fromkeys(f.keys(), single)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, name) for name in files if os.path.isfile(os.path.join(folder, name))]
-    return []
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    return {}
+
+
+def checkpoint_files(model) -> list[str]:
+    """The safetensors files of ``model``'s checkpoint folder (``model.name_or_path``) that exist, or ``[]``
+    (:func:`checkpoint_weight_map`)."""
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        return []
+    return sorted(f for f in set(checkpoint_weight_map(folder).values()) if os.path.isfile(f))
 
 
 def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None):

@@ -75,7 +75,7 @@ class Perturbation(ABC):
 
 class GaussianPerturbation(Perturbation):
     """Full-rank Gaussian noise: ``eps_i`` has one i.i.d. N(0, 1) entry per trained element (Qiu et al. 2025,
-    arXiv 2509.24372, Algorithm 1), put into the model in place and restored bitwise from the master copy.
+    arXiv 2509.24372, Algorithm 1), put into the model in place and restored bitwise from the master copy (:meth:`TrainedParameters.render_`).
 
     Works on any floating-point tensor and on partitions (DeepSpeed ZeRO-3): noise is generated only for the locally
     held elements.
@@ -109,11 +109,6 @@ class GaussianPerturbation(Perturbation):
                     else:
                         flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
         params.perturbed = True
-
-    @staticmethod
-    def restore_(params: TrainedParameters) -> None:
-        """Write ``cast(master)`` back into the model: the exact restore (see :meth:`TrainedParameters.render_`)."""
-        params.render_()
 
     def direction_sums(self, params, noise, members, coefficients):
         pairs = [(m, float(c) * m.sign) for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]

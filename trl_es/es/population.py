@@ -1,22 +1,30 @@
-"""Population sampling and evaluation (evaluation only: the update lives in :mod:`trl_es.es.update`).
+"""The population of an ES iteration, ask/tell style: the population *gives* members and *applies* them; the loop
+that owns it scores them (pycma's ``ask()``/``tell()``: the strategy never evaluates).
 
-In the spirit of pycma's ask/tell, this module never decides what a member's fitness *is*: the caller passes a
-:class:`Rollout` that scores the model as it currently is (generation + rewards) and *returns* a
-:class:`MemberResult`. A population backend only decides how members are put into the model:
+- :meth:`PopulationBackend.ask` draws the iteration's members (seeds and signs: :func:`sample_population`);
+- :meth:`PopulationBackend.groups` says which members are applied together;
+- :meth:`PopulationBackend.apply` is a context manager: on entry the group's members are put into the model, on exit
+  the model is restored exactly, also when the body raises (``KeyboardInterrupt`` included).
 
-- :class:`SequentialPopulation`: full-rank Gaussian members written into the weights in place, one member at a
-  time, restored bitwise also when the rollout raises (``KeyboardInterrupt`` included);
-- :class:`BatchedLowRankPopulation`: rank-``r`` members as per-row adapters, many members in one batched call of
-  :meth:`Rollout.stacked` (EGGROLL, arXiv 2511.16652); the weights are never written.
+Two backends:
+
+- :class:`SequentialPopulation`: one full-rank Gaussian member at a time, written into the weights in place
+  (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1) and restored bitwise from the master copy;
+- :class:`BatchedLowRankPopulation`: groups of rank-``r`` members as per-row adapters, all of a group in one batched
+  forward: member ``group[k]`` owns the ``k``-th of ``len(group)`` equal blocks of rows (EGGROLL, arXiv
+  2511.16652); the weights are never written.
+
+The update (``tell``) is :func:`trl_es.es.update.es_update_` / :func:`~trl_es.es.update.es_gradient_`, one function
+for every perturbation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
@@ -57,100 +65,86 @@ def member_indices(population_size: int, rank: int, world_size: int) -> list[int
     return list(range(rank, population_size, world_size))
 
 
-@dataclass
-class MemberResult:
-    """What a rollout returns for one member.
-
-    Attributes:
-        fitness (`float`): The member's fitness (NaN if nothing could be scored).
-        details (`dict`): Anything else the caller wants back (completions, per-function rewards, timings...).
-    """
-
-    fitness: float
-    details: dict = field(default_factory=dict)
-
-
-class Rollout(ABC):
-    """Scores the model as it currently is: the one thing a population backend asks of its caller.
-
-    Attributes:
-        model (`nn.Module` or `None`): The model being scored; backends that install per-row adapters (batched
-            low-rank) find the targeted modules here.
-    """
-
-    model: nn.Module | None = None
-
-    @abstractmethod
-    def member(self, index: int) -> MemberResult:
-        """Score the model as it is now for member ``index`` (its perturbation is already in the weights)."""
-
-    def stacked(self, indices: Sequence[int]) -> dict[int, MemberResult]:
-        """Score ``len(indices)`` members in one batched call: the prompt batch is repeated once per member and
-        member ``indices[k]`` owns the ``k``-th block of rows (its perturbation applies to those rows only).
-
-        Raises:
-            NotImplementedError: if this rollout cannot stack members (the batched low-rank backend needs it).
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot score stacked members (no stacked()).")
-
-
 class PopulationBackend(ABC):
-    """How a population is put into the model and scored (evaluation only).
+    """How a population's members are drawn and put into the model (never how they are scored).
 
     Attributes:
         perturbation (`Perturbation`): What ``eps_i`` is; the ES step (:func:`trl_es.es.update.es_update_`) moves
             the weights along its direction sums.
-        timings (`dict[str, float]`): Seconds spent in the last :meth:`evaluate` outside the rollout
-            (``"perturb"``, ``"restore"``).
+        stacked (`bool`): Whether a group of members shares one batched forward (row blocks), rather than one member
+            at a time.
+        timings (`dict[str, float]`): Seconds spent putting members in (``"perturb"``) and taking them out
+            (``"restore"``) since the last :meth:`reset_timings`.
     """
 
     name = "population"
+    stacked = False
 
     def __init__(self, perturbation: Perturbation):
         self.perturbation = perturbation
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {"perturb": 0.0, "restore": 0.0}
 
     def describe(self) -> dict:
         """JSON-serializable facts about this backend (written into the seed log header for information)."""
         return {"name": self.name}
 
     def check(self, params: TrainedParameters, model: nn.Module | None = None) -> None:
-        """Raise ``ValueError`` before any work if ``params`` cannot be evaluated by this backend."""
+        """Raise ``ValueError`` before any work if ``params`` cannot be perturbed by this backend."""
         self.perturbation.check(params)
 
-    @abstractmethod
-    def evaluate(
-        self,
-        params: TrainedParameters,
-        noise: NoiseSource,
-        members: Sequence[Member],
-        indices: Sequence[int],
-        sigma: float,
-        rollout: Rollout,
-    ) -> dict[int, MemberResult]:
-        """Score the members ``members[i]`` for ``i`` in ``indices``.
+    @staticmethod
+    def ask(base_seed: int, step: int, population_size: int, antithetic: bool = False) -> list[Member]:
+        """The members of iteration ``step`` (:func:`sample_population`)."""
+        return sample_population(base_seed, step, population_size, antithetic)
+
+    def groups(self, indices: Sequence[int]) -> list[list[int]]:
+        """The members ``indices`` in the groups :meth:`apply` takes (one member a group by default)."""
+        return [[i] for i in indices]
+
+    def reset_timings(self) -> None:
+        """Zero :attr:`timings` (at the start of an iteration)."""
+        self.timings = {"perturb": 0.0, "restore": 0.0}
+
+    @contextlib.contextmanager
+    def apply(self, params: TrainedParameters, noise: NoiseSource, members: Sequence[Member], sigma: float,
+              model: nn.Module | None = None) -> Iterator[None]:
+        """Context in which ``model`` computes with ``members`` applied; restored exactly on exit, also on an
+        exception (``KeyboardInterrupt`` included).
 
         Args:
             params (`TrainedParameters`): The trained parameters (with their master copy).
             noise (`NoiseSource`): The noise source.
-            members (`Sequence[Member]`): The whole population of this iteration.
-            indices (`Sequence[int]`): The members this process evaluates.
-            sigma (`float`): Noise scale.
-            rollout (`Rollout`): Scores the model in its current state.
-
-        Returns:
-            `dict[int, MemberResult]`: The rollout's result for every index.
+            members (`Sequence[Member]`): One group of :meth:`groups` (the members themselves, in row-block order).
+            sigma (`float`): The noise scale.
+            model (`nn.Module`, *optional*): The model (backends with per-row adapters install them on it).
         """
+        try:
+            start = time.perf_counter()
+            self._put_in(params, noise, members, sigma, model)
+            self.timings["perturb"] += time.perf_counter() - start
+            yield
+        finally:
+            start = time.perf_counter()
+            self._take_out(params)
+            self.timings["restore"] += time.perf_counter() - start
+
+    @abstractmethod
+    def _put_in(self, params, noise, members, sigma, model) -> None:
+        """Apply ``members`` (see :meth:`apply`)."""
+
+    @abstractmethod
+    def _take_out(self, params) -> None:
+        """Undo :meth:`_put_in` exactly (also after a partial :meth:`_put_in`)."""
 
     def close(self) -> None:
         """Release what the backend installed in a model (nothing by default)."""
 
 
 class SequentialPopulation(PopulationBackend):
-    """Evaluate members one after another by perturbing the weights in place (Qiu et al. 2025, Algorithm 1).
+    """One member at a time, its perturbation written into the weights in place (Qiu et al. 2025, Algorithm 1).
 
-    The weights are restored bitwise from the master copy after each member, in a ``finally`` block: an exception
-    in the rollout (reward function, generation, ``KeyboardInterrupt``) leaves the model exactly as before.
+    The weights are restored bitwise from the master copy when :meth:`apply` exits, also on an exception
+    (reward function, generation, ``KeyboardInterrupt``): the model is then exactly as before.
     """
 
     name = "sequential"
@@ -158,51 +152,44 @@ class SequentialPopulation(PopulationBackend):
     def __init__(self):
         super().__init__(GaussianPerturbation())
 
-    def evaluate(self, params, noise, members, indices, sigma, rollout):
-        self.timings = {"perturb": 0.0, "restore": 0.0}
-        results = {}
-        for i in indices:
-            try:
-                start = time.perf_counter()
-                self.perturbation.perturb_(params, noise, members[i], sigma)
-                self.timings["perturb"] += time.perf_counter() - start
-                results[i] = rollout.member(i)
-            finally:
-                start = time.perf_counter()
-                self.perturbation.restore_(params)
-                self.timings["restore"] += time.perf_counter() - start
-        return results
+    def _put_in(self, params, noise, members, sigma, model):
+        if len(members) != 1:
+            raise ValueError(f"SequentialPopulation applies one member at a time, got {len(members)}.")
+        self.perturbation.perturb_(params, noise, members[0], sigma)
+
+    def _take_out(self, params):
+        params.render_()
 
 
 class BatchedLowRankPopulation(PopulationBackend):
-    """Evaluate many members in one batched call with per-row low-rank perturbations (EGGROLL).
+    """Many members in one batched forward, each as a per-row low-rank adapter (EGGROLL).
 
     Member ``i`` perturbs every trained weight ``W`` (``out x in``) by ``E_i = sign_i (sigma/sqrt(r)) A_i B_i^T``
-    (Sarkar et al. 2025, arXiv 2511.16652). On the first :meth:`evaluate` the backend installs persistent
-    :class:`~trl_es.es.perturbation.LowRankAdapters` on the targeted ``nn.Linear`` modules of ``rollout.model``
-    (nothing is registered per call after that); for each chunk of ``member_chunk_size`` members it loads their
-    factors, calls ``rollout.stacked(chunk)`` once, and clears the adapters in a ``finally`` block (an exception,
-    ``KeyboardInterrupt`` included, leaves the model unperturbed). The weights are never modified, so an fp32 model
-    needs no master copy with this backend.
+    (Sarkar et al. 2025, arXiv 2511.16652). On the first :meth:`apply` the backend installs persistent
+    :class:`~trl_es.es.perturbation.LowRankAdapters` on the targeted ``nn.Linear`` modules of the model (nothing is
+    registered per call after that); :meth:`apply` loads a group's factors and clears the adapters on exit (an
+    exception, ``KeyboardInterrupt`` included, leaves the model unperturbed). The weights are never modified, so an
+    fp32 model needs no master copy with this backend.
 
-    Row map: in ``rollout.stacked(indices)`` member ``indices[k]`` owns the ``k``-th of ``len(indices)`` equal
+    Row map: inside ``apply(..., members=group)`` member ``group[k]`` owns the ``k``-th of ``len(group)`` equal
     blocks of rows of every batch (see :class:`~trl_es.es.perturbation.LowRankAdapters`).
 
     Trained parameters: every one must be the weight of ``nn.Linear`` modules and of nothing else; otherwise
-    :meth:`check` (and the first :meth:`evaluate`) raises ``ValueError`` naming them
+    :meth:`check` (and the first :meth:`apply`) raises ``ValueError`` naming them
     (:func:`~trl_es.es.perturbation.linear_weight_names` gives the default selection).
 
     Args:
         noise_rank (`int`): ``r >= 1``, the rank of each member's perturbation of each weight.
-        member_chunk_size (`int` or `None`): Members per stacked call (``None``: all members of this process in one
-            call). The batch is ``member_chunk_size * len(prompts) * num_generations`` rows; lower it to bound
-            activation and KV-cache memory.
+        member_chunk_size (`int` or `None`): Members per group (``None``: all members of this process in one group).
+            The batch is ``member_chunk_size * len(prompts) * num_generations`` rows; lower it to bound activation and
+            KV-cache memory.
 
     Raises:
         ValueError: if ``noise_rank < 1`` or ``member_chunk_size < 1``.
     """
 
     name = "batched_lowrank"
+    stacked = True
 
     def __init__(self, noise_rank: int = 1, member_chunk_size: int | None = None):
         super().__init__(LowRankPerturbation(noise_rank))
@@ -221,10 +208,16 @@ class BatchedLowRankPopulation(PopulationBackend):
 
     def check(self, params: TrainedParameters, model: nn.Module | None = None) -> None:
         """Raise ``ValueError`` if a trained tensor is not (only) an ``nn.Linear`` weight of ``model`` (nothing is
-        installed: the adapters come with the first :meth:`evaluate`)."""
+        installed: the adapters come with the first :meth:`apply`)."""
         super().check(params)
         if model is not None:
             linear_targets(model, params)
+
+    def groups(self, indices: Sequence[int]) -> list[list[int]]:
+        """``member_chunk_size`` members a group (all of them when it is ``None``)."""
+        indices = list(indices)
+        chunk = self.member_chunk_size or max(1, len(indices))
+        return [indices[lo : lo + chunk] for lo in range(0, len(indices), chunk)]
 
     def adapters(self, model: nn.Module, params: TrainedParameters) -> LowRankAdapters:
         """The persistent adapters on ``model`` for ``params`` (installed on first use, kept until :meth:`close`).
@@ -238,36 +231,14 @@ class BatchedLowRankPopulation(PopulationBackend):
             self._adapters = LowRankAdapters(model, params, self.perturbation)
         return self._adapters
 
-    def evaluate(self, params, noise, members, indices, sigma, rollout):
-        """Score members ``indices`` with ``rollout.stacked``, ``member_chunk_size`` members per call (see class doc).
-
-        ``timings["perturb"]`` is the time spent building and loading factors, ``timings["restore"]`` the time
-        spent clearing the adapters.
-
-        Raises:
-            ValueError: if ``rollout.model`` is ``None`` or the trained parameters are not all Linear weights.
-        """
-        self.timings = {"perturb": 0.0, "restore": 0.0}
-        model = getattr(rollout, "model", None)
+    def _put_in(self, params, noise, members, sigma, model):
         if model is None:
-            raise ValueError("BatchedLowRankPopulation needs the model: give the rollout a `.model` attribute "
-                             "(ESTrainer's rollout has one).")
-        adapters = self.adapters(model, params)
-        indices = list(indices)
-        chunk = self.member_chunk_size or max(1, len(indices))
-        results: dict[int, MemberResult] = {}
-        for lo in range(0, len(indices), chunk):
-            part = indices[lo : lo + chunk]
-            try:
-                start = time.perf_counter()
-                adapters.load_(noise, [members[i] for i in part], sigma)
-                self.timings["perturb"] += time.perf_counter() - start
-                results.update(rollout.stacked(part))
-            finally:
-                start = time.perf_counter()
-                adapters.clear_()
-                self.timings["restore"] += time.perf_counter() - start
-        return results
+            raise ValueError("BatchedLowRankPopulation.apply needs the model (its adapters go on its Linear layers).")
+        self.adapters(model, params).load_(noise, members, sigma)
+
+    def _take_out(self, params):
+        if self._adapters is not None:
+            self._adapters.clear_()
 
     def close(self) -> None:
         """Remove the adapters' hooks from the model."""

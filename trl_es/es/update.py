@@ -188,14 +188,13 @@ class TrainedParameters:
 
     # ------------------------------------------------------------------ render / restore
     def render_(self) -> None:
-        """Write ``cast(master)`` into the model: the exact restore (nothing to do where the master is the param)."""
+        """Write ``cast(master)`` into the model: after an update, and as the exact restore after a member (the one
+        operation that puts the master into the model; nothing to do where the master is the param)."""
         with torch.no_grad():
             for e in self.entries:
                 if not e.master_is_param:
                     e.param.copy_(e.master)
         self.perturbed = False
-
-    restore_ = render_
 
     def master_parameters(self) -> list[torch.Tensor]:
         """The master tensors as leaf tensors an optimizer can own (``requires_grad`` is not needed)."""

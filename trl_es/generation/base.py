@@ -105,8 +105,11 @@ def _cut_after_eos(row: list[int], eos_ids: set) -> list[int]:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (where inputs must go)."""
-    return next(model.parameters()).device
+    """The device of the model's first parameter (where inputs must go); the CPU for a model without parameters."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 def tokenize_left_padded(processing_class, rows: list[str], device) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ fingerprints that check the replicas agree, and byte-counted collectives.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import re
@@ -149,23 +148,6 @@ def es_deepspeed_config(config: dict, micro_batch_size: int, world_size: int) ->
 
 
 # ---------------------------------------------------------------------------------------------- replicas agree
-def fingerprint(tensors: Iterable[torch.Tensor]) -> bytes:
-    """A 16-byte BLAKE2b digest of the bytes of ``tensors`` (in order): equal iff bitwise equal (but for collisions).
-
-    Args:
-        tensors (`Iterable[torch.Tensor]`): Any dtypes and devices; copied to CPU one at a time.
-
-    Returns:
-        `bytes`: 16 bytes.
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1).contiguous().cpu()
-        digest.update(str(flat.dtype).encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-    return digest.digest()
-
-
 def fingerprints_agree(digest: bytes, device=None) -> tuple[bool, int]:
     """All-gather every process's 16-byte ``digest`` and tell whether they are all equal.
 
@@ -277,22 +259,3 @@ def read_flat_ranges(folder: str, base: str, layout: dict[str, tuple[int, int]])
     if missing:
         raise ValueError(f"{folder!r}: the {stem} shards do not hold all of {missing[:3]}.")
     return out
-
-
-def checkpoint_model_files(folder: str) -> dict[str, str]:
-    """``tensor name -> file`` of a checkpoint's gathered model (``model.safetensors`` or the shards its
-    ``model.safetensors.index.json`` lists); ``{}`` if there is none."""
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        import json
-
-        with open(index) as f:
-            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
-    return {}
-

@@ -1,9 +1,16 @@
-"""ESTrainer: Evolution Strategies fine-tuning as a TRL trainer (a drop-in for GRPOTrainer)."""
+"""ESTrainer: Evolution Strategies fine-tuning as a TRL trainer (a drop-in for GRPOTrainer).
+
+The file reads as the setup story (constructor: model, processing class, rewards, data, generation, ES state) and
+then one ES iteration top to bottom (:meth:`ESTrainer.training_step`): ask the population for its members, apply
+each group of members and roll out (the population restores the model on leaving the ``with``), sum the scores over
+processes, shape the fitness, tell the update (ES step or torch optimizer, AWD, render), append to the seed log,
+record the metrics. Checkpoint I/O (:mod:`.es_checkpoint`), multi-process preparation (:mod:`.es_distributed_setup`)
+and the metrics (:mod:`.es_metrics`) live beside it. Map of the rooms: ``docs/architecture.md``.
+"""
 
 from __future__ import annotations
 
 import math
-import os
 import re
 import textwrap
 import time
@@ -11,76 +18,36 @@ import warnings
 from collections import defaultdict
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    TrainerCallback,
-)
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
-from ..analysis._common import group_name
-from ..analysis.diversity import success_diversity
-from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_files, make_anchor
-from ..es.noise import NOISE_BLOCK_SIZE, make_noise_source
+from ..es.anchor import checkpoint_files, make_anchor
+from ..es.fitness import MemberScores, PopulationScores
+from ..es.noise import make_noise_source
 from ..es.perturbation import LowRankPerturbation, linear_weight_names
-from ..es.population import (
-    MemberResult,
-    Rollout,
-    make_population_backend,
-    member_indices,
-    member_seed,
-    sample_population,
-)
-from ..es.seedlog import SEED_LOG_NAME, SeedLog
-from ..files import SAVED_MODEL_FILES, atomic_path, require_files
+from ..es.population import make_population_backend, member_indices, member_seed
+from ..es.seedlog import SeedLog
 from ..es.shaping import shape_fitness
-from ..es.update import TrainedParameters, es_gradient_, es_update_, select_parameters
-from ..generation import make_engine
+from ..es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
+from ..generation import generate_completions, make_engine
 from ..models import resolve_model_path
-from .distributed import (
-    ES_DEEPSPEED_NOTE,
-    all_gather_objects,
-    broadcast_tensors_,
-    es_deepspeed_config,
-    es_parameter_entries,
-    fingerprint,
-    fingerprints_agree,
-    is_zero3_param,
-    checkpoint_model_files,
-    read_flat_ranges,
-    release_gathered_,
-    tensor_bytes,
-)
-from .es_config import ESConfig
-from .scoring import (
+from ..rollout import (
     RewardScorer,
+    Rollout,
     build_generation_config,
-    generate_completions,
     prompt_texts,
-    score_model,
+    split_row_groups,
     validate_dataset,
 )
+from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
+from .es_checkpoint import ESCheckpointMixin
+from .es_config import ESConfig
+from .es_distributed_setup import ESDistributedMixin
+from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
 
 logger = logging.get_logger(__name__)
-
-MASTER_WEIGHTS_NAME = "es_master.safetensors"
-ANCHOR_WEIGHTS_NAME = "es_anchor.safetensors"
-
-
-def _fitness_of(rewards: torch.Tensor) -> float:
-    """Mean of the non-NaN rewards, summed in float64 (NaN if there is none).
-
-    A float64 sum of float32 rewards is exact for any realistic batch, so it does not depend on how the completions
-    are split across processes: the sharded (ZeRO-3) fitness, a sum of per-process sums, equals this bitwise.
-    """
-    valid = rewards[~torch.isnan(rewards)].double()
-    return float(valid.sum() / valid.numel()) if valid.numel() else math.nan
 
 
 def identity(features):
@@ -88,81 +55,7 @@ def identity(features):
     return features
 
 
-class _TorchOptimizerSync(TrainerCallback):
-    """With ``es_optimizer='torch'``: after the optimizer moved the fp32 masters, apply AWD and render the model."""
-
-    def __init__(self, trainer: ESTrainer):
-        self.trainer = trainer
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        if args.es_optimizer == "torch":
-            trainer._apply_awd(trainer._current_learning_rate())
-            trainer.es_params.render_()
-
-
-class _PromptBatchRollout(Rollout):
-    """ESTrainer's rollout: generate for the iteration's prompt batch with the model as it is, score the completions
-    with the reward functions, and return a :class:`MemberResult` (fitness = mean of the valid weighted rewards; its
-    ``details`` hold the rewards, the invalid-reward flags, completions, tokens and seconds)."""
-
-    def __init__(self, trainer: ESTrainer, rows: list[dict], step: int):
-        self.trainer, self.rows, self.step = trainer, rows, step
-        self.model = trainer.accelerator.unwrap_model(trainer.model)  # backends with per-row adapters find it here
-        self.reward_kwargs = {"trainer_state": trainer.state, "log_extra": lambda *a, **k: None,
-                              "log_metric": trainer._log_metric}
-
-    def _score(self, rows: list[dict], num_row_groups: int = 1) -> dict:
-        trainer = self.trainer
-        start = time.perf_counter()
-        out = score_model(
-            self.model, trainer.processing_class, rows, trainer.reward_scorer, trainer.generation_config,
-            trainer.args.num_generations, trainer.args.chat_template_kwargs, self.reward_kwargs,
-            engine=trainer.generation_engine, num_row_groups=num_row_groups,
-        )
-        out["seconds"] = time.perf_counter() - start
-        trainer._warn_invalid_rewards(out["invalid"])
-        return out
-
-    @staticmethod
-    def _result(out: dict) -> MemberResult:
-        fitness = math.nan if bool(out["invalid"].any()) else _fitness_of(out["rewards"])
-        return MemberResult(fitness, out)
-
-    def member(self, index: int) -> MemberResult:
-        trainer, args = self.trainer, self.trainer.args
-        if args.temperature > 0:  # the member's samples do not depend on which process scores it
-            # (sharded: each process samples its own prompts, so each has its own stream)
-            offset = (trainer.accelerator.process_index << 20) * trainer.sharded
-            torch.manual_seed(member_seed(args.seed + 1 + offset, self.step, index))
-        trainer._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
-        return self._result(self._score(self.rows))
-
-    def stacked(self, indices) -> dict[int, MemberResult]:
-        args = self.trainer.args
-        if args.temperature > 0:
-            # One random stream per generate call, keyed by its first member: chunks never share a stream. A
-            # member's samples then depend on which members share its call (chunking, number of processes): with
-            # sampling, the batched backend is not invariant to either (greedy decoding is).
-            torch.manual_seed(member_seed(args.seed + 1, self.step, -1 - int(indices[0])))
-        out = self._score(self.rows * len(indices), num_row_groups=len(indices))
-        width = len(self.rows) * args.num_generations
-        results = {}
-        for k, index in enumerate(indices):
-            block = slice(k * width, (k + 1) * width)
-            part = {
-                "rewards_per_func": out["rewards_per_func"][block],
-                "invalid": out["invalid"][block],
-                "rewards": out["rewards"][block],
-                "completions": out["completions"][block],
-                "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
-                "seconds": out["seconds"] / len(indices),
-            }
-            results[index] = self._result(part)
-        return results
-
-
-class ESTrainer(_BaseTrainer):
+class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     Each training step is one ES iteration: every process takes its share of ``prompt_batch_size`` prompts and the
@@ -271,6 +164,7 @@ class ESTrainer(_BaseTrainer):
         self.generation_config = build_generation_config(
             processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs
         )
+        self._es_grad_norm = None  # es_optimizer="torch": the norm of the last ES gradient (logged as grad_norm)
 
         super().__init__(
             model=model,
@@ -299,6 +193,9 @@ class ESTrainer(_BaseTrainer):
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
         self.generation_engine = self._make_generation_engine()
+        # The rollout: (model, prompt rows) -> scored completions, a plain callable holding no trainer.
+        self.rollout = Rollout(self.processing_class, self.reward_scorer, self.generation_config,
+                               args.num_generations, args.chat_template_kwargs, self.generation_engine)
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
@@ -325,7 +222,6 @@ class ESTrainer(_BaseTrainer):
         )
         self._metrics = defaultdict(list)
         self._warned_invalid: set[str] = set()
-        self.add_callback(_TorchOptimizerSync(self))
 
     def _build_es_state(self) -> None:
         """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor.
@@ -376,12 +272,6 @@ class ESTrainer(_BaseTrainer):
             name = "eager"
         return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix)
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (members are then scored by all processes
-        together, each on its share of the prompts; see ``docs/scaling.md``)."""
-        return any(is_zero3_param(p) for p in self._es_model_params)
-
     def _population_backend_kwargs(self) -> dict:
         """Backend-specific settings from the config."""
         if self.args.population_backend == "sequential":
@@ -426,128 +316,6 @@ class ESTrainer(_BaseTrainer):
         self._comm_bytes += nbytes
         return [row for part in parts for row in part]
 
-    # ------------------------------------------------------------------ distributed preparation
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        """Prepare the model without gradient machinery: ES has no backward pass and syncs no weights.
-
-        One process: ``Trainer``'s own preparation. Several processes without DeepSpeed (population parallelism):
-        the model goes through ``accelerator.prepare_model(model, evaluation_mode=True)``, i.e. it is *not* wrapped in
-        ``DistributedDataParallel`` (DDP would broadcast the weights once and allocate gradient buckets as large as
-        the model, never used). DeepSpeed: the engine is built without optimizer (see :func:`es_deepspeed_config`).
-        The torch optimizer owning the fp32 masters and the scheduler are ``Trainer``'s, never given to DeepSpeed.
-        Then the processes' weights are checked to be identical (population parallelism needs it).
-        """
-        if not self.is_deepspeed_enabled and self.accelerator.num_processes == 1:
-            prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-            self._rebind_es_params()
-            return prepared
-        if self._created_lr_scheduler:
-            self.lr_scheduler = None
-            self._created_lr_scheduler = False
-        if self.is_deepspeed_enabled:
-            model = self._prepare_deepspeed_engine(max_steps)
-            self.create_optimizer()
-        else:
-            model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
-            self.create_optimizer()
-            self.optimizer = self.accelerator.prepare(self.optimizer)
-        self.create_scheduler(num_training_steps=max_steps)
-        self.model_wrapped = model
-        if not self.sharded:
-            self._rebind_es_params()
-            self._check_replicas_identical()
-        if resume_from_checkpoint is not None:
-            if self.is_deepspeed_enabled:
-                self._load_deepspeed_checkpoint(resume_from_checkpoint)
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)
-            self._load_scaler(resume_from_checkpoint)
-        for attr in ("model", "optimizer", "lr_scheduler"):
-            setattr(self.callback_handler, attr, getattr(self, attr))
-        self.callback_handler.train_dataloader = train_dataloader
-        return model, train_dataloader
-
-    def _prepare_deepspeed_engine(self, max_steps: int = 0):
-        """``accelerator.prepare(model)`` under DeepSpeed with the ES config (no optimizer); built once.
-
-        Under ZeRO-3 the ES state is then rebuilt from this process's partitions (``param.ds_tensor``).
-        """
-        if getattr(self, "deepspeed", None) is not None:
-            return self.deepspeed
-        plugin = self.accelerator.state.deepspeed_plugin
-        hf_config = plugin.hf_ds_config
-        hf_config.trainer_config_finalize(self.args, self.model, max_steps)  # fills "auto" values, as deepspeed_init
-        es_deepspeed_config(hf_config.config, self.args.per_device_train_batch_size, self.accelerator.num_processes)
-        if self.args.population_backend != "sequential" and hf_config.config["zero_optimization"].get("stage") == 3:
-            raise ValueError("DeepSpeed ZeRO-3 needs population_backend='sequential' (members perturb partitions).")
-        logger.info(ES_DEEPSPEED_NOTE)
-        engine = self.accelerator.prepare(self.model)
-        self.deepspeed = self.model_wrapped = engine
-        if self.sharded:
-            self._build_es_state()
-            self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
-        return engine
-
-    def _rebind_es_params(self) -> None:
-        """Point the ES entries at the model's current tensors, keeping the masters.
-
-        Preparing may move the parameters to new storage: accelerate's multi-process device is ``cpu:0`` (or
-        ``cuda:r``), and ``model.to(device)`` then allocates new tensors even on the same device.
-
-        Raises:
-            RuntimeError: if a trained parameter changed shape.
-        """
-        named = dict(self.accelerator.unwrap_model(self.model).named_parameters())
-        moved = False
-        for entry in self.es_params.entries:
-            current = named[entry.name].data
-            if current.data_ptr() != entry.param.data_ptr():
-                self.es_params.rebind_(entry.name, current)
-                moved = True
-        self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
-        if moved and self.optimizer is not None:
-            # A master that is its parameter (low-rank backend, fp32) followed the new storage: the optimizer must
-            # own the new tensors, or its steps would move tensors nothing reads.
-            masters = self.es_params.master_parameters()
-            if len(self.optimizer.param_groups) != 1 or len(self.optimizer.param_groups[0]["params"]) != len(masters):
-                raise RuntimeError("ESTrainer's optimizer must hold exactly the ES masters in one parameter group.")
-            if any(self.optimizer.state.get(p) for p in self.optimizer.param_groups[0]["params"]):
-                raise RuntimeError("The ES masters moved after the optimizer took a step.")
-            self.optimizer.param_groups[0]["params"] = masters
-
-    def _count_forward(self, module, args):
-        self._forward_calls += 1
-
-    def _check_replicas_identical(self) -> None:
-        """Population parallelism needs every process to hold the same weights and masters (DDP would have broadcast
-        rank 0's weights). Compare a 16-byte fingerprint across processes; if they differ, broadcast rank 0's model
-        state, masters and anchor (with a warning)."""
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        state = [t for t in unwrapped.state_dict().values() if isinstance(t, torch.Tensor)]
-        masters = list(self.es_params.master_state_dict().values())
-        digest = fingerprint(state + masters)
-        agree, nbytes = fingerprints_agree(digest, device=self.accelerator.device)
-        self._comm_bytes += nbytes
-        if agree:
-            return
-        warnings.warn(
-            "The processes hold different initial weights: broadcasting process 0's model and ES master (as DDP "
-            "would). Build or load the same model on every process to avoid this.",
-            stacklevel=2,
-        )
-        with torch.no_grad():
-            tensors = list(unwrapped.parameters()) + list(unwrapped.buffers())
-            tensors += [e.master for e in self.es_params.entries if not e.master_is_param]
-            self._comm_bytes += broadcast_tensors_(tensors)
-        self.es_params.render_()
-        if self.anchor is not None:  # theta_0 is now process 0's initial weights
-            files = checkpoint_files(unwrapped) if self.args.anchor_storage != "memory" else []
-            self.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)
-
-    def _sync_model_view(self) -> None:
-        """Under ZeRO-3, drop gathered copies of the trained parameters so the next forward sees the partitions."""
-        if self.sharded:
-            release_gathered_(self._es_model_params)
-
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
         """The Trainer's optimizer class and kwargs, owning the fp32 master tensors (not the 16-bit parameters).
@@ -560,8 +328,12 @@ class ESTrainer(_BaseTrainer):
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
-    def _clip_grad_norm(self, model):
+    def _clip_es_gradient(self) -> torch.Tensor:
+        """Clip the ES gradient estimate in ``master.grad`` to ``max_grad_norm`` (when ``> 0``) and return its norm
+        (before clipping, as ``Trainer`` logs it)."""
         masters = self.es_params.master_parameters()
+        if self.args.max_grad_norm <= 0:
+            return torch.nn.utils.get_total_norm([m.grad for m in masters if m.grad is not None])
         if not (self.sharded and self.accelerator.num_processes > 1):
             return torch.nn.utils.clip_grad_norm_(masters, self.args.max_grad_norm)
         # ZeRO-3: the masters are partitions; the norm is over the whole gradient estimate.
@@ -572,64 +344,111 @@ class ESTrainer(_BaseTrainer):
         torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)
         return total
 
+    def _clip_grad_norm(self, model):
+        # The ES gradient was clipped and stepped within the iteration (see _es_step): Trainer's clip is a no-op.
+        return self._es_grad_norm
+
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None:
-            grads = [m.grad for m in self.es_params.master_parameters() if m.grad is not None]
-            if not grads:
-                return None
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-        return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm
+        norm = self._es_grad_norm
+        return norm.item() if hasattr(norm, "item") else norm
 
     def _current_learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """One ES iteration. Returns ``-mean(population fitness)`` as the logged "loss"."""
+        """One ES iteration: ask the population for its members, score them, shape the fitness, tell the update.
+
+        Returns:
+            `torch.Tensor`: ``-mean(population fitness)``, logged as the "loss".
+        """
         args = self.args
         step = self.state.global_step  # iterations done so far; this one becomes step + 1
         rows = self._gather_prompt_rows(inputs)
-        members = sample_population(args.seed, step, args.population_size, args.antithetic)
-        world = self.accelerator.num_processes
-        if self.sharded:  # ZeRO-3: every member is scored by all processes together, each on its own prompts
-            indices = list(range(args.population_size))
-        else:  # population parallelism: members i % W == rank, each on the whole prompt batch
-            indices = member_indices(args.population_size, self.accelerator.process_index, world)
+        members = self.population.ask(args.seed, step, args.population_size, args.antithetic)
 
-        start = time.perf_counter()
-        forward_calls = self._forward_calls
-        rollout = _PromptBatchRollout(self, rows, step)
-        results = self.population.evaluate(self.es_params, self.noise, members, indices, args.sigma, rollout)
+        start, forward_calls = time.perf_counter(), self._forward_calls
+        member_scores = self._score_members(members, rows, step)
         evaluate_seconds = time.perf_counter() - start
-
-        # Per member: reward sums and counts (overall and per function), completions, tokens. Summed over processes
-        # (a few float64 per member travel, nothing else), so the fitness is the mean over all its completions.
-        stats = self._member_stats(results, args.population_size)
-        if world > 1:
-            stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
-            self._comm_bytes += tensor_bytes(stats)
-        count = stats[:, 1]
-        # A member with an invalid (non-finite) reward, or with nothing scored, has no fitness: ranked worst.
-        valid = (count > 0) & (stats[:, -2] == 0)
-        fitness = torch.where(valid, stats[:, 0] / count.clamp(min=1), torch.full_like(count, math.nan))
-        coefficients = shape_fitness(fitness, args.fitness_shaping)
+        scores = self._population_scores(member_scores)
+        coefficients = shape_fitness(scores.fitness, args.fitness_shaping).tolist()
 
         start = time.perf_counter()
-        learning_rate, shrink = self._es_step(members, coefficients.tolist(), self._current_learning_rate())
-        self._sync_model_view()
+        learning_rate, shrink = self._es_step(members, coefficients, self._current_learning_rate())
         update_seconds = time.perf_counter() - start
-        self.seed_log.append(step + 1, members, coefficients.tolist(), learning_rate, shrink)
+        self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
 
         self._record_comm(self._forward_calls - forward_calls)
-        self._record_metrics(fitness, stats, results, evaluate_seconds, update_seconds)
+        metrics = iteration_metrics(scores, member_scores, self.reward_func_names, self.population.timings,
+                                    evaluate_seconds, update_seconds)
+        for name, value in metrics.items():
+            self._metrics[name].append(value)
+        fitness = scores.fitness
         mean = fitness[~torch.isnan(fitness)].mean() if not torch.isnan(fitness).all() else torch.tensor(math.nan)
         return torch.tensor(-float(mean), device=args.device)
 
-    def _es_step(self, members, coefficients: list[float], learning_rate: float) -> tuple[float, float]:
-        """Move the weights for one iteration: the ES step along the perturbation (then AWD), or with
-        ``es_optimizer='torch'`` the ES gradient for the Trainer's optimizer (which steps after this returns).
+    def _score_members(self, members: list[Member], rows: list[dict], step: int) -> dict[int, MemberScores]:
+        """The member loop: this process's members, a group at a time, applied to the model (restored exactly on
+        leaving the ``with``, also on an exception) and rolled out on the prompt rows.
 
-        Subclasses that combine ES with other updates (e.g. ES + SFT parallel averaging) override this.
+        Population parallelism: members ``i % W == rank``, each on the whole prompt batch; ZeRO-3 (sharded): every
+        member, scored by all processes together, each on its own prompts.
+        """
+        args = self.args
+        if self.sharded:
+            indices = list(range(args.population_size))
+        else:
+            indices = member_indices(args.population_size, self.accelerator.process_index,
+                                     self.accelerator.num_processes)
+        model = self.accelerator.unwrap_model(self.model)
+        reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
+        self.population.reset_timings()
+        scores = {}
+        for group in self.population.groups(indices):
+            with self.population.apply(self.es_params, self.noise, [members[i] for i in group], args.sigma, model):
+                self._seed_sampling(step, group)
+                self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
+                out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
+            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
+                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"])
+        return scores
+
+    def _seed_sampling(self, step: int, group: list[int]) -> None:
+        """With sampling (``temperature > 0``), seed the generator of a group's rollout.
+
+        One member a group: the member's samples do not depend on which process scores it (sharded, each process
+        samples its own prompts, so each has its own stream). Stacked members: one stream per generate call, keyed by
+        its first member, so chunks never share a stream; a member's samples then depend on which members share its
+        call (chunking, number of processes): with sampling, the batched backend is not invariant to either (greedy
+        decoding is).
+        """
+        if self.args.temperature <= 0:
+            return
+        if self.population.stacked:
+            torch.manual_seed(member_seed(self.args.seed + 1, step, -1 - int(group[0])))
+        else:
+            offset = (self.accelerator.process_index << 20) * self.sharded
+            torch.manual_seed(member_seed(self.args.seed + 1 + offset, step, int(group[0])))
+
+    def _population_scores(self, member_scores: dict[int, MemberScores]) -> PopulationScores:
+        """The members' scores in one population table, summed over processes (a few float64 per member travel)."""
+        scores = PopulationScores.collect(member_scores, self.args.population_size, len(self.reward_func_names))
+        if self.accelerator.num_processes > 1:
+            device = self.accelerator.device
+            scores = scores.all_reduce(lambda t: self.accelerator.reduce(t.to(device), reduction="sum").cpu())
+            self._comm_bytes += scores.nbytes()
+        return scores
+
+    def _es_step(self, members, coefficients: list[float], learning_rate: float) -> tuple[float, float]:
+        """The tell: move the weights for one iteration, for both ``es_optimizer`` values, then AWD, then render.
+
+        ``"es"``: the ES step ``theta <- theta + alpha / N * sum_i z_i eps_i`` into the fp32 master
+        (:func:`~trl_es.es.update.es_update_`). ``"torch"``: the ES gradient ``-(1/N) sum_i z_i eps_i``
+        (:func:`~trl_es.es.update.es_gradient_`), clipped to ``max_grad_norm``, and one step of the Trainer's
+        optimizer (its scheduler steps after the iteration, as in ``Trainer``). Then Anchored Weight Decay
+        (``awd_lambda > 0``) and the render of the master into the model. Subclasses that combine ES with other
+        updates (ES + SFT parallel averaging) override this.
 
         Returns:
             `(learning_rate, awd_shrink)`: what the seed log records for this iteration (the effective ``alpha`` of
@@ -637,54 +456,18 @@ class ESTrainer(_BaseTrainer):
         """
         perturbation = self.population.perturbation
         if self.args.es_optimizer == "es":
-            es_update_(self.es_params, perturbation, self.noise, members, coefficients, learning_rate)
-            return learning_rate, self._apply_awd(learning_rate)
-        es_gradient_(self.es_params, perturbation, self.noise, members, coefficients)
-        return learning_rate, learning_rate * self.args.awd_lambda if self.args.awd_lambda > 0 else 0.0
-
-    def _member_stats(self, results: dict[int, MemberResult], population_size: int) -> torch.Tensor:
-        """Columns: reward sum, reward count, completions, completion tokens, then per reward function its sums and
-        its counts (NaN rewards skipped), then the number of invalid (non-finite) rewards, then the successes. One
-        row per member, zero for members this process did not score.
-
-        Returns:
-            `torch.Tensor`: Shape ``(population_size, 6 + 2 * F)``, float64; the last column counts successes
-            (weighted reward >= ``success_threshold``), the one before it invalid rewards.
-        """
-        num_funcs = len(self.reward_func_names)
-        stats = torch.zeros(population_size, 6 + 2 * num_funcs, dtype=torch.float64)
-        for index, result in results.items():
-            out = result.details
-            rewards = out["rewards"].double()
-            per_func = out["rewards_per_func"].double()
-            stats[index, 0] = rewards.nansum()
-            stats[index, 1] = (~torch.isnan(rewards)).sum()
-            stats[index, 2] = len(out["completions"])
-            stats[index, 3] = out["num_tokens"]
-            stats[index, 4 : 4 + num_funcs] = per_func.nansum(dim=0)
-            stats[index, 4 + num_funcs : 4 + 2 * num_funcs] = (~torch.isnan(per_func)).sum(dim=0)
-            stats[index, -2] = out["invalid"].sum()
-            stats[index, -1] = (rewards >= self.args.success_threshold).sum()  # NaN compares False
-        return stats
-
-    def _record_comm(self, forward_calls: int) -> None:
-        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration.
-
-        Counted exactly (buffer sizes): the prompt rows gathered (population parallelism), the per-member statistics
-        all-reduced, fingerprint checks. Under ZeRO-3 also: ``generate(synced_gpus=True)``'s one float32 all-reduce
-        per decoding step, and the parameters DeepSpeed all-gathers, estimated as one full gather of every
-        partitioned parameter per forward call (``comm/param_gather_bytes``; an upper bound: small persistent
-        parameters are gathered once per member).
-        """
-        nbytes = self._comm_bytes
-        if self.sharded and self.accelerator.num_processes > 1:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
-            gathered = float(forward_calls * full)
-            self._metrics["comm/param_gather_bytes"].append(gathered)
-            nbytes += 4 * forward_calls + gathered
-        self._metrics["comm/bytes"].append(float(nbytes))
-        self._comm_bytes = 0.0
+            es_update_(self.es_params, perturbation, self.noise, members, coefficients, learning_rate)  # renders
+        else:
+            es_gradient_(self.es_params, perturbation, self.noise, members, coefficients)
+            self._es_grad_norm = self._clip_es_gradient()
+            self.optimizer.step()
+            for master in self.es_params.master_parameters():
+                master.grad = None  # stepped: Trainer's own optimizer.step() after the iteration finds nothing to do
+        shrink = self._apply_awd(learning_rate)  # renders when it decays
+        if self.args.es_optimizer == "torch" and shrink == 0.0:
+            self.es_params.render_()
+        self._sync_model_view()
+        return learning_rate, shrink
 
     def _apply_awd(self, learning_rate: float) -> float:
         """Anchored Weight Decay after the ES step (arXiv 2605.30148, Algorithm 1). Returns ``alpha * lambda``."""
@@ -697,77 +480,7 @@ class ESTrainer(_BaseTrainer):
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 
-    def _warn_invalid_rewards(self, invalid: torch.Tensor) -> None:
-        """Warn once per reward function that returned a non-finite number (its member is ranked worst)."""
-        for j in torch.nonzero(invalid.any(dim=0)).flatten().tolist():
-            name = self.reward_func_names[j]
-            if name not in self._warned_invalid:
-                self._warned_invalid.add(name)
-                warnings.warn(
-                    f"Reward function {name!r} returned a non-finite reward (NaN or +-inf). Such a reward never reaches "
-                    "the weights: the member that produced it gets no fitness and is ranked worst (counted in "
-                    "num_nan_members and num_invalid_rewards); evaluate() leaves it out of the means. Return None for "
-                    "'not applicable'. This warning is shown once per reward function.",
-                    stacklevel=2,
-                )
-
-    def _record_metrics(self, fitness, stats, results, evaluate_seconds, update_seconds):
-        """Log the population's fitness and rewards (from ``stats``, summed over processes: the same on every
-        process and for any number of processes) and this process's timings and throughput."""
-        finite = fitness[~torch.isnan(fitness)]
-        if finite.numel():
-            self._metrics["reward"].append(float(finite.mean()))
-            self._metrics["reward_std"].append(float(finite.std(unbiased=False)))
-            self._metrics["reward_min"].append(float(finite.min()))
-            self._metrics["reward_max"].append(float(finite.max()))
-        self._metrics["num_nan_members"].append(float(torch.isnan(fitness).sum()))
-        self._metrics["num_invalid_rewards"].append(float(stats[:, -2].sum()))
-        scored = stats[:, 2] > 0
-        if scored.any():  # population success diversity JS_succ (arXiv 2608.27351)
-            success_rates = stats[scored, -1] / stats[scored, 2]
-            self._metrics["success_rate"].append(float(success_rates.mean()))
-            self._metrics["success_diversity"].append(success_diversity(success_rates))
-        generation_seconds = sum(r.details["seconds"] for r in results.values())
-        num_funcs = len(self.reward_func_names)
-        totals = stats.sum(dim=0)
-        for j, name in enumerate(self.reward_func_names):
-            if totals[4 + num_funcs + j] > 0:
-                self._metrics[f"rewards/{name}/mean"].append(float(totals[4 + j] / totals[4 + num_funcs + j]))
-        if results:
-            completions = sum(len(r.details["completions"]) for r in results.values())
-            self._metrics["completions_per_second"].append(completions / max(generation_seconds, 1e-9))
-        self._metrics["completion_tokens"].append(float(totals[3]))
-        timings = self.population.timings
-        self._metrics["time/generation_and_reward"].append(generation_seconds)
-        self._metrics["time/perturb"].append(timings.get("perturb", 0.0))
-        self._metrics["time/restore"].append(timings.get("restore", 0.0))
-        self._metrics["time/update"].append(update_seconds)
-        self._metrics["time/other"].append(max(0.0, evaluate_seconds - generation_seconds - sum(timings.values())))
-
-    def _parameter_drift(self) -> dict[str, float]:
-        """``||theta - theta_0||`` and ``||theta - theta_0|| / ||theta_0||`` over the trained parameters (fp64 sums),
-        for the whole model (``drift/l2``, ``drift/relative``) and per module type (``drift/l2/q_proj``, ...; the
-        grouping of :func:`trl_es.analysis.parameter_drift`)."""
-        groups = sorted({group_name(name) for name in self.anchor})
-        sums = torch.zeros(len(groups) + 1, 2, dtype=torch.float64)  # row 0: whole model
-        for name, master in self.es_params.master_state_dict().items():
-            flat, theta0 = master.detach().reshape(-1), self.anchor[name].reshape(-1)
-            row = torch.zeros(2, dtype=torch.float64)
-            for lo in range(0, flat.numel(), NOISE_BLOCK_SIZE):  # in blocks: no model-sized float64 temporaries
-                current = flat[lo : lo + NOISE_BLOCK_SIZE].double()
-                initial = theta0[lo : lo + NOISE_BLOCK_SIZE].to(current.device).double()
-                row += torch.stack([(current - initial).pow(2).sum(), initial.pow(2).sum()]).cpu()
-            sums[0] += row
-            sums[1 + groups.index(group_name(name))] += row
-        if self.sharded and self.accelerator.num_processes > 1:  # each process holds a partition
-            sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
-            self._comm_bytes += tensor_bytes(sums)
-        drift = {}
-        for key, (diff_sq, base_sq) in zip(["", *[f"/{g}" for g in groups]], sums.tolist()):
-            norm = math.sqrt(diff_sq)
-            drift[f"drift/l2{key}"] = norm
-            drift[f"drift/relative{key}"] = norm / math.sqrt(base_sq) if base_sq > 0 else 0.0
-        return drift
+    # ------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if not any(key.startswith("eval_") for key in logs):
@@ -779,6 +492,18 @@ class ESTrainer(_BaseTrainer):
                 logs.update(self._parameter_drift())
         super().log(logs, start_time)
 
+    def _parameter_drift(self) -> dict[str, float]:
+        """``drift/l2`` and ``drift/relative`` of the trained parameters from theta_0, whole and per module type
+        (:func:`~trl_es.trainer.es_metrics.drift_sums`; summed over processes under ZeRO-3, where each holds a
+        partition)."""
+        groups, sums = drift_sums(self.es_params.master_state_dict(), self.anchor)
+        if self.sharded and self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += tensor_bytes(sums)
+        return drift_metrics(groups, sums)
+
+
+    # ------------------------------------------------------------------ evaluation
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
@@ -826,13 +551,9 @@ class ESTrainer(_BaseTrainer):
                 generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
                                      engine=self.generation_engine)
                 continue
-            out = score_model(
-                unwrapped, self.processing_class, chunk, self.reward_scorer,
-                self.generation_config, self.args.num_generations, self.args.chat_template_kwargs,
-                {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
-                engine=self.generation_engine,
-            )
-            self._warn_invalid_rewards(out["invalid"])
+            out = self.rollout(unwrapped, chunk, reward_kwargs={
+                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
+            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             rewards = out["rewards"].double()
             valid_rows = ~out["invalid"].any(dim=1)
             sums[0] += rewards[valid_rows].nansum()
@@ -856,175 +577,3 @@ class ESTrainer(_BaseTrainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
-
-    # ------------------------------------------------------------------ checkpoints
-    def train(self, *args, **kwargs):
-        """``Trainer.train``, then the seed log is written to ``output_dir`` (a whole run in a few kilobytes).
-
-        Whatever the population backend installed in the model (the low-rank adapters' hooks) is removed at the end,
-        also when training raises.
-        """
-        try:
-            output = super().train(*args, **kwargs)
-        finally:
-            self.population.close()
-        if self.args.should_save:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            self.seed_log.save(os.path.join(self.args.output_dir, SEED_LOG_NAME))
-        return output
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``).
-
-        Under ZeRO-3 ``Trainer`` gathers the partitions into one ``from_pretrained``-loadable model (DeepSpeed's
-        ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
-        """
-        self._sync_model_view()
-        self._keep_anchor_out_of(output_dir or self.args.output_dir)
-        super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        if self.args.should_save:
-            # save_pretrained writes nothing on a torch.distributed rank != 0 (e.g. the first process of a second
-            # node with save_on_each_node): fail here rather than leave a folder without weights.
-            require_files(output_dir, SAVED_MODEL_FILES, "the model saved by ESTrainer")
-            self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
-
-    def _keep_anchor_out_of(self, folder: str) -> None:
-        """Before writing a model into ``folder``: if theta_0 is read from a file there, hold it in memory first (the
-        write would replace the file theta_0 is read from)."""
-        if isinstance(self.anchor, FileAnchor) and os.path.abspath(folder) in self.anchor.folders:
-            logger.warning("Saving into %s, which holds the file theta_0 is read from: theta_0 is now kept in memory.",
-                           folder)
-            self.anchor = self.anchor.materialize()
-
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.sharded:
-            self._save_es_shards(folder)
-            return
-        if not self.args.should_save:
-            return
-        # The model's weights are a rendering of the master: save the master too when they differ in dtype.
-        masters = self.es_params.master_state_dict()
-        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
-            with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME)) as tmp:
-                save_file({n: t.detach().cpu().contiguous() for n, t in masters.items()}, tmp)
-        if self.anchor is not None:
-            with atomic_path(os.path.join(folder, ANCHOR_WEIGHTS_NAME)) as tmp:
-                save_file({n: t.contiguous() for n, t in self.anchor.items()}, tmp)
-
-    def _save_es_shards(self, folder: str) -> None:
-        """ZeRO-3: every process writes its partitions of the master (when it differs in dtype from the model, i.e.
-        an fp32 master of a 16-bit model) and of the anchor, as ``es_master.rank{r}-of-{W}.safetensors`` with each
-        tensor's ``[start, start + len)`` in the file's metadata. The 16-bit model itself is gathered by ``Trainer``.
-        """
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        os.makedirs(folder, exist_ok=True)
-        metadata = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}
-        suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
-        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
-            masters = {n: t.detach().cpu().contiguous() for n, t in self.es_params.master_state_dict().items()}
-            with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME.replace(".safetensors", suffix))) as tmp:
-                save_file(masters, tmp, metadata)
-        if self.anchor is not None:
-            anchor = {n: t.contiguous() for n, t in self.anchor.items()}
-            with atomic_path(os.path.join(folder, ANCHOR_WEIGHTS_NAME.replace(".safetensors", suffix))) as tmp:
-                save_file(anchor, tmp, metadata)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Under DeepSpeed the optimizer is ``Trainer``'s torch optimizer over ES's masters, not DeepSpeed's: save it
-        and the scheduler as without DeepSpeed (per process under ZeRO-3, where the masters are partitions) instead
-        of a DeepSpeed engine checkpoint (which would hold no optimizer and, under ZeRO-3, no weights)."""
-        if not self.is_deepspeed_enabled:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        if self.args.es_optimizer == "torch" and (self.sharded or self.args.should_save):
-            name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
-            with atomic_path(os.path.join(output_dir, name)) as tmp:
-                torch.save(self.optimizer.state_dict(), tmp)
-        if self.args.should_save:
-            with atomic_path(os.path.join(output_dir, "scheduler.pt")) as tmp:
-                torch.save(self.lr_scheduler.state_dict(), tmp)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._load_es_state(resume_from_checkpoint)
-
-    def _load_es_state(self, folder: str) -> None:
-        """The checkpoint's ES master, anchor and seed log, whatever number of processes wrote it (one file each, or
-        ZeRO-3's per-process shards): every process reads exactly its elements (:func:`read_flat_ranges`).
-
-        Raises:
-            ValueError: if the checkpoint's seed log was written for other trained parameters, noise, perturbation or
-                sigma than this run's (before any iteration runs).
-        """
-        log_path = os.path.join(folder, SEED_LOG_NAME)
-        if os.path.exists(log_path):
-            saved_log = SeedLog.load(log_path)
-            for key in ("noise", "perturbation", "sigma", "parameters"):
-                if key in saved_log.header and saved_log.header[key] != self.seed_log.header.get(key):
-                    raise ValueError(f"Cannot resume from {folder!r}: its seed log's {key!r} differs from this run's "
-                                     f"({saved_log.header[key]!r} vs {self.seed_log.header.get(key)!r}).")
-        layout = {e.name: (e.start, e.param.numel()) for e in self.es_params.entries}
-        masters = read_flat_ranges(folder, MASTER_WEIGHTS_NAME, layout)
-        if masters is not None:
-            self.es_params.load_master_state_dict(masters)
-        else:  # the master has the model's dtype: the model just loaded is the master
-            self.es_params.refresh_master_from_model_()
-        if self.anchor is not None:
-            anchor = read_flat_ranges(folder, ANCHOR_WEIGHTS_NAME, layout)
-            if anchor is not None:
-                self._adopt_checkpoint_anchor(anchor)
-        if os.path.exists(log_path):
-            self.seed_log.records = saved_log.records
-
-    def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:
-        """Use the checkpoint's theta_0: keep the current anchor where it holds the same values (e.g. read from the
-        base model's file), else hold the checkpoint's values in memory (a resumed run decays toward the anchor of
-        the run it continues, whatever model it was started from)."""
-        same = all(torch.equal(saved[n].reshape(-1), self.anchor[n].reshape(-1).to(saved[n].dtype))
-                   for n in self.anchor)
-        if not same:
-            shapes = {e.name: e.param.shape for e in self.es_params.entries}
-            self.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
-
-    def _load_deepspeed_checkpoint(self, folder: str) -> None:
-        """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted run.
-
-        The checkpoint holds the model gathered into ``model.safetensors`` (or shards with an index; written by
-        every ZeRO stage), the ES master and anchor (one file, or ZeRO-3's per-process shards with each tensor's
-        ``start,length,numel`` in the metadata) and the seed log. Every process copies its share: its partition of
-        every trained tensor under ZeRO-3, whole tensors otherwise, whatever number of processes wrote the
-        checkpoint (:func:`read_flat_ranges`). Runs before any iteration; raises ``ValueError`` for a PEFT model (its
-        adapter checkpoint is not read here), a checkpoint without the gathered model, or, with
-        ``es_optimizer='torch'``, an optimizer state written by another number of processes. (DeepSpeed's own
-        engine checkpoint is never written: ES has no DeepSpeed optimizer.)
-        """
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if hasattr(unwrapped, "peft_config"):
-            raise ValueError("Resuming a PEFT model under DeepSpeed is not supported: start a new run from the "
-                             "checkpoint's adapter, or resume without DeepSpeed.")
-        files = checkpoint_model_files(folder)
-        missing = [e.name for e in self.es_params.entries if e.name not in files]
-        if not files or missing:
-            raise ValueError(f"Cannot resume ESTrainer under DeepSpeed from {folder!r}: its gathered model "
-                             f"(model.safetensors) {'is missing' if not files else f'lacks {missing[:3]}'}.")
-        optimizer_path = None
-        if self.args.es_optimizer == "torch":
-            name = f"optimizer.rank{rank:05d}-of-{world:05d}.pt" if self.sharded else "optimizer.pt"
-            optimizer_path = os.path.join(folder, name)
-            if not os.path.isfile(optimizer_path):
-                raise ValueError(f"Cannot resume es_optimizer='torch' from {folder!r}: no {name} (its optimizer state "
-                                 "is per process: resume with the number of processes that wrote it).")
-        with torch.no_grad():
-            for e in self.es_params.entries:
-                with safe_open(files[e.name], framework="pt") as f:
-                    flat = f.get_tensor(e.name).reshape(-1)
-                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])
-        self._load_es_state(folder)
-        if optimizer_path is not None:
-            self.optimizer.load_state_dict(torch.load(optimizer_path, weights_only=True))
-        self._sync_model_view()

@@ -32,7 +32,7 @@ from ..merging.genome import Genome, GenomeSpace
 from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from .hyper_es_checkpoint import GENOME_NAME, load_search_checkpoint, save_search_checkpoint
 from .hyper_es_config import HyperESConfig
-from .scoring import RewardScorer, build_generation_config, score_model, validate_dataset
+from ..rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class HyperESTrainer(_BaseTrainer):
         model (`str` or `PreTrainedModel`): The base model (or its path); its target weights are changed in place.
         adapters (`Sequence[str | PeftModel]` or `LoraDeltaSet`): The K LoRA adapters (folders or ``PeftModel`` s on
             the same base), e.g. from [`~trl_es.merging.build_direction_pool`].
-        reward_funcs: TRL-style reward function(s) or reward model(s) (see ``trl_es.trainer.scoring.RewardScorer``);
+        reward_funcs: TRL-style reward function(s) or reward model(s) (see ``trl_es.rollout.RewardScorer``);
             not needed with ``fitness_fn``.
         args (`HyperESConfig`, *optional*): Configuration.
         train_dataset (`datasets.Dataset`): The fitness split (a ``prompt`` column, standard or conversational).

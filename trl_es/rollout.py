@@ -1,4 +1,7 @@
-"""Generation and reward scoring shared by the trainers (prompts in TRL's dataset formats, rewards with TRL's signature).
+"""The rollout: a model and prompt rows in, completions and their rewards out (no trainer involved).
+
+Shared by the trainers (one member's rollout in an ES iteration, the held-out evaluation), ``trl-es eval`` and the
+diagnostics. Prompts come in TRL's dataset formats, rewards with TRL's signature.
 
 Reward functions follow TRL's GRPOTrainer contract: ``f(prompts, completions, completion_ids, **columns)`` returns one
 ``float`` (or ``None``, "not applicable") per completion; extra dataset columns arrive as keyword arguments, one value
@@ -11,17 +14,17 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from ..generation import GenerationEngine, generate_completions
-
-RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
-
+from .generation import GenerationEngine, generate_completions
 
 def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
     """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
@@ -303,4 +306,78 @@ def score_model(
     }
 
 
-RewardFunc = Callable[..., list]
+
+@dataclass
+class Rollout:
+    """One rollout as a plain callable: ``rollout(model, rows) -> scored completions``, with the settings fixed once.
+
+    :func:`score_model` with the processing class, reward scorer, generation config and engine bound: it holds no
+    trainer, and knows nothing of perturbations (an ES population applies its members around the call).
+
+    Attributes:
+        processing_class: The tokenizer.
+        scorer (`RewardScorer`): The reward functions and weights.
+        generation_config (`GenerationConfig`): Decoding settings.
+        num_generations (`int`): Completions per prompt row.
+        chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+        engine (`GenerationEngine`, *optional*): How to generate (default: the plain eager engine).
+    """
+
+    processing_class: Any
+    scorer: RewardScorer
+    generation_config: GenerationConfig
+    num_generations: int = 1
+    chat_template_kwargs: dict | None = None
+    engine: GenerationEngine | None = None
+
+    def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
+                 reward_kwargs: dict | None = None, **generate_kwargs) -> dict:
+        """Generate for ``rows`` with ``model`` as it is and score the completions.
+
+        Args:
+            model (`nn.Module`): The (possibly perturbed) model.
+            rows (`Sequence[dict]`): Dataset rows with a ``prompt``; ``num_row_groups`` equal consecutive blocks
+                when stacked population members share the call.
+            num_row_groups (`int`): See ``rows``.
+            reward_kwargs (`dict`, *optional*): Extra keyword arguments of the reward functions (TRL's
+                ``trainer_state``, ``log_metric``, ...).
+            **generate_kwargs: Passed to ``model.generate``.
+
+        Returns:
+            `dict`: :func:`score_model`'s result plus ``seconds`` (wall-clock of the call).
+        """
+        start = time.perf_counter()
+        out = score_model(model, self.processing_class, rows, self.scorer, self.generation_config,
+                          self.num_generations, self.chat_template_kwargs, reward_kwargs, engine=self.engine,
+                          num_row_groups=num_row_groups, **generate_kwargs)
+        out["seconds"] = time.perf_counter() - start
+        return out
+
+
+def split_row_groups(out: dict, num_groups: int) -> list[dict]:
+    """Cut a :class:`Rollout` result over ``num_groups`` equal consecutive row blocks (one per stacked member).
+
+    Returns:
+        `list[dict]`: Per block: ``rewards_per_func``, ``invalid``, ``rewards``, ``completions``, ``completion_ids``
+        (slices), ``num_tokens`` (the block's completion tokens) and ``seconds`` (the call's, shared equally).
+
+    Raises:
+        ValueError: if the completions do not split into ``num_groups`` equal blocks.
+    """
+    total = len(out["completions"])
+    if num_groups < 1 or total % num_groups:
+        raise ValueError(f"{total} completions do not split into {num_groups} equal row groups.")
+    width = total // num_groups
+    parts = []
+    for k in range(num_groups):
+        block = slice(k * width, (k + 1) * width)
+        parts.append({
+            "rewards_per_func": out["rewards_per_func"][block],
+            "invalid": out["invalid"][block],
+            "rewards": out["rewards"][block],
+            "completions": out["completions"][block],
+            "completion_ids": out["completion_ids"][block],
+            "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
+            "seconds": out.get("seconds", 0.0) / num_groups,
+        })
+    return parts

@@ -1,0 +1,175 @@
+"""ESTrainer's multi-process preparation: population parallelism without DDP, DeepSpeed without a DeepSpeed
+optimizer (ZeRO-3: sharded ES), identical replicas, and the exact count of what travels between processes.
+
+A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (see ``docs/scaling.md``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.utils import logging
+
+from ..es.anchor import checkpoint_files, make_anchor
+from ..fingerprint import tensors_fingerprint
+from .distributed import (
+    ES_DEEPSPEED_NOTE,
+    broadcast_tensors_,
+    es_deepspeed_config,
+    fingerprints_agree,
+    is_zero3_param,
+    release_gathered_,
+)
+
+logger = logging.get_logger(__name__)
+
+
+class ESDistributedMixin:
+    """Preparing the model and optimizer for one or several processes (see the module docstring)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (members are then scored by all processes
+        together, each on its share of the prompts; see ``docs/scaling.md``)."""
+        return any(is_zero3_param(p) for p in self._es_model_params)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Prepare the model without gradient machinery: ES has no backward pass and syncs no weights.
+
+        One process: ``Trainer``'s own preparation. Several processes without DeepSpeed (population parallelism):
+        the model goes through ``accelerator.prepare_model(model, evaluation_mode=True)``, i.e. it is *not* wrapped in
+        ``DistributedDataParallel`` (DDP would broadcast the weights once and allocate gradient buckets as large as
+        the model, never used). DeepSpeed: the engine is built without optimizer (see :func:`es_deepspeed_config`).
+        The torch optimizer owning the fp32 masters and the scheduler are ``Trainer``'s, never given to DeepSpeed.
+        Then the processes' weights are checked to be identical (population parallelism needs it).
+        """
+        if not self.is_deepspeed_enabled and self.accelerator.num_processes == 1:
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            self._rebind_es_params()
+            return prepared
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        if self.is_deepspeed_enabled:
+            model = self._prepare_deepspeed_engine(max_steps)
+            self.create_optimizer()
+        else:
+            model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+            self.create_optimizer()
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = model
+        if not self.sharded:
+            self._rebind_es_params()
+            self._check_replicas_identical()
+        if resume_from_checkpoint is not None:
+            if self.is_deepspeed_enabled:
+                self._load_deepspeed_checkpoint(resume_from_checkpoint)
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _prepare_deepspeed_engine(self, max_steps: int = 0):
+        """``accelerator.prepare(model)`` under DeepSpeed with the ES config (no optimizer); built once.
+
+        Under ZeRO-3 the ES state is then rebuilt from this process's partitions (``param.ds_tensor``).
+        """
+        if getattr(self, "deepspeed", None) is not None:
+            return self.deepspeed
+        plugin = self.accelerator.state.deepspeed_plugin
+        hf_config = plugin.hf_ds_config
+        hf_config.trainer_config_finalize(self.args, self.model, max_steps)  # fills "auto" values, as deepspeed_init
+        es_deepspeed_config(hf_config.config, self.args.per_device_train_batch_size, self.accelerator.num_processes)
+        if self.args.population_backend != "sequential" and hf_config.config["zero_optimization"].get("stage") == 3:
+            raise ValueError("DeepSpeed ZeRO-3 needs population_backend='sequential' (members perturb partitions).")
+        logger.info(ES_DEEPSPEED_NOTE)
+        engine = self.accelerator.prepare(self.model)
+        self.deepspeed = self.model_wrapped = engine
+        if self.sharded:
+            self._build_es_state()
+            self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
+        return engine
+
+    def _rebind_es_params(self) -> None:
+        """Point the ES entries at the model's current tensors, keeping the masters.
+
+        Preparing may move the parameters to new storage: accelerate's multi-process device is ``cpu:0`` (or
+        ``cuda:r``), and ``model.to(device)`` then allocates new tensors even on the same device.
+
+        Raises:
+            RuntimeError: if a trained parameter changed shape.
+        """
+        named = dict(self.accelerator.unwrap_model(self.model).named_parameters())
+        moved = False
+        for entry in self.es_params.entries:
+            current = named[entry.name].data
+            if current.data_ptr() != entry.param.data_ptr():
+                self.es_params.rebind_(entry.name, current)
+                moved = True
+        self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
+        if moved and self.optimizer is not None:
+            # A master that is its parameter (low-rank backend, fp32) followed the new storage: the optimizer must
+            # own the new tensors, or its steps would move tensors nothing reads.
+            masters = self.es_params.master_parameters()
+            if len(self.optimizer.param_groups) != 1 or len(self.optimizer.param_groups[0]["params"]) != len(masters):
+                raise RuntimeError("ESTrainer's optimizer must hold exactly the ES masters in one parameter group.")
+            if any(self.optimizer.state.get(p) for p in self.optimizer.param_groups[0]["params"]):
+                raise RuntimeError("The ES masters moved after the optimizer took a step.")
+            self.optimizer.param_groups[0]["params"] = masters
+
+    def _count_forward(self, module, args):
+        self._forward_calls += 1
+
+    def _check_replicas_identical(self) -> None:
+        """Population parallelism needs every process to hold the same weights and masters (DDP would have broadcast
+        rank 0's weights). Compare a 16-byte fingerprint across processes; if they differ, broadcast rank 0's model
+        state, masters and anchor (with a warning)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        named = {f"model.{k}": t for k, t in unwrapped.state_dict().items() if isinstance(t, torch.Tensor)}
+        named.update({f"master.{k}": t for k, t in self.es_params.master_state_dict().items()})
+        digest = tensors_fingerprint(named, digest_size=16)
+        agree, nbytes = fingerprints_agree(digest, device=self.accelerator.device)
+        self._comm_bytes += nbytes
+        if agree:
+            return
+        warnings.warn(
+            "The processes hold different initial weights: broadcasting process 0's model and ES master (as DDP "
+            "would). Build or load the same model on every process to avoid this.",
+            stacklevel=2,
+        )
+        with torch.no_grad():
+            tensors = list(unwrapped.parameters()) + list(unwrapped.buffers())
+            tensors += [e.master for e in self.es_params.entries if not e.master_is_param]
+            self._comm_bytes += broadcast_tensors_(tensors)
+        self.es_params.render_()
+        if self.anchor is not None:  # theta_0 is now process 0's initial weights
+            files = checkpoint_files(unwrapped) if self.args.anchor_storage != "memory" else []
+            self.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)
+
+    def _sync_model_view(self) -> None:
+        """Under ZeRO-3, drop gathered copies of the trained parameters so the next forward sees the partitions."""
+        if self.sharded:
+            release_gathered_(self._es_model_params)
+
+    def _record_comm(self, forward_calls: int) -> None:
+        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration.
+
+        Counted exactly (buffer sizes): the prompt rows gathered (population parallelism), the per-member statistics
+        all-reduced, fingerprint checks. Under ZeRO-3 also: ``generate(synced_gpus=True)``'s one float32 all-reduce
+        per decoding step, and the parameters DeepSpeed all-gathers, estimated as one full gather of every
+        partitioned parameter per forward call (``comm/param_gather_bytes``; an upper bound: small persistent
+        parameters are gathered once per member).
+        """
+        nbytes = self._comm_bytes
+        if self.sharded and self.accelerator.num_processes > 1:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
+            gathered = float(forward_calls * full)
+            self._metrics["comm/param_gather_bytes"].append(gathered)
+            nbytes += 4 * forward_calls + gathered
+        self._metrics["comm/bytes"].append(float(nbytes))
+        self._comm_bytes = 0.0
