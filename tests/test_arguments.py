@@ -217,3 +217,21 @@ def test_configs_print_no_deprecation_warning(tmp_path):
             args = cls(output_dir=str(tmp_path), **extra)
         expected = cls.__name__ == "ParallelAveragingConfig"  # GRPO's default (on) for the backward passes
         assert args.activation_checkpointing is expected and args.gradient_checkpointing is expected, cls.__name__
+
+
+@pytest.mark.parametrize("module, cls_name", [("trl_es.trainer.es_config", "ESConfig"),
+                                               ("trl_es.trainer.hyper_es_config", "HyperESConfig")])
+def test_config_docstring_lists_every_own_field_in_grouped_parameters(module, cls_name):
+    """TRL's convention: a ``Parameters:`` block with ``> ...`` groups naming every field the config declares."""
+    import ast
+    import importlib
+    import inspect
+
+    cls = getattr(importlib.import_module(module), cls_name)
+    tree = ast.parse(inspect.getsource(cls))
+    own = [node.target.id for node in tree.body[0].body
+           if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and not node.target.id.startswith("_")]
+    doc = cls.__doc__
+    assert "    Parameters:\n" in doc and doc.count("        > Parameters that ") >= 3
+    missing = [name for name in own if f"\n        {name} (`" not in doc]
+    assert own and missing == []

@@ -63,7 +63,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         `str`: Where to write the bytes.
 
     Raises:
-        Whatever the block raises (``path`` is then untouched).
+        Exception: Whatever the block raises (``path`` is then untouched).
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -99,9 +99,9 @@ def write_json(path: str | os.PathLike, obj, indent: int | None = 2, **json_kwar
 
     Args:
         path (`str | os.PathLike`): The JSON file.
-        obj: A JSON-serialisable object.
+        obj (`Any`): A JSON-serialisable object.
         indent (`int`, *optional*, defaults to 2): As :func:`json.dumps`.
-        **json_kwargs: Passed to :func:`json.dumps` (``default=``, ``allow_nan=``, ``sort_keys=``...).
+        **json_kwargs (`Any`): Passed to :func:`json.dumps` (``default=``, ``allow_nan=``, ``sort_keys=``...).
     """
     write_text(path, json.dumps(obj, indent=indent, **json_kwargs) + "\n")
 

@@ -275,11 +275,10 @@ def load_model_and_tokenizer(
         name_or_path (`str | os.PathLike | None`, defaults to None): See :func:`resolve_model_path`.
         dtype (`torch.dtype | str`, defaults to ``torch.float32``): Weight dtype (anything
             ``from_pretrained(dtype=...)`` accepts, e.g. ``torch.bfloat16`` or ``"auto"``).
-        **model_kwargs: Passed to ``AutoModelForCausalLM.from_pretrained``.
+        **model_kwargs (`Any`): Passed to ``AutoModelForCausalLM.from_pretrained``.
 
     Returns:
-        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and
-        tokenizer. A tokenizer without a pad token gets its EOS token as pad token.
+        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and tokenizer; a tokenizer without a pad token gets its EOS token as pad token.
 
     Raises:
         ValueError / ImportError: See :func:`resolve_model_path`.

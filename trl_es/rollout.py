@@ -63,7 +63,7 @@ def prompt_texts(rows: Sequence[dict], processing_class, chat_template_kwargs: d
 
     Args:
         rows (`Sequence[dict]`): Dataset rows, each with a ``prompt`` (string or list of messages).
-        processing_class: The tokenizer.
+        processing_class (`PreTrainedTokenizerBase`): The tokenizer.
 
     Returns:
         `list[str]`: One string per row.
@@ -122,10 +122,10 @@ class RewardScorer:
     """Scores completions with TRL-style reward functions and reward models.
 
     Args:
-        reward_funcs: A callable, a reward model (``PreTrainedModel`` for sequence classification, or its id/path),
+        reward_funcs (`Callable | PreTrainedModel | str | list`): A callable, a reward model (``PreTrainedModel`` for sequence classification, or its id/path),
             or a list of them.
         reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
-        reward_processing_classes: Tokenizers of the reward models (loaded from the model path when ``None``).
+        reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded from the model path when ``None``).
 
     Raises:
         ValueError: if ``reward_weights`` has the wrong length, or no reward function is given.
@@ -283,7 +283,7 @@ def score_model(
     Args:
         engine (`GenerationEngine` or `None`): How to generate (default: the plain eager engine).
         num_row_groups (`int`): The rows form this many equal consecutive blocks (stacked population members).
-        **generate_kwargs: Passed to ``model.generate`` (e.g. ``synced_gpus=True``).
+        **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True``).
 
     Returns:
         `dict`: ``rewards_per_func`` (``(len(rows) * num_generations, F)`` float32, NaN for ``None`` and invalid
@@ -341,7 +341,7 @@ class Rollout:
             num_row_groups (`int`): See ``rows``.
             reward_kwargs (`dict`, *optional*): Extra keyword arguments of the reward functions (TRL's
                 ``trainer_state``, ``log_metric``, ...).
-            **generate_kwargs: Passed to ``model.generate``.
+            **generate_kwargs (`Any`): Passed to ``model.generate``.
 
         Returns:
             `dict`: :func:`score_model`'s result plus ``seconds`` (wall-clock of the call).

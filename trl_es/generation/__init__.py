@@ -1,4 +1,4 @@
-"""Generation engines: prompt rows in, completion ids out; the one path to generation in trl_es.
+"""Generation engines: prompt texts in, completion ids out; the one path to generation in trl_es.
 
 - ``"eager"`` (:class:`EagerEngine`): ``model.generate`` as transformers runs it; optionally with the shared prompt
   prefix computed once per row group (``share_prompt_prefix``, the default in ``ESConfig``).

@@ -28,7 +28,7 @@ class Completions:
 
 
 class GenerationEngine(ABC):
-    """Turns prompt rows into completions; the one path to generation in trl_es (scoring, both population backends,
+    """Turns prompt texts into completions; the one path to generation in trl_es (scoring, both population backends,
     ``ESTrainer.evaluate``, ``trl-es eval``, the race script).
 
     Rows and row groups: ``generate`` receives ``len(prompts) * num_generations`` rows (each prompt repeated
@@ -45,7 +45,7 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def _generate_ids(
-        self, model: nn.Module, processing_class, rows: list[str], generation_config: GenerationConfig,
+        self, model: nn.Module, processing_class, texts: list[str], generation_config: GenerationConfig,
         num_row_groups: int, **generate_kwargs,
     ) -> list[list[int]]:
         """Completion ids (before the EOS cut) for each row, in row order."""
@@ -79,13 +79,13 @@ class GenerationEngine(ABC):
         Raises:
             ValueError: if ``num_row_groups`` does not divide the number of rows.
         """
-        rows = [p for p in prompts for _ in range(num_generations)]
-        if num_row_groups < 1 or len(rows) % num_row_groups:
-            raise ValueError(f"num_row_groups ({num_row_groups}) must divide the number of rows ({len(rows)}).")
+        texts = [p for p in prompts for _ in range(num_generations)]  # one text per batch row
+        if num_row_groups < 1 or len(texts) % num_row_groups:
+            raise ValueError(f"num_row_groups ({num_row_groups}) must divide the number of rows ({len(texts)}).")
         was_training = model.training
         model.eval()
         try:
-            completion = self._generate_ids(model, processing_class, rows, generation_config, num_row_groups,
+            completion = self._generate_ids(model, processing_class, texts, generation_config, num_row_groups,
                                             **generate_kwargs)
         finally:
             model.train(was_training)
@@ -112,8 +112,8 @@ def model_device(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
-def tokenize_left_padded(processing_class, rows: list[str], device) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``rows``, left-padded, without special tokens, on ``device``."""
-    inputs = processing_class(text=rows, return_tensors="pt", padding=True, padding_side="left",
+def tokenize_left_padded(processing_class, texts: list[str], device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``texts``, left-padded, without special tokens, on ``device``."""
+    inputs = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="left",
                               add_special_tokens=False)
     return {k: v.to(device) for k, v in inputs.items()}

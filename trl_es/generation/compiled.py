@@ -82,13 +82,13 @@ class CompiledEngine(GenerationEngine):
             config.disable_compile = True
         return config
 
-    def _generate_ids(self, model, processing_class, rows, generation_config, num_row_groups, **generate_kwargs):
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         device = model_device(model)
-        per_group = len(rows) // num_row_groups
+        per_group = len(texts) // num_row_groups
         padded_group = bucket(per_group, self.batch_buckets)
         padded = []
         for g in range(num_row_groups):
-            group = rows[g * per_group : (g + 1) * per_group]
+            group = texts[g * per_group : (g + 1) * per_group]
             padded += group + [group[-1]] * (padded_group - per_group)
         inputs = tokenize_left_padded(processing_class, padded, device)
         config = self._config(generation_config, device, inputs["input_ids"].shape[1])

@@ -94,17 +94,17 @@ class EagerEngine(GenerationEngine):
             and generation_config.cache_implementation in (None, "dynamic")
         )
 
-    def _generate_ids(self, model, processing_class, rows, generation_config, num_row_groups, **generate_kwargs):
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         self.last_shared_prefix = 0
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
-            encoded = processing_class(text=rows, add_special_tokens=False)["input_ids"]
+            encoded = processing_class(text=texts, add_special_tokens=False)["input_ids"]
             shared = common_prefix_length(encoded)
             if shared >= self.min_shared_prefix:
                 self.last_shared_prefix = shared
                 return self._generate_shared(model, processing_class, encoded, shared, generation_config,
                                              num_row_groups, device, **generate_kwargs)
-        inputs = tokenize_left_padded(processing_class, rows, device)
+        inputs = tokenize_left_padded(processing_class, texts, device)
         output = model.generate(**inputs, generation_config=generation_config, **generate_kwargs)
         return output[:, inputs["input_ids"].shape[1] :].tolist()
 

@@ -32,6 +32,138 @@ class ESConfig(_BaseConfig):
     ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
     to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
     and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
+
+    Only the parameters specific to ES (or whose defaults ES changes) are listed here; see
+    [`~transformers.TrainingArguments`] for the rest.
+
+    Parameters:
+        > Parameters that override `TrainingArguments` defaults
+
+        learning_rate (`float`, *optional*, defaults to `0.0005`):
+            The ES step size alpha of the update theta <- theta + alpha/N * sum_i z_i * eps_i (Qiu et al. 2025,
+            arXiv 2509.24372, Algorithm 1; default 5e-4 from the paper). With es_optimizer='torch' it is the torch
+            optimizer's learning rate.
+        lr_scheduler_type (`str`, *optional*, defaults to `'constant'`):
+            Learning-rate schedule. Default 'constant', as the ES reference (no decay).
+        max_grad_norm (`float`, *optional*, defaults to `0.0`):
+            Clip the ES gradient estimate to this norm (es_optimizer='torch' only). 0 = no clipping.
+        bf16 (`bool` or `None`, *optional*, defaults to `False`):
+            Load/train in bf16 mixed precision. Default False so ESConfig() works on CPU.
+        gradient_checkpointing (`bool` or `None`, *optional*, defaults to `None`):
+            Unused by ES (no backward pass); resolves to False. Default None, which (unlike TRL's True) does not
+            trigger transformers' deprecation warning for this alias of activation_checkpointing.
+        logging_steps (`float`, *optional*, defaults to `1`):
+            Log every X ES iterations (default 1).
+        dataloader_pin_memory (`bool`, *optional*, defaults to `False`):
+            Pin dataloader memory. Default False: ES loads text rows, not tensors.
+        remove_unused_columns (`bool` or `None`, *optional*, defaults to `False`):
+            Keep every dataset column: extra columns reach the reward functions as keyword arguments.
+
+        > Parameters that control the model
+
+        model_init_kwargs (`dict` or `None`, *optional*, defaults to `None`):
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string (e.g. {'dtype':
+            'bfloat16'}).
+
+        > Parameters that control the ES iteration
+
+        population_size (`int`, *optional*, defaults to `30`):
+            Number N of perturbed models scored per iteration (default 30, Qiu et al. 2025). >= 2.
+        sigma (`float`, *optional*, defaults to `0.001`):
+            Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.).
+        fitness_shaping (`str`, *optional*, defaults to `'zscore'`):
+            How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice),
+            'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).
+        antithetic (`bool`, *optional*, defaults to `False`):
+            Mirrored sampling: members come in pairs +eps/-eps sharing a seed (population_size must be even).
+        prompt_batch_size (`int`, *optional*, defaults to `8`):
+            Prompts every member is scored on in one iteration (all members see the same prompts, so fitness values
+            are comparable). Must be divisible by the number of processes.
+        es_optimizer (`str`, *optional*, defaults to `'es'`):
+            'es': the reference update applied directly. 'torch': the ES gradient estimate -(1/N) sum_i z_i eps_i is
+            handed to the Trainer's optimizer via p.grad (Adam, schedulers, clipping).
+        include_parameters (`str` or `None`, *optional*, defaults to `None`):
+            Regular expression: perturb only trainable parameters whose name matches (re.search). Default: all
+            trainable parameters (with a PEFT model, the adapter parameters).
+        exclude_parameters (`str` or `None`, *optional*, defaults to `None`):
+            Regular expression: never perturb parameters whose name matches.
+        fp32_master_weights (`bool`, *optional*, defaults to `True`):
+            Keep an fp32 master copy of bf16/fp16 trained parameters, so updates below a 16-bit step are not lost
+            (updates are always summed in fp32).
+        noise_source (`str`, *optional*, defaults to `'auto'`):
+            Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, Salimans et
+            al. 2017), 'gaussian' (a fresh draw per 1048576-element block from a CPU generator: identical on every
+            device, ~10x slower than the table on CPU, no table memory), 'device_gaussian' (the same from a
+            generator on the weights' device: Philox on CUDA; values depend on the device type) or 'auto' (measured
+            defaults: 'gaussian' for the low-rank backend, 'device_gaussian' for full-rank noise on CUDA, 'table'
+            for full-rank noise elsewhere; see benchmarks/noise_sources.py).
+        noise_table_size (`int`, *optional*, defaults to `67108864`):
+            Entries of the shared Gaussian noise table when the table is used, 2**26 = 256 MiB by default. 0 = no
+            table: fresh Gaussian noise per block (as noise_source='gaussian').
+        population_backend (`str`, *optional*, defaults to `'sequential'`):
+            How members are evaluated: 'sequential' (perturb the weights in place with full-rank noise, generate,
+            restore, one member at a time) or 'batched_lowrank' (EGGROLL, arXiv 2511.16652: rank-noise_rank
+            perturbations applied per batch row, the members of a process in one generate call (or in chunks of
+            member_chunk_size); trains only nn.Linear weights, select them with include_parameters, e.g.
+            r'proj\.weight$').
+        noise_rank (`int`, *optional*, defaults to `1`):
+            Rank r >= 1 of each member's perturbation of each weight with population_backend='batched_lowrank': E_i
+            = sigma / sqrt(r) * A_i B_i^T (EGGROLL, arXiv 2511.16652). Extra cost per token and Linear is O(r (in +
+            out)). Ignored by 'sequential'.
+        member_chunk_size (`int` or `None`, *optional*, defaults to `None`):
+            With population_backend='batched_lowrank': members per generate call (None: all members of a process in
+            one call). One call holds member_chunk_size x prompt_batch_size x num_generations rows; lower it to
+            bound activation and KV-cache memory. Ignored by 'sequential'.
+        generation_engine (`str`, *optional*, defaults to `'auto'`):
+            How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled decoding
+            step on fixed batch buckets; for GPUs) or 'auto' ('compiled' on CUDA when the model supports a static
+            cache, else 'eager'). The choice is logged at start.
+        share_prompt_prefix (`bool`, *optional*, defaults to `True`):
+            Eager engine: run the token prefix that all prompts of a batch share (chat-template system prompt and
+            role markers) once per population member instead of once per prompt, then continue every prompt from its
+            cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md).
+        anchor_storage (`str`, *optional*, defaults to `'auto'`):
+            Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's dtype),
+            'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when it holds
+            exactly the initial values, checked at start; a resident copy for tensors it does not hold).
+        lean_memory (`bool`, *optional*, defaults to `False`):
+            Hold only what ES needs, at some speed: no noise table (noise_source 'auto' draws fresh Gaussian blocks,
+            or uses the device generator on CUDA), and theta_0 only from the base checkpoint's safetensors file
+            (anchor_storage 'auto' -> 'file'; drift logging is skipped when the file does not hold theta_0 and AWD
+            is off). With population_backend='batched_lowrank' (no master copy of fp32 weights) and, for 16-bit
+            models, fp32_master_weights=False, this is the lean mode of docs/scaling.md.
+
+        > Parameters that control Anchored Weight Decay (AWD)
+
+        awd_lambda (`float`, *optional*, defaults to `0.0`):
+            Anchored Weight Decay strength lambda (arXiv 2605.30148): after each ES step the drift theta - theta_0
+            is shrunk by alpha*lambda. 0 = off. Paper: l2 with lambda=10 at alpha=5e-4; l1 with 0.01.
+        awd_penalty (`str`, *optional*, defaults to `'l2'`):
+            AWD penalty: 'l2' (delta <- (1 - alpha*lambda) delta) or 'l1' (soft-threshold delta at alpha*lambda).
+        log_parameter_drift (`bool`, *optional*, defaults to `True`):
+            Keep a CPU fp32 copy of the initial trained parameters theta_0 and log ||theta - theta_0|| (drift/l2)
+            and its ratio to ||theta_0|| (drift/relative) at every log.
+        success_threshold (`float`, *optional*, defaults to `1.0`):
+            A completion counts as a success when its weighted reward is >= this value; used for the logged
+            success_rate and the population success diversity JS_succ (arXiv 2608.27351). Default 1.0: a correct
+            answer in the built-in tasks.
+
+        > Parameters that control generation (GRPO's names and meanings)
+
+        num_generations (`int`, *optional*, defaults to `1`):
+            Completions per prompt per member (default 1: greedy decoding is deterministic).
+        max_completion_length (`int`, *optional*, defaults to `256`):
+            Maximum new tokens per completion.
+        temperature (`float`, *optional*, defaults to `0.0`):
+            Sampling temperature. 0 (default) = greedy decoding, as in the ES reference.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold (temperature > 0 only).
+        generation_kwargs (`dict` or `None`, *optional*, defaults to `None`):
+            Extra keyword arguments for `GenerationConfig` (override the above).
+        chat_template_kwargs (`dict` or `None`, *optional*, defaults to `None`):
+            Extra keyword arguments for `apply_chat_template` on conversational prompts.
+        reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
+            Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.

@@ -4,8 +4,8 @@ The file reads as the setup story (constructor: model, processing class, rewards
 then one ES iteration top to bottom (:meth:`ESTrainer.training_step`): ask the population for its members, apply
 each group of members and roll out (the population restores the model on leaving the ``with``), sum the scores over
 processes, shape the fitness, tell the update (ES step or torch optimizer, AWD, render), append to the seed log,
-record the metrics. Checkpoint I/O (:mod:`.es_checkpoint`), multi-process preparation (:mod:`.es_distributed_setup`)
-and the metrics (:mod:`.es_metrics`) live beside it. Map of the rooms: ``docs/architecture.md``.
+record the metrics. Checkpoint I/O (:mod:`.es_checkpoint`), multi-process preparation (:mod:`.es_distributed_setup`),
+held-out evaluation (:mod:`.es_evaluation`) and the metrics (:mod:`.es_metrics`) live beside it. Map of the rooms: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -31,20 +31,14 @@ from ..es.population import make_population_backend, member_indices, member_seed
 from ..es.seedlog import SeedLog
 from ..es.shaping import shape_fitness
 from ..es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
-from ..generation import generate_completions, make_engine
+from ..generation import make_engine
 from ..models import resolve_model_path
-from ..rollout import (
-    RewardScorer,
-    Rollout,
-    build_generation_config,
-    prompt_texts,
-    split_row_groups,
-    validate_dataset,
-)
+from ..rollout import RewardScorer, Rollout, build_generation_config, split_row_groups, validate_dataset
 from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .es_checkpoint import ESCheckpointMixin
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
+from .es_evaluation import ESEvaluationMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
 
 logger = logging.get_logger(__name__)
@@ -55,7 +49,7 @@ def identity(features):
     return features
 
 
-class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
+class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     Each training step is one ES iteration: every process takes its share of ``prompt_batch_size`` prompts and the
@@ -504,76 +498,3 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
 
 
     # ------------------------------------------------------------------ evaluation
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
-
-        Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
-        generate call (``num_generations`` completions each), with the trainer's generation engine and settings.
-        Invalid (non-finite) rewards are left out of the means and counted.
-
-        Returns:
-            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
-            ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
-        """
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (given to ESTrainer or to evaluate).")
-        if isinstance(dataset, dict):
-            metrics = {}
-            for key, subset in dataset.items():
-                metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
-            return metrics
-        validate_dataset(dataset, "eval_dataset")
-        if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
-            dataset = list(dataset)
-        if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
-            self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
-        self._sync_model_view()
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        rows = [dataset[i] for i in range(rank, len(dataset), world)]
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        batch = self.args.per_device_eval_batch_size
-        # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
-        # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
-        num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
-        sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
-        counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
-        if self.args.temperature > 0:
-            torch.manual_seed(self.args.seed)
-        start = time.perf_counter()
-        for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
-            chunk = rows[first : first + batch]
-            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
-                placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
-                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
-                                     engine=self.generation_engine)
-                continue
-            out = self.rollout(unwrapped, chunk, reward_kwargs={
-                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
-            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
-            rewards = out["rewards"].double()
-            valid_rows = ~out["invalid"].any(dim=1)
-            sums[0] += rewards[valid_rows].nansum()
-            sums[1] += (~torch.isnan(rewards[valid_rows])).sum()
-            sums[2] += out["invalid"].sum()
-            per_func = out["rewards_per_func"].double()
-            sums[3:] += per_func.nansum(dim=0)
-            counts += (~torch.isnan(per_func)).sum(dim=0)
-        if world > 1:
-            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
-            counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
-        metrics = {
-            f"{metric_key_prefix}_reward": float(sums[0] / sums[1]) if sums[1] > 0 else None,
-            f"{metric_key_prefix}_num_completions": int(len(dataset) * self.args.num_generations),
-            f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
-            f"{metric_key_prefix}_runtime": time.perf_counter() - start,
-        }
-        for j, name in enumerate(self.reward_func_names):
-            if counts[j] > 0:
-                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics

@@ -28,6 +28,18 @@ class HyperESConfig(_BaseConfig):
     implementation's choices, not the paper's.
 
     Parameters:
+        > Parameters that override `TrainingArguments` defaults
+
+        bf16 (`bool` or `None`, *optional*, defaults to `False`):
+            bf16 mixed precision. Default False: Hyper-ES has no backward pass and runs on CPU.
+        gradient_checkpointing (`bool` or `None`, *optional*, defaults to `None`):
+            Unused by Hyper-ES (no backward pass); resolves to False. Default None, which (unlike TRL's True) does
+            not trigger transformers' deprecation warning for this alias of activation_checkpointing.
+        logging_steps (`float`, *optional*, defaults to `1`):
+            Log every X generations.
+        save_steps (`float`, *optional*, defaults to `10`):
+            Save a CMA-ES checkpoint every X generations (``save_strategy="steps"``).
+
         > Parameters that control the search
 
         max_generations (`int`, *optional*, defaults to `20`):

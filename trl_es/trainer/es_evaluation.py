@@ -1,0 +1,93 @@
+"""ESTrainer's held-out evaluation: the unperturbed model scored on a dataset with the training's rollout.
+
+A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (it reads ``rollout``, ``reward_func_names``, the
+generation settings and, under ZeRO-3, the DeepSpeed engine).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..generation import generate_completions
+from ..rollout import prompt_texts, validate_dataset
+from .es_metrics import warn_invalid_rewards
+
+
+class ESEvaluationMixin:
+    """``evaluate()``: greedy (or sampled) rewards of the current weights on ``eval_dataset``."""
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
+
+        Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
+        generate call (``num_generations`` completions each), with the trainer's generation engine and settings.
+        Invalid (non-finite) rewards are left out of the means and counted.
+
+        Returns:
+            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
+            ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
+        """
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (given to ESTrainer or to evaluate).")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for key, subset in dataset.items():
+                metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
+            return metrics
+        validate_dataset(dataset, "eval_dataset")
+        if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
+            dataset = list(dataset)
+        if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
+            self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
+        self._sync_model_view()
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = [dataset[i] for i in range(rank, len(dataset), world)]
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        batch = self.args.per_device_eval_batch_size
+        # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
+        # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
+        num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
+        sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
+        counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
+        if self.args.temperature > 0:
+            torch.manual_seed(self.args.seed)
+        start = time.perf_counter()
+        for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
+            chunk = rows[first : first + batch]
+            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
+                placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
+                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
+                                     engine=self.generation_engine)
+                continue
+            out = self.rollout(unwrapped, chunk, reward_kwargs={
+                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
+            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            rewards = out["rewards"].double()
+            valid_rows = ~out["invalid"].any(dim=1)
+            sums[0] += rewards[valid_rows].nansum()
+            sums[1] += (~torch.isnan(rewards[valid_rows])).sum()
+            sums[2] += out["invalid"].sum()
+            per_func = out["rewards_per_func"].double()
+            sums[3:] += per_func.nansum(dim=0)
+            counts += (~torch.isnan(per_func)).sum(dim=0)
+        if world > 1:
+            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
+            counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
+        metrics = {
+            f"{metric_key_prefix}_reward": float(sums[0] / sums[1]) if sums[1] > 0 else None,
+            f"{metric_key_prefix}_num_completions": int(len(dataset) * self.args.num_generations),
+            f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
+            f"{metric_key_prefix}_runtime": time.perf_counter() - start,
+        }
+        for j, name in enumerate(self.reward_func_names):
+            if counts[j] > 0:
+                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
