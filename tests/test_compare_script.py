@@ -1,7 +1,6 @@
 """examples/scripts/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
 
 import json
-import os
 import time
 from types import SimpleNamespace
 

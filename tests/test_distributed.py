@@ -311,12 +311,14 @@ def test_es_deepspeed_config():
 
 
 @pytest.mark.distributed
-def test_iterable_dataset_population_parallelism_matches_one_process(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_iterable_dataset_population_parallelism_matches_one_process(tmp_path, tiny_model_dir, shards):
     """A streaming (iterable) train dataset: both processes read the stream, each keeps its slice of every batch,
     the slices are gathered: every process scores the same prompts in stream order, and the weights end bitwise as
-    with one process. Three iterations over 8 rows in batches of 4 wrap around the stream once."""
-    ref_out, ref = run_here(tmp_path / "one", tiny_model_dir, steps=3, iterable=True)
-    result = torchrun(tmp_path / "two", tiny_model_dir, "--iterable", "--steps", "3")
+    with one process. Three iterations over 8 rows in batches of 4 wrap around the stream once. With 2 shards (as a
+    streamed dataset of 2 data files) accelerate would split the stream by shard, one per process; it must not."""
+    ref_out, ref = run_here(tmp_path / "one", tiny_model_dir, steps=3, iterable=True, iterable_shards=shards)
+    result = torchrun(tmp_path / "two", tiny_model_dir, "--iterable", "--iterable_shards", str(shards), "--steps", "3")
     expected = [[f"Write: {i}" for i in range(4)], [f"Write: {i}" for i in range(4, 8)],
                 [f"Write: {i}" for i in range(4)]]
     assert ref["prompt_batches"] == expected

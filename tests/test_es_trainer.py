@@ -718,3 +718,41 @@ def test_save_model_fails_loudly_when_save_pretrained_writes_nothing(tmp_path, t
     monkeypatch.undo()
     trainer.save_model(str(folder))
     assert (folder / "model.safetensors").is_file() and (folder / SEED_LOG_NAME).is_file()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"save_on_each_node": True}, "save_on_each_node=True is not supported"),
+        ({"es_optimizer": "torch", "fp16": True}, "fp16=True cannot go with es_optimizer='torch'"),
+        ({"es_optimizer": "torch", "optim": "schedule_free_adamw"}, "cannot go with es_optimizer='torch'"),
+    ],
+    ids=["save_on_each_node", "fp16_torch", "schedule_free_torch"],
+)
+def test_config_refuses_what_the_es_save_and_step_cannot_honour(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        es_args(tmp_path, **kwargs)
+
+
+def test_checkpoint_without_its_fp32_master_is_refused(tmp_path, tokenizer):
+    """A bf16 model's checkpoint must hold its fp32 master (written before trainer_state.json marks the checkpoint):
+    resuming from one without it raises instead of silently restarting the master from the bf16 weights."""
+    from trl_es.trainer.es_checkpoint import MASTER_WEIGHTS_NAME
+
+    args = es_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    ESTrainer(build_llama(tokenizer, dtype=torch.bfloat16), mean_code, args=args, train_dataset=prompts(),
+              processing_class=tokenizer).train()
+    checkpoint = os.path.join(args.output_dir, "checkpoint-1")
+    assert os.path.isfile(os.path.join(checkpoint, MASTER_WEIGHTS_NAME))
+    os.remove(os.path.join(checkpoint, MASTER_WEIGHTS_NAME))
+    resumed = ESTrainer(build_llama(tokenizer, dtype=torch.bfloat16), mean_code, args=args, train_dataset=prompts(),
+                        processing_class=tokenizer)
+    with pytest.raises(ValueError, match="holds no es_master.safetensors"):
+        resumed.train(resume_from_checkpoint=checkpoint)
+
+
+def test_es_optimizer_logs_a_zero_grad_norm_when_clipping_is_on(tmp_path, tokenizer):
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, max_steps=1, max_grad_norm=1.0),
+                        train_dataset=prompts(), processing_class=tokenizer)
+    trainer.train()
+    assert [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h] == [0.0]

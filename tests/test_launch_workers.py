@@ -28,3 +28,15 @@ def test_workers_run_every_spec_and_return_results_in_order(tmp_path):
     with pytest.raises(RuntimeError, match="failed"):
         run_workers(str(script), [{"x": 1, "fail": True, "result": str(tmp_path / "f.json")}], max_parallel=1)
     assert json.loads((tmp_path / "r3.json").read_text())["double"] == 6
+
+
+def test_a_stale_result_is_not_read_as_this_runs(tmp_path):
+    """A result file left by an earlier run is removed before the job starts: a worker that writes nothing fails
+    loudly instead of returning the old result."""
+    script = tmp_path / "silent.py"
+    script.write_text("import sys\n")  # exits 0, writes no result
+    stale = tmp_path / "r.json"
+    stale.write_text('{"x": "old"}')
+    with pytest.raises(RuntimeError, match="wrote no result"):
+        run_worker(str(script), {"result": str(stale)}, num_processes=1)
+    assert not stale.exists()

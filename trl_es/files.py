@@ -22,8 +22,23 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 
-__all__ = ["SAVED_MODEL_FILES", "atomic_path", "is_main_process", "process_rank", "require_files", "save_figure",
+__all__ = ["SAVED_MODEL_FILES", "atomic_path", "current_umask", "is_main_process", "process_rank", "require_files", "save_figure",
            "save_trainer_model", "write_json", "write_text"]
+
+
+def current_umask() -> int:
+    """The process's file-mode creation mask, read without changing it where Linux says it (``/proc/self/status``);
+    elsewhere set and reset at once (``os.umask``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def process_rank() -> int:
@@ -72,9 +87,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     stem, suffix = os.path.splitext(name)
     handle, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=f".tmp{suffix}", dir=folder)
     os.close(handle)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; the file gets the permissions open() would give it
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600; the file gets the permissions open() would give
     try:
         yield tmp
         with open(tmp, "rb+") as f:  # the bytes reach the disk before the rename makes them visible

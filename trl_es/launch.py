@@ -163,6 +163,12 @@ def _write_spec(spec: dict) -> str:
     return handle.name
 
 
+def _remove_stale_result(spec: dict) -> None:
+    """A result file from an earlier run must not pass for this run's (the caller decided to run the job)."""
+    if os.path.isfile(spec["result"]):
+        os.remove(spec["result"])
+
+
 def _read_result(spec: dict, script: str | None = None) -> dict:
     import json
 
@@ -231,6 +237,7 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
     plan = plan_launch(num_processes)
     if embedded_cache and plan.num_processes > 1:
         prepare_embedded_model()
+    _remove_stale_result(spec)
     path = _write_spec(spec)
     env = dict(os.environ, **plan.env)
     env["OMP_NUM_THREADS"] = str(threads or plan.threads)
@@ -273,6 +280,7 @@ def run_workers(script: str, specs: list[dict], max_parallel: int | None = None,
     while pending or running:
         while pending and len(running) < width:
             index, spec = pending.pop(0)
+            _remove_stale_result(spec)
             path = _write_spec(spec)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
             if gpus:  # the parent's visible devices, one per job (indices into them, not physical ids)

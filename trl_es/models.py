@@ -121,7 +121,7 @@ def _cache_problem(path: Path) -> str | None:
     Usable means: the marker names this cache format and GGUF file and lists the files the build wrote with their
     sizes; every listed file is present with that size (a half-copied or truncated file fails); ``config.json`` is
     a JSON object with a ``model_type``; the weights file's safetensors header reads and lists tensors; the
-    tokenizer files and the chat template are there. A folder with a marker but without weights or config (what a
+    tokenizer files are listed. (Sizes, not hashes: a same-size corrupt tokenizer file would pass.) A folder with a marker but without weights or config (what a
     rank != 0 ``save_pretrained`` left behind before cache format 2) is not usable.
     """
     try:
@@ -194,8 +194,9 @@ def _write_cache(model, tokenizer, path: Path) -> None:
         problem = _cache_problem(tmp)
         if problem is not None:
             raise RuntimeError(f"The embedded model cache written to {tmp} is not usable: {problem}.")
-        umask = os.umask(0)
-        os.umask(umask)
+        from .files import current_umask
+
+        umask = current_umask()
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700 (and safetensors may write 0600 files)
         for file in tmp.iterdir():
             file.chmod(0o666 & ~umask)

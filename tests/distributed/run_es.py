@@ -47,6 +47,8 @@ def parse_args():
                         help="population_backend (batched_lowrank: no master copy of fp32 weights).")
     parser.add_argument("--iterable", action="store_true",
                         help="Train on the prompts as a datasets.IterableDataset (a stream) instead of a Dataset.")
+    parser.add_argument("--iterable_shards", type=int, default=1,
+                        help="With --iterable: the stream's number of shards (as data files of a streamed dataset).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -64,7 +66,7 @@ def mean_code(completions, prompts=None, **kwargs):
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
-        lean: bool = False, backend: str = "sequential", iterable: bool = False) -> dict:
+        lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -122,7 +124,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     tokenizer = AutoTokenizer.from_pretrained(model)
     train = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
     if iterable:
-        train = train.to_iterable_dataset()
+        train = train.to_iterable_dataset(num_shards=iterable_shards)
     evaluation = Dataset.from_dict({"prompt": [f"Say: {i}" for i in range(eval_size)]})
 
     checks, steps_run = [], []
@@ -181,7 +183,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable)
+        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

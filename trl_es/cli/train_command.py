@@ -65,6 +65,9 @@ def train(argv: list[str]) -> dict:
         ),
     )
     if trainer.accelerator.is_main_process:
+        stale = os.path.join(es_args.output_dir, "results.json")
+        if os.path.isfile(stale):  # an earlier run's: it marks a finished run, which this one is not (yet)
+            os.remove(stale)
         write_json(os.path.join(es_args.output_dir, RUN_FILE), run_settings(task_args, es_args))
     name = _accuracy_name(task)
     key, test_key = f"eval_rewards/{name}/mean", f"eval_test_rewards/{name}/mean"

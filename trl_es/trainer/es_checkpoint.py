@@ -12,7 +12,6 @@ import os
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
@@ -45,20 +44,29 @@ class ESCheckpointMixin:
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``).
+        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``); in a checkpoint
+        (``_internal_call``, the first thing ``Trainer._save_checkpoint`` writes) also the ES state: the fp32 master
+        and theta_0 (:meth:`_save_es_state`), so they are on disk before ``trainer_state.json`` marks the checkpoint
+        and old checkpoints are rotated away.
 
         Under ZeRO-3 ``Trainer`` gathers the partitions into one ``from_pretrained``-loadable model (DeepSpeed's
         ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
+
+        Raises:
+            RuntimeError: if ``save_pretrained`` wrote no weights or no config where this process should have
+                written them.
         """
         self._sync_model_view()
         self._keep_anchor_out_of(output_dir or self.args.output_dir)
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            # save_pretrained writes nothing on a torch.distributed rank != 0 (e.g. the first process of a second
-            # node with save_on_each_node): fail here rather than leave a folder without weights.
+            # save_pretrained writes nothing on a torch.distributed rank != 0: fail here rather than leave a folder
+            # without weights (ESConfig refuses save_on_each_node=True for the same reason).
             require_files(output_dir, SAVED_MODEL_FILES, "the model saved by ESTrainer")
             self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
+        if _internal_call:
+            self._save_es_state(output_dir)
 
     def _keep_anchor_out_of(self, folder: str) -> None:
         """Before writing a model into ``folder``: if theta_0 is read from a file there, hold it in memory first (the
@@ -68,15 +76,15 @@ class ESCheckpointMixin:
                            folder)
             self.anchor = self.anchor.materialize()
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+    def _save_es_state(self, folder: str) -> None:
+        """The ES state of a checkpoint: the fp32 master (when it differs in dtype from the model's weights, which are
+        then its rendering) and theta_0, each written atomically by the main process, or under ZeRO-3 one shard per
+        process (:meth:`_save_es_shards`)."""
         if self.sharded:
             self._save_es_shards(folder)
             return
         if not self.args.should_save:
             return
-        # The model's weights are a rendering of the master: save the master too when they differ in dtype.
         masters = self.es_params.master_state_dict()
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
             with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME)) as tmp:
@@ -142,6 +150,9 @@ class ESCheckpointMixin:
         masters = read_flat_ranges(folder, MASTER_WEIGHTS_NAME, layout)
         if masters is not None:
             self.es_params.load_master_state_dict(masters)
+        elif any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
+            raise ValueError(f"Cannot resume from {folder!r}: it holds no {MASTER_WEIGHTS_NAME} (the fp32 master of "
+                             "this 16-bit model); the checkpoint is incomplete. Resume from an earlier checkpoint.")
         else:  # the master has the model's dtype: the model just loaded is the master
             self.es_params.refresh_master_from_model_()
         if self.anchor is not None:

@@ -411,6 +411,17 @@ class ESConfig(_BaseConfig):
 
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
+        if self.es_optimizer == "torch":
+            if self.fp16:
+                raise ValueError("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
+                                 "loss to scale (the GradScaler would unscale an unscaled gradient). Load the model in "
+                                 "float16 with model_init_kwargs={'dtype': 'float16'} instead, with fp16=False.")
+            optim = getattr(self.optim, "value", self.optim)
+            if "schedule_free" in str(optim):
+                raise ValueError(f"optim={optim!r} cannot go with es_optimizer='torch': ES steps the optimizer within the "
+                                 "iteration and Trainer's own step then finds no gradient, which a schedule-free "
+                                 "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
+                                 "'sgd'.")
         self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
         super().__post_init__()
         if self.population_size < 2:
@@ -467,5 +478,9 @@ class ESConfig(_BaseConfig):
             )
         # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
         self.per_device_train_batch_size = self.prompt_batch_size // world_size
+        if self.save_on_each_node:
+            raise ValueError("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
+                             "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
+                             "to a shared filesystem from the main process (save_on_each_node=False).")
         if self.gradient_accumulation_steps != 1:
             raise ValueError("gradient_accumulation_steps must be 1 for ES: one step is one ES iteration.")

@@ -49,6 +49,30 @@ def identity(features):
     return features
 
 
+class SharedStream(torch.utils.data.IterableDataset):
+    """An iterable (streaming) dataset that every process reads whole, in the same order.
+
+    ``accelerate`` splits a ``datasets.IterableDataset`` with at least as many shards (data files) as processes *by
+    shard*: each process would read other files, so the gathered prompt batch would differ from one process's and
+    shards of unequal length would end the epoch on different processes. Behind this plain ``torch`` iterable,
+    ``accelerate`` keeps each process's slice of every batch instead (``IterableDatasetShard``), as for a single-shard
+    stream. ``set_epoch`` is passed on (``datasets`` reshuffles a shuffled stream with it).
+
+    Args:
+        dataset (`Iterable[dict]`): The stream of rows.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
 class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
@@ -148,6 +172,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         validate_dataset(train_dataset, "train_dataset")
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
+            train_dataset = SharedStream(train_dataset)
         if isinstance(eval_dataset, dict):
             for key, dataset in eval_dataset.items():
                 validate_dataset(dataset, f"eval_dataset[{key!r}]")
@@ -187,9 +212,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
         self.generation_engine = self._make_generation_engine()
-        # The rollout: (model, prompt rows) -> scored completions, a plain callable holding no trainer.
-        self.rollout = Rollout(self.processing_class, self.reward_scorer, self.generation_config,
-                               args.num_generations, args.chat_template_kwargs, self.generation_engine)
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
@@ -338,12 +360,20 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)
         return total
 
+    @property
+    def rollout(self) -> Rollout:
+        """The rollout: ``(model, prompt rows) -> scored completions``, a plain callable holding no trainer, built from
+        the trainer's current tokenizer, reward scorer, generation config and engine."""
+        return Rollout(self.processing_class, self.reward_scorer, self.generation_config, self.args.num_generations,
+                       self.args.chat_template_kwargs, self.generation_engine)
+
     def _clip_grad_norm(self, model):
         # The ES gradient was clipped and stepped within the iteration (see _es_step): Trainer's clip is a no-op.
-        return self._es_grad_norm
+        # (es_optimizer="es" has no gradient: its norm is 0, as torch's clip of no gradient says.)
+        return self._es_grad_norm if self._es_grad_norm is not None else torch.zeros(())
 
     def _get_grad_norm(self, model, grad_norm=None):
-        norm = self._es_grad_norm
+        norm = grad_norm if grad_norm is not None else self._es_grad_norm
         return norm.item() if hasattr(norm, "item") else norm
 
     def _current_learning_rate(self) -> float:
