@@ -399,6 +399,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
 
         start = time.perf_counter()
         learning_rate, shrink = self._es_step(members, coefficients, self._current_learning_rate())
+        self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _es_step may move the weights again)
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
 
@@ -490,7 +491,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         shrink = self._apply_awd(learning_rate)  # renders when it decays
         if self.args.es_optimizer == "torch" and shrink == 0.0:
             self.es_params.render_()
-        self._sync_model_view()
         return learning_rate, shrink
 
     def _apply_awd(self, learning_rate: float) -> float:
