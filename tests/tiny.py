@@ -72,3 +72,23 @@ def content_reward(completions, **kwargs) -> list[float]:
     from trl_es.rewards import completion_text
 
     return [float(sum(map(ord, completion_text(c))) % 7) for c in completions]
+
+
+def build_vllm_llama(tokenizer, seed: int = 0, dtype=torch.float32, tie_word_embeddings: bool = True) -> LlamaForCausalLM:
+    """A tiny Llama that vLLM's CPU attention runs (head size 32; the 8 of :func:`build_llama` is below its minimum),
+    with tied embeddings by default (as SmolLM2)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return LlamaForCausalLM(config).to(dtype)

@@ -97,18 +97,31 @@ class GaussianPerturbation(Perturbation):
         """
         if any(e.master_is_param for e in params.entries):
             raise ValueError("In-place perturbation needs a master copy distinct from the model's weights.")
-        scale = float(member.sign) * float(sigma)
         with torch.no_grad():
             for e in params.entries:
-                flat_param, flat_master = e.param.view(-1), e.master.view(-1)
-                pieces = noise.pieces(member.seed, e.name, e.numel, e.start, e.start + flat_param.numel(),
-                                      device=flat_param.device)
-                for lo, hi, eps in pieces:
-                    if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
-                        torch.add(flat_master[lo:hi], eps, alpha=scale, out=flat_param[lo:hi])  # one pass
-                    else:
-                        flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
+                _write_perturbed(e.param.view(-1), e.master.view(-1), noise, member, sigma, e.name, e.numel, e.start)
         params.perturbed = True
+
+    @staticmethod
+    @torch.no_grad()
+    def perturbed_tensor(master: torch.Tensor, noise: NoiseSource, member: Member, sigma: float, name: str,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """``cast(master + sign * sigma * eps)`` of one whole tensor: bitwise what :meth:`perturb_` writes into a
+        parameter of dtype ``dtype`` whose master is ``master`` (for an engine that loads member weights itself,
+        e.g. the vLLM worker, :mod:`trl_es.generation.vllm_worker`).
+
+        Args:
+            master (`torch.Tensor`): The whole master tensor (any shape; fp32 or the parameter's dtype).
+            noise (`NoiseSource`), member (`Member`), sigma (`float`): As in :meth:`perturb_`.
+            name (`str`): The parameter name (keys the noise).
+            dtype (`torch.dtype`): The parameter's dtype.
+
+        Returns:
+            `torch.Tensor`: A new tensor of ``master``'s shape, dtype ``dtype``, on ``master``'s device.
+        """
+        out = torch.empty(master.shape, dtype=dtype, device=master.device)
+        _write_perturbed(out.view(-1), master.reshape(-1), noise, member, sigma, name, master.numel(), 0)
+        return out
 
     def direction_sums(self, params, noise, members, coefficients):
         pairs = [(m, float(c) * m.sign) for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]
@@ -125,6 +138,19 @@ class GaussianPerturbation(Perturbation):
                         total[lo2:hi2].add_(eps, alpha=coef)
                 yield e, position, hi, total
                 position = hi
+
+
+def _write_perturbed(flat_param: torch.Tensor, flat_master: torch.Tensor, noise: NoiseSource, member: Member,
+                     sigma: float, name: str, numel: int, start: int) -> None:
+    """``flat_param <- cast(flat_master + sign * sigma * eps)`` over the local elements ``[start, start + len)`` of
+    tensor ``name`` (``numel`` elements in all), computed in fp32 block by block."""
+    scale = float(member.sign) * float(sigma)
+    pieces = noise.pieces(member.seed, name, numel, start, start + flat_param.numel(), device=flat_param.device)
+    for lo, hi, eps in pieces:
+        if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
+            torch.add(flat_master[lo:hi], eps, alpha=scale, out=flat_param[lo:hi])  # one pass
+        else:
+            flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
 
 
 def _block_span(position: int) -> int:
@@ -153,6 +179,33 @@ def lowrank_factors(
     a = full_noise(noise, seed, name + LOWRANK_A_SUFFIX, (out_features, rank), device=device)
     b = full_noise(noise, seed, name + LOWRANK_B_SUFFIX, (in_features, rank), device=device)
     return a, b
+
+
+def lowrank_lora_factors(
+    noise: NoiseSource, member: Member, name: str, shape, rank: int, sigma: float, dtype=torch.float32, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Member ``member``'s perturbation of weight ``name`` as LoRA factors (PEFT's layout, ``lora_alpha = r``):
+    ``lora_B @ lora_A = E = sign * (sigma / sqrt(r)) * A @ B^T`` (EGGROLL, arXiv 2511.16652), with
+    ``lora_A = B^T`` and ``lora_B = sign * (sigma / sqrt(r)) * A``; the per-row adapters of
+    :class:`LowRankAdapters` compute the same product (``(x B) (s A^T)``).
+
+    Args:
+        noise (`NoiseSource`): The noise source.
+        member (`Member`): Seed and sign.
+        name (`str`): The parameter name.
+        shape (`tuple[int, int]`): ``(out, in)``.
+        rank (`int`): ``r``.
+        sigma (`float`): The noise scale.
+        dtype (`torch.dtype`): dtype of the returned factors (cast after scaling in fp32).
+        device (`torch.device` or `str` or `None`): Their device.
+
+    Returns:
+        `(lora_A, lora_B)`: shapes ``(r, in)`` and ``(out, r)``, contiguous.
+    """
+    a, b = lowrank_factors(noise, member.seed, name, shape[0], shape[1], rank, device)
+    lora_a = b.T.contiguous().to(dtype)
+    lora_b = (a * (member.sign * float(sigma) / math.sqrt(rank))).to(dtype).contiguous()
+    return lora_a, lora_b
 
 
 def lowrank_perturbation(

@@ -6,7 +6,7 @@ that owns it scores them (pycma's ``ask()``/``tell()``: the strategy never evalu
 - :meth:`PopulationBackend.apply` is a context manager: on entry the group's members are put into the model, on exit
   the model is restored exactly, also when the body raises (``KeyboardInterrupt`` included).
 
-Two backends:
+Two backends, each also inside a generation engine with its own weights (:func:`on_engine`, the vLLM engine):
 
 - :class:`SequentialPopulation`: one full-rank Gaussian member at a time, written into the weights in place
   (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1) and restored bitwise from the master copy;
@@ -245,6 +245,79 @@ class BatchedLowRankPopulation(PopulationBackend):
         if self._adapters is not None:
             self._adapters.remove()
             self._adapters = None
+
+
+class EngineSequentialPopulation(SequentialPopulation):
+    """:class:`SequentialPopulation` applied inside a generation engine that holds its own copy of the weights
+    (the vLLM engine, ``ESConfig(use_vllm=True)``): each member is written into the *engine's* weights from its seed
+    (bitwise the weights :class:`SequentialPopulation` writes into the model), and restored by loading the current
+    weights again. The model itself is never perturbed, so a parameter in the master dtype may be its own master.
+
+    Args:
+        engine: Has ``perturb_(member, sigma)`` and ``restore_()``
+            (:class:`~trl_es.generation.vllm_engine.VLLMEngine`).
+    """
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    def describe(self) -> dict:
+        """``{"name": "sequential", "engine": <engine name>}``."""
+        return {"name": self.name, "engine": self.engine.name}
+
+    def _put_in(self, params, noise, members, sigma, model):
+        if len(members) != 1:
+            raise ValueError(f"SequentialPopulation applies one member at a time, got {len(members)}.")
+        self.engine.perturb_(members[0], sigma)
+
+    def _take_out(self, params):
+        self.engine.restore_()
+
+
+class EngineLowRankPopulation(BatchedLowRankPopulation):
+    """:class:`BatchedLowRankPopulation` whose members are adapters of a generation engine (vLLM multi-LoRA, as the
+    EGGROLL authors run it): a group's members are loaded as one LoRA adapter each
+    (:func:`~trl_es.es.perturbation.lowrank_lora_factors`), row block ``k`` of the group's ``generate`` call uses
+    adapter ``k``; the weights are never written. Exit removes the adapters, also on an exception.
+
+    Args:
+        engine: Has ``load_adapters_(params, perturbation, noise, members, sigma)`` and ``clear_adapters_()``
+            (:class:`~trl_es.generation.vllm_engine.VLLMEngine`).
+        noise_rank (`int`), member_chunk_size (`int` or `None`): As in :class:`BatchedLowRankPopulation`.
+    """
+
+    def __init__(self, engine, noise_rank: int = 1, member_chunk_size: int | None = None):
+        super().__init__(noise_rank, member_chunk_size)
+        self.engine = engine
+
+    def describe(self) -> dict:
+        """``{"name": "batched_lowrank", "noise_rank": r, "engine": <engine name>}``."""
+        return {**super().describe(), "engine": self.engine.name}
+
+    def _put_in(self, params, noise, members, sigma, model):
+        self.engine.load_adapters_(params, self.perturbation, noise, members, sigma)
+
+    def _take_out(self, params):
+        self.engine.clear_adapters_()
+
+    def close(self) -> None:
+        self.engine.clear_adapters_()
+
+
+def on_engine(backend: PopulationBackend, engine) -> PopulationBackend:
+    """The same population applied inside ``engine`` (``ESConfig(use_vllm=True)``): a
+    :class:`SequentialPopulation` becomes an :class:`EngineSequentialPopulation`, a
+    :class:`BatchedLowRankPopulation` an :class:`EngineLowRankPopulation` with its rank and chunk size.
+
+    Raises:
+        ValueError: for another backend.
+    """
+    if isinstance(backend, BatchedLowRankPopulation):
+        return EngineLowRankPopulation(engine, backend.noise_rank, backend.member_chunk_size)
+    if isinstance(backend, SequentialPopulation):
+        return EngineSequentialPopulation(engine)
+    raise ValueError(f"Population backend {backend.name!r} cannot run inside a generation engine.")
 
 
 POPULATION_BACKENDS: dict[str, type[PopulationBackend]] = {

@@ -122,6 +122,24 @@ class ESConfig(_BaseConfig):
             Eager engine: run the token prefix that all prompts of a batch share (chat-template system prompt and
             role markers) once per population member instead of once per prompt, then continue every prompt from its
             cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md).
+        use_vllm (`bool`, *optional*, defaults to `False`):
+            Generate with vLLM (TRL's GRPOConfig option): one colocated engine per process; full-rank members are
+            written into the engine's weights from their seeds inside the vLLM worker, low-rank members are LoRA
+            adapters (one per member, a group in one generate call). Needs vLLM (docs/generation.md). Not with
+            DeepSpeed ZeRO-3 or a PEFT model yet.
+        vllm_mode (`str`, *optional*, defaults to `'colocate'`):
+            'colocate' (vLLM in the training process, TRL's meaning). 'server' (a separate `vllm serve` fleet) is
+            designed in docs/generation.md and not implemented yet.
+        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
+            Fraction of GPU memory the colocated engine takes for weights, activations and KV cache (TRL's default
+            0.3). Ignored on the CPU (see vllm_kv_cache_memory_bytes).
+        vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
+            GPUs one engine spans (tensor parallelism); must divide the number of processes (TRL's meaning).
+        vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
+            Context window of the engine (prompt + completion tokens); None: the model config's.
+        vllm_kv_cache_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
+            KV-cache bytes of each engine (vLLM's kv_cache_memory_bytes). None: 1 GiB on the CPU, vLLM's sizing
+            from vllm_gpu_memory_utilization on GPUs.
         anchor_storage (`str`, *optional*, defaults to `'auto'`):
             Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's dtype),
             'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when it holds
@@ -334,6 +352,46 @@ class ESConfig(_BaseConfig):
             "from its cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md)."
         },
     )
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate with vLLM (TRL's GRPOConfig option): one colocated engine per process; full-rank members "
+            "are written into the engine's weights from their seeds inside the vLLM worker, low-rank members are "
+            "LoRA adapters (one per member, a group in one generate call). Needs vLLM (docs/generation.md). Not with "
+            "DeepSpeed ZeRO-3 or a PEFT model yet."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate' (vLLM in the training process, TRL's meaning). 'server' (a separate `vllm serve` "
+            "fleet) is designed in docs/generation.md and not implemented yet.",
+            "choices": ["colocate", "server"],
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Fraction of GPU memory the colocated engine takes for weights, activations and KV cache (TRL's "
+            "default 0.3). Ignored on the CPU (see vllm_kv_cache_memory_bytes)."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "GPUs one engine spans (tensor parallelism); must divide the number of processes (TRL's "
+                          "meaning)."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Context window of the engine (prompt + completion tokens); None: the model config's."},
+    )
+    vllm_kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV-cache bytes of each engine (vLLM's kv_cache_memory_bytes). None: 1 GiB on the CPU, vLLM's "
+            "sizing from vllm_gpu_memory_utilization on GPUs."
+        },
+    )
     anchor_storage: str = field(
         default="auto",
         metadata={
@@ -459,6 +517,7 @@ class ESConfig(_BaseConfig):
             )
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
+        self._check_vllm_settings()
         for name, allowed in (("noise_source", NOISE_SOURCES), ("generation_engine", GENERATION_ENGINES),
                               ("anchor_storage", ANCHOR_STORAGES)):
             if getattr(self, name) not in allowed:
@@ -484,3 +543,27 @@ class ESConfig(_BaseConfig):
                              "to a shared filesystem from the main process (save_on_each_node=False).")
         if self.gradient_accumulation_steps != 1:
             raise ValueError("gradient_accumulation_steps must be 1 for ES: one step is one ES iteration.")
+
+    def _check_vllm_settings(self) -> None:
+        """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run).
+
+        Raises:
+            ValueError: naming the field and its allowed values.
+        """
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be one of ('colocate', 'server'), got {self.vllm_mode!r}.")
+        if self.use_vllm and self.vllm_mode == "server":
+            raise ValueError("vllm_mode='server' is designed (docs/generation.md) but not implemented yet: use "
+                             "vllm_mode='colocate' (one engine in each training process).")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
+        if isinstance(self.vllm_tensor_parallel_size, bool) or not isinstance(self.vllm_tensor_parallel_size, int) \
+                or self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be an integer >= 1, got {self.vllm_tensor_parallel_size!r}.")
+        for name in ("vllm_max_model_length", "vllm_kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        if self.use_vllm and self.generation_engine not in ("auto",):
+            raise ValueError(f"use_vllm=True generates with vLLM: leave generation_engine at 'auto' (got "
+                             f"{self.generation_engine!r}).")

