@@ -12,6 +12,7 @@ Skipped where vLLM is not installed; ``bash scripts/run_vllm_tests.sh`` (called 
 
 import gc
 import math
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ vllm = pytest.importorskip("vllm")
 from accelerate import Accelerator  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tiny import build_vllm_llama  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer, replay  # noqa: E402
 from trl_es.es.noise import make_noise_source  # noqa: E402
@@ -244,3 +246,37 @@ def test_trainer_refuses_vllm_with_peft(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="PEFT"):
         ESTrainer(build_vllm_llama(tokenizer), mean_code, args=args, train_dataset=prompt_rows(),
                   processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("vllm-tiny")
+    build_vllm_llama(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_two_processes_each_with_its_engine_match_one_process_bitwise(vllm_model_dir, tmp_path, backend):
+    """W=2 (torchrun, gloo; each process its own colocated engine and half the members) == W=1, bitwise, on the
+    weights and the evaluation; every process held the same weights after every iteration; the seed log replays."""
+    from test_distributed import launch, seed_log, torchrun, weights
+
+    options = ("--vllm", "--backend", backend, "--eval_size", "4", "--sigma", "0.2")
+    one = launch([sys.executable], tmp_path / "one", vllm_model_dir, *options)
+    two = torchrun(tmp_path / "two", vllm_model_dir, *options)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["replicas_identical"] == [True, True]
+    trained_one, trained_two = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
+    base = weights(vllm_model_dir)
+    assert any(not torch.equal(trained_one[k], base[k]) for k in base)
+    for name in trained_one:
+        assert torch.equal(trained_one[name], trained_two[name]), name
+    assert one["eval"]["eval_reward"] == two["eval"]["eval_reward"]
+    assert seed_log(tmp_path / "one")[1:] == seed_log(tmp_path / "two")[1:]
+    replayed = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    replay(replayed, str(tmp_path / "two"))
+    for name, tensor in replayed.state_dict().items():
+        assert torch.equal(tensor, trained_two[name]), name

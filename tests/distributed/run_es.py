@@ -49,6 +49,10 @@ def parse_args():
                         help="Train on the prompts as a datasets.IterableDataset (a stream) instead of a Dataset.")
     parser.add_argument("--iterable_shards", type=int, default=1,
                         help="With --iterable: the stream's number of shards (as data files of a streamed dataset).")
+    parser.add_argument("--sigma", type=float, default=0.02, help="sigma (and learning_rate).")
+    parser.add_argument("--vllm", action="store_true",
+                        help="use_vllm=True: generate with a colocated vLLM engine per process (needs vLLM and a "
+                             "model vLLM's CPU attention runs, e.g. tests/tiny.py build_vllm_llama).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -66,7 +70,8 @@ def mean_code(completions, prompts=None, **kwargs):
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
-        lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1) -> dict:
+        lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
+        vllm: bool = False, sigma: float = 0.02) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -98,6 +103,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     from trl_es.trainer.distributed import fingerprints_agree
 
     extra["population_backend"] = backend
+    if vllm:
+        extra.update(use_vllm=True, vllm_kv_cache_memory_bytes=1 << 26)
     if lean:
         extra["lean_memory"] = True
     if save_steps:
@@ -110,8 +117,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         population_size=population,
         prompt_batch_size=4,
         max_completion_length=6,
-        sigma=0.02,
-        learning_rate=0.02,
+        sigma=sigma,
+        learning_rate=sigma,
         report_to=[],
         noise_table_size=1 << 20,
         disable_tqdm=True,
@@ -183,7 +190,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 def main():
     args = parse_args()
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
-        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards)
+        args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
+        args.vllm, args.sigma)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

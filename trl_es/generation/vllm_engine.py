@@ -19,6 +19,7 @@ weights into the engine once per iteration. See ``docs/generation.md``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -106,6 +107,27 @@ def _build_llm(llm_class, overrides: dict, **kwargs):
     return llm_class(**kwargs)
 
 
+@contextlib.contextmanager
+def _global_random_states_kept():
+    """Restore Python's, NumPy's and torch's global random states on exit.
+
+    Building an engine seeds them (vLLM's ``set_random_seed`` with TRL's per-process seed): without this, process 1
+    of a two-process run would shuffle the training prompts differently from process 0 and from a one-process run
+    (measured: another prompt batch in the first iteration).
+    """
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def _model_directory(model: nn.Module, processing_class) -> str:
     """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config and tokenizer (the weights
     come from memory). Written by every process for its own engine."""
@@ -178,11 +200,12 @@ class VLLMEngine(GenerationEngine):
             llm_kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(int(lora_rank)),
                               max_loras=max(1, int(max_loras)), max_cpu_loras=max(1, int(max_loras)))
         threads = torch.get_num_threads()
-        self._generation = _vllm_generation_class()(
-            model, accelerator, processing_class, mode="colocate",
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_length=max_model_length, llm_kwargs=llm_kwargs,
-        )
+        with _global_random_states_kept():  # vLLM seeds the global generators (with TRL's seed=process_index)
+            self._generation = _vllm_generation_class()(
+                model, accelerator, processing_class, mode="colocate",
+                tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                max_model_length=max_model_length, llm_kwargs=llm_kwargs,
+            )
         if on_cpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # vLLM's CPU worker rebinds the thread count of this process
         self.llm = self._generation.llm
