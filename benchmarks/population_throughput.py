@@ -9,6 +9,12 @@ three ways, each through a generation engine of ``trl_es.generation`` (reported 
 - (c) ``batched_lowrank``: :class:`~trl_es.es.population.BatchedLowRankPopulation`: all members in one ``generate``,
   each row block seeing its own rank-``r`` perturbation through the persistent adapters (arXiv 2511.16652).
 
+With ``--engine vllm`` the same three variants also run on colocated vLLM engines in the same process, beside
+the HF eager engine: (a) one ``generate`` over all rows; (b) full-rank members written into the engine's weights
+from their seeds in the vLLM worker (:class:`~trl_es.es.population.EngineSequentialPopulation`); (c) low-rank
+members as one LoRA adapter each, all in one ``generate`` (:class:`~trl_es.es.population.EngineLowRankPopulation`,
+on a second engine built with LoRA slots). Needs vLLM (``bash scripts/setup_vllm_env.sh`` on a CPU machine).
+
 Every variant is run once untimed first (kernels, compilation of each shape, the noise table), then ``--repeats``
 times interleaved; the best time is reported. Prints completions per second of each, the ratios (c)/(a) and
 (c)/(b), and on CPU the same from the process's CPU time (what wall time would be with ``--threads 1`` on an
@@ -25,6 +31,7 @@ Usage::
     python benchmarks/population_throughput.py                                   # the embedded model, eager
     python benchmarks/population_throughput.py --random_init --population 32 --prompts 8 --new_tokens 16 \\
         --repeats 3 --dtype bfloat16 --engine compiled                           # the issue's GPU setting
+    .venv-vllm/bin/python benchmarks/population_throughput.py --engine vllm --dtype bfloat16   # HF and vLLM
     python benchmarks/population_throughput.py --random_init --share_prompt_prefix
 """
 
@@ -67,8 +74,10 @@ def parse_args():
     parser.add_argument("--include", default=r"proj\.weight$", help="Trained parameters (regex), both backends.")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--engine", default="auto", choices=["auto", "eager", "compiled"],
-                        help="Generation engine of every variant.")
+    parser.add_argument("--engine", default="auto", choices=["auto", "eager", "compiled", "vllm"],
+                        help="Generation engine of every variant; 'vllm': the HF eager engine and vLLM side by side.")
+    parser.add_argument("--kv_cache_memory_bytes", type=int, default=1 << 30, help="--engine vllm: per engine.")
+    parser.add_argument("--max_model_length", type=int, default=1024, help="--engine vllm: context per request.")
     parser.add_argument("--share_prompt_prefix", action="store_true", help="Eager engine: shared prompt prefix.")
     parser.add_argument("--noise_source", default="auto", help="ESConfig.noise_source (auto/table/gaussian/...).")
     parser.add_argument("--repeats", type=int, default=1, help="Timed runs of each variant (best is reported).")
@@ -141,7 +150,8 @@ def main():
         torch.set_num_threads(args.threads)
     model, tokenizer, prompts, source = build(args)
     config = build_generation_config(tokenizer, args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens})
-    engine = make_engine(args.engine, model, share_prompt_prefix=args.share_prompt_prefix)
+    engine = make_engine("eager" if args.engine == "vllm" else args.engine, model,
+                         share_prompt_prefix=args.share_prompt_prefix)
     completions = args.population * args.prompts
 
     params = TrainedParameters(select_parameters(model, args.include))
@@ -152,22 +162,46 @@ def main():
     members = sample_population(0, 0, args.population, antithetic=args.population % 2 == 0)
     indices = list(range(args.population))
 
-    def generate(rows, groups=1):
-        ids = generate_completions(model, tokenizer, rows, config, engine=engine, num_row_groups=groups).ids
+    def generate(rows, groups=1, on=engine):
+        ids = generate_completions(model, tokenizer, rows, config, engine=on, num_row_groups=groups).ids
         assert all(len(row) == args.new_tokens for row in ids), "every completion must have new_tokens tokens"
         return ids
 
-    def member_loop(backend, noise):
+    def member_loop(backend, noise, on=engine):
         """ESTrainer's member loop: each group of members applied (restored on exit), one generate per group."""
         for group in backend.groups(indices):
             with backend.apply(params, noise, [members[i] for i in group], args.sigma, model):
-                generate(prompts * len(group), groups=len(group))
+                generate(prompts * len(group), groups=len(group), on=on)
 
     variants = {
         "(a) plain generate": lambda: generate(prompts * args.population),
         "(b) sequential full-rank": lambda: member_loop(sequential, noise_full),
         "(c) batched low-rank": lambda: member_loop(batched, noise_lowrank),
     }
+    engines = {name: engine for name in variants}
+    closers = [batched.close]
+    if args.engine == "vllm":
+        from trl_es.es.population import EngineLowRankPopulation, EngineSequentialPopulation
+        from trl_es.generation.vllm_engine import VLLMEngine
+
+        accelerator = _single_process_accelerator()
+        plain_vllm = VLLMEngine(model, tokenizer, accelerator, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                max_model_length=args.max_model_length)
+        plain_vllm.sync_weights(model, params, noise_full)
+        chunk = min(args.member_chunk_size or args.population, args.population)
+        lora_vllm = VLLMEngine(model, tokenizer, accelerator, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                               max_model_length=args.max_model_length, lora_rank=args.noise_rank, max_loras=chunk)
+        lora_vllm.sync_weights(model, params, noise_lowrank)
+        in_engine = EngineSequentialPopulation(plain_vllm)
+        as_adapters = EngineLowRankPopulation(lora_vllm, args.noise_rank, args.member_chunk_size)
+        variants.update({
+            "(a) plain generate in vLLM": lambda: generate(prompts * args.population, on=plain_vllm),
+            "(b) sequential full-rank in vLLM": lambda: member_loop(in_engine, noise_full, on=plain_vllm),
+            "(c) batched low-rank in vLLM": lambda: member_loop(as_adapters, noise_lowrank, on=lora_vllm),
+        })
+        engines.update({"(a) plain generate in vLLM": plain_vllm, "(b) sequential full-rank in vLLM": plain_vllm,
+                        "(c) batched low-rank in vLLM": lora_vllm})
+        closers += [plain_vllm.close, lora_vllm.close]
     with torch.no_grad():  # warm-up: every variant once (kernels, compilation of its shapes, the noise table)
         for run in variants.values():
             run()
@@ -194,13 +228,18 @@ def main():
     rate, cpu_rate = {}, {}
     for name in variants:
         rate[name], cpu_rate[name] = completions / seconds[name], completions / cpu_seconds[name]
-        print(f"{name:26s} [{engine.name}] wall {seconds[name]:8.2f} s {rate[name]:9.1f} completions/s | "
-              f"process CPU {cpu_seconds[name]:8.2f} s {cpu_rate[name]:9.1f} completions/CPU-s")
-    a, b, c = (rate[name] for name in variants)
-    print(f"wall:        (c)/(a) = {c / a:.3f}   (c)/(b) = {c / b:.2f}")
-    if torch.device(args.device).type == "cpu":  # CPU time: what wall time would be on an otherwise idle machine
-        ca, cb, cc = (cpu_rate[name] for name in variants)
-        print(f"process CPU: (c)/(a) = {cc / ca:.3f}   (c)/(b) = {cc / cb:.2f}")
+        print(f"{name:32s} [{engines[name].name}] wall {seconds[name]:8.2f} s {rate[name]:9.1f} "
+              f"completions/s | process CPU {cpu_seconds[name]:8.2f} s {cpu_rate[name]:9.1f} completions/CPU-s")
+    names = list(variants)
+    for label, offset in (("", 0), (" vllm", 3)) if args.engine == "vllm" else (("", 0),):
+        a, b, c = (rate[name] for name in names[offset : offset + 3])
+        print(f"wall{label}:        (c)/(a) = {c / a:.3f}   (c)/(b) = {c / b:.2f}")
+        if torch.device(args.device).type == "cpu":  # CPU time: what wall time would be on an otherwise idle machine
+            ca, cb, cc = (cpu_rate[name] for name in names[offset : offset + 3])
+            print(f"process CPU{label}: (c)/(a) = {cc / ca:.3f}   (c)/(b) = {cc / cb:.2f}")
+    if args.engine == "vllm":
+        for name in names[:3]:
+            print(f"vllm / hf {name:24s} wall {rate[name + ' in vLLM'] / rate[name]:.2f}x")
 
     if args.update:
         from trl_es.es.update import es_update_
@@ -213,10 +252,18 @@ def main():
             es_update_(params, backend.perturbation, noise, members, coefficients, 1e-4)
             sync(args.device)
             print(f"{name:28s} {time.perf_counter() - start:8.2f} s")
-    batched.close()
+    for close in closers:
+        close()
     if args.output_json:
-        write_json(args.output_json, {"args": vars(args), "engine": engine.describe(), "completions_per_second": rate,
-                                      "seconds": seconds, "cpu_seconds": cpu_seconds})
+        write_json(args.output_json, {"args": vars(args), "engine": engine.describe(),
+                                      "engines": {n: e.describe() for n, e in engines.items()},
+                                      "completions_per_second": rate, "seconds": seconds, "cpu_seconds": cpu_seconds})
+
+
+def _single_process_accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=torch.device(torch.get_default_device()).type == "cpu" and not torch.cuda.is_available())
 
 
 if __name__ == "__main__":

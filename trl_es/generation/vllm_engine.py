@@ -47,7 +47,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV-cache bytes of an engine on the CPU when ``vllm_kv_cache_memory_bytes`` is not set (1 GiB)."""
 
-_SUPPORTED_GENERATION_KEYS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p",
+_SUPPORTED_GENERATION_KEYS = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p",
                               "repetition_penalty", "pad_token_id", "eos_token_id", "bos_token_id"}
 
 
@@ -319,6 +319,7 @@ class VLLMEngine(GenerationEngine):
             "stop_token_ids": eos,
             "detokenize": False,
             "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
+            "min_tokens": int(generation_config.min_new_tokens or 0),
         }
         if not generation_config.do_sample:
             return [SamplingParams(temperature=0.0, **common)] * num_rows
