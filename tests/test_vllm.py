@@ -263,10 +263,15 @@ def vllm_model_dir(tmp_path_factory, tokenizer):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
-def test_two_processes_each_with_its_engine_match_one_process_bitwise(vllm_model_dir, tmp_path, backend):
+def test_two_processes_each_with_its_engine_match_one_process_bitwise(vllm_model_dir, tmp_path, backend, monkeypatch):
     """W=2 (torchrun, gloo; each process its own colocated engine and half the members) == W=1, bitwise, on the
     weights and the evaluation; every process held the same weights after every iteration; the seed log replays."""
     from test_distributed import launch, seed_log, torchrun, weights
+
+    # An engine built earlier in this process left TRL's rank variables (and the port its store listens on) in the
+    # environment; the launched jobs must not inherit them.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
 
     options = ("--vllm", "--backend", backend, "--eval_size", "4", "--sigma", "0.2")
     one = launch([sys.executable], tmp_path / "one", vllm_model_dir, *options)
