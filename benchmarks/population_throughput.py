@@ -41,6 +41,7 @@ import argparse
 import os
 import platform
 import random
+import sys
 import time
 
 import torch
@@ -203,8 +204,10 @@ def main():
                         "(c) batched low-rank in vLLM": lora_vllm})
         closers += [plain_vllm.close, lora_vllm.close]
     with torch.no_grad():  # warm-up: every variant once (kernels, compilation of its shapes, the noise table)
-        for run in variants.values():
+        for name, run in variants.items():
+            start = time.perf_counter()
             run()
+            print(f"warm-up {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     seconds = {name: float("inf") for name in variants}
     cpu_seconds = {name: float("inf") for name in variants}
@@ -217,6 +220,7 @@ def main():
             sync(args.device)
             seconds[name] = min(seconds[name], time.perf_counter() - start)
             cpu_seconds[name] = min(cpu_seconds[name], time.process_time() - cpu_start)
+            print(f"timed {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     device_name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else platform.processor()
     print(f"model={source} dtype={args.dtype} device={args.device} ({device_name}) threads={torch.get_num_threads()} "

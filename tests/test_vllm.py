@@ -25,7 +25,7 @@ else:
 
 from accelerate import Accelerator  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tiny import build_vllm_llama  # noqa: E402
+from tiny import build_vllm_llama, build_vllm_qwen2  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer, replay  # noqa: E402
@@ -114,10 +114,18 @@ def test_full_rank_member_in_engine_is_the_hf_member_bitwise(tokenizer, live_cpu
         assert torch.equal(tensor, base[name]), name
 
 
-def test_full_rank_member_completions_equal_hf(tokenizer):
+ARCHITECTURES = {
+    "llama-tied": lambda tok: build_vllm_llama(tok),
+    "llama-untied": lambda tok: build_vllm_llama(tok, tie_word_embeddings=False),
+    "qwen2-biases": lambda tok: build_vllm_qwen2(tok),
+}
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_full_rank_member_completions_equal_hf(tokenizer, architecture):
     """The CPU's real (oneDNN, re-packed on every load) path: greedy completions of a member equal the HF model's;
-    the tied lm_head follows the perturbed embeddings."""
-    model = build_vllm_llama(tokenizer)
+    a tied lm_head follows the perturbed embeddings; Qwen2's q/k/v biases are perturbed as in the HF model."""
+    model = ARCHITECTURES[architecture](tokenizer)
     params = TrainedParameters(list(model.named_parameters()), torch.float32)
     noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"))
     engine = make_engine(model, tokenizer)
@@ -148,11 +156,11 @@ def test_engine_restores_after_an_exception_inside_a_member(tokenizer, live_cpu_
     assert_engine_weights_equal(engine.read_weights(), base, 2)
 
 
-@pytest.mark.parametrize("rank", [1, 4])
-def test_lowrank_members_as_lora_adapters_equal_hf_rows(tokenizer, rank):
-    model = build_vllm_llama(tokenizer)
-    names = linear_weight_names(model)
-    assert len(names) == 14  # 7 projections x 2 layers (the tied lm_head is not a target)
+@pytest.mark.parametrize(("architecture", "rank"), [("llama-tied", 1), ("llama-tied", 4), ("qwen2-biases", 2)])
+def test_lowrank_members_as_lora_adapters_equal_hf_rows(tokenizer, architecture, rank):
+    model = ARCHITECTURES[architecture](tokenizer)
+    names = [n for n in linear_weight_names(model) if n != "lm_head.weight"]
+    assert len(names) == 14  # 7 projections x 2 layers (an lm_head is not a LoRA target)
     params = TrainedParameters([(n, p) for n, p in model.named_parameters() if n in names], None, share_params=True)
     noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"), lowrank=True)
     members = [Member(11, 1), Member(11, -1), Member(12, 1), Member(13, 1)]
@@ -240,6 +248,51 @@ def test_trainer_with_vllm_ends_bitwise_as_without(tokenizer, tmp_path, backend)
     replay(replayed, output_dir)
     for name, tensor in replayed.state_dict().items():
         assert torch.equal(tensor, with_vllm[name]), name
+
+
+def test_trainer_lowrank_default_selection_leaves_an_untied_head_out(tokenizer, tmp_path):
+    model = build_vllm_llama(tokenizer, tie_word_embeddings=False)
+    head = model.lm_head.weight.detach().clone()
+    args = ESConfig(output_dir=str(tmp_path), max_steps=1, population_size=4, prompt_batch_size=4,
+                    max_completion_length=6, sigma=0.5, learning_rate=0.5, report_to=[], save_strategy="no",
+                    noise_table_size=1 << 20, disable_tqdm=True, use_vllm=True, vllm_kv_cache_memory_bytes=KV,
+                    population_backend="batched_lowrank")
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
+    assert "lm_head.weight" not in trainer.es_params.names and len(trainer.es_params.names) == 14
+    trainer.train()
+    assert torch.equal(model.lm_head.weight, head)
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight,
+                           build_vllm_llama(tokenizer, tie_word_embeddings=False).model.layers[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="lm_head"):
+        ESTrainer(build_vllm_llama(tokenizer, tie_word_embeddings=False), mean_code, processing_class=tokenizer,
+                  args=ESConfig(output_dir=str(tmp_path / "b"), max_steps=1, population_size=2, prompt_batch_size=2,
+                                report_to=[], noise_table_size=1 << 20, use_vllm=True,
+                                population_backend="batched_lowrank", include_parameters=r"(proj|lm_head)\.weight$"),
+                  train_dataset=prompt_rows())
+
+
+def test_trainer_refuses_tensor_parallel_engines_for_now(tokenizer, tmp_path):
+    args = ESConfig(output_dir=str(tmp_path), max_steps=1, population_size=2, prompt_batch_size=2, report_to=[],
+                    use_vllm=True, vllm_tensor_parallel_size=2, noise_table_size=1 << 20)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
+        ESTrainer(build_vllm_llama(tokenizer), mean_code, args=args, train_dataset=prompt_rows(),
+                  processing_class=tokenizer)
+
+
+def test_engine_after_training_holds_the_trained_weights(tokenizer, tmp_path, live_cpu_weights):
+    model = build_vllm_llama(tokenizer)
+    args = ESConfig(output_dir=str(tmp_path), max_steps=2, population_size=4, prompt_batch_size=4,
+                    max_completion_length=6, sigma=0.5, learning_rate=0.5, report_to=[], save_strategy="no",
+                    noise_table_size=1 << 20, disable_tqdm=True, use_vllm=True, vllm_kv_cache_memory_bytes=KV)
+    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
+    assert_engine_weights_equal(trainer.generation_engine.read_weights(),
+                                {n: p.detach() for n, p in model.named_parameters()}, 2)  # synced when built
+    trainer.train()
+    assert_engine_weights_equal(trainer.generation_engine.read_weights(),
+                                {n: p.detach() for n, p in model.named_parameters()}, 2)  # the last update too
+    folders = [trainer.generation_engine._directory, trainer.generation_engine._adapter_dir]
+    trainer.generation_engine.close()
+    assert not any(os.path.exists(f) for f in folders)
 
 
 def test_trainer_refuses_vllm_with_peft(tokenizer, tmp_path):

@@ -92,3 +92,27 @@ def build_vllm_llama(tokenizer, seed: int = 0, dtype=torch.float32, tie_word_emb
         tie_word_embeddings=tie_word_embeddings,
     )
     return LlamaForCausalLM(config).to(dtype)
+
+
+def build_vllm_qwen2(tokenizer, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 (q/k/v biases, untied lm_head) that vLLM's CPU attention runs (head size 32)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).to(dtype)
+    with torch.no_grad():  # random, visible biases (they are zero at init)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model

@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -129,11 +130,18 @@ def _global_random_states_kept():
 
 
 def _model_directory(model: nn.Module, processing_class) -> str:
-    """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config and tokenizer (the weights
-    come from memory). Written by every process for its own engine."""
+    """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config, its tokenizer and a generation
+    config whose EOS is the tokenizer's (the HF engines stop there; without it vLLM would also stop at every EOS id
+    of the model config). The weights come from memory. Written by every process for its own engine."""
     path = tempfile.mkdtemp(prefix="trl_es_vllm_")
-    model.config.save_pretrained(path)
-    processing_class.save_pretrained(path)
+    try:
+        model.config.save_pretrained(path)
+        processing_class.save_pretrained(path)
+        GenerationConfig(eos_token_id=processing_class.eos_token_id, pad_token_id=processing_class.pad_token_id,
+                         bos_token_id=processing_class.bos_token_id).save_pretrained(path)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 
@@ -175,7 +183,9 @@ class VLLMEngine(GenerationEngine):
         enable_prefix_caching: bool = True,
     ):
         require_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        # The engine core in this process: the worker then gets the trainer's tensors by reference (a separate
+        # engine process would receive a pickled copy of the model and the noise table at every weight load).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"use_vllm=True runs the model in its own dtype; vLLM cannot run {dtype}.")
@@ -183,6 +193,9 @@ class VLLMEngine(GenerationEngine):
         self.processing_class = processing_class
         self.lora_rank = lora_rank
         self._directory = _model_directory(model, processing_class)
+        self._adapter_dir = tempfile.mkdtemp(prefix="trl_es_lora_")
+        # both folders go with this object (or at exit), also when the engine fails to start
+        self._cleanup = weakref.finalize(self, _remove_folders, [self._directory, self._adapter_dir])
         llm_kwargs = {
             "model": self._directory,  # instead of TRL's model.name_or_path
             "tokenizer": self._directory,
@@ -209,10 +222,8 @@ class VLLMEngine(GenerationEngine):
         if on_cpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # vLLM's CPU worker rebinds the thread count of this process
         self.llm = self._generation.llm
-        self._adapter_dir = tempfile.mkdtemp(prefix="trl_es_lora_")
         self._adapter_ids = itertools.count(1)
         self._lora_requests: list = []
-        self._bound = None
 
     def describe(self) -> dict:
         facts = {"name": self.name, "mode": "colocate"}
@@ -230,7 +241,7 @@ class VLLMEngine(GenerationEngine):
             params (`TrainedParameters`): The trained parameters (their masters key the members' weights).
             noise (`NoiseSource`): The noise source.
         """
-        weights = {name: p.detach() for name, p in model.named_parameters()}
+        weights = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once (vLLM ties it too)
         masters = {e.name: e.master for e in params.entries}
         self.llm.collective_rpc("es_bind", args=(weights, masters, noise))
         self.llm.collective_rpc("es_load_current")
@@ -264,13 +275,16 @@ class VLLMEngine(GenerationEngine):
 
         from ..es.perturbation import lowrank_lora_factors
 
-        if self.lora_rank is None or perturbation.rank > lora_slot_rank(self.lora_rank):
-            raise ValueError("This vLLM engine has no LoRA slots for these members (built without lora_rank).")
+        if self.lora_rank is None:
+            raise ValueError("This vLLM engine was built without LoRA slots (lora_rank=None).")
+        if perturbation.rank > lora_slot_rank(self.lora_rank):
+            raise ValueError(f"Rank-{perturbation.rank} members do not fit this engine's LoRA slots "
+                             f"(max_lora_rank {lora_slot_rank(self.lora_rank)}).")
         self.clear_adapters_()
         rank = perturbation.rank
         modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")
-        requests = []
+        requests = self._lora_requests  # filled as written: a failure part-way leaves nothing untracked
         for member in members:
             adapter_id = next(self._adapter_ids)
             path = os.path.join(self._adapter_dir, f"member-{adapter_id}")
@@ -281,21 +295,36 @@ class VLLMEngine(GenerationEngine):
                 module = e.name.removesuffix(".weight")
                 tensors[f"base_model.model.{module}.lora_A.weight"] = lora_a
                 tensors[f"base_model.model.{module}.lora_B.weight"] = lora_b
+            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))
             config.save_pretrained(path)
             save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))
-        self._lora_requests = requests
 
     def clear_adapters_(self) -> None:
         """Stop using the loaded adapters: remove them from the engine and delete their files."""
-        for request in self._lora_requests:
+        requests, self._lora_requests = self._lora_requests, []
+        errors = []
+        for request in requests:
             try:
                 self.llm.llm_engine.remove_lora(request.lora_int_id)
+            except Exception as error:  # noqa: BLE001 - every adapter's folder is removed, then the first error raised
+                errors.append(error)
             finally:
                 shutil.rmtree(request.lora_path, ignore_errors=True)
-        self._lora_requests = []
+        if errors:
+            raise errors[0]
 
     # ------------------------------------------------------------------ generation
+    @staticmethod
+    def check_generation_config(generation_config: GenerationConfig) -> None:
+        """Raise ``ValueError`` naming the generation settings vLLM's sampler does not take here (beam search, ...)
+        and the supported ones."""
+        unsupported = sorted(k for k, v in generation_config.to_diff_dict().items()
+                             if k not in _SUPPORTED_GENERATION_KEYS and not k.startswith("_")
+                             and k != "transformers_version" and v is not None)
+        if unsupported:
+            raise ValueError(f"use_vllm=True: generation settings {unsupported} are not passed to vLLM; supported: "
+                             f"{sorted(_SUPPORTED_GENERATION_KEYS)}.")
+
     def sampling_params(self, generation_config: GenerationConfig, num_rows: int) -> list:
         """One ``vllm.SamplingParams`` per row from ``generation_config``: greedy when ``do_sample`` is off; with
         sampling, row ``j``'s seed is ``s + j`` where ``s`` is drawn from torch's global generator (the trainer
@@ -306,12 +335,7 @@ class VLLMEngine(GenerationEngine):
         """
         from vllm import SamplingParams
 
-        unsupported = sorted(k for k, v in generation_config.to_diff_dict().items()
-                             if k not in _SUPPORTED_GENERATION_KEYS and not k.startswith("_")
-                             and k not in ("transformers_version",) and v is not None)
-        if unsupported:
-            raise ValueError(f"use_vllm=True: generation settings {unsupported} are not passed to vLLM; supported: "
-                             f"{sorted(_SUPPORTED_GENERATION_KEYS)}.")
+        self.check_generation_config(generation_config)
         eos = generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         common = {
@@ -345,7 +369,13 @@ class VLLMEngine(GenerationEngine):
         return [list(out.outputs[0].token_ids) for out in outputs]
 
     def close(self) -> None:
-        """Remove the adapters and the temporary directories (the engine itself is freed with this object)."""
-        self.clear_adapters_()
-        shutil.rmtree(self._adapter_dir, ignore_errors=True)
-        shutil.rmtree(self._directory, ignore_errors=True)
+        """Remove the adapters and the temporary folders now (otherwise done when the engine is freed, or at exit)."""
+        try:
+            self.clear_adapters_()
+        finally:
+            self._cleanup()
+
+
+def _remove_folders(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)

@@ -161,6 +161,7 @@ class ESCheckpointMixin:
                 self._adopt_checkpoint_anchor(anchor)
         if os.path.exists(log_path):
             self.seed_log.records = saved_log.records
+        self._sync_engine_weights()  # use_vllm: the engine computes with the loaded weights
 
     def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:
         """Use the checkpoint's theta_0: keep the current anchor where it holds the same values (e.g. read from the

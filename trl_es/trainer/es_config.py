@@ -122,6 +122,19 @@ class ESConfig(_BaseConfig):
             Eager engine: run the token prefix that all prompts of a batch share (chat-template system prompt and
             role markers) once per population member instead of once per prompt, then continue every prompt from its
             cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md).
+        anchor_storage (`str`, *optional*, defaults to `'auto'`):
+            Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's dtype),
+            'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when it holds
+            exactly the initial values, checked at start; a resident copy for tensors it does not hold).
+        lean_memory (`bool`, *optional*, defaults to `False`):
+            Hold only what ES needs, at some speed: no noise table (noise_source 'auto' draws fresh Gaussian blocks,
+            or uses the device generator on CUDA), and theta_0 only from the base checkpoint's safetensors file
+            (anchor_storage 'auto' -> 'file'; drift logging is skipped when the file does not hold theta_0 and AWD
+            is off). With population_backend='batched_lowrank' (no master copy of fp32 weights) and, for 16-bit
+            models, fp32_master_weights=False, this is the lean mode of docs/scaling.md.
+
+        > Parameters that control generation acceleration powered by vLLM
+
         use_vllm (`bool`, *optional*, defaults to `False`):
             Generate with vLLM (TRL's GRPOConfig option): one colocated engine per process; full-rank members are
             written into the engine's weights from their seeds inside the vLLM worker, low-rank members are LoRA
@@ -134,22 +147,13 @@ class ESConfig(_BaseConfig):
             Fraction of GPU memory the colocated engine takes for weights, activations and KV cache (TRL's default
             0.3). Ignored on the CPU (see vllm_kv_cache_memory_bytes).
         vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
-            GPUs one engine spans (tensor parallelism); must divide the number of processes (TRL's meaning).
+            GPUs one engine spans (tensor parallelism, TRL's meaning); only 1 is supported yet (each process scores
+            its own members on its own engine).
         vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
             Context window of the engine (prompt + completion tokens); None: the model config's.
         vllm_kv_cache_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
             KV-cache bytes of each engine (vLLM's kv_cache_memory_bytes). None: 1 GiB on the CPU, vLLM's sizing
             from vllm_gpu_memory_utilization on GPUs.
-        anchor_storage (`str`, *optional*, defaults to `'auto'`):
-            Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's dtype),
-            'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when it holds
-            exactly the initial values, checked at start; a resident copy for tensors it does not hold).
-        lean_memory (`bool`, *optional*, defaults to `False`):
-            Hold only what ES needs, at some speed: no noise table (noise_source 'auto' draws fresh Gaussian blocks,
-            or uses the device generator on CUDA), and theta_0 only from the base checkpoint's safetensors file
-            (anchor_storage 'auto' -> 'file'; drift logging is skipped when the file does not hold theta_0 and AWD
-            is off). With population_backend='batched_lowrank' (no master copy of fp32 weights) and, for 16-bit
-            models, fp32_master_weights=False, this is the lean mode of docs/scaling.md.
 
         > Parameters that control Anchored Weight Decay (AWD)
 
@@ -378,8 +382,8 @@ class ESConfig(_BaseConfig):
     )
     vllm_tensor_parallel_size: int = field(
         default=1,
-        metadata={"help": "GPUs one engine spans (tensor parallelism); must divide the number of processes (TRL's "
-                          "meaning)."},
+        metadata={"help": "GPUs one engine spans (tensor parallelism, TRL's meaning); only 1 is supported yet (each "
+                          "process scores its own members on its own engine)."},
     )
     vllm_max_model_length: int | None = field(
         default=None,

@@ -214,6 +214,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
+            self._sync_engine_weights()
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
@@ -255,6 +256,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         include = args.include_parameters
         if lowrank and include is None:
             names = linear_weight_names(unwrapped)
+            if args.use_vllm:  # vLLM's LoRA adapters cover the projections, not an (untied) lm_head
+                head = getattr(unwrapped.get_output_embeddings(), "weight", None)
+                names = [n for n, p in unwrapped.named_parameters() if n in set(names) and p is not head]
             if not names:
                 raise ValueError("population_backend='batched_lowrank' found no trainable nn.Linear weight to train.")
             include = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
@@ -305,6 +309,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         from ..generation.vllm_engine import VLLMEngine
 
         args = self.args
+        if args.vllm_tensor_parallel_size > 1:
+            raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
+                             "would have to score the same member together (docs/generation.md). Use 1.")
         if self.sharded:
             raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
                              "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
@@ -313,6 +320,13 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
                              "which the engine does not hold. Use use_vllm=False.")
         lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        output_embeddings = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
+        head = getattr(output_embeddings, "weight", None)
+        if lowrank and head is not None and any(e.param.data_ptr() == head.data_ptr() for e in self.es_params.entries):
+            raise ValueError("use_vllm=True with population_backend='batched_lowrank' cannot perturb the output "
+                             "embeddings (lm_head) as a LoRA adapter (vLLM's LoRA covers the Linear projections): "
+                             "set include_parameters, e.g. r'proj\\.weight$'.")
+        VLLMEngine.check_generation_config(self.generation_config)  # before minutes of engine start-up
         members_here = len(member_indices(args.population_size, self.accelerator.process_index,
                                           self.accelerator.num_processes))
         return VLLMEngine(
@@ -326,8 +340,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         )
 
     def _sync_engine_weights(self) -> None:
-        """With ``use_vllm``: load the model's current weights into the engine (once per iteration, and before an
-        evaluation), so the engine computes with what the ES update produced."""
+        """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES
+        update produced: when the engine is built, after every iteration's update (a subclass's ``_es_step``
+        included), after a checkpoint is loaded, and before an evaluation."""
         if self.args.use_vllm:
             self.generation_engine.sync_weights(self.accelerator.unwrap_model(self.model), self.es_params, self.noise)
 
@@ -443,6 +458,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         start = time.perf_counter()
         learning_rate, shrink = self._es_step(members, coefficients, self._current_learning_rate())
         self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _es_step may move the weights again)
+        self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
 
@@ -470,7 +486,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                                      self.accelerator.num_processes)
         model = self.accelerator.unwrap_model(self.model)
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
-        self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
         self.population.reset_timings()
         scores = {}
         for group in self.population.groups(indices):
