@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from .diversity import success_diversity
 from .drift import parameter_drift
@@ -31,6 +32,7 @@ def greedy_accuracy(
     batch_size: int = 50,
     success_threshold: float = 0.5,
     chat_template_kwargs: dict | None = None,
+    progress: bool = True,
 ) -> float:
     """Greedy accuracy: the fraction of prompts whose greedy completion scores above ``success_threshold``.
 
@@ -47,6 +49,7 @@ def greedy_accuracy(
         batch_size (`int`): Prompts per ``generate`` call.
         success_threshold (`float`): Correct when the answer reward is above this.
         chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+        progress (`bool`): Show a tqdm bar of completions done / total (stderr).
 
     Returns:
         `float`: In ``[0, 1]``.
@@ -63,10 +66,12 @@ def greedy_accuracy(
     engine = EagerEngine(share_prompt_prefix=True)
     config = build_generation_config(tokenizer, max_new_tokens)
     correct = 0
-    for first in range(0, len(rows), batch_size):
-        out = score_model(model, tokenizer, rows[first : first + batch_size], scorer, config, 1,
-                          chat_template_kwargs, engine=engine)
-        correct += int((out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).sum())
+    with tqdm(total=len(rows), desc="greedy completions", unit="completion", disable=not progress) as bar:
+        for first in range(0, len(rows), batch_size):
+            out = score_model(model, tokenizer, rows[first : first + batch_size], scorer, config, 1,
+                              chat_template_kwargs, engine=engine)
+            correct += int((out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).sum())
+            bar.update(len(out["completions"]))
     return correct / len(rows)
 
 
@@ -88,6 +93,7 @@ def evaluate_policy(
     seed: int = 0,
     success_threshold: float = 0.5,
     chat_template_kwargs: dict | None = None,
+    progress: bool = True,
 ) -> dict:
     r"""Every figure the recipes compare arms by, for one policy on one split.
 
@@ -132,6 +138,7 @@ def evaluate_policy(
         seed (`int`): Seed of the sampling.
         success_threshold (`float`): Correct when the answer reward is above this.
         chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+        progress (`bool`): Show tqdm bars of completions done / total (greedy, then sampled; stderr).
 
     Returns:
         `dict`: ``num_prompts``, ``accuracy_greedy``; with ``num_samples > 0`` also ``num_samples``,
@@ -156,7 +163,7 @@ def evaluate_policy(
     rows = list(rows)
     report = {"num_prompts": len(rows)}
     report["accuracy_greedy"] = greedy_accuracy(model, tokenizer, rows, reward_funcs, max_new_tokens, batch_size,
-                                                success_threshold, chat_template_kwargs)
+                                                success_threshold, chat_template_kwargs, progress)
     if num_samples:
         scorer = _scorer(reward_funcs)
         engine = EagerEngine(share_prompt_prefix=True)
@@ -164,7 +171,9 @@ def evaluate_policy(
         recorder = TokenEntropyRecorder(temperature)
         correct, entropy_sum, entropy_tokens = [], 0.0, 0
         device = next(model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        bar = tqdm(total=len(rows) * num_samples, desc=f"sampled completions (T={temperature:g})",
+                   unit="completion", disable=not progress)
+        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for first in range(0, len(rows), sample_batch_size):
                 chunk = rows[first : first + sample_batch_size]
@@ -176,6 +185,7 @@ def evaluate_policy(
                 entropy = mean_completion_entropy(recorder, out["completion_ids"])
                 entropy_sum += entropy["sum"]
                 entropy_tokens += entropy["num_tokens"]
+                bar.update(len(out["completions"]))
         report.update(num_samples=num_samples, temperature=float(temperature))
         for k in sorted(set(pass_k)):
             report[f"pass@{k}"] = mean_pass_at_k(num_samples, correct, k)

@@ -153,6 +153,7 @@ def evaluate(argv: list[str]) -> dict:
     import torch
     from accelerate import PartialState
     from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
 
     from ..analysis import mean_pass_at_k
     from ..rollout import RewardScorer, build_generation_config, score_model
@@ -180,16 +181,20 @@ def evaluate(argv: list[str]) -> dict:
     local = []  # per prompt: greedy rewards per function, sampled rewards per function (n rows), correct samples
     with state.split_between_processes(list(range(len(rows)))) as mine:
         torch.manual_seed(task_args.task_seed + state.process_index)
+        bar = tqdm(total=len(mine) * (1 + num_samples), unit="completion", disable=not state.is_main_process,
+                   desc=f"{eval_args.split}: greedy + {num_samples} sampled completions per prompt")
         for first in range(0, len(mine), eval_args.batch_size):
             batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
             out_greedy = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs)
             out_sampled = score_model(
                 model, tokenizer, batch, scorer, sampled, num_samples, eval_args.chat_template_kwargs
             )
+            bar.update(len(out_greedy["completions"]) + len(out_sampled["completions"]))
             per_func = out_sampled["rewards_per_func"].view(len(batch), num_samples, -1)
             for j in range(len(batch)):
                 local.append((out_greedy["rewards_per_func"][j].tolist(), per_func[j].tolist(),
                                int((per_func[j, :, answer] > 0.5).sum())))
+        bar.close()
     results = gather_object(local)
     metrics = {
         "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
