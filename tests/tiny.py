@@ -30,40 +30,35 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_llama(tokenizer, seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:
+TINY_SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+"""The tiny models of the HF-side tests (head size 8)."""
+
+VLLM_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+"""Sizes vLLM's CPU attention runs (head size 32; 8 is below its minimum)."""
+
+
+def _tiny(config_class, model_class, tokenizer, seed, dtype, sizes, tie_word_embeddings):
+    """A 2-layer model of ``config_class`` with ``sizes``, the tokenizer's special tokens, seeded with ``seed``."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
+        **sizes,
     )
-    return LlamaForCausalLM(config).to(dtype)
+    return model_class(config).to(dtype)
+
+
+def build_llama(tokenizer, seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:
+    return _tiny(LlamaConfig, LlamaForCausalLM, tokenizer, seed, dtype, TINY_SIZES, tie_word_embeddings=False)
 
 
 def build_qwen2(tokenizer, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).to(dtype)
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, tokenizer, seed, dtype, TINY_SIZES, tie_word_embeddings=True)
 
 
 def content_reward(completions, **kwargs) -> list[float]:
@@ -75,42 +70,14 @@ def content_reward(completions, **kwargs) -> list[float]:
 
 
 def build_vllm_llama(tokenizer, seed: int = 0, dtype=torch.float32, tie_word_embeddings: bool = True) -> LlamaForCausalLM:
-    """A tiny Llama that vLLM's CPU attention runs (head size 32; the 8 of :func:`build_llama` is below its minimum),
-    with tied embeddings by default (as SmolLM2)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    return LlamaForCausalLM(config).to(dtype)
+    """A tiny Llama that vLLM's CPU attention runs (:data:`VLLM_SIZES`), with tied embeddings by default (as
+    SmolLM2)."""
+    return _tiny(LlamaConfig, LlamaForCausalLM, tokenizer, seed, dtype, VLLM_SIZES, tie_word_embeddings)
 
 
 def build_vllm_qwen2(tokenizer, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 (q/k/v biases, untied lm_head) that vLLM's CPU attention runs (head size 32)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config).to(dtype)
+    """A tiny Qwen2 (q/k/v biases, untied lm_head) that vLLM's CPU attention runs (:data:`VLLM_SIZES`)."""
+    model = _tiny(Qwen2Config, Qwen2ForCausalLM, tokenizer, seed, dtype, VLLM_SIZES, tie_word_embeddings=False)
     with torch.no_grad():  # random, visible biases (they are zero at init)
         for name, p in model.named_parameters():
             if name.endswith("bias"):

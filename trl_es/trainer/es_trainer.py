@@ -258,7 +258,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             names = linear_weight_names(unwrapped)
             if args.use_vllm:  # vLLM's LoRA adapters cover the projections, not an (untied) lm_head
                 head = getattr(unwrapped.get_output_embeddings(), "weight", None)
-                names = [n for n, p in unwrapped.named_parameters() if n in set(names) and p is not head]
+                names = [n for n in names if unwrapped.get_parameter(n) is not head]
             if not names:
                 raise ValueError("population_backend='batched_lowrank' found no trainable nn.Linear weight to train.")
             include = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
