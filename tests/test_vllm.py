@@ -100,13 +100,13 @@ def test_full_rank_member_in_engine_is_the_hf_member_bitwise(tokenizer, live_cpu
     noise = make_noise_source(1 << 20, "table", torch.device("cpu"))
     engine = make_engine(model, tokenizer)
     engine.sync_weights(model, params, noise)
-    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     assert_engine_weights_equal(engine.read_weights(), base, 2)
     member, sigma = Member(4321, -1), 0.05
     with EngineSequentialPopulation(engine).apply(params, noise, [member], sigma, model):
         in_engine = engine.read_weights()
     with SequentialPopulation().apply(params, noise, [member], sigma, model):
-        perturbed = {n: p.detach().clone() for n, p in model.named_parameters()}
+        perturbed = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     assert any(not torch.equal(perturbed[n], base[n]) for n in base)
     assert_engine_weights_equal(in_engine, perturbed, 2)
     assert_engine_weights_equal(engine.read_weights(), base, 2)  # restored exactly
@@ -149,7 +149,7 @@ def test_engine_restores_after_an_exception_inside_a_member(tokenizer, live_cpu_
     noise = make_noise_source(1 << 20, "gaussian", torch.device("cpu"))
     engine = make_engine(model, tokenizer)
     engine.sync_weights(model, params, noise)
-    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     with pytest.raises(RuntimeError, match="reward crashed"):
         with EngineSequentialPopulation(engine).apply(params, noise, [Member(5, 1)], 0.1, model):
             raise RuntimeError("reward crashed")
@@ -225,7 +225,7 @@ def train(tokenizer, tmp_path, use_vllm, **kwargs):
                     vllm_kv_cache_memory_bytes=KV, **kwargs)
     trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
     trainer.train()
-    weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    weights = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
     history = [h for h in trainer.state.log_history if "reward" in h]
     del trainer
     gc.collect()
@@ -286,10 +286,10 @@ def test_engine_after_training_holds_the_trained_weights(tokenizer, tmp_path, li
                     noise_table_size=1 << 20, disable_tqdm=True, use_vllm=True, vllm_kv_cache_memory_bytes=KV)
     trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
     assert_engine_weights_equal(trainer.generation_engine.read_weights(),
-                                {n: p.detach() for n, p in model.named_parameters()}, 2)  # synced when built
+                                {n: p.detach().cpu() for n, p in model.named_parameters()}, 2)  # synced when built
     trainer.train()
     assert_engine_weights_equal(trainer.generation_engine.read_weights(),
-                                {n: p.detach() for n, p in model.named_parameters()}, 2)  # the last update too
+                                {n: p.detach().cpu() for n, p in model.named_parameters()}, 2)  # the last update too
     folders = [trainer.generation_engine._directory, trainer.generation_engine._adapter_dir]
     trainer.generation_engine.close()
     assert not any(os.path.exists(f) for f in folders)

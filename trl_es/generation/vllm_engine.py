@@ -258,7 +258,7 @@ class VLLMEngine(GenerationEngine):
         self.llm.reset_prefix_cache()
 
     def read_weights(self) -> dict[str, torch.Tensor]:
-        """Copies of the engine's own parameters by vLLM name (fused), for tests (see ``ESWorkerExtension``)."""
+        """CPU copies of the engine's own parameters by vLLM name (fused), for tests (see ``ESWorkerExtension``)."""
         return self.llm.collective_rpc("es_read_weights")[0]
 
     # ------------------------------------------------------------------ low-rank members as adapters

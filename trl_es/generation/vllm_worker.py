@@ -63,12 +63,13 @@ class ESWorkerExtension:
         self._es_reload(self._es_member_weights(member, float(sigma)))
 
     def es_read_weights(self) -> dict[str, torch.Tensor]:
-        """Copies of the engine model's own parameters by vLLM name (fused ``qkv_proj``/``gate_up_proj``), for tests.
+        """CPU copies of the engine model's own parameters by vLLM name (fused ``qkv_proj``/``gate_up_proj``), for
+        tests (on the CPU whatever the engine's device, so they compare with an HF model anywhere).
 
         On the CPU the oneDNN linear path keeps packed weights and empties ``weight``: such tensors come back empty.
         """
         model = self.model_runner.get_model()
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
+        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
 
     # -------------------------------------------------------------------------------------------- internals
     def _es_member_weights(self, member: Member, sigma: float) -> Iterator[tuple[str, torch.Tensor]]:
