@@ -72,7 +72,7 @@ def test_eval_takes_its_settings_from_the_run(trained_run, tmp_path):
     assert settings == {
         "task": ("arithmetic", "run"), "task_seed": (0, "run"), "num_train_prompts": (8, "run"),
         "num_validation_prompts": (4, "run"), "num_eval_prompts": (5, "run"), "countdown_json": (None, "run"),
-        "max_new_tokens": (4, "run"), "sample_temperature": (1.0, "default"),  # greedy training: default 1.0
+        "max_new_tokens": (4, "run"), "sample_temperature": (0.6, "default"),  # greedy training: the papers' protocol
         "top_p": (0.9, "run"), "generation_kwargs": ({"repetition_penalty": 1.1}, "run"),
         "chat_template_kwargs": (None, "default"),
     }
@@ -109,7 +109,8 @@ def test_eval_pass_at_k(tmp_path, tiny_model_dir):
     main(["eval", "--model_name_or_path", tiny_model_dir, "--task", "arithmetic", "--num_eval_prompts", "6",
           "--num_samples", "3", "--pass_k", "1", "3", "--max_new_tokens", "3", "--output_file", str(output)])
     metrics = json.loads(output.read_text())
-    assert metrics["num_prompts"] == 6 and metrics["num_samples"] == 3 and metrics["sample_temperature"] == 1.0
+    assert metrics["num_prompts"] == 6 and metrics["num_samples"] == 3 and metrics["sample_temperature"] == 0.6
+    assert metrics["top_p"] == 0.95 and metrics["settings"]["top_p"] == {"value": 0.95, "source": "default"}
     assert metrics["settings"]["max_new_tokens"] == {"value": 3, "source": "flag"}
     # A random tiny model never answers a + b correctly.
     assert metrics["accuracy_greedy"] == 0.0 and metrics["pass@1"] == 0.0 and metrics["pass@3"] == 0.0

@@ -99,10 +99,12 @@ def test_arms_and_summary(race, tmp_path):
     assert rows[("es", 4.0)]["per_seed"] == {0: 0.5, 1: 0.7}  # the 4-minute runs' ends, not the 8-minute runs' marks
     assert rows[("es", 4.0)]["mean"] == pytest.approx(0.6) and rows[("es", 4.0)]["std"] == pytest.approx(0.1414, abs=1e-4)
     assert rows[("es", 4.0)]["sampled_pass@1"] == pytest.approx(0.4)
+    assert rows[("es", 4.0)]["sampled_pass@1_std"] == pytest.approx(0.1414, abs=1e-4)
     assert rows[("grpo", 4.0)]["per_seed"] == {0: 0.55, 1: 0.65}  # the 8-minute run scored at its 4-minute mark
     assert rows[("grpo", 8.0)]["mean"] == pytest.approx(0.5)
     table = race.markdown_table(args, list(rows.values()), 0.25)
-    assert "| ES (ESTrainer) | 4 | 0.500, 0.700 | 0.600 | 0.141 |" in table
+    assert "| ES (ESTrainer) | 4 | 0.500, 0.700 | 0.600 | 0.141 | 0.400 +- 0.141 |" in table
+    assert "| GRPO (TRL GRPOTrainer) | 8 | 0.450, 0.550 | 0.500 | 0.071 | - |" in table
 
 
 def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
@@ -111,6 +113,7 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--task_seeds", "0",
         "--budgets_minutes", "0.02", "0.04", "--num_train_prompts", "16", "--num_validation_prompts", "4",
         "--num_test_prompts", "6", "--eval_batch_size", "6", "--sampled_samples", "2", "--final_max_new_tokens", "8",
+        "--entropy_prompts", "2",
         "--es_num_processes", "1", "--threads_per_process", "1",
         "--es_overrides", "population_size=4", "prompt_batch_size=4", "noise_table_size=1048576",
         "max_completion_length=6",
@@ -124,7 +127,10 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
         assert run["split"] == "test" and run["processes"] == 1 and run["max_new_tokens"] == 6
         assert run["steps"] >= 1 and run["training_minutes"] >= run["budget_minutes"]
         assert run["curve"][0]["training_seconds"] == 0.0 and run["curve"][0]["step"] == 0
-        assert 0.0 <= run["accuracy_at_8_tokens"] <= 1.0 and 0.0 <= run["sampled_pass@1"] <= 1.0
+        assert 0.0 <= run["accuracy_at_8_tokens"] <= 1.0
+        assert 0.0 <= run["sampled_pass@1"] <= run["sampled_pass@2"] <= 1.0
+        assert run["sample_temperature"] == 0.6 and run["sample_top_p"] == 0.95 and run["sampled_token_entropy"] > 0
+        assert all(p["token_entropy"] > 0 for p in run["curve"])  # recorded at every evaluation
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
     assert "| method | budget (min) | per task seed | mean | std |" in (out / "results.md").read_text()
     assert saved["table"] == json.loads(json.dumps(results["table"]))

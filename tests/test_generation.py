@@ -214,3 +214,57 @@ def test_shared_prefix_is_skipped_under_zero3_and_with_ngram_processors(tokenize
     assert not engine.can_share(model, config, {})
     engine.generate(model, tokenizer, chat_prompts(tokenizer), config)
     assert engine.last_shared_prefix == 0
+
+
+# ------------------------------------------------------------------------------------------- top-p without a sort
+def test_candidate_top_p_keeps_the_tokens_of_transformers_top_p():
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from trl_es.generation.top_p import CandidateTopPLogitsWarper
+
+    torch.manual_seed(0)
+    ids = torch.zeros(64, 1, dtype=torch.long)
+    fallback = {}
+    for scale, temperature, top_p in ((1.0, 0.6, 0.95), (3.0, 1.0, 0.9), (0.3, 1.0, 0.95), (8.0, 0.6, 0.5)):
+        scores = torch.randn(64, 5000) * scale  # scale 0.3: flat rows whose nucleus is far outside 256 candidates
+        expected = TopPLogitsWarper(top_p)(ids, TemperatureLogitsWarper(temperature)(ids, scores.clone()))
+        warper = CandidateTopPLogitsWarper(top_p, temperature)
+        out = warper(ids, scores.clone())
+        assert torch.equal(torch.isinf(out), torch.isinf(expected)), (scale, temperature, top_p)
+        kept = ~torch.isinf(out)
+        assert torch.equal(out[kept], scores[kept])  # the kept scores are untouched (temperature comes after)
+        fallback[scale] = warper.fallback_rows
+    # peaked rows are settled among the candidates, flat rows all fall back, and scale 3 mixes both in one batch
+    assert fallback[8.0] == 0 and fallback[0.3] == 64 and 0 < fallback[3.0] < 64
+    with pytest.raises(ValueError, match="top_p must be in"):
+        CandidateTopPLogitsWarper(1.0)
+
+
+def test_sampling_with_top_p_gives_transformers_tokens(tokenizer):
+    """The eager engine's swapped top-p samples the same completions as transformers' own warper, same seed."""
+    from trl_es.generation.top_p import use_candidate_top_p
+
+    model = build_llama(tokenizer).eval()
+    prompts = ["Write: 1", "Write: 22"] * 4
+    config = build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9)
+    swapped, kwargs = use_candidate_top_p(config, {})
+    assert swapped.top_p == 1.0 and len(kwargs["logits_processor"]) == 1 and config.top_p == 0.9
+    inputs = tokenizer(text=prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    torch.manual_seed(3)
+    out = model.generate(**inputs, generation_config=config)  # transformers' TopPLogitsWarper
+    reference = out[:, inputs["input_ids"].shape[1]:].tolist()
+    # 256 candidates cover the tiny vocabulary (101 tokens); with 8, rows fall back and others do not
+    for candidates, fallback in ((256, False), (8, True)):
+        swapped, kwargs = use_candidate_top_p(config, {}, candidates)
+        torch.manual_seed(3)
+        ours = model.generate(**inputs, generation_config=swapped, **kwargs)[:, inputs["input_ids"].shape[1]:].tolist()
+        assert ours == reference, candidates
+        assert (kwargs["logits_processor"][-1].fallback_rows > 0) == fallback
+    engine = EagerEngine(share_prompt_prefix=True, min_shared_prefix=1)  # the engine swaps it in itself
+    torch.manual_seed(3)
+    _, ids = generate_completions(model, tokenizer, prompts, config, engine=engine)
+    assert engine.last_shared_prefix > 0 and len({str(i) for i in ids}) > 2  # really sampled
+    assert ids == [row[: len(i)] for row, i in zip(reference, ids, strict=True)]
+    # with top-k set, the swap keeps out (transformers applies top-k before top-p)
+    top_k = build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9, generation_kwargs={"top_k": 20})
+    assert use_candidate_top_p(top_k, {})[0] is top_k

@@ -678,7 +678,190 @@ def test_no_finite_reward_is_an_error(tiny_llama, delta_set, tokenizer, prompts,
 
 
 def test_final_genome_config_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"final_genome must be one of \('rescored', 'best', 'mean'\)"):
+    with pytest.raises(ValueError, match=r"final_genome must be one of \('rescored', 'best', 'mean', 'validation'\)"):
         _config(tmp_path, final_genome="last")
     with pytest.raises(ValueError, match="rescore_top_k must be an integer >= 1, got 0"):
         _config(tmp_path, rescore_top_k=0)
+
+
+# ---- A search that does not fall for noise ----
+
+
+def _noisy_sphere(n, noise, seed):
+    """A toy noisy objective in [0, 1]^n: the true fitness -|x - t|^2 (t spread over [0.2, 0.8]) and a measurement
+    of it averaged over ``k`` draws of Gaussian noise of standard deviation ``noise``."""
+    target = np.linspace(0.2, 0.8, n)
+    rng = np.random.default_rng(seed + 1000)
+
+    def true(x):
+        return -float(np.sum((np.asarray(x) - target) ** 2))
+
+    def measure(x, k=1):
+        return true(x) + noise * float(rng.standard_normal(k).mean())
+
+    return true, measure
+
+
+def _noisy_search(seed, n=20, noise=0.1, generations=30, popsize=40, **kwargs):
+    true, measure = _noisy_sphere(n, noise, seed)
+    search = CMASearch(np.full(n, 0.5), 0.2, popsize=popsize, seed=seed, top_k=5, **kwargs)
+    for generation in range(generations):
+        xs = search.ask()
+        k = search.evaluations
+        search.tell(xs, [measure(x, k) for x in xs], tags=[(generation, i) for i in range(len(xs))],
+                    reevaluate=lambda x: measure(x, search.evaluations))
+    return search, true, measure
+
+
+def test_distribution_mean_and_rescoring_beat_best_of_n_under_noise():
+    """Noise of s.d. 0.1 on a 20-d sphere, 30 generations of 40: the best of 1200 noisy scores is a winner's curse."""
+    best, mean, rescored = [], [], []
+    for seed in range(10):
+        search, true, measure = _noisy_search(seed)
+        best.append(true(search.best_x))
+        mean.append(true(search.mean))
+        # Re-evaluation: the 5 best candidates seen and the mean, each scored again on 16 fresh draws.
+        finalists = [x for _, x, _ in search.top] + [search.mean]
+        rescored.append(true(finalists[int(np.argmax([measure(x, 16) for x in finalists]))]))
+        assert search.best_fitness > true(search.best_x) + 0.1  # its score was luck: measured 0.16 or more above
+    best, mean, rescored = np.array(best), np.array(mean), np.array(rescored)
+    # Measured (pycma 4.5.0): true value of best-of-N -0.174 on average over the 10 seeds, the mean -0.062 (better
+    # by 0.05 to 0.20 in every seed); the re-scoring kept the mean in every seed.
+    assert (mean > best).all() and (rescored > best).all()
+    assert mean.mean() > best.mean() + 0.05 and rescored.mean() > best.mean() + 0.05
+
+
+def test_noise_handler_is_pycmas_and_resumes_exactly():
+    import pickle
+
+    import cma
+
+    # Without noise the re-evaluations agree with the scores: the handler measures no noise and changes nothing.
+    plain, _, _ = _noisy_search(0, noise=0.0, generations=8)
+    handled, _, _ = _noisy_search(0, noise=0.0, generations=8, noise_max_evaluations=4)
+    assert isinstance(handled.noise_handler, cma.NoiseHandler) and plain.noise_handler is None
+    assert np.array_equal(plain.mean, handled.mean) and plain.sigma == handled.sigma
+    assert handled.noise_s < 0 and handled.evaluations == 1 and plain.noise_s is None and plain.evaluations == 1
+    assert handled.num_reevaluated == 8 * 4 and plain.num_reevaluated == 0  # pycma's 2 + 40/20 per generation
+    # Under heavy noise the ranks do not hold: pycma raises sigma and the evaluations averaged per fitness.
+    noisy, _, _ = _noisy_search(0, noise=1.0, generations=20, noise_max_evaluations=4)
+    unhandled, _, _ = _noisy_search(0, noise=1.0, generations=20)
+    assert noisy.noise_s > 0 and noisy.evaluations > 1 and noisy.sigma > unhandled.sigma
+    # The handler's state pickles with the search: a resumed copy continues bit for bit.
+    copy_ = pickle.loads(pickle.dumps(noisy))
+    for s in (noisy, copy_):
+        _, measure = _noisy_sphere(20, 1.0, 5)
+        xs = s.ask()
+        s.tell(xs, [measure(x, s.evaluations) for x in xs], reevaluate=lambda x: measure(x, s.evaluations))
+    assert np.array_equal(noisy.mean, copy_.mean) and noisy.sigma == copy_.sigma
+    assert noisy.noise_s == copy_.noise_s and noisy.evaluations == copy_.evaluations
+
+
+def test_validation_final_genome_picks_the_best_validation_score(tiny_llama, delta_set, tokenizer, prompts, tmp_path):
+    """The fitness rows reward closeness to adapter 1 and the validation rows penalize it (the two disagree):
+    "validation" keeps the finalist with the best validation score, not the one with the best fitness."""
+    from trl_es.trainer.hyper_es_final import finalists
+
+    base = {n: dict(tiny_llama.named_modules())[n].weight.detach().clone() for n in delta_set.module_names}
+    fitness = _distance_fitness(base, {n: delta_set.delta(n, 1) for n in delta_set.module_names})
+    validation = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"v{i} ="}] for i in range(3)]})
+    args = _config(tmp_path, max_generations=4, population_size=6, prompt_batch_size=None, save_strategy="no",
+                   final_genome="validation", rescore_top_k=3)
+    trainer = HyperESTrainer(tiny_llama, delta_set, reward_funcs=_toy_reward, args=args, train_dataset=prompts,
+                             eval_dataset=validation, processing_class=tokenizer)
+    calls = []
+
+    def score_current_model(rows, genome=None):
+        split = "validation" if rows[0]["prompt"][0]["content"].startswith("v") else "fitness"
+        calls.append((split, len(rows)))
+        return fitness(trainer.model, genome) * (-1.0 if split == "validation" else 1.0)
+
+    trainer.score_current_model = score_current_model
+    output = trainer.train()
+    # 4 generations x 6 candidates on the whole fitness split, then 3 + 1 finalists on the 3 validation rows.
+    assert calls == [("fitness", 6)] * 24 + [("validation", 3)] * 4
+    record = trainer.best_genome.metadata["validation"]
+    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean"]
+    genomes, _ = finalists(trainer, trainer.search)
+    for r, genome in zip(record, genomes, strict=True):
+        with trainer.applier.applied(genome):
+            assert r["validation"] == pytest.approx(-fitness(trainer.model, genome), abs=1e-12)
+    kept = max(range(4), key=lambda i: record[i]["validation"])
+    assert kept != 0 and record[kept]["validation"] > record[0]["validation"]  # not the best fitness ("top1")
+    assert record[0]["search_fitness"] > record[1]["search_fitness"]
+    assert np.array_equal(trainer.best_genome.weights, genomes[kept].weights)
+    assert trainer.best_genome.metadata["fitness"] == record[kept]["validation"] == -output.training_loss
+    assert -fitness(trainer.model, None) == pytest.approx(record[kept]["validation"], abs=1e-12)  # the model holds it
+    # Without validation rows there is nothing to choose on.
+    with pytest.raises(ValueError, match="final_genome='validation'.*eval_dataset"):
+        HyperESTrainer(tiny_llama, delta_set, reward_funcs=_toy_reward, args=args, train_dataset=prompts,
+                       processing_class=tokenizer)
+
+
+def _noisy_rows_trainer(tokenizer, delta_set, prompts, tmp_path, **kwargs):
+    """Hyper-ES with noise handling over minibatches of 2 of 6 prompts: the fitness is the closeness to adapter 1
+    plus a deterministic function of the rows drawn (noise that re-scoring on other rows reveals)."""
+    from tiny import build_llama
+
+    model = build_llama(tokenizer)
+    base = {n: dict(model.named_modules())[n].weight.detach().clone() for n in delta_set.module_names}
+    fitness = _distance_fitness(base, {n: delta_set.delta(n, 1) for n in delta_set.module_names})
+    args = _config(tmp_path, population_size=8, prompt_batch_size=2, genome_granularity="global",
+                   noise_handling=True, noise_max_evaluations=3, **kwargs)
+    trainer = HyperESTrainer(model, copy.deepcopy(delta_set), reward_funcs=_toy_reward, args=args,
+                             train_dataset=prompts, processing_class=tokenizer)
+    calls = []
+
+    def score_current_model(rows, genome=None):
+        ids = [int(r["prompt"][0]["content"].split()[0]) for r in rows]
+        calls.append(ids)
+        return fitness(trainer.model, genome) + math.sin(sum(7.3 * i + 1.0 for i in ids))
+
+    trainer.score_current_model = score_current_model
+    return trainer, calls
+
+
+def test_noise_handling_rescores_on_fresh_rows_and_resumes(tokenizer, delta_set, prompts, tmp_path):
+    kw = {"max_generations": 10, "save_strategy": "steps", "save_steps": 5}
+    full, calls = _noisy_rows_trainer(tokenizer, delta_set, prompts, tmp_path / "full", **kw)
+    full.train()
+    history = full.history
+    evaluations = [int(h["noise/evaluations"]) for h in history]
+    assert evaluations[0] == 1 and max(evaluations) > 1  # pycma asked for more rows per fitness
+    assert max(h["noise/s"] for h in history) > 0
+    # Each generation: 8 candidates on the next 2k stream rows, then the re-scored ones on the 2k rows after them.
+    position, i = 0, 0
+    for k in evaluations:
+        rows = [int(r["prompt"][0]["content"].split()[0]) for r in full.stream_rows(position, 2 * k)]
+        assert calls[i : i + 8] == [rows] * 8
+        fresh = [int(r["prompt"][0]["content"].split()[0]) for r in full.stream_rows(position + 2 * k, 2 * k)]
+        i += 8
+        reevaluated = 0
+        while i < len(calls) and calls[i] == fresh and len(calls[i]) == 2 * k:
+            i, reevaluated = i + 1, reevaluated + 1
+        assert reevaluated in (2, 3)  # pycma's 2 + 8/20 re-evaluations
+        position += 4 * k
+    assert i == len(calls) - 6  # then the 5 best and the mean re-scored on the whole split ("rescored")
+    assert full.rows_drawn == position
+
+    interrupted, _ = _noisy_rows_trainer(tokenizer, delta_set, prompts, tmp_path / "resumed", **kw)
+    interrupted.add_callback(_StopAt(5))
+    interrupted.train()
+    resumed, _ = _noisy_rows_trainer(tokenizer, delta_set, prompts, tmp_path / "resumed", **kw)
+    resumed.train(resume_from_checkpoint=True)
+    strip = lambda hs: [{k: v for k, v in h.items() if k != "time/generation_s"} for h in hs]
+    assert strip(resumed.history) == strip(full.history) and resumed.rows_drawn == full.rows_drawn
+    assert np.array_equal(resumed.search.mean, full.search.mean) and resumed.search.sigma == full.search.sigma
+    assert resumed.search.noise_s == full.search.noise_s
+    assert np.array_equal(resumed.best_genome.weights, full.best_genome.weights)
+
+
+def test_noise_and_validation_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="noise_max_evaluations must be an integer >= 1, got 0"):
+        _config(tmp_path, noise_max_evaluations=0)
+    with pytest.raises(ValueError, match="noise_reevals must be > 0 or None"):
+        _config(tmp_path, noise_reevals=0.0)
+    with pytest.raises(ValueError, match="noise_handling must be True or False"):
+        _config(tmp_path, noise_handling="yes")
+    args = HyperESConfig(output_dir=str(tmp_path), report_to="none")
+    assert (args.noise_handling, args.noise_max_evaluations, args.noise_reevals) == (False, 1, None)

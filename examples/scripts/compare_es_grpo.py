@@ -7,7 +7,10 @@ greedy accuracy on ``--split`` (``test`` for the race, ``validation`` for tuning
 :func:`trl_es.tasks.arithmetic.arithmetic_reward` (the first stated result), scored at training time 0, at every
 budget mark, and at the end. The training clock is paused while evaluating. At the end each run is also scored at
 ``--final_max_new_tokens`` (the accuracy must not depend on where generation is cut) and with sampled completions
-at temperature 1 (pass@1 estimated from ``--sampled_samples`` samples per prompt).
+with the papers' sampling protocol (:data:`trl_es.analysis.PAPER_PROTOCOL`: T = 0.6, top-p 0.95; Pass@K from
+``--sampled_samples`` samples per prompt, and the token entropy of those samples). During training the token
+entropy of the policy (T = 1) on ``--entropy_prompts`` held-out validation prompts is recorded at every evaluation
+(the entropy-collapse curve of arXiv 2608.27351).
 
 Each (task seed, method, budget) arm runs in a fresh process tree, launched as :mod:`trl_es.launch` plans it:
 ES by default with one single-threaded process per physical core (population parallelism), GRPO with
@@ -82,7 +85,12 @@ class RaceArguments:
         default=None, metadata={"help": "New tokens per scored completion (default: the ES recipe's "
                                 "max_completion_length)."})
     final_max_new_tokens: int = field(default=64, metadata={"help": "End of run: greedy accuracy at this length too."})
-    sampled_samples: int = field(default=4, metadata={"help": "End of run: samples per prompt at T=1 (0 = none)."})
+    sampled_samples: int = field(default=16, metadata={
+        "help": "End of run: samples per prompt for Pass@K at the papers' protocol (T=0.6, top-p 0.95; 0 = none)."})
+    sample_batch_size: int = field(default=8, metadata={"help": "End of run: prompts per sampled generate call."})
+    entropy_prompts: int = field(default=16, metadata={
+        "help": "Validation prompts whose sampled token entropy (T=1, 2 samples each) is recorded at every "
+        "evaluation during training (0 = none)."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call when scoring."})
     save_models: bool = field(default=False, metadata={"help": "Save each trained model to its arm folder."})
     threads_per_process: int | None = field(
@@ -172,6 +180,62 @@ class SplitAccuracy:
         return total_correct / total
 
 
+class HeldOutEntropy:
+    """Mean token entropy (nats) of the policy at T = 1 on held-out prompts, 2 samples each, split over processes
+    (:class:`trl_es.analysis.TokenEntropyRecorder`; the entropy-collapse measure of arXiv 2608.27351)."""
+
+    def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, samples: int = 2):
+        from trl_es.generation import EagerEngine
+        from trl_es.rollout import RewardScorer
+        from trl_es.tasks.arithmetic import arithmetic_reward
+
+        self.tokenizer, self.rows, self.max_new_tokens, self.samples = tokenizer, rows, max_new_tokens, samples
+        self.scorer = RewardScorer([arithmetic_reward])
+        self.engine = EagerEngine(share_prompt_prefix=True)
+
+    def __call__(self, model) -> float:
+        import torch
+
+        from trl_es.analysis import TokenEntropyRecorder, mean_completion_entropy
+        from trl_es.rollout import build_generation_config, score_model
+
+        rank, world = _world()
+        mine = self.rows[rank::world]
+        config = build_generation_config(self.tokenizer, self.max_new_tokens, temperature=1.0)
+        recorder = TokenEntropyRecorder(1.0)
+        with torch.random.fork_rng():
+            torch.manual_seed(4321 + rank)
+            out = score_model(model, self.tokenizer, mine, self.scorer, config, self.samples, engine=self.engine,
+                              logits_processor=[recorder])
+        entropy = mean_completion_entropy(recorder, out["completion_ids"])
+        total, tokens = _all_reduce([entropy["sum"], float(entropy["num_tokens"])])
+        return total / tokens if tokens else math.nan
+
+
+def policy_figures(model, tokenizer, rows: list[dict], max_new_tokens: int, num_samples: int,
+                   sample_batch_size: int) -> dict:
+    """End of run, split over processes: Pass@K (K = 1, 2, 4, ... <= ``num_samples``) and the token entropy of the
+    samples at the papers' protocol (:data:`trl_es.analysis.PAPER_PROTOCOL`), via
+    :func:`trl_es.analysis.evaluate_policy` (its greedy accuracy on a handful of prompts is not used here)."""
+    from trl_es.analysis import PAPER_PROTOCOL, evaluate_policy
+    from trl_es.tasks.arithmetic import arithmetic_reward
+
+    rank, world = _world()
+    mine = rows[rank::world]
+    protocol = PAPER_PROTOCOL.with_samples(num_samples)
+    report = evaluate_policy(model, tokenizer, mine, [arithmetic_reward], max_new_tokens, num_samples=num_samples,
+                             pass_k=protocol.pass_k, temperature=protocol.temperature, top_p=protocol.top_p,
+                             sample_batch_size=sample_batch_size, seed=1234 + rank, progress=rank == 0)
+    keys = [f"pass@{k}" for k in protocol.pass_k]
+    sums = _all_reduce([report[k] * len(mine) for k in keys] + [float(len(mine)),
+                       report["token_entropy"] * report["token_entropy_tokens"], float(report["token_entropy_tokens"])])
+    prompts = sums[len(keys)]
+    figures = {f"sampled_{k}": value / prompts for k, value in zip(keys, sums, strict=False)}
+    figures["sampled_token_entropy"] = sums[-2] / sums[-1] if sums[-1] else math.nan
+    figures["sample_temperature"], figures["sample_top_p"] = protocol.temperature, protocol.top_p
+    return figures
+
+
 class EvalClockCallback(TrainerCallback):
     """Training clock with evaluations that do not count towards it; stops training at the budget.
 
@@ -179,12 +243,13 @@ class EvalClockCallback(TrainerCallback):
     ``marks_seconds`` (and after every ``eval_every_seconds`` if given), and at the end (the step that crosses
     ``budget_seconds``, or the last step). The clock is paused while evaluating, and with several processes every
     process uses the largest clock of all, so all of them evaluate and stop at the same step. ``records`` holds
-    ``{"training_seconds", "step", "accuracy", "eval_seconds"}`` dicts.
+    ``{"training_seconds", "step", "accuracy", "eval_seconds"}`` dicts (and ``"token_entropy"`` with ``entropy``, a
+    callable of the model).
     """
 
     def __init__(self, evaluate, budget_seconds: float, eval_every_seconds: float | None = None, marks_seconds=(),
-                 every_steps: int | None = None):
-        self.evaluate, self.budget = evaluate, float(budget_seconds)
+                 every_steps: int | None = None, entropy=None):
+        self.evaluate, self.budget, self.entropy = evaluate, float(budget_seconds), entropy
         self.every, self.every_steps = eval_every_seconds, every_steps
         self.marks = sorted(float(m) for m in marks_seconds if 0 < m < budget_seconds)
         self.records: list[dict] = []
@@ -202,8 +267,10 @@ class EvalClockCallback(TrainerCallback):
     def _record(self, model, step: int) -> None:
         start = time.monotonic()
         accuracy = self.evaluate(model)
-        record = {"training_seconds": self.training_seconds, "step": step, "accuracy": accuracy,
-                  "eval_seconds": time.monotonic() - start}
+        record = {"training_seconds": self.training_seconds, "step": step, "accuracy": accuracy}
+        if self.entropy is not None:
+            record["token_entropy"] = self.entropy(model)
+        record["eval_seconds"] = time.monotonic() - start
         self.records.append(record)
         if _world()[0] == 0:
             print(f"[race] step {step}  training {self.training_seconds / 60:.2f} min  accuracy {accuracy:.3f}",
@@ -331,8 +398,13 @@ def run_worker(spec: dict) -> dict:
     model, tokenizer = load_model_and_tokenizer(race.model_name_or_path)  # fp32, pad = EOS if unset
     length = completion_length(race, recipe)
     evaluate = SplitAccuracy(tokenizer, rows, length, race.eval_batch_size)
+    entropy = None
+    if race.entropy_prompts:
+        held_out = splits["validation"]
+        entropy = HeldOutEntropy(tokenizer, [held_out[i] for i in range(min(race.entropy_prompts, len(held_out)))],
+                                 length)
     clock = EvalClockCallback(evaluate, 60.0 * budget, marks_seconds=[60.0 * m for m in marks],
-                              every_steps=race.eval_every_steps)
+                              every_steps=race.eval_every_steps, entropy=entropy)
     callbacks = [clock]
     schedule = race.es_schedule if method == "es" else race.grpo_schedule
     learning_rate = (race_es_kwargs(race, recipe, spec["output_dir"])["learning_rate"] if method == "es"
@@ -351,7 +423,7 @@ def run_worker(spec: dict) -> dict:
     trained = trainer.accelerator.unwrap_model(trainer.model)
     final = {f"accuracy_at_{race.final_max_new_tokens}_tokens": evaluate(trained, race.final_max_new_tokens)}
     if race.sampled_samples:
-        final["sampled_pass@1"] = evaluate(trained, temperature=1.0, samples=race.sampled_samples)
+        final.update(policy_figures(trained, tokenizer, rows, length, race.sampled_samples, race.sample_batch_size))
     if race.save_models:
         from trl_es.files import save_trainer_model
 
@@ -418,18 +490,24 @@ def summarize(race: RaceArguments, results: list[dict]) -> list[dict]:
                 if exact:
                     per_seed[seed] = exact[0]["curve"][-1]["accuracy"]
                     for key, value in exact[0].items():
-                        if key.startswith("accuracy_at_") or key == "sampled_pass@1":
+                        if key.startswith(("accuracy_at_", "sampled_pass@", "sampled_token_entropy")):
                             extra.setdefault(key, []).append(value)
                 elif mine:
                     per_seed[seed] = accuracy_at(max(mine, key=lambda r: r["budget_minutes"]), budget)
             if not per_seed:
                 continue
-            values = list(per_seed.values())
-            mean = sum(values) / len(values)
-            std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-            rows.append({"method": method, "budget_minutes": budget, "per_seed": per_seed, "mean": mean, "std": std,
-                         **{k: sum(v) / len(v) for k, v in extra.items()}})
+            mean, std = _mean_std(list(per_seed.values()))
+            row = {"method": method, "budget_minutes": budget, "per_seed": per_seed, "mean": mean, "std": std}
+            for key, values in extra.items():
+                row[key], row[f"{key}_std"] = _mean_std(values)
+            rows.append(row)
     return rows
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
 
 
 NAMES = {"es": "ES (ESTrainer)", "grpo": "GRPO (TRL GRPOTrainer)"}
@@ -437,13 +515,21 @@ NAMES = {"es": "ES (ESTrainer)", "grpo": "GRPO (TRL GRPOTrainer)"}
 
 def markdown_table(race: RaceArguments, rows: list[dict], start: float | None) -> str:
     seeds = ", ".join(str(s) for s in race.task_seeds)
+    sampled = sorted({k for r in rows for k in r if k.startswith("sampled_") and not k.endswith("_std")},
+                     key=lambda k: (not k.startswith("sampled_pass@"), int(k.split("@")[1]) if "@" in k else 0))
+    sampled = [k for k in sampled if k in ("sampled_pass@1", "sampled_token_entropy") or k == max(
+        (k for k in sampled if k.startswith("sampled_pass@")), key=lambda k: int(k.split("@")[1]), default=None)]
+    header = "| method | budget (min) | per task seed | mean | std |" + "".join(
+        f" {k.removeprefix('sampled_')} (mean +- std) |" for k in sampled)
     lines = [f"Greedy accuracy on the {race.split} split ({race.num_test_prompts if race.split == 'test' else race.num_validation_prompts}"
              f" prompts per task seed; task seeds {seeds}); start (untrained) {start:.3f} mean." if start is not None else "",
-             "", "| method | budget (min) | per task seed | mean | std |", "|---|---|---|---|---|"]
+             "" if not sampled else "Sampled figures at the end of each budget's run: T = 0.6, top-p 0.95, "
+             f"{race.sampled_samples} samples per prompt.", "", header, "|---" * (5 + len(sampled)) + "|"]
     for r in rows:
         per_seed = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
+        cells = "".join(f" {r[k]:.3f} +- {r.get(k + '_std', 0.0):.3f} |" if k in r else " - |" for k in sampled)
         lines.append(f"| {NAMES.get(r['method'], r['method'])} | {r['budget_minutes']:g} | {per_seed} | "
-                     f"{r['mean']:.3f} | {r['std']:.3f} |")
+                     f"{r['mean']:.3f} | {r['std']:.3f} |{cells}")
     return "\n".join(lines) + "\n"
 
 
@@ -454,7 +540,21 @@ def plot_curves(race: RaceArguments, results: list[dict], rows: list[dict], path
     import matplotlib.pyplot as plt
 
     colors = {"es": "tab:blue", "grpo": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    with_entropy = any("token_entropy" in p for r in results for p in r["curve"])
+    fig, axes = plt.subplots(1, 2 if with_entropy else 1, figsize=(13 if with_entropy else 7.5, 4.5), squeeze=False)
+    ax = axes[0][0]
+    if with_entropy:
+        right = axes[0][1]
+        for result in results:
+            points = [p for p in result["curve"] if "token_entropy" in p]
+            right.plot([p["training_seconds"] / 60.0 for p in points], [p["token_entropy"] for p in points], "o-",
+                       color=colors.get(result["method"]), alpha=0.5, lw=1, ms=3)
+        for method in race.methods:
+            right.plot([], [], "o-", color=colors.get(method), label=NAMES.get(method, method))
+        right.set_xlabel("training wall-clock minutes (evaluation time excluded)")
+        right.set_ylabel("token entropy at T = 1 (nats), held-out prompts")
+        right.grid(alpha=0.3)
+        right.legend(fontsize=8)
     for result in results:
         minutes = [p["training_seconds"] / 60.0 for p in result["curve"]]
         ax.plot(minutes, [p["accuracy"] for p in result["curve"]], "-", color=colors.get(result["method"]),

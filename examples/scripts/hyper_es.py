@@ -2,9 +2,10 @@
 """Hyper-ES on the arithmetic task: build a LoRA direction pool with GRPO, search its merge with CMA-ES, compare.
 
 Steps:
-  1. Disjoint arithmetic splits: pool training rows, a fitness split (what CMA-ES maximizes) and held-out prompts
-     (the test split of ``make_arithmetic_dataset_dict``: the same prompts as the main job's test split for the
-     same ``task_seed`` and ``n_eval``).
+  1. Disjoint arithmetic splits: pool training rows, a fitness split (what CMA-ES maximizes), optionally
+     ``n_validation`` validation rows (what ``final_genome: validation`` chooses the final genome on) and held-out
+     prompts (the test split of ``make_arithmetic_dataset_dict``: the same prompts as the main job's test split for
+     the same ``task_seed`` and ``n_eval``).
   2. ``build_direction_pool``: K LoRA adapters, each a few GRPO steps on one bucket of the pool rows
      (skipped when ``<pool_dir>/direction_pool.json`` exists and ``--reuse_pool`` is on).
   3. ``HyperESTrainer``: CMA-ES over the layer-wise DARE-TIES coefficients, fitness = mean reward on the fitness split.
@@ -54,6 +55,13 @@ class HyperESScriptArguments:
     )
     n_fitness: int = field(default=64, metadata={"help": "Rows of the fitness split CMA-ES maximizes on."})
     n_eval: int = field(default=200, metadata={"help": "Held-out rows for the comparison."})
+    n_validation: int = field(
+        default=0,
+        metadata={
+            "help": "Validation rows (disjoint from the others), the trainer's eval_dataset: what "
+            "final_genome='validation' chooses on (required then). 0 = none."
+        },
+    )
     low: int = field(default=1, metadata={"help": "Smallest operand."})
     high: int = field(default=50, metadata={"help": "Largest operand."})
     ops: list[str] = field(default_factory=lambda: ["+"], metadata={"help": "Operators, a subset of + - *."})
@@ -81,9 +89,12 @@ class HyperESScriptArguments:
 def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, tokenizer = load_model_and_tokenizer(script_args.model_name_or_path, dtype=script_args.dtype)
+    if training_args.final_genome == "validation" and script_args.n_validation < 1:
+        raise ValueError("final_genome='validation' needs validation rows: set n_validation (the test split is not "
+                         "for choosing).")
     splits = make_arithmetic_dataset_dict(
         script_args.n_pool + script_args.n_fitness,
-        0,
+        script_args.n_validation,
         script_args.n_eval,
         seed=script_args.task_seed,
         low=script_args.low,
@@ -130,22 +141,24 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         reward_funcs=arithmetic_reward,
         args=training_args,
         train_dataset=fitness_rows,
-        eval_dataset=held_out,
+        eval_dataset=splits["validation"] if script_args.n_validation else held_out,
         processing_class=tokenizer,
     )
-    results = {"base": trainer.evaluate(genome="base", metric_key_prefix="base")["base_reward"]}
+    results = {"base": trainer.evaluate(held_out, genome="base", metric_key_prefix="base")["base_reward"]}
     singles_fitness, singles_eval = [], []
     for k, name in enumerate(trainer.space.adapter_names):
         singles_fitness.append(
             trainer.evaluate(fitness_rows, genome=k, metric_key_prefix=f"fit_{name}")[f"fit_{name}_reward"]
         )
-        singles_eval.append(trainer.evaluate(genome=k, metric_key_prefix=name)[f"{name}_reward"])
+        singles_eval.append(trainer.evaluate(held_out, genome=k, metric_key_prefix=name)[f"{name}_reward"])
     best_k = max(range(len(singles_fitness)), key=singles_fitness.__getitem__)
     results["single_adapters"] = dict(zip(trainer.space.adapter_names, singles_eval, strict=True))
     results["best_single_adapter"] = {"name": trainer.space.adapter_names[best_k], "reward": singles_eval[best_k]}
-    results["uniform_merge"] = trainer.evaluate(genome="uniform", metric_key_prefix="uniform")["uniform_reward"]
+    results["uniform_merge"] = trainer.evaluate(held_out, genome="uniform", metric_key_prefix="uniform")[
+        "uniform_reward"
+    ]
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    results["hyper_es"] = trainer.evaluate(metric_key_prefix="hyper_es")["hyper_es_reward"]
+    results["hyper_es"] = trainer.evaluate(held_out, metric_key_prefix="hyper_es")["hyper_es_reward"]
     results["hyper_es_fitness"] = -train_output.training_loss
     results["settings"] = {
         "generations": trainer.search.generation,
@@ -153,6 +166,8 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         "coefficients": trainer.space.dim,
         "n_eval": len(held_out),
         "n_fitness": len(fitness_rows),
+        "n_validation": script_args.n_validation,
+        "final_genome": training_args.final_genome,
     }
     trainer.save_model(training_args.output_dir)  # every process; checks the files where it writes them
     if trainer.is_world_process_zero():

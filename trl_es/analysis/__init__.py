@@ -11,6 +11,7 @@ Each diagnostic lives in its own module; formulas and sources are in the docstri
 - :mod:`.entropy`: mean token entropy of sampled completions, recorded during generation.
 - :mod:`.fingerprint`: SHA-256 of a model's weights (equal means bitwise equal).
 - :mod:`.policy_eval`: :func:`evaluate_policy`, one policy's accuracy, pass@k, JS_succ, entropy, drift and KL.
+- :mod:`.protocol`: the papers' sampling protocol of Pass@K (T = 0.6, top-p 0.95, K up to 64).
 - :mod:`.report`: :func:`analyze`, all of the above into ``report.json`` and PNG plots.
 """
 
@@ -29,11 +30,15 @@ from .pass_at_k import (
     plot_pass_at_k_curves,
 )
 from .policy_eval import evaluate_policy, greedy_accuracy
+from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtocol
 from .report import analyze
 from .sparsity import functional_sparsity, reset_small_updates
 
 __all__ = [
+    "PAPER_PROTOCOL",
     "PASS_AT_K_METRIC_PATH",
+    "SamplingProtocol",
+    "UNIT_TEMPERATURE_PROTOCOL",
     "TokenEntropyRecorder",
     "analyze",
     "barrier",

@@ -84,6 +84,7 @@ def evaluate_policy(
     num_samples: int = 16,
     pass_k: Sequence[int] = (1, 2, 4, 8, 16),
     temperature: float = 1.0,
+    top_p: float = 1.0,
     base_model=None,
     off_task_prompts: Sequence | None = None,
     kl_max_new_tokens: int = 16,
@@ -100,7 +101,8 @@ def evaluate_policy(
     - ``accuracy_greedy``: :func:`greedy_accuracy` (greedy Pass@1).
     - ``pass@k`` for each ``k`` in ``pass_k``: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, Sec.
       2.1), :func:`trl_es.analysis.mean_pass_at_k`, from ``num_samples`` completions per prompt sampled at
-      ``temperature`` (no top-k / top-p truncation). ``pass@1`` is the sampled accuracy.
+      ``temperature`` with nucleus ``top_p`` (no top-k truncation; the papers' protocol is
+      :data:`trl_es.analysis.PAPER_PROTOCOL`). ``pass@1`` is the sampled accuracy.
     - ``js_succ``: :math:`\mathrm{JS}_{\text{succ}} = h(\bar p) - \frac{1}{P}\sum_j h(p_j)` in nats
       (:func:`trl_es.analysis.success_diversity`, arXiv 2608.27351) over the **prompts' success rates**
       :math:`p_j` (correct samples of prompt :math:`j` / ``num_samples``): the mutual information between which prompt
@@ -109,7 +111,7 @@ def evaluate_policy(
       are the prompts here: a single policy has no population, and its i.i.d. samples are exchangeable, so rates
       per sample slot would only measure noise.
     - ``token_entropy``: the mean entropy (nats) of the sampling distribution at every sampled completion token, up
-      to and including EOS (:class:`trl_es.analysis.entropy.TokenEntropyRecorder`).
+      to and including EOS (``softmax(logits / temperature)``, before the top-p cut) (:class:`trl_es.analysis.entropy.TokenEntropyRecorder`).
     - with ``base_model``: ``drift_l2``, ``drift_relative`` (:func:`trl_es.analysis.parameter_drift`); and with
       ``off_task_prompts`` too: ``off_task_kl`` (:func:`trl_es.analysis.off_task_kl`: completions sampled from the
       policy at temperature 1, ``kl_num_samples`` per prompt, ``kl_max_new_tokens`` tokens, seeded with ``seed``).
@@ -126,6 +128,7 @@ def evaluate_policy(
         num_samples (`int`): Sampled completions per prompt; 0 skips every sampled figure.
         pass_k (`Sequence[int]`): The ``k`` of ``pass@k``, each in ``[1, num_samples]``.
         temperature (`float`): Sampling temperature, ``> 0``.
+        top_p (`float`): Nucleus sampling threshold in ``(0, 1]`` (1: no truncation).
         base_model (`nn.Module`, *optional*): The model the policy was trained from (drift and KL reference).
         off_task_prompts (`Sequence`, *optional*): Prompts outside the task, for the KL.
         kl_max_new_tokens (`int`): New tokens per KL sample.
@@ -142,8 +145,8 @@ def evaluate_policy(
 
     Returns:
         `dict`: ``num_prompts``, ``accuracy_greedy``; with ``num_samples > 0`` also ``num_samples``,
-        ``temperature``, ``pass@k`` per ``k``, ``js_succ``, ``token_entropy``, ``correct_per_prompt`` (list of
-        ints); with ``base_model`` ``drift_l2``, ``drift_relative``, and with ``off_task_prompts`` ``off_task_kl``.
+        ``temperature``, ``top_p``, ``pass@k`` per ``k``, ``js_succ``, ``token_entropy``, ``token_entropy_tokens``
+        (the sampled tokens it is averaged over), ``correct_per_prompt`` (list of ints); with ``base_model`` ``drift_l2``, ``drift_relative``, and with ``off_task_prompts`` ``off_task_kl``.
 
     Raises:
         ValueError: if ``rows`` is empty, ``num_samples < 0``, a ``k`` is outside ``[1, num_samples]``, or
@@ -160,6 +163,8 @@ def evaluate_policy(
         raise ValueError(f"every pass_k value must be in [1, num_samples={num_samples}], got {list(pass_k)}.")
     if num_samples and not temperature > 0:
         raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     rows = list(rows)
     report = {"num_prompts": len(rows)}
     report["accuracy_greedy"] = greedy_accuracy(model, tokenizer, rows, reward_funcs, max_new_tokens, batch_size,
@@ -167,7 +172,7 @@ def evaluate_policy(
     if num_samples:
         scorer = _scorer(reward_funcs)
         engine = EagerEngine(share_prompt_prefix=True)
-        config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature)
+        config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
         recorder = TokenEntropyRecorder(temperature)
         correct, entropy_sum, entropy_tokens = [], 0.0, 0
         device = next(model.parameters()).device
@@ -186,11 +191,12 @@ def evaluate_policy(
                 entropy_sum += entropy["sum"]
                 entropy_tokens += entropy["num_tokens"]
                 bar.update(len(out["completions"]))
-        report.update(num_samples=num_samples, temperature=float(temperature))
+        report.update(num_samples=num_samples, temperature=float(temperature), top_p=float(top_p))
         for k in sorted(set(pass_k)):
             report[f"pass@{k}"] = mean_pass_at_k(num_samples, correct, k)
         report["js_succ"] = success_diversity([c / num_samples for c in correct])
         report["token_entropy"] = entropy_sum / entropy_tokens if entropy_tokens else math.nan
+        report["token_entropy_tokens"] = entropy_tokens
         report["correct_per_prompt"] = correct
     if base_model is not None:
         drift = parameter_drift(model, base_model, per_group=False)

@@ -108,7 +108,7 @@ class EvalArguments:
     sample_temperature: float | None = field(
         default=None,
         metadata={"help": "Temperature of the sampled completions. None: the run's/recipe's temperature when it is "
-                  "> 0, else 1.0."},
+                  "> 0, else 0.6 (the papers' protocol, trl_es.analysis.PAPER_PROTOCOL)."},
     )
     max_new_tokens: int | None = field(
         default=None,
@@ -116,7 +116,7 @@ class EvalArguments:
                   f"{DEFAULT_MAX_NEW_TOKENS}."},
     )
     top_p: float | None = field(
-        default=None, metadata={"help": "Nucleus sampling of the sampled completions. None: run/recipe, else 1.0."}
+        default=None, metadata={"help": "Nucleus sampling of the sampled completions. None: run/recipe, else 0.95 (the papers' protocol)."}
     )
     generation_kwargs: dict | str | None = field(
         default=None,
@@ -127,7 +127,12 @@ class EvalArguments:
         default=None,
         metadata={"help": "Extra apply_chat_template arguments (JSON). None: run/recipe, else none."},
     )
-    batch_size: int = field(default=32, metadata={"help": "Prompts per generate call."})
+    batch_size: int = field(default=32, metadata={"help": "Prompts per greedy generate call."})
+    sample_batch_size: int = field(
+        default=1,
+        metadata={"help": "Prompts per sampled generate call (x num_samples rows). 1 (default): the prompt's "
+                  "num_samples rows share it, and the engine computes it once (the cheaper choice on a CPU)."},
+    )
     output_file: str | None = field(default=None, metadata={"help": "Also write the metrics as JSON here."})
 
     def __post_init__(self):
@@ -143,6 +148,8 @@ class EvalArguments:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
+        if self.sample_batch_size < 1:
+            raise ValueError(f"sample_batch_size must be >= 1, got {self.sample_batch_size}.")
 
 
 @dataclass

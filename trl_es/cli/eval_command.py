@@ -10,6 +10,7 @@ import os
 
 from trl import ModelConfig
 
+from ..analysis.protocol import PAPER_PROTOCOL
 from ..arguments import TrlESParser
 from ..files import write_json
 from ..trainer.es_config import ESConfig
@@ -49,7 +50,9 @@ _EVAL_SETTING_SOURCES = {
     "generation_kwargs": "generation_kwargs",
     "chat_template_kwargs": "chat_template_kwargs",
 }
-_EVAL_DEFAULTS = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "sample_temperature": 1.0, "top_p": 1.0}
+#: Without a flag, recipe or run value: the papers' sampling protocol (T = 0.6, top-p 0.95; trl_es.analysis.protocol).
+_EVAL_DEFAULTS = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "sample_temperature": PAPER_PROTOCOL.temperature,
+                  "top_p": PAPER_PROTOCOL.top_p}
 _TASK_SETTINGS = ("task", "task_seed", "num_train_prompts", "num_validation_prompts", "num_eval_prompts",
                   "countdown_json")
 
@@ -135,8 +138,10 @@ def evaluate(argv: list[str]) -> dict:
     Grades exactly as training did unless told otherwise: the task, split sizes and generation settings come from
     the model's ``trl_es_run.json`` (see :func:`parse_eval_arguments` for the order of precedence). One split
     (``--split``, default test) is scored with greedy decoding (``accuracy_greedy``) and with ``num_samples`` (at
-    least 1) sampled completions per prompt at ``sample_temperature`` (``pass@1``, and ``pass@k`` for each
-    ``--pass_k``). A completion is correct when the task's answer reward (its last reward function) is above 0.5.
+    least 1) sampled completions per prompt at ``sample_temperature`` and ``top_p`` (``pass@1``, and ``pass@k`` for
+    each ``--pass_k``); without a flag, recipe or run value, the papers' protocol (T = 0.6, top-p 0.95,
+    :data:`trl_es.analysis.PAPER_PROTOCOL`). Generation uses training's eager engine with the shared prompt prefix
+    computed once; the sampled completions of one prompt come from one call (``--sample_batch_size`` prompts). A completion is correct when the task's answer reward (its last reward function) is above 0.5.
     Every reward function's mean is reported under its distinct name (``greedy_rewards/<name>/mean``,
     ``sampled_rewards/<name>/mean``).
 
@@ -156,6 +161,7 @@ def evaluate(argv: list[str]) -> dict:
     from tqdm.auto import tqdm
 
     from ..analysis import mean_pass_at_k
+    from ..generation import EagerEngine
     from ..rollout import RewardScorer, build_generation_config, score_model
 
     task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
@@ -178,27 +184,35 @@ def evaluate(argv: list[str]) -> dict:
     common = {"top_p": eval_args.top_p, "generation_kwargs": eval_args.generation_kwargs}
     greedy = build_generation_config(tokenizer, eval_args.max_new_tokens, 0.0, **common)
     sampled = build_generation_config(tokenizer, eval_args.max_new_tokens, eval_args.sample_temperature, **common)
+    engine = EagerEngine(share_prompt_prefix=True)  # training's engine: a shared prefix is computed once
     local = []  # per prompt: greedy rewards per function, sampled rewards per function (n rows), correct samples
     with state.split_between_processes(list(range(len(rows)))) as mine:
         torch.manual_seed(task_args.task_seed + state.process_index)
         bar = tqdm(total=len(mine) * (1 + num_samples), unit="completion", disable=not state.is_main_process,
                    desc=f"{eval_args.split}: greedy + {num_samples} sampled completions per prompt")
+        greedy_rows = []
         for first in range(0, len(mine), eval_args.batch_size):
             batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
-            out_greedy = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs)
-            out_sampled = score_model(
-                model, tokenizer, batch, scorer, sampled, num_samples, eval_args.chat_template_kwargs
-            )
-            bar.update(len(out_greedy["completions"]) + len(out_sampled["completions"]))
-            per_func = out_sampled["rewards_per_func"].view(len(batch), num_samples, -1)
+            out = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs,
+                              engine=engine)
+            greedy_rows.extend(out["rewards_per_func"].tolist())
+            bar.update(len(out["completions"]))
+        # Sampled: sample_batch_size prompts x num_samples rows per call; with one prompt, its num_samples rows share
+        # the whole prompt but its last token, which the engine computes once.
+        for first in range(0, len(mine), eval_args.sample_batch_size):
+            batch = [rows[i] for i in mine[first : first + eval_args.sample_batch_size]]
+            out = score_model(model, tokenizer, batch, scorer, sampled, num_samples, eval_args.chat_template_kwargs,
+                              engine=engine)
+            bar.update(len(out["completions"]))
+            per_func = out["rewards_per_func"].view(len(batch), num_samples, -1)
             for j in range(len(batch)):
-                local.append((out_greedy["rewards_per_func"][j].tolist(), per_func[j].tolist(),
-                               int((per_func[j, :, answer] > 0.5).sum())))
+                local.append((greedy_rows[first + j], per_func[j].tolist(),
+                              int((per_func[j, :, answer] > 0.5).sum())))
         bar.close()
     results = gather_object(local)
     metrics = {
         "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
-        "sample_temperature": eval_args.sample_temperature, "max_new_tokens": eval_args.max_new_tokens,
+        "sample_temperature": eval_args.sample_temperature, "top_p": eval_args.top_p, "max_new_tokens": eval_args.max_new_tokens,
         "accuracy_greedy": sum(g[answer] > 0.5 for g, _, _ in results) / len(results),
     }
     for k in sorted({1, *eval_args.pass_k}):

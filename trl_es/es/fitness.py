@@ -7,6 +7,13 @@ member travel, nothing else), and :attr:`PopulationScores.fitness` is then the f
 weighted reward over all of a member's completions (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1: ``R_n``), NaN
 for a member with an invalid (non-finite) reward or nothing scored (such a member is ranked worst by
 :func:`trl_es.es.shaping.shape_fitness`).
+
+With per-prompt shaping (``ESConfig.per_prompt_shaping``) the members also keep one reward sum and count per prompt:
+the fitness matrix ``R[i, p]`` (member ``i``'s mean reward on prompt ``p``, over its ``num_generations`` samples)
+travels instead of one number per member, and :meth:`PopulationScores.per_prompt_fitness` normalizes each prompt's
+column across the members before the mean over prompts (EGGROLL's members x prompts fitness, Sarkar et al. 2025,
+arXiv 2511.16652; GRPO's group baseline, Shao et al. 2024, arXiv 2402.03300, Eq. 3, turned sideways: the group is
+the population on one prompt).
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["MemberScores", "PopulationScores"]
+from .shaping import shape_fitness
+
+__all__ = ["PER_PROMPT_SHAPINGS", "MemberScores", "PopulationScores"]
+
+#: The values of ``ESConfig.per_prompt_shaping`` (see :meth:`PopulationScores.per_prompt_fitness`).
+PER_PROMPT_SHAPINGS = ("none", "center", "zscore", "centered_rank")
 
 
 @dataclass
@@ -35,6 +47,9 @@ class MemberScores:
         successes (`int`): Completions whose weighted reward is ``>= success_threshold``.
         seconds (`float`): Wall-clock seconds of the rollout (this process; not summed across processes).
         texts (`list[str]`): The completions.
+        prompt_reward_sum (`list[float]`, *optional*): Per prompt row (in order), the sum of its completions' weighted
+            rewards (``None`` skipped); only kept for per-prompt shaping.
+        prompt_reward_count (`list[int]`, *optional*): Per prompt row, its completions with a weighted reward.
     """
 
     reward_sum: float
@@ -47,9 +62,12 @@ class MemberScores:
     successes: int
     seconds: float = 0.0
     texts: list[str] | None = None
+    prompt_reward_sum: list[float] | None = None
+    prompt_reward_count: list[int] | None = None
 
     @classmethod
-    def from_rollout(cls, rollout: Mapping, success_threshold: float, seconds: float = 0.0) -> MemberScores:
+    def from_rollout(cls, rollout: Mapping, success_threshold: float, seconds: float = 0.0,
+                     num_generations: int | None = None) -> MemberScores:
         """Sum one member's rollout (the rows it owns).
 
         Args:
@@ -58,9 +76,22 @@ class MemberScores:
                 texts) and ``num_tokens`` (int), as :func:`trl_es.rollout.score_model` returns them.
             success_threshold (`float`): A completion succeeds when its weighted reward is at least this.
             seconds (`float`): The rollout's wall-clock seconds.
+            num_generations (`int`, *optional*): Completions per prompt row (consecutive, as
+                :func:`~trl_es.rollout.score_model` orders them): when given, the per-prompt sums are kept too.
+
+        Raises:
+            ValueError: if the completions do not split into rows of ``num_generations``.
         """
         rewards = rollout["rewards"].double()
         per_func = rollout["rewards_per_func"].double()
+        prompt_sum = prompt_count = None
+        if num_generations is not None:
+            if num_generations < 1 or rewards.numel() % num_generations:
+                raise ValueError(f"{rewards.numel()} completions do not split into prompt rows of "
+                                 f"num_generations={num_generations}.")
+            by_prompt = rewards.view(-1, num_generations)
+            prompt_sum = by_prompt.nansum(dim=1).tolist()
+            prompt_count = (~torch.isnan(by_prompt)).sum(dim=1).tolist()
         return cls(
             reward_sum=float(rewards.nansum()),
             reward_count=int((~torch.isnan(rewards)).sum()),
@@ -72,6 +103,8 @@ class MemberScores:
             successes=int((rewards >= success_threshold).sum()),  # NaN compares False
             seconds=float(seconds),
             texts=list(rollout["completions"]),
+            prompt_reward_sum=prompt_sum,
+            prompt_reward_count=prompt_count,
         )
 
 
@@ -87,6 +120,9 @@ class PopulationScores:
     Attributes:
         reward_sum, reward_count, completions, tokens, invalid, successes (`torch.Tensor`): Shape ``(P,)``.
         per_func_sum, per_func_count (`torch.Tensor`): Shape ``(P, F)``.
+        prompt_sum, prompt_count (`torch.Tensor` or `None`): Shape ``(P, B)`` for the ``B`` prompts of the iteration
+            (all processes'): member ``i``'s weighted-reward sum and count on prompt ``p``. Kept only for per-prompt
+            shaping; ``None`` otherwise (then nothing per prompt travels).
     """
 
     reward_sum: torch.Tensor
@@ -97,48 +133,79 @@ class PopulationScores:
     per_func_count: torch.Tensor
     invalid: torch.Tensor
     successes: torch.Tensor
+    prompt_sum: torch.Tensor | None = None
+    prompt_count: torch.Tensor | None = None
 
     @classmethod
-    def collect(cls, scores: Mapping[int, MemberScores], population_size: int, num_funcs: int) -> PopulationScores:
+    def collect(cls, scores: Mapping[int, MemberScores], population_size: int, num_funcs: int,
+                num_prompts: int | None = None, prompt_offset: int = 0) -> PopulationScores:
         """The members this process scored (``{member index: MemberScores}``) in a population-sized table.
 
+        Args:
+            num_prompts (`int`, *optional*): The iteration's prompts over all processes: when given, the members'
+                per-prompt sums fill ``prompt_sum``/``prompt_count``, this process's prompts at columns
+                ``prompt_offset, prompt_offset + 1, ...`` (a sharded process scores its own share of the prompts).
+
         Raises:
-            ValueError: if a member's per-function lists do not have ``num_funcs`` entries.
+            ValueError: if a member's per-function lists do not have ``num_funcs`` entries, or its per-prompt lists
+                are missing or do not fit in ``num_prompts`` columns from ``prompt_offset``.
         """
         table = {name: torch.zeros((population_size, num_funcs) if per_func else (population_size,),
                                    dtype=torch.float64) for name, per_func in _SUMMED}
+        if num_prompts is not None:
+            table["prompt_sum"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
+            table["prompt_count"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
         for index, member in scores.items():
             for name, per_func in _SUMMED:
                 value = getattr(member, name)
                 if per_func and len(value) != num_funcs:
                     raise ValueError(f"member {index}: {name} has {len(value)} entries, expected {num_funcs}.")
                 table[name][index] = torch.tensor(value, dtype=torch.float64) if per_func else float(value)
+            if num_prompts is None:
+                continue
+            sums, counts = member.prompt_reward_sum, member.prompt_reward_count
+            if sums is None or counts is None or len(sums) != len(counts) or prompt_offset + len(sums) > num_prompts:
+                found = None if sums is None else len(sums)
+                raise ValueError(f"member {index}: per-prompt sums ({found} prompts) do not fit in {num_prompts} "
+                                 f"prompt columns from column {prompt_offset}.")
+            columns = slice(prompt_offset, prompt_offset + len(sums))
+            table["prompt_sum"][index, columns] = torch.tensor(sums, dtype=torch.float64)
+            table["prompt_count"][index, columns] = torch.tensor(counts, dtype=torch.float64)
         return cls(**table)
 
+    def _blocks(self) -> list[torch.Tensor]:
+        blocks = [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _SUMMED]
+        if self.prompt_sum is not None:
+            blocks += [self.prompt_sum, self.prompt_count]
+        return blocks
+
     def to_tensor(self) -> torch.Tensor:
-        """All fields as one ``(P, 6 + 2F)`` float64 tensor (the layout of :meth:`from_tensor`)."""
-        columns = [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _SUMMED]
-        return torch.cat(columns, dim=1)
+        """All fields as one ``(P, 6 + 2F [+ 2B])`` float64 tensor (the layout of :meth:`from_tensor`)."""
+        return torch.cat(self._blocks(), dim=1)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, num_funcs: int) -> PopulationScores:
-        """Inverse of :meth:`to_tensor`."""
+    def from_tensor(cls, tensor: torch.Tensor, num_funcs: int, num_prompts: int | None = None) -> PopulationScores:
+        """Inverse of :meth:`to_tensor` (``num_prompts``: ``B`` when the per-prompt columns are there)."""
         values, column = {}, 0
         for name, per_func in _SUMMED:
             width = num_funcs if per_func else 1
             block = tensor[:, column : column + width]
             values[name] = block if per_func else block[:, 0]
             column += width
+        if num_prompts is not None:
+            values["prompt_sum"] = tensor[:, column : column + num_prompts]
+            values["prompt_count"] = tensor[:, column + num_prompts : column + 2 * num_prompts]
         return cls(**values)
 
     def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> PopulationScores:
         """Sum every field over processes with ``reduce_sum`` (e.g. ``accelerator.reduce(t, "sum")``); one call."""
         num_funcs = self.per_func_sum.shape[1]
-        return PopulationScores.from_tensor(reduce_sum(self.to_tensor()), num_funcs)
+        num_prompts = None if self.prompt_sum is None else self.prompt_sum.shape[1]
+        return PopulationScores.from_tensor(reduce_sum(self.to_tensor()), num_funcs, num_prompts)
 
     def nbytes(self) -> int:
         """Bytes of the flat tensor :meth:`all_reduce` moves."""
-        return sum(getattr(self, f.name).numel() for f in fields(self)) * 8
+        return sum(block.numel() for block in self._blocks()) * 8
 
     @property
     def fitness(self) -> torch.Tensor:
@@ -147,6 +214,69 @@ class PopulationScores:
         valid = (self.reward_count > 0) & (self.invalid == 0)
         mean = self.reward_sum / self.reward_count.clamp(min=1)
         return torch.where(valid, mean, torch.full_like(mean, math.nan))
+
+    def fitness_matrix(self) -> torch.Tensor:
+        """``R[i, p]``: member ``i``'s mean weighted reward on prompt ``p`` (over its samples of that prompt); NaN where
+        it has none, and on the whole row of a member without a fitness (:attr:`fitness` NaN). Shape ``(P, B)``,
+        float64.
+
+        Raises:
+            ValueError: if the per-prompt sums were not collected.
+        """
+        if self.prompt_sum is None:
+            raise ValueError("no per-prompt sums: collect the scores with num_prompts (per_prompt_shaping != 'none').")
+        matrix = self.prompt_sum / self.prompt_count.clamp(min=1)
+        matrix = torch.where(self.prompt_count > 0, matrix, torch.full_like(matrix, math.nan))
+        return torch.where(torch.isnan(self.fitness)[:, None], torch.full_like(matrix, math.nan), matrix)
+
+    def per_prompt_fitness(self, method: str) -> torch.Tensor:
+        r"""Fitness with each prompt's column of the fitness matrix shaped across the members first.
+
+        For every prompt ``p``, over the members ``V_p`` with a value ``R[i, p]`` (:meth:`fitness_matrix`):
+
+        - ``"center"``: ``R[i, p] - mean_{j in V_p} R[j, p]`` (a per-prompt baseline, the population on prompt ``p``
+          as GRPO's group). When every member has every prompt (no ``None`` rewards) the member means shift by one
+          constant, so after ``zscore`` or ``centered_rank`` fitness shaping the update is that of ``"none"``: it
+          changes the update only where members miss prompts.
+        - ``"zscore"``: :func:`~trl_es.es.shaping.shape_fitness` ``"zscore"`` of the column,
+          ``(R[i, p] - mean) / std`` with ties merged and a column of equal values giving 0: every prompt that
+          separates the members weighs the same, whatever its reward scale, and a prompt all members solve (or
+          all fail) weighs nothing.
+        - ``"centered_rank"``: the column's centered ranks in ``[-0.5, 0.5]`` (Salimans et al. 2017, per prompt).
+        - ``"none"``: :attr:`fitness` (the mean over all of a member's completions).
+
+        The member's fitness is then the mean of its shaped cells over the prompts it has (``nanmean``); a member
+        without a fitness stays NaN (ranked worst by the fitness shaping that follows). Then ``fitness_shaping``
+        applies as usual.
+
+        Args:
+            method (`str`): One of :data:`PER_PROMPT_SHAPINGS`.
+
+        Returns:
+            `torch.Tensor`: Shape ``(P,)``, float64.
+
+        Raises:
+            ValueError: for an unknown ``method``, or (``method != "none"``) if the per-prompt sums were not collected.
+        """
+        if method not in PER_PROMPT_SHAPINGS:
+            raise ValueError(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got {method!r}.")
+        if method == "none":
+            return self.fitness
+        matrix = self.fitness_matrix()
+        shaped = torch.full_like(matrix, math.nan)
+        for p in range(matrix.shape[1]):
+            column = matrix[:, p]
+            have = ~torch.isnan(column)
+            if int(have.sum()) == 0:
+                continue
+            if method == "center":
+                shaped[have, p] = column[have] - column[have].mean()
+            elif int(have.sum()) == 1:
+                shaped[have, p] = 0.0  # one member alone on a prompt: nothing to compare it with
+            else:
+                shaped[have, p] = shape_fitness(column[have], method)
+        fitness = shaped.nanmean(dim=1)
+        return torch.where(torch.isnan(self.fitness), torch.full_like(fitness, math.nan), fitness)
 
     def reward_means_per_func(self) -> list[float | None]:
         """Per reward function, its mean over the whole population's completions (``None`` if it gave none)."""

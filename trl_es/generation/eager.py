@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from .base import GenerationEngine, model_device, tokenize_left_padded
+from .top_p import use_candidate_top_p
 
 SHAREABLE_ATTENTION = ("sdpa", "eager")
 
@@ -96,6 +97,7 @@ class EagerEngine(GenerationEngine):
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         self.last_shared_prefix = 0
+        generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
             encoded = processing_class(text=texts, add_special_tokens=False)["input_ids"]

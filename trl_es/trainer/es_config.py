@@ -9,6 +9,7 @@ from trl.trainer.base_config import _BaseConfig
 
 from ..arguments import DictValuedFields, check_finite_floats
 from ..es.anchor import ANCHOR_STORAGES
+from ..es.fitness import PER_PROMPT_SHAPINGS
 from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
 from ..es.population import POPULATION_BACKENDS
 from ..es.shaping import FITNESS_SHAPINGS
@@ -74,6 +75,11 @@ class ESConfig(_BaseConfig):
         fitness_shaping (`str`, *optional*, defaults to `'zscore'`):
             How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice),
             'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).
+        per_prompt_shaping (`str`, *optional*, defaults to `'none'`):
+            Shape each prompt's column of the members x prompts fitness matrix across the members before the mean
+            over prompts (EGGROLL, arXiv 2511.16652): 'none' (a member's fitness is its mean reward), 'center'
+            (minus the population's mean on that prompt), 'zscore' (each prompt that separates the members weighs
+            the same; one all members solve weighs nothing), 'centered_rank'. fitness_shaping applies after it.
         antithetic (`bool`, *optional*, defaults to `False`):
             Mirrored sampling: members come in pairs +eps/-eps sharing a seed (population_size must be even).
         prompt_batch_size (`int`, *optional*, defaults to `8`):
@@ -252,6 +258,17 @@ class ESConfig(_BaseConfig):
             "help": "How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice), "
             "'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).",
             "choices": list(FITNESS_SHAPINGS),
+        },
+    )
+    per_prompt_shaping: str = field(
+        default="none",
+        metadata={
+            "help": "Shape each prompt's column of the members x prompts fitness matrix across the members before "
+            "the mean over prompts (EGGROLL, arXiv 2511.16652): 'none' (a member's fitness is its mean reward), "
+            "'center' (minus the population's mean on that prompt), 'zscore' (each prompt that separates the "
+            "members weighs the same; one all members solve weighs nothing), 'centered_rank'. fitness_shaping "
+            "applies after it.",
+            "choices": list(PER_PROMPT_SHAPINGS),
         },
     )
     antithetic: bool = field(
@@ -496,6 +513,9 @@ class ESConfig(_BaseConfig):
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
         if self.fitness_shaping not in FITNESS_SHAPINGS:
             raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {self.fitness_shaping!r}.")
+        if self.per_prompt_shaping not in PER_PROMPT_SHAPINGS:
+            raise ValueError(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got "
+                             f"{self.per_prompt_shaping!r}.")
         if self.es_optimizer not in ES_OPTIMIZERS:
             raise ValueError(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
         if self.population_backend not in POPULATION_BACKENDS:

@@ -452,8 +452,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         start, forward_calls = time.perf_counter(), self._forward_calls
         member_scores = self._score_members(members, rows, step)
         evaluate_seconds = time.perf_counter() - start
-        scores = self._population_scores(member_scores)
-        coefficients = shape_fitness(scores.fitness, args.fitness_shaping).tolist()
+        scores = self._population_scores(member_scores, len(rows))
+        coefficients = shape_fitness(scores.per_prompt_fitness(args.per_prompt_shaping), args.fitness_shaping).tolist()
 
         start = time.perf_counter()
         learning_rate, shrink = self._es_step(members, coefficients, self._current_learning_rate())
@@ -485,6 +485,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             indices = member_indices(args.population_size, self.accelerator.process_index,
                                      self.accelerator.num_processes)
         model = self.accelerator.unwrap_model(self.model)
+        per_prompt = args.num_generations if args.per_prompt_shaping != "none" else None
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
         scores = {}
@@ -495,7 +496,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
-                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"])
+                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt)
         return scores
 
     def _seed_sampling(self, step: int, group: list[int]) -> None:
@@ -515,9 +516,15 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             offset = (self.accelerator.process_index << 20) * self.sharded
             torch.manual_seed(member_seed(self.args.seed + 1 + offset, step, int(group[0])))
 
-    def _population_scores(self, member_scores: dict[int, MemberScores]) -> PopulationScores:
-        """The members' scores in one population table, summed over processes (a few float64 per member travel)."""
-        scores = PopulationScores.collect(member_scores, self.args.population_size, len(self.reward_func_names))
+    def _population_scores(self, member_scores: dict[int, MemberScores], num_rows: int) -> PopulationScores:
+        """The members' scores in one population table, summed over processes (a few float64 per member travel; with
+        per-prompt shaping also a sum and a count per prompt: ``num_rows`` prompts here, a sharded process's share)."""
+        num_prompts, offset = None, 0
+        if self.args.per_prompt_shaping != "none":
+            shares = self.accelerator.num_processes if self.sharded else 1
+            num_prompts, offset = num_rows * shares, num_rows * self.accelerator.process_index * (shares > 1)
+        scores = PopulationScores.collect(member_scores, self.args.population_size, len(self.reward_func_names),
+                                          num_prompts, offset)
         if self.accelerator.num_processes > 1:
             device = self.accelerator.device
             scores = scores.all_reduce(lambda t: self.accelerator.reduce(t.to(device), reduction="sum").cpu())

@@ -1,7 +1,8 @@
 """Hyper-ES checkpoint files: what ``checkpoint-<generation>/`` holds, written and read back.
 
-A checkpoint folder holds ``hyper_es_state.pkl`` (the pickled :class:`~trl_es.es.cma_search.CMASearch`, its history
-and the shape of the genome space it was made for), ``best_genome.json`` (the best candidate so far, when there is
+A checkpoint folder holds ``hyper_es_state.pkl`` (the pickled :class:`~trl_es.es.cma_search.CMASearch` with its
+noise handler if any, its history, the position in the stream of fitness rows and the shape of the genome space it was
+made for), ``best_genome.json`` (the best candidate so far, when there is
 one) and ``trainer_state.json``. No model weights: the merge is rebuilt from a genome and the adapters. Every file is
 written atomically (:func:`trl_es.files.atomic_path`) and the search state last, so a folder that holds it is
 complete. Checkpoints are pickles: only load your own.
@@ -32,6 +33,7 @@ def save_search_checkpoint(
     space: GenomeSpace,
     trainer_state: TrainerState,
     best_genome: Genome | None = None,
+    rows_drawn: int | None = None,
 ) -> None:
     """Write a checkpoint of the search into ``folder`` (created if needed).
 
@@ -42,12 +44,14 @@ def save_search_checkpoint(
         space (`GenomeSpace`): The genome space; its size and adapter names are recorded to check a resume.
         trainer_state (`TrainerState`): Saved as ``trainer_state.json``.
         best_genome (`Genome`, *optional*): The best candidate so far, saved as ``best_genome.json``.
+        rows_drawn (`int`, *optional*): How many rows of the trainer's stream of fitness rows were used so far.
     """
     os.makedirs(folder, exist_ok=True)
     payload = {
-        "version": 1,
+        "version": 2,
         "search": search,
         "history": history,
+        "rows_drawn": rows_drawn,
         "space_dim": space.dim,
         "group_names": space.group_names,
         "adapter_names": space.adapter_names,
@@ -61,12 +65,15 @@ def save_search_checkpoint(
         pickle.dump(payload, f)
 
 
-def load_search_checkpoint(folder: str, space: GenomeSpace) -> tuple[CMASearch, list[dict], TrainerState | None]:
+def load_search_checkpoint(
+    folder: str, space: GenomeSpace
+) -> tuple[CMASearch, list[dict], TrainerState | None, int | None]:
     """Read back what :func:`save_search_checkpoint` wrote.
 
     Returns:
-        `(CMASearch, list[dict], TrainerState | None)`: The search, its history, and the Trainer state (`None` when
-        the folder has no ``trainer_state.json``).
+        `(CMASearch, list[dict], TrainerState | None, int | None)`: The search, its history, the Trainer state
+        (`None` when the folder has no ``trainer_state.json``) and ``rows_drawn`` (`None` in a version-1 checkpoint,
+        written before it was recorded).
 
     Raises:
         ValueError: If the checkpoint was made for another genome space (size or adapters).
@@ -80,4 +87,4 @@ def load_search_checkpoint(folder: str, space: GenomeSpace) -> tuple[CMASearch, 
         )
     state_file = os.path.join(folder, TRAINER_STATE_NAME)
     trainer_state = TrainerState.load_from_json(state_file) if os.path.exists(state_file) else None
-    return payload["search"], payload["history"], trainer_state
+    return payload["search"], payload["history"], trainer_state, payload.get("rows_drawn")

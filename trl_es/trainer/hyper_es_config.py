@@ -10,7 +10,7 @@ from ..arguments import check_finite_floats
 from ..merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
 from ..merging.genome import GRANULARITIES
 
-FINAL_GENOMES = ("rescored", "best", "mean")
+FINAL_GENOMES = ("rescored", "best", "mean", "validation")
 
 
 @dataclass
@@ -61,11 +61,28 @@ class HyperESConfig(_BaseConfig):
             draw (with ``prompt_batch_size`` smaller than the split, the single highest minibatch score over many
             candidates is mostly luck: a winner's curse). Costs ``rescore_top_k + 1`` scorings of the whole split,
             once. ``"best"``: the best candidate seen (pycma ``xbest``), as scored in its generation. ``"mean"``: the
-            final distribution mean (pycma ``xfavorite``), unscored. Every choice raises an error when no candidate
+            final distribution mean (pycma ``xfavorite``), unscored. ``"validation"``: the same finalists as
+            ``"rescored"`` are scored on the **validation** rows, the trainer's ``eval_dataset`` (TRL's convention:
+            HyperESTrainer has no separate validation split; fitness rows come from ``train_dataset``), and the one
+            with the highest validation score wins, so that the choice is not made on the rows the candidates were
+            selected with; ``eval_dataset`` is then required and must not be the split you report. Costs
+            ``rescore_top_k + 1`` scorings of ``eval_dataset``, once. Every choice raises an error when no candidate
             got a finite fitness (every reward ``None``).
         rescore_top_k (`int`, *optional*, defaults to `5`):
-            With ``final_genome="rescored"``: how many of the best candidates seen are re-scored (plus the CMA-ES
-            mean). Ours.
+            With ``final_genome="rescored"`` or ``"validation"``: how many of the best candidates seen are re-scored
+            (plus the CMA-ES mean). Ours.
+        noise_handling (`bool`, *optional*, defaults to `False`):
+            pycma's uncertainty handling (``cma.NoiseHandler``, Hansen et al. 2009): after each generation a few
+            candidates (pycma's ``2 + popsize / 20``, or ``noise_reevals``) are scored again on fresh fitness rows
+            (the next rows of the prompt stream); when their ranks change more than chance allows, sigma is raised
+            (by ``1 + 2 / (n + 10)``) and the number of prompt batches averaged per fitness grows up to
+            ``noise_max_evaluations``. Only useful when the fitness is noisy: ``prompt_batch_size`` smaller than the
+            split, or ``temperature > 0``. Ours (off: pycma's ``CMAEvolutionStrategy`` default).
+        noise_max_evaluations (`int`, *optional*, defaults to `1`):
+            With ``noise_handling``: the most prompt batches (``prompt_batch_size`` rows each) averaged per fitness.
+            ``1`` is pycma's ``NoiseHandler`` default (the handler then only raises sigma).
+        noise_reevals (`float` or `None`, *optional*, defaults to `None`):
+            With ``noise_handling``: candidates re-scored per generation; `None` is pycma's ``2 + popsize / 20``.
 
         > Parameters that control the genome and the merge
 
@@ -171,15 +188,38 @@ class HyperESConfig(_BaseConfig):
         metadata={
             "help": "Genome kept after training: 'rescored' (the rescore_top_k best candidates seen and the CMA "
             "mean, re-scored on the whole fitness split; the highest wins), 'best' (the best candidate seen, as "
-            "scored on its generation's prompts) or 'mean' (the CMA mean). Default 'rescored'.",
+            "scored on its generation's prompts), 'mean' (the CMA mean) or 'validation' (the same finalists as "
+            "'rescored', scored on eval_dataset, the validation rows; the highest wins). Default 'rescored'.",
             "choices": list(FINAL_GENOMES),
         },
     )
     rescore_top_k: int = field(
         default=5,
         metadata={
-            "help": "final_genome='rescored': number of best candidates seen that are re-scored on the whole "
-            "fitness split at the end, with the CMA mean. Default 5 (ours)."
+            "help": "final_genome='rescored' or 'validation': number of best candidates seen that are re-scored at "
+            "the end (on the whole fitness split, or on eval_dataset), with the CMA mean. Default 5 (ours)."
+        },
+    )
+    noise_handling: bool = field(
+        default=False,
+        metadata={
+            "help": "pycma's NoiseHandler (Hansen et al. 2009): re-score a few candidates per generation on fresh "
+            "fitness rows; if their ranks change, raise sigma and average more prompt batches per fitness (up to "
+            "noise_max_evaluations). Default False."
+        },
+    )
+    noise_max_evaluations: int = field(
+        default=1,
+        metadata={
+            "help": "noise_handling: the most prompt batches averaged per fitness. Default 1 (pycma's NoiseHandler "
+            "default: only sigma is raised)."
+        },
+    )
+    noise_reevals: float | None = field(
+        default=None,
+        metadata={
+            "help": "noise_handling: candidates re-scored per generation; None = pycma's 2 + popsize/20. "
+            "Default None."
         },
     )
 
@@ -265,6 +305,19 @@ class HyperESConfig(_BaseConfig):
             raise ValueError(f"final_genome must be one of {FINAL_GENOMES}, got {self.final_genome!r}.")
         if isinstance(self.rescore_top_k, bool) or not isinstance(self.rescore_top_k, int) or self.rescore_top_k < 1:
             raise ValueError(f"rescore_top_k must be an integer >= 1, got {self.rescore_top_k!r}.")
+        if not isinstance(self.noise_handling, bool):
+            raise ValueError(f"noise_handling must be True or False, got {self.noise_handling!r}.")
+        if (
+            isinstance(self.noise_max_evaluations, bool)
+            or not isinstance(self.noise_max_evaluations, int)
+            or self.noise_max_evaluations < 1
+        ):
+            raise ValueError(f"noise_max_evaluations must be an integer >= 1, got {self.noise_max_evaluations!r}.")
+        if self.noise_reevals is not None and not self.noise_reevals > 0:
+            raise ValueError(
+                f"noise_reevals must be > 0 or None (pycma's 2 + popsize/20), got {self.noise_reevals!r}; "
+                "to switch noise handling off, set noise_handling=False."
+            )
         if self.genome_granularity not in GRANULARITIES:
             raise ValueError(f"genome_granularity must be one of {GRANULARITIES}, got {self.genome_granularity!r}.")
         if self.sign_election not in SIGN_ELECTIONS:

@@ -32,6 +32,7 @@ from ..merging.genome import Genome, GenomeSpace
 from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from .hyper_es_checkpoint import GENOME_NAME, load_search_checkpoint, save_search_checkpoint
 from .hyper_es_config import HyperESConfig
+from .hyper_es_final import choose_final_genome
 from ..rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,11 @@ class HyperESTrainer(_BaseTrainer):
 
     Per generation: all candidates are scored on the *same* prompts; under ``torch.distributed`` each process scores
     the candidates ``member_indices(popsize, rank, world_size)`` and the fitnesses are all-reduced. Logged:
-    ``fitness/best``, ``fitness/mean``, ``fitness/std``, ``fitness/best_so_far``, ``cma/sigma`` and the best
-    candidate's mean weight per adapter. Checkpoints (``save_steps``) hold the pickled CMA-ES state; training
-    resumes from them exactly. After ``train``, the model holds the final merge; ``save_model`` writes it with
-    ``save_pretrained``, plus ``best_genome.json`` and optionally a rank-``export_lora_rank`` LoRA adapter.
+    ``fitness/best``, ``fitness/mean``, ``fitness/std``, ``fitness/best_so_far``, ``cma/sigma``, the best
+    candidate's mean weight per adapter and, with ``noise_handling``, ``noise/s`` (pycma's noise measure) and
+    ``noise/evaluations`` (prompt batches per fitness). Checkpoints (``save_steps``) hold the pickled CMA-ES state;
+    training resumes from them exactly. After ``train``, the model holds the final merge; ``save_model`` writes it
+    with ``save_pretrained``, plus ``best_genome.json`` and optionally a rank-``export_lora_rank`` LoRA adapter.
 
     Args:
         model (`str` or `PreTrainedModel`): The base model (or its path); its target weights are changed in place.
@@ -62,7 +64,9 @@ class HyperESTrainer(_BaseTrainer):
             not needed with ``fitness_fn``.
         args (`HyperESConfig`, *optional*): Configuration.
         train_dataset (`datasets.Dataset`): The fitness split (a ``prompt`` column, standard or conversational).
-        eval_dataset (`datasets.Dataset`, *optional*): Held-out prompts for [`evaluate`].
+        eval_dataset (`datasets.Dataset`, *optional*): Held-out prompts for [`evaluate`]; with
+            ``final_genome="validation"`` (then required) the validation rows the final genome is chosen on, so
+            pass the validation split here and the test split to ``evaluate(test_dataset)``.
         processing_class: The tokenizer (loaded from the model path when `None`).
         callbacks (`list[TrainerCallback]`, *optional*): Trainer callbacks.
         reward_processing_classes: Tokenizers of reward models.
@@ -104,6 +108,11 @@ class HyperESTrainer(_BaseTrainer):
                 raise ValueError("HyperESTrainer needs a train_dataset (the fitness split) to score merged models.")
             validate_dataset(train_dataset, "train_dataset")
         validate_dataset(eval_dataset, "eval_dataset")
+        if args.final_genome == "validation" and eval_dataset is None:
+            raise ValueError(
+                "final_genome='validation' chooses the final genome on the validation rows: pass them as "
+                "eval_dataset (rows not used for fitness, nor the split you report)."
+            )
         model.requires_grad_(False)
         delta_set = adapters if isinstance(adapters, LoraDeltaSet) else LoraDeltaSet.from_adapters(model, adapters)
         if processing_class is not None and processing_class.pad_token is None:
@@ -147,6 +156,7 @@ class HyperESTrainer(_BaseTrainer):
         self.search: CMASearch | None = None
         self.best_genome: Genome | None = None
         self.history: list[dict] = []
+        self.rows_drawn = 0  # position in the stream of fitness rows (fitness_rows), checkpointed
 
     # ---- The search ----
 
@@ -160,6 +170,8 @@ class HyperESTrainer(_BaseTrainer):
             seed=args.seed,
             options=args.cma_options,
             top_k=args.rescore_top_k,
+            noise_max_evaluations=args.noise_max_evaluations if args.noise_handling else None,
+            noise_reevals=args.noise_reevals,
         )
 
     def candidate_genome(self, x: np.ndarray, generation: int, index: int) -> Genome:
@@ -170,25 +182,34 @@ class HyperESTrainer(_BaseTrainer):
         return genome
 
     def fitness_rows(self, generation: int) -> list[dict]:
-        """The prompts of ``generation``, shared by all its candidates.
+        """The prompts of ``generation`` without noise handling, shared by all its candidates: the whole split with
+        ``prompt_batch_size=None`` (or at least the split's size), else rows ``generation * prompt_batch_size``
+        onwards of :meth:`stream_rows` (each row once per pass; depends only on ``(seed, generation)``)."""
+        size = self.args.prompt_batch_size
+        return self.stream_rows(generation * (size or 0), size)
 
-        With ``prompt_batch_size=None`` (or at least the split's size) the whole split; otherwise the next
-        ``prompt_batch_size`` rows of a stream of seeded permutations of the split (one per pass), so that every row is
-        used once per pass and the batch depends only on ``(seed, generation)`` (resume-safe).
-        """
+    def stream_rows(self, start: int, count: int | None) -> list[dict]:
+        """Rows ``start .. start + count`` of a stream of seeded permutations of the fitness split (one per pass);
+        the whole split when ``count`` is `None` or at least the split's size."""
         dataset = self.train_dataset
         if dataset is None:
             return []
-        n, size = len(dataset), self.args.prompt_batch_size
-        if size is None or size >= n:
+        n = len(dataset)
+        if count is None or count >= n:
             return [dataset[i] for i in range(n)]
-        start = generation * size
         indices = []
-        for pos in range(start, start + size):
+        for pos in range(start, start + count):
             epoch, offset = divmod(pos, n)
-            perm = np.random.default_rng([self.args.seed, epoch]).permutation(n)
-            indices.append(int(perm[offset]))
+            indices.append(int(np.random.default_rng([self.args.seed, epoch]).permutation(n)[offset]))
         return [dataset[i] for i in indices]
+
+    def draw_rows(self, batches: int) -> list[dict]:
+        """The next ``batches`` prompt batches of the stream (advances :attr:`rows_drawn`)."""
+        size = self.args.prompt_batch_size
+        count = None if size is None else size * batches
+        rows = self.stream_rows(self.rows_drawn, count)
+        self.rows_drawn += count or 0
+        return rows
 
     def _mean_reward(self, rows: list[dict], chunk: int) -> dict:
         chunk = max(1, chunk)
@@ -236,17 +257,20 @@ class HyperESTrainer(_BaseTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run CMA-ES for ``max_generations`` generations (or until pycma's termination criteria), then put the final
-        merge (``final_genome``) into the model.
+        merge (``final_genome``) into the model. With ``noise_handling`` each fitness averages
+        ``search.evaluations`` prompt batches, and after each generation pycma's noise handler re-scores a few
+        candidates on the next batches of the stream.
 
         Args:
             resume_from_checkpoint (`str` or `bool`, *optional*): A ``checkpoint-*`` folder, or `True` for the last one
                 in ``output_dir``: continues the CMA-ES exactly where it stopped.
 
         Returns:
-            `TrainOutput`: ``global_step`` (generations done), ``training_loss`` (the negated fitness of the final
-            genome: re-scored on the whole fitness split with ``final_genome="rescored"``; pycma minimizes negated
-            fitness) and metrics (``train_runtime``, ``train_fitness_best`` (best seen during the search),
-            ``train_fitness_final``, ``train_generations``).
+            `TrainOutput`: ``global_step`` (generations done), ``training_loss`` (the negated score the final genome
+            was chosen by: re-scored on the whole fitness split with ``final_genome="rescored"``, its validation
+            score with ``"validation"``; pycma minimizes negated fitness) and metrics (``train_runtime``,
+            ``train_fitness_best`` (best seen during the search), ``train_fitness_final`` (that score),
+            ``train_generations``).
 
         Raises:
             ValueError: If no candidate got a finite fitness (see ``final_genome``), or no checkpoint to resume from.
@@ -262,6 +286,7 @@ class HyperESTrainer(_BaseTrainer):
         else:
             self.search = self.new_search()
             self.history = []
+            self.rows_drawn = 0
             self.state.global_step = 0
         self.state.max_steps = args.max_generations
         self.state.logging_steps = args.logging_steps
@@ -284,7 +309,8 @@ class HyperESTrainer(_BaseTrainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             gen_start = time.time()
             xs = search.ask()
-            rows = self.fitness_rows(generation)
+            evaluations = search.evaluations  # prompt batches per fitness (> 1 only with noise handling)
+            rows = self.draw_rows(evaluations)
             genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
             raw = self.score_genomes(genomes, rows)
             scored = [math.isfinite(f) for f in raw]
@@ -293,7 +319,10 @@ class HyperESTrainer(_BaseTrainer):
                 logger.warning(
                     f"Generation {generation}: {scored.count(False)} candidate(s) had no reward; scored {min(fitness)}."
                 )
-            search.tell(xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=scored)
+            noisy = getattr(search, "noise_handler", None) is not None
+            reevaluate = self._reevaluator(xs, genomes, evaluations) if noisy else None
+            search.tell(xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=scored,
+                        reevaluate=reevaluate)
             self.state.global_step = search.generation
             self.state.epoch = None
             best = int(np.argmax(fitness))
@@ -304,6 +333,11 @@ class HyperESTrainer(_BaseTrainer):
                 "fitness/std": float(np.std(fitness)),
                 "fitness/best_so_far": float(search.best_fitness),
                 "cma/sigma": search.sigma,
+                **(
+                    {"noise/s": search.noise_s, "noise/evaluations": float(evaluations)}
+                    if noisy
+                    else {}
+                ),
                 "time/generation_s": time.time() - gen_start,
                 **{f"best/{k}": v for k, v in best_genome.summary().items()},
             }
@@ -317,7 +351,7 @@ class HyperESTrainer(_BaseTrainer):
             if self.control.should_training_stop:
                 break
 
-        self.best_genome, final_fitness, rescored = self._final_genome(search)
+        self.best_genome, final_fitness, rescored = choose_final_genome(self, search)
         self.best_genome.metadata = {
             "fitness": float(final_fitness),
             "best_fitness_seen": float(search.best_fitness),
@@ -325,7 +359,7 @@ class HyperESTrainer(_BaseTrainer):
             "final_genome": args.final_genome,
         }
         if rescored:
-            self.best_genome.metadata["rescored"] = rescored
+            self.best_genome.metadata["validation" if args.final_genome == "validation" else "rescored"] = rescored
         self.applier.apply(self.best_genome)
         runtime = time.time() - start_time
         metrics = {
@@ -338,55 +372,16 @@ class HyperESTrainer(_BaseTrainer):
         self.log(dict(metrics))
         return TrainOutput(self.state.global_step, -float(final_fitness), metrics)
 
-    def _final_genome(self, search: CMASearch) -> tuple[Genome, float, list[dict]]:
-        """The genome kept after training (``final_genome``), its fitness, and the re-scoring record.
+    def _reevaluator(self, xs: list[np.ndarray], genomes: list[Genome], evaluations: int):
+        """For pycma's noise handler: a candidate of this generation re-scored on the next ``evaluations`` prompt
+        batches of the stream (fresh rows, drawn now so that the stream does not depend on what is re-scored)."""
+        rows = self.draw_rows(evaluations)
 
-        ``"rescored"``: the best candidates seen (:attr:`CMASearch.top`) and the CMA-ES mean are scored on the whole
-        fitness split; the highest score wins (ties: the candidate with the higher search fitness, the mean last).
+        def reevaluate(x: np.ndarray) -> float:
+            i = next(j for j, candidate in enumerate(xs) if candidate is x)
+            return self.score_genomes([genomes[i]], rows)[0]
 
-        Returns:
-            `(Genome, float, list[dict])`: The genome; its fitness (the re-scored value with ``"rescored"``, the search
-            value with ``"best"``, the best fitness seen with ``"mean"``); one ``{"candidate", "generation",
-            "index", "search_fitness", "fitness"}`` record per re-scored genome (empty otherwise).
-
-        Raises:
-            ValueError: If candidates were scored but none got a finite fitness (every reward ``None``), or no
-                re-scored genome did.
-        """
-        mode = self.args.final_genome
-        num_told, num_finite = getattr(search, "num_told", 0), getattr(search, "num_finite", 0)
-        if num_told and not num_finite:
-            raise ValueError(
-                f"Hyper-ES: none of the {num_told} candidates scored in {search.generation} generation(s) got a "
-                "finite fitness (every reward function returned None / NaN for every completion), so there is no "
-                f"basis for final_genome={mode!r}. Check that the reward functions apply to this dataset (the "
-                "columns they read) and to these completions."
-            )
-        top = getattr(search, "top", [])
-        if mode == "best" and search.best_x is not None:
-            return self.candidate_genome(search.best_x, *search.best_tag), float(search.best_fitness), []
-        if mode != "rescored" or not top:
-            return self.space.decode(search.mean), float(search.best_fitness), []
-        genomes = [self.candidate_genome(x, *tag) for _, x, tag in top] + [self.space.decode(search.mean)]
-        dataset = self.train_dataset
-        rows = [dataset[i] for i in range(len(dataset))] if dataset is not None else []
-        scores = self.score_genomes(genomes, rows)
-        record = [
-            {"candidate": f"top{rank + 1}", "generation": int(tag[0]), "index": int(tag[1]),
-             "search_fitness": float(f), "fitness": float(s)}
-            for rank, ((f, _, tag), s) in enumerate(zip(top, scores[:-1], strict=True))
-        ]
-        record.append({"candidate": "mean", "generation": search.generation, "index": None,
-                       "search_fitness": None, "fitness": float(scores[-1])})
-        finite = [i for i, s in enumerate(scores) if math.isfinite(s)]
-        if not finite:
-            raise ValueError(
-                f"Hyper-ES: none of the {len(genomes)} genomes re-scored on the whole fitness split got a finite "
-                "fitness (every reward was None / NaN); no final genome can be chosen."
-            )
-        best = max(finite, key=lambda i: (scores[i], -i))  # first of the highest, in the order of `genomes`
-        logger.info(f"Re-scored {len(genomes)} genomes on the whole fitness split: {record}; kept {record[best]}.")
-        return genomes[best], float(scores[best]), record
+        return reevaluate
 
     @staticmethod
     def _due(every: float, step: int) -> bool:
@@ -400,12 +395,16 @@ class HyperESTrainer(_BaseTrainer):
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{search.generation}")
         if self.args.should_save:
             best = self.candidate_genome(search.best_x, *search.best_tag) if search.best_x is not None else None
-            save_search_checkpoint(folder, search, self.history, self.space, self.state, best_genome=best)
+            save_search_checkpoint(
+                folder, search, self.history, self.space, self.state, best_genome=best, rows_drawn=self.rows_drawn
+            )
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
         return folder
 
     def _load_checkpoint(self, folder: str) -> None:
-        self.search, self.history, state = load_search_checkpoint(folder, self.space)
+        self.search, self.history, state, rows_drawn = load_search_checkpoint(folder, self.space)
+        per_generation = self.args.prompt_batch_size or 0  # checkpoints from before the row cursor: one batch each
+        self.rows_drawn = rows_drawn if rows_drawn is not None else self.search.generation * per_generation
         if state is not None:
             self.state = state
         self.state.global_step = self.search.generation

@@ -1,0 +1,126 @@
+"""Sampled Pass@K evaluation vs training's own generation, completions per second, in one run (issue 22, item 5).
+
+Both on the embedded SmolLM2-135M-Instruct, arithmetic task, the main job's settings (``max_completion_length`` 12,
+fp32, the eager engine with the shared chat prefix computed once):
+
+- ``training``: one ES iteration's generation as ESTrainer runs it for the main job: the batched low-rank population
+  (``--population`` rank-1 members, antithetic) applied, one greedy ``generate`` over ``population x prompts`` rows
+  (:class:`trl_es.rollout.Rollout`, the trainer's call).
+- ``eval_sample_batch_<s>``: ``trl-es eval --sample_batch_size s``'s sampled path: per ``s`` prompts, one call of
+  ``s x num_samples`` rows at T = 0.6, top-p 0.95
+  (:data:`trl_es.analysis.PAPER_PROTOCOL`), scored with the task's rewards (:func:`trl_es.rollout.score_model` with
+  the same engine, as ``trl_es.cli.eval_command`` calls it).
+- ``eval_before``: the same completions the way ``trl-es eval`` made them before (plain engine, 32 prompts x
+  ``num_samples`` rows per call), on ``--before_prompts`` prompts.
+
+Each variant runs once untimed first; completions/s, the ratio eval / training, and a JSON file are printed.
+
+    python benchmarks/eval_speed.py --threads 2 --output_file runs/eval_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from trl import ModelConfig
+
+from trl_es.analysis import PAPER_PROTOCOL
+from trl_es.cli.arguments import TaskArguments
+from trl_es.cli.loading import load_model_and_tokenizer
+from trl_es.cli.splits import task_splits
+from trl_es.es.noise import make_noise_source
+from trl_es.es.perturbation import linear_weight_names
+from trl_es.es.population import BatchedLowRankPopulation
+from trl_es.es.update import Member, TrainedParameters
+from trl_es.files import write_json
+from trl_es.generation import EagerEngine
+from trl_es.rollout import RewardScorer, Rollout, build_generation_config, score_model
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--population", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=12, help="Prompts per training iteration.")
+    parser.add_argument("--eval_prompts", type=int, default=24)
+    parser.add_argument("--before_prompts", type=int, default=8)
+    parser.add_argument("--num_samples", type=int, default=16)
+    parser.add_argument("--sample_batch_sizes", type=int, nargs="+", default=[1, 4, 8],
+                        help="trl-es eval --sample_batch_size values to time (prompts per sampled call).")
+    parser.add_argument("--new_tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output_file", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(model_name_or_path="embedded:SmolLM2-135M-Instruct"))
+    model.eval()
+    task, splits = task_splits(TaskArguments(task="arithmetic"))
+    train_rows = [splits["train"][i] for i in range(args.prompts)]
+    eval_rows = [splits["validation"][i] for i in range(max(args.eval_prompts, args.before_prompts))]
+    scorer = RewardScorer(task.reward_funcs)
+    engine = EagerEngine(share_prompt_prefix=True)
+    greedy = build_generation_config(tokenizer, args.new_tokens)
+    sampled = build_generation_config(tokenizer, args.new_tokens, PAPER_PROTOCOL.temperature, PAPER_PROTOCOL.top_p)
+
+    backend = BatchedLowRankPopulation(noise_rank=1)
+    names = set(linear_weight_names(model))  # the low-rank backend's default selection, as ESTrainer takes it
+    params = TrainedParameters([(n, p) for n, p in model.named_parameters() if n in names])
+    noise = make_noise_source(kind="auto", lowrank=True)  # ESConfig noise_source="auto" with low-rank members
+    rollout = Rollout(tokenizer, scorer, greedy, 1, None, engine)
+    members = [Member(seed, sign) for seed in range(args.population // 2) for sign in (1, -1)]
+
+    def training():
+        with backend.apply(params, noise, members, 0.005, model):
+            out = rollout(model, train_rows * len(members), num_row_groups=len(members))
+        return len(out["completions"])
+
+    def evaluation(rows, sample_batch_size):
+        done = 0
+        for first in range(0, len(rows), sample_batch_size):
+            done += len(score_model(model, tokenizer, rows[first : first + sample_batch_size], scorer, sampled,
+                                    args.num_samples, engine=engine)["completions"])
+        return done
+
+    def before(rows):
+        done = 0
+        for first in range(0, len(rows), 32):
+            done += len(score_model(model, tokenizer, rows[first : first + 32], scorer, sampled, args.num_samples)
+                        ["completions"])
+        return done
+
+    variants = {"training": (training, training)}
+    for size in args.sample_batch_sizes:
+        variants[f"eval_sample_batch_{size}"] = (lambda size=size: evaluation(eval_rows[: args.eval_prompts], size),
+                                                 lambda size=size: evaluation(eval_rows[:size], size))
+    variants["eval_before"] = (lambda: before(eval_rows[: args.before_prompts]), lambda: before(eval_rows[:2]))
+    result = {"threads": torch.get_num_threads(), "settings": vars(args)}
+    with torch.no_grad():
+        for name, (_, warm_up) in variants.items():
+            print(f"warm-up: {name}", file=sys.stderr, flush=True)
+            warm_up()
+        for name, (fn, _) in variants.items():
+            print(f"timing: {name}", file=sys.stderr, flush=True)
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            completions = fn()
+            seconds = time.perf_counter() - start
+            result[name] = {"completions": completions, "seconds": seconds, "completions_per_s": completions / seconds}
+            print(f"{name}: {completions} completions in {seconds:.1f} s = {completions / seconds:.1f}/s",
+                  file=sys.stderr, flush=True)
+    for size in args.sample_batch_sizes:
+        rate = result[f"eval_sample_batch_{size}"]["completions_per_s"]
+        result[f"ratio_eval_sample_batch_{size}_over_training"] = rate / result["training"]["completions_per_s"]
+        result[f"ratio_eval_sample_batch_{size}_over_before"] = rate / result["eval_before"]["completions_per_s"]
+    result["protocol"] = {"temperature": PAPER_PROTOCOL.temperature, "top_p": PAPER_PROTOCOL.top_p}
+    print(json.dumps(result, indent=2))
+    if args.output_file:
+        write_json(args.output_file, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The sampling protocol of the ES-vs-GRPO papers' Pass@K evaluation, in one place.
+
+The ES-vs-GRPO papers (the dynamics paper, arXiv 2608.27351) score sampled completions at temperature 0.6 with
+nucleus sampling at top-p 0.95 and report Pass@K up to K = 64. ``trl-es eval`` takes its default sampling from :data:`PAPER_PROTOCOL`; the recipes and the race read
+the same object (and :data:`UNIT_TEMPERATURE_PROTOCOL` for the T = 1 figures beside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PAPER_PROTOCOL", "UNIT_TEMPERATURE_PROTOCOL", "SamplingProtocol"]
+
+
+@dataclass(frozen=True)
+class SamplingProtocol:
+    """How sampled completions are drawn and Pass@K is read from them.
+
+    Attributes:
+        temperature (`float`): Sampling temperature, ``> 0``.
+        top_p (`float`): Nucleus sampling threshold in ``(0, 1]`` (no top-k truncation).
+        num_samples (`int`): Completions sampled per prompt (``n`` of the unbiased estimator).
+        pass_k (`tuple[int, ...]`): The ``K`` of Pass@K, each in ``[1, num_samples]``.
+
+    Raises:
+        ValueError: naming the field, for a value outside its range.
+    """
+
+    temperature: float
+    top_p: float
+    num_samples: int
+    pass_k: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}.")
+        if not self.pass_k or any(not 1 <= k <= self.num_samples for k in self.pass_k):
+            raise ValueError(f"pass_k values must be in [1, num_samples={self.num_samples}], got {self.pass_k}.")
+
+    def with_samples(self, num_samples: int) -> SamplingProtocol:
+        """The same protocol with ``num_samples`` per prompt and the powers of two ``K <= num_samples``."""
+        ks = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= num_samples)
+        return SamplingProtocol(self.temperature, self.top_p, num_samples, ks)
+
+
+#: The papers' evaluation: T = 0.6, top-p 0.95, 64 samples per prompt, K in 1, 2, 4, ..., 64.
+PAPER_PROTOCOL = SamplingProtocol(temperature=0.6, top_p=0.95, num_samples=64, pass_k=(1, 2, 4, 8, 16, 32, 64))
+
+#: The same at T = 1, no truncation (the sampling distribution itself; the recipes' earlier figures).
+UNIT_TEMPERATURE_PROTOCOL = SamplingProtocol(temperature=1.0, top_p=1.0, num_samples=64,
+                                             pass_k=(1, 2, 4, 8, 16, 32, 64))

@@ -1,0 +1,95 @@
+"""The genome a Hyper-ES run keeps (``HyperESConfig.final_genome``): the answer of the search, chosen after it ends.
+
+Choosing the single best score among many noisy candidate scores is a winner's curse: the candidate that scored
+highest is, more often than not, one whose prompts happened to suit it. The choices here, besides ``"best"``:
+
+* ``"mean"``: the CMA-ES distribution mean, pycma's "favorite" solution (``result.xfavorite``; the mean of
+  Hansen 2016, "The CMA Evolution Strategy: A Tutorial"), a weighted average of the selected candidates, which
+  averages their luck out.
+* ``"rescored"``: finalists (the ``rescore_top_k`` best candidates seen and the mean) re-scored on the whole fitness
+  split; the highest wins.
+* ``"validation"``: the same finalists scored on the validation rows (the trainer's ``eval_dataset``); the highest
+  validation score wins, so that the choice is not made on the rows the candidates were selected with.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..es.cma_search import CMASearch
+from ..merging.genome import Genome
+
+__all__ = ["choose_final_genome", "finalists"]
+
+logger = logging.getLogger(__name__)
+
+
+def finalists(trainer, search: CMASearch) -> tuple[list[Genome], list[dict]]:
+    """The genomes ``"rescored"`` and ``"validation"`` choose among: the best candidates seen
+    (:attr:`CMASearch.top`, highest search fitness first) and the final CMA-ES mean, last.
+
+    Returns:
+        `(list[Genome], list[dict])`: The genomes and one ``{"candidate", "generation", "index", "search_fitness"}``
+        record per genome (``"top1"``, ... and ``"mean"``, whose search fitness is `None`).
+    """
+    top = getattr(search, "top", [])
+    genomes = [trainer.candidate_genome(x, *tag) for _, x, tag in top] + [trainer.space.decode(search.mean)]
+    record = [
+        {"candidate": f"top{rank + 1}", "generation": int(tag[0]), "index": int(tag[1]), "search_fitness": float(f)}
+        for rank, (f, _, tag) in enumerate(top)
+    ]
+    record.append({"candidate": "mean", "generation": search.generation, "index": None, "search_fitness": None})
+    return genomes, record
+
+
+def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list[dict]]:
+    """The genome kept after training (``trainer.args.final_genome``), its score, and the re-scoring record.
+
+    ``"rescored"`` / ``"validation"``: the :func:`finalists` are scored (``trainer.score_genomes``) on the whole
+    fitness split (``train_dataset``) / on the whole ``eval_dataset``; the highest score wins (ties: the candidate
+    with the higher search fitness, the mean last).
+
+    Returns:
+        `(Genome, float, list[dict])`: The genome; the score it was chosen by (the whole-split fitness with
+        ``"rescored"``, the validation score with ``"validation"``, the search value with ``"best"``, the best
+        fitness seen with ``"mean"``); the :func:`finalists` record with each genome's ``"fitness"`` (whole fitness
+        split) or ``"validation"`` score added (empty for ``"best"`` and ``"mean"``).
+
+    Raises:
+        ValueError: If candidates were scored but none got a finite fitness (every reward ``None``), or no
+            re-scored genome did, or ``"validation"`` without an ``eval_dataset``.
+    """
+    mode = trainer.args.final_genome
+    num_told, num_finite = getattr(search, "num_told", 0), getattr(search, "num_finite", 0)
+    if num_told and not num_finite:
+        raise ValueError(
+            f"Hyper-ES: none of the {num_told} candidates scored in {search.generation} generation(s) got a "
+            "finite fitness (every reward function returned None / NaN for every completion), so there is no "
+            f"basis for final_genome={mode!r}. Check that the reward functions apply to this dataset (the "
+            "columns they read) and to these completions."
+        )
+    if mode == "best" and search.best_x is not None:
+        return trainer.candidate_genome(search.best_x, *search.best_tag), float(search.best_fitness), []
+    if mode not in ("rescored", "validation") or not getattr(search, "top", []):
+        return trainer.space.decode(search.mean), float(search.best_fitness), []
+    if mode == "validation":
+        dataset, key, where = trainer.eval_dataset, "validation", "the validation rows (eval_dataset)"
+        if dataset is None:
+            raise ValueError("final_genome='validation' needs an eval_dataset (the validation rows).")
+    else:
+        dataset, key, where = trainer.train_dataset, "fitness", "the whole fitness split"
+    rows = [dataset[i] for i in range(len(dataset))] if dataset is not None else []
+    genomes, record = finalists(trainer, search)
+    scores = trainer.score_genomes(genomes, rows)
+    for item, score in zip(record, scores, strict=True):
+        item[key] = float(score)
+    finite = [i for i, s in enumerate(scores) if math.isfinite(s)]
+    if not finite:
+        raise ValueError(
+            f"Hyper-ES: none of the {len(genomes)} genomes re-scored on {where} got a finite score (every reward "
+            "was None / NaN); no final genome can be chosen."
+        )
+    best = max(finite, key=lambda i: (scores[i], -i))  # first of the highest, in the order of `genomes`
+    logger.info(f"Re-scored {len(genomes)} genomes on {where}: {record}; kept {record[best]}.")
+    return genomes[best], float(scores[best]), record
