@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from trl_es.analysis.protocol import PAPER_PROTOCOL
 from trl_es.files import is_main_process, require_files, write_json, write_text
 
 ARMS = ("base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft")
@@ -81,7 +82,10 @@ class ParallelRecipeArguments:
     # evaluation
     num_samples: int = field(default=8, metadata={"help": "Sampled completions per test prompt (Pass@K)."})
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={"help": "The K of Pass@K."})
-    sample_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the Pass@K samples."})
+    sample_temperature: float = field(default=PAPER_PROTOCOL.temperature, metadata={
+        "help": "Sampling temperature of the Pass@K samples (default: the papers' protocol, 0.6)."})
+    sample_top_p: float = field(default=PAPER_PROTOCOL.top_p, metadata={
+        "help": "Nucleus top-p of the Pass@K samples (default: the papers' protocol, 0.95)."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per greedy generate call."})
     sample_batch_size: int = field(default=1, metadata={"help": "Prompts per sampling generate call."})
     num_kl_prompts: int = field(default=32, metadata={"help": "Off-task (Countdown) prompts for the KL."})
@@ -231,6 +235,7 @@ def evaluate_arm(spec: dict) -> dict:
     report = evaluate_policy(
         model, tokenizer, [test[i] for i in range(len(test))], task_reward_funcs(), args.max_completion_length,
         num_samples=args.num_samples, pass_k=args.pass_k, temperature=args.sample_temperature,
+        top_p=args.sample_top_p,
         base_model=None if is_base else base, off_task_prompts=prompts, kl_max_new_tokens=args.kl_max_new_tokens,
         batch_size=args.eval_batch_size, sample_batch_size=args.sample_batch_size, seed=args.seed,
     )

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from trl_es.analysis.protocol import PAPER_PROTOCOL
 from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.cli import es_config_kwargs, load_recipe
 from trl_es.files import is_main_process, write_json, write_text
@@ -110,7 +111,10 @@ class SequentialArguments:
     # evaluation
     num_samples: int = field(default=16, metadata={"help": "Sampled completions per test prompt (Pass@K)."})
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16], metadata={"help": "The K of Pass@K."})
-    sample_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the Pass@K samples."})
+    sample_temperature: float = field(default=PAPER_PROTOCOL.temperature, metadata={
+        "help": "Sampling temperature of the Pass@K samples (default: the papers' protocol, 0.6)."})
+    sample_top_p: float = field(default=PAPER_PROTOCOL.top_p, metadata={
+        "help": "Nucleus top-p of the Pass@K samples (default: the papers' protocol, 0.95)."})
     eval_max_new_tokens: int | None = field(default=None, metadata={
         "help": "New tokens per evaluated completion (default: the ES recipe's max_completion_length)."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per greedy generate call."})
@@ -270,6 +274,7 @@ def evaluate_arm(spec: dict) -> dict:
     report = evaluate_policy(
         model, tokenizer, [test[i] for i in range(len(test))], task_reward_funcs(), completion_length(args),
         num_samples=args.num_samples, pass_k=args.pass_k, temperature=args.sample_temperature,
+        top_p=args.sample_top_p,
         base_model=None if is_base else base, off_task_prompts=off_task_prompts(args.num_kl_prompts),
         kl_max_new_tokens=args.kl_max_new_tokens, batch_size=args.eval_batch_size,
         sample_batch_size=args.sample_batch_size, seed=args.seed,
