@@ -643,16 +643,17 @@ def test_rescored_final_genome_is_not_a_lucky_minibatch(tiny_llama, delta_set, t
                                                    "rescored")
     output = trainer.train()
     assert HyperESConfig(output_dir=str(tmp_path), report_to="none").final_genome == "rescored"  # the default
-    # 6 generations x 6 candidates on minibatches of 2, then 3 + 1 genomes re-scored on the whole split of 6.
-    assert calls == [2] * 36 + [6] * 4
+    # 6 generations x 6 candidates on minibatches of 2, then 3 + 1 + 1 genomes re-scored on the whole split of 6.
+    assert calls == [2] * 36 + [6] * 5
     record = trainer.best_genome.metadata["rescored"]
-    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean"]
+    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean", "start"]
     assert all(r["search_fitness"] > 90 for r in record[:3])  # the top of the search: all lucky minibatches
     genomes = [trainer.candidate_genome(x, *tag) for _, x, tag in trainer.search.top]
     genomes.append(trainer.space.decode(trainer.search.mean))
+    genomes.append(trainer.space.uniform(trainer.args.initial_weight))  # the search's start
     for r, genome in zip(record, genomes, strict=True):
         assert r["fitness"] == pytest.approx(true_of(genome), abs=1e-12)  # no luck on the whole split
-    kept = max(range(4), key=lambda i: record[i]["fitness"])
+    kept = max(range(5), key=lambda i: record[i]["fitness"])
     assert np.array_equal(trainer.best_genome.weights, genomes[kept].weights)
     assert trainer.best_genome.metadata["fitness"] == record[kept]["fitness"] == -output.training_loss
     assert output.metrics["train_fitness_final"] == record[kept]["fitness"]
@@ -778,15 +779,15 @@ def test_validation_final_genome_picks_the_best_validation_score(tiny_llama, del
 
     trainer.score_current_model = score_current_model
     output = trainer.train()
-    # 4 generations x 6 candidates on the whole fitness split, then 3 + 1 finalists on the 3 validation rows.
-    assert calls == [("fitness", 6)] * 24 + [("validation", 3)] * 4
+    # 4 generations x 6 candidates on the whole fitness split, then 3 + 1 + 1 finalists on the 3 validation rows.
+    assert calls == [("fitness", 6)] * 24 + [("validation", 3)] * 5
     record = trainer.best_genome.metadata["validation"]
-    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean"]
+    assert [r["candidate"] for r in record] == ["top1", "top2", "top3", "mean", "start"]
     genomes, _ = finalists(trainer, trainer.search)
     for r, genome in zip(record, genomes, strict=True):
         with trainer.applier.applied(genome):
             assert r["validation"] == pytest.approx(-fitness(trainer.model, genome), abs=1e-12)
-    kept = max(range(4), key=lambda i: record[i]["validation"])
+    kept = max(range(5), key=lambda i: record[i]["validation"])
     assert kept != 0 and record[kept]["validation"] > record[0]["validation"]  # not the best fitness ("top1")
     assert record[0]["search_fitness"] > record[1]["search_fitness"]
     assert np.array_equal(trainer.best_genome.weights, genomes[kept].weights)
@@ -841,7 +842,7 @@ def test_noise_handling_rescores_on_fresh_rows_and_resumes(tokenizer, delta_set,
             i, reevaluated = i + 1, reevaluated + 1
         assert reevaluated in (2, 3)  # pycma's 2 + 8/20 re-evaluations
         position += 4 * k
-    assert i == len(calls) - 6  # then the 5 best and the mean re-scored on the whole split ("rescored")
+    assert i == len(calls) - 7  # then the 5 best, the mean and the start re-scored on the whole split ("rescored")
     assert full.rows_drawn == position
 
     interrupted, _ = _noisy_rows_trainer(tokenizer, delta_set, prompts, tmp_path / "resumed", **kw)

@@ -27,11 +27,13 @@ logger = logging.getLogger(__name__)
 
 def finalists(trainer, search: CMASearch) -> tuple[list[Genome], list[dict]]:
     """The genomes ``"rescored"`` and ``"validation"`` choose among: the best candidates seen
-    (:attr:`CMASearch.top`, highest search fitness first) and the final CMA-ES mean, last.
+    (:attr:`CMASearch.top`, highest search fitness first), the final CMA-ES mean, and the search's starting point
+    (the uniform merge, all weights ``initial_weight``), last: a search that finds nothing better on the choosing
+    rows returns its start instead of a lucky candidate.
 
     Returns:
         `(list[Genome], list[dict])`: The genomes and one ``{"candidate", "generation", "index", "search_fitness"}``
-        record per genome (``"top1"``, ... and ``"mean"``, whose search fitness is `None`).
+        record per genome (``"top1"``, ..., ``"mean"`` and ``"start"``, whose search fitness is `None`).
     """
     top = getattr(search, "top", [])
     genomes = [trainer.candidate_genome(x, *tag) for _, x, tag in top] + [trainer.space.decode(search.mean)]
@@ -40,6 +42,8 @@ def finalists(trainer, search: CMASearch) -> tuple[list[Genome], list[dict]]:
         for rank, (f, _, tag) in enumerate(top)
     ]
     record.append({"candidate": "mean", "generation": search.generation, "index": None, "search_fitness": None})
+    genomes.append(trainer.space.uniform(trainer.args.initial_weight))
+    record.append({"candidate": "start", "generation": 0, "index": None, "search_fitness": None})
     return genomes, record
 
 
@@ -48,7 +52,7 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
 
     ``"rescored"`` / ``"validation"``: the :func:`finalists` are scored (``trainer.score_genomes``) on the whole
     fitness split (``train_dataset``) / on the whole ``eval_dataset``; the highest score wins (ties: the candidate
-    with the higher search fitness, the mean last).
+    with the higher search fitness, then the mean, then the start).
 
     Returns:
         `(Genome, float, list[dict])`: The genome; the score it was chosen by (the whole-split fitness with
