@@ -131,6 +131,6 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
         assert 0.0 <= run["sampled_pass@1"] <= run["sampled_pass@2"] <= 1.0
         assert run["sample_temperature"] == 0.6 and run["sample_top_p"] == 0.95 and run["sampled_token_entropy"] > 0
         assert all(p["token_entropy"] > 0 for p in run["curve"])  # recorded at every evaluation
-    assert (out / "accuracy_vs_time.png").stat().st_size > 0
+    assert (out / "accuracy_vs_time.png").stat().st_size > 0 and (out / "pass_at_k.png").stat().st_size > 0
     assert "| method | budget (min) | per task seed | mean | std |" in (out / "results.md").read_text()
     assert saved["table"] == json.loads(json.dumps(results["table"]))

@@ -579,6 +579,20 @@ def plot_curves(race: RaceArguments, results: list[dict], rows: list[dict], path
     plt.close(fig)
 
 
+def plot_pass_at_k(race: RaceArguments, rows: list[dict], path: str) -> None:
+    """Pass@K against K at the papers' protocol, mean over task seeds, one curve per method and budget (nothing
+    is written without sampled figures)."""
+    from trl_es.analysis import PAPER_PROTOCOL, plot_pass_at_k_curves
+
+    ks = sorted({int(k.split("@")[1]) for r in rows for k in r if k.startswith("sampled_pass@") and "_std" not in k})
+    curves = {f"{NAMES.get(r['method'], r['method'])}, {r['budget_minutes']:g} min": [r[f"sampled_pass@{k}"] for k in ks]
+              for r in rows if all(f"sampled_pass@{k}" in r for k in ks)}
+    if ks and curves:
+        plot_pass_at_k_curves(curves, ks, path, temperature=PAPER_PROTOCOL.temperature, split=f"{race.split} split",
+                              title=f"Pass@K, T = {PAPER_PROTOCOL.temperature:g}, top-p {PAPER_PROTOCOL.top_p:g}, "
+                              f"mean over task seeds {', '.join(map(str, race.task_seeds))}")
+
+
 def parse_args(argv: list[str] | None = None) -> RaceArguments:
     (race,) = HfArgumentParser(RaceArguments).parse_args_into_dataclasses(
         args=list(sys.argv[1:] if argv is None else argv)
@@ -614,6 +628,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(os.path.join(race.output_dir, "results.json"), output)
         write_text(os.path.join(race.output_dir, "results.md"), table)
         plot_curves(race, results, rows, os.path.join(race.output_dir, "accuracy_vs_time.png"))
+        plot_pass_at_k(race, rows, os.path.join(race.output_dir, "pass_at_k.png"))
         print(table)
     return output
 
