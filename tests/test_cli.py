@@ -73,7 +73,8 @@ def test_eval_takes_its_settings_from_the_run(trained_run, tmp_path):
         "task": ("arithmetic", "run"), "task_seed": (0, "run"), "num_train_prompts": (8, "run"),
         "num_validation_prompts": (4, "run"), "num_eval_prompts": (5, "run"), "countdown_json": (None, "run"),
         "max_new_tokens": (4, "run"), "sample_temperature": (0.6, "default"),  # greedy training: the papers' protocol
-        "top_p": (0.9, "run"), "generation_kwargs": ({"repetition_penalty": 1.1}, "run"),
+        "top_p": (0.95, "default"),  # the run's top_p never applied (greedy), so the protocol's
+        "generation_kwargs": ({"repetition_penalty": 1.1}, "run"),
         "chat_template_kwargs": (None, "default"),
     }
     assert (metrics["split"], metrics["num_prompts"], metrics["max_new_tokens"], metrics["num_samples"]) == (
@@ -90,7 +91,7 @@ def test_eval_takes_its_settings_from_the_run(trained_run, tmp_path):
     # A training recipe (ESConfig keys) is accepted by --config and wins over the run; unknown keys are an error.
     metrics = main_eval(["--config", str(recipe), "--model_name_or_path", str(out)])
     assert metrics["settings"]["max_new_tokens"] == {"value": 4, "source": "recipe"}
-    assert metrics["settings"]["top_p"] == {"value": 0.9, "source": "run"}
+    assert metrics["settings"]["top_p"] == {"value": 0.95, "source": "default"}
     assert metrics["settings"]["task"] == {"value": "arithmetic", "source": "recipe"}
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_completion_length: 3\nno_such_key: 1\n")
@@ -268,3 +269,16 @@ def test_task_arguments_validation():
 def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "trl_es.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "trl-es" in result.stdout and "train" in result.stdout
+
+
+def test_eval_samples_as_a_sampled_run_trained(tmp_path):
+    """A run trained with sampling: its temperature and top_p are the eval's; a greedy run's top_p is not."""
+    from trl_es.cli.eval_command import parse_eval_arguments
+
+    for temperature, expected in ((0.8, {"sample_temperature": (0.8, "run"), "top_p": (0.9, "run")}),
+                                  (0.0, {"sample_temperature": (0.6, "default"), "top_p": (0.95, "default")})):
+        run = tmp_path / f"t{temperature}"
+        run.mkdir()
+        (run / RUN_FILE).write_text(json.dumps({"task": "arithmetic", "temperature": temperature, "top_p": 0.9}))
+        *_, settings = parse_eval_arguments(["--model_name_or_path", str(run)])
+        assert {k: (settings[k]["value"], settings[k]["source"]) for k in expected} == expected

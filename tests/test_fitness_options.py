@@ -143,8 +143,9 @@ def prompts(n=6):
     return Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(n)]})
 
 
-def share_a(completions, **kwargs):
-    return [c.count("a") / max(1, len(c)) + 0.01 * len(c) for c in completions]
+def share_a(prompts, completions, **kwargs):
+    """Depends on the prompt too (its last digit), so completions grouped under the wrong prompt score differently."""
+    return [c.count("a") / max(1, len(c)) + 0.01 * len(c) + 0.1 * int(p[-1]) for p, c in zip(prompts, completions)]
 
 
 def snapshot(model):
@@ -163,14 +164,17 @@ def test_trainer_coefficients_are_the_per_prompt_zscore_of_the_sampled_rewards(t
     trainer = ESTrainer(build_llama(tokenizer), share_a, args=args, train_dataset=prompts(), processing_class=tokenizer)
     seen = []
     score_members = trainer._score_members
-    trainer._score_members = lambda *a, **k: seen.append(score_members(*a, **k)) or seen[-1]
+    trainer._score_members = lambda members, rows, step: seen.append((rows, score_members(members, rows, step))) \
+        or seen[-1][1]
     trainer.train()
-    (scores,) = seen
+    ((rows, scores),) = seen
+    prompts_of_texts = [row["prompt"] for row in rows for _ in range(2)]  # prompt-major, num_generations each
+    assert len(set(prompts_of_texts)) == 3
     by_hand = []
     for i in range(4):
         texts = scores[i].texts
         assert len(texts) == 3 * 2  # 3 prompts x num_generations
-        rewards = share_a(texts)
+        rewards = share_a(prompts_of_texts, texts)
         by_hand.append([(rewards[2 * p] + rewards[2 * p + 1]) / 2 for p in range(3)])
     matrix = torch.tensor(by_hand, dtype=torch.float64)
     assert torch.unique(matrix, dim=0).shape[0] > 1  # the members really differ
@@ -242,3 +246,31 @@ def test_batched_lowrank_rows_sample_as_the_materialized_members(tokenizer):
     _, other_seed = generate_completions(materialized(model, noise, members[0], sigma, rank), tokenizer, texts * 3, config)
     assert len({str(cut[0:2]), str(cut[2:4]), str(cut[4:6])}) == 3  # the members sample differently
     assert [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in other_seed][0:2] != cut[0:2]
+
+
+def test_sharded_trainer_fills_its_own_prompt_columns(tmp_path, tokenizer, monkeypatch):
+    """ZeRO-3 layout, seen from process 1 of 2: its 3 prompts are columns 3-5 of 6; unequal shares are refused."""
+    trainer = ESTrainer(build_llama(tokenizer), share_a, args=es_args(tmp_path, max_steps=1),
+                        train_dataset=prompts(), processing_class=tokenizer)
+
+    class TwoProcesses:
+        num_processes, process_index, device = 2, 1, torch.device("cpu")
+
+        def __init__(self, other_rows):
+            self.other_rows = other_rows
+
+        def gather(self, tensor):
+            return torch.cat([torch.tensor([self.other_rows]), tensor])
+
+        def reduce(self, tensor, reduction):
+            return tensor  # process 0's table adds only zeros to process 1's members here
+
+    monkeypatch.setattr(type(trainer), "sharded", property(lambda self: True))
+    members = {i: MemberScores.from_rollout(rollout(REWARDS[i]), 1.0, num_generations=2) for i in range(4)}
+    trainer.accelerator = TwoProcesses(3)
+    scores = trainer._population_scores(members, 3)
+    assert scores.prompt_sum.shape == (4, 6)
+    assert torch.equal(scores.fitness_matrix()[:, 3:], MATRIX) and torch.isnan(scores.fitness_matrix()[:, :3]).all()
+    trainer.accelerator = TwoProcesses(2)
+    with pytest.raises(ValueError, match="same number of prompts on every process; got \\[2, 3\\]"):
+        trainer._population_scores(members, 3)

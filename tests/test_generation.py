@@ -265,6 +265,20 @@ def test_sampling_with_top_p_gives_transformers_tokens(tokenizer):
     _, ids = generate_completions(model, tokenizer, prompts, config, engine=engine)
     assert engine.last_shared_prefix > 0 and len({str(i) for i in ids}) > 2  # really sampled
     assert ids == [row[: len(i)] for row, i in zip(reference, ids, strict=True)]
-    # with top-k set, the swap keeps out (transformers applies top-k before top-p)
+    # wherever transformers would do something else, the swap keeps out: top-k set (applied before top-p) or
+    # unset (transformers' default of 50), no explicit temperature, beams, a min-p in the model's own generation
+    # config, a sampling setting passed to generate
+    from transformers import GenerationConfig
+
     top_k = build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9, generation_kwargs={"top_k": 20})
     assert use_candidate_top_p(top_k, {})[0] is top_k
+    for unsure in (GenerationConfig(do_sample=True, top_p=0.9, temperature=0.6),
+                   GenerationConfig(do_sample=True, top_p=0.9, top_k=0),
+                   build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9, generation_kwargs={"num_beams": 2})):
+        assert use_candidate_top_p(unsure, {})[0] is unsure
+    assert use_candidate_top_p(config, {"temperature": 1.0})[0] is config
+    assert use_candidate_top_p(config, {"use_cache": False})[0] is not config  # not a sampling setting
+    model.generation_config.min_p = 0.1
+    assert use_candidate_top_p(config, {}, model=model)[0] is config
+    model.generation_config.min_p = None
+    assert use_candidate_top_p(config, {}, model=model)[0] is not config

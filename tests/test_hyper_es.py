@@ -866,3 +866,30 @@ def test_noise_and_validation_config_errors(tmp_path):
         _config(tmp_path, noise_handling="yes")
     args = HyperESConfig(output_dir=str(tmp_path), report_to="none")
     assert (args.noise_handling, args.noise_max_evaluations, args.noise_reevals) == (False, 1, None)
+
+
+def test_a_tie_with_the_start_keeps_the_start():
+    """'rescored': a candidate that only ties the uniform merge (the search's start) does not replace it."""
+    from types import SimpleNamespace
+
+    from trl_es.trainer.hyper_es_final import choose_final_genome
+
+    genomes = {"top1": "g-top1", "mean": "g-mean", "start": "g-start"}
+    search = SimpleNamespace(top=[(0.9, np.zeros(2), (3, 1))], mean=np.ones(2), generation=4, num_told=8,
+                             num_finite=8)
+    for scores, kept in (([0.5, 0.3, 0.5], "g-start"), ([0.6, 0.3, 0.5], "g-top1"), ([0.5, 0.7, 0.7], "g-start")):
+        trainer = SimpleNamespace(
+            args=SimpleNamespace(final_genome="rescored", initial_weight=0.5), train_dataset=[{"prompt": "x"}],
+            candidate_genome=lambda x, g, i: genomes["top1"],
+            space=SimpleNamespace(decode=lambda x: genomes["mean"], uniform=lambda w: genomes["start"]),
+            score_genomes=lambda gs, rows, scores=scores: list(scores))
+        genome, score, record = choose_final_genome(trainer, search)
+        assert genome == kept and score == max(scores), scores
+        assert [r["candidate"] for r in record] == ["top1", "mean", "start"]
+
+
+def test_validation_final_genome_refuses_a_fitness_fn(tiny_llama, delta_set, tokenizer, prompts, tmp_path):
+    args = _config(tmp_path, final_genome="validation")
+    with pytest.raises(ValueError, match="fitness_fn ignores rows"):
+        HyperESTrainer(tiny_llama, delta_set, fitness_fn=lambda model, genome: 0.0, args=args, train_dataset=prompts,
+                       eval_dataset=prompts, processing_class=tokenizer)

@@ -201,13 +201,15 @@ class HeldOutEntropy:
 
         rank, world = _world()
         mine = self.rows[rank::world]
-        config = build_generation_config(self.tokenizer, self.max_new_tokens, temperature=1.0)
-        recorder = TokenEntropyRecorder(1.0)
-        with torch.random.fork_rng():
-            torch.manual_seed(4321 + rank)
-            out = score_model(model, self.tokenizer, mine, self.scorer, config, self.samples, engine=self.engine,
-                              logits_processor=[recorder])
-        entropy = mean_completion_entropy(recorder, out["completion_ids"])
+        entropy = {"sum": 0.0, "num_tokens": 0}  # a process without rows adds nothing
+        if mine:
+            config = build_generation_config(self.tokenizer, self.max_new_tokens, temperature=1.0)
+            recorder = TokenEntropyRecorder(1.0)
+            with torch.random.fork_rng():
+                torch.manual_seed(4321 + rank)
+                out = score_model(model, self.tokenizer, mine, self.scorer, config, self.samples,
+                                  engine=self.engine, logits_processor=[recorder])
+            entropy = mean_completion_entropy(recorder, out["completion_ids"])
         total, tokens = _all_reduce([entropy["sum"], float(entropy["num_tokens"])])
         return total / tokens if tokens else math.nan
 
@@ -216,19 +218,24 @@ def policy_figures(model, tokenizer, rows: list[dict], max_new_tokens: int, num_
                    sample_batch_size: int) -> dict:
     """End of run, split over processes: Pass@K (K = 1, 2, 4, ... <= ``num_samples``) and the token entropy of the
     samples at the papers' protocol (:data:`trl_es.analysis.PAPER_PROTOCOL`), via
-    :func:`trl_es.analysis.evaluate_policy` (its greedy accuracy on a handful of prompts is not used here)."""
+    :func:`trl_es.analysis.evaluate_policy` (which also scores this process's share greedily again; unused here,
+    :class:`SplitAccuracy` gives the greedy figure). A process without rows adds nothing."""
     from trl_es.analysis import PAPER_PROTOCOL, evaluate_policy
     from trl_es.tasks.arithmetic import arithmetic_reward
 
     rank, world = _world()
     mine = rows[rank::world]
     protocol = PAPER_PROTOCOL.with_samples(num_samples)
-    report = evaluate_policy(model, tokenizer, mine, [arithmetic_reward], max_new_tokens, num_samples=num_samples,
-                             pass_k=protocol.pass_k, temperature=protocol.temperature, top_p=protocol.top_p,
-                             sample_batch_size=sample_batch_size, seed=1234 + rank, progress=rank == 0)
     keys = [f"pass@{k}" for k in protocol.pass_k]
-    sums = _all_reduce([report[k] * len(mine) for k in keys] + [float(len(mine)),
-                       report["token_entropy"] * report["token_entropy_tokens"], float(report["token_entropy_tokens"])])
+    local = [0.0] * (len(keys) + 3)
+    if mine:
+        report = evaluate_policy(model, tokenizer, mine, [arithmetic_reward], max_new_tokens, num_samples=num_samples,
+                                 pass_k=protocol.pass_k, temperature=protocol.temperature, top_p=protocol.top_p,
+                                 sample_batch_size=sample_batch_size, seed=1234 + rank, progress=rank == 0)
+        local = [report[k] * len(mine) for k in keys] + [
+            float(len(mine)), report["token_entropy"] * report["token_entropy_tokens"],
+            float(report["token_entropy_tokens"])]
+    sums = _all_reduce(local)
     prompts = sums[len(keys)]
     figures = {f"sampled_{k}": value / prompts for k, value in zip(keys, sums, strict=False)}
     figures["sampled_token_entropy"] = sums[-2] / sums[-1] if sums[-1] else math.nan
@@ -514,6 +521,8 @@ NAMES = {"es": "ES (ESTrainer)", "grpo": "GRPO (TRL GRPOTrainer)"}
 
 
 def markdown_table(race: RaceArguments, rows: list[dict], start: float | None) -> str:
+    from trl_es.analysis import PAPER_PROTOCOL
+
     seeds = ", ".join(str(s) for s in race.task_seeds)
     sampled = sorted({k for r in rows for k in r if k.startswith("sampled_") and not k.endswith("_std")},
                      key=lambda k: (not k.startswith("sampled_pass@"), int(k.split("@")[1]) if "@" in k else 0))
@@ -523,8 +532,9 @@ def markdown_table(race: RaceArguments, rows: list[dict], start: float | None) -
         f" {k.removeprefix('sampled_')} (mean +- std) |" for k in sampled)
     lines = [f"Greedy accuracy on the {race.split} split ({race.num_test_prompts if race.split == 'test' else race.num_validation_prompts}"
              f" prompts per task seed; task seeds {seeds}); start (untrained) {start:.3f} mean." if start is not None else "",
-             "" if not sampled else "Sampled figures at the end of each budget's run: T = 0.6, top-p 0.95, "
-             f"{race.sampled_samples} samples per prompt.", "", header, "|---" * (5 + len(sampled)) + "|"]
+             "" if not sampled else "Sampled figures at the end of each budget's run (runs of exactly that budget): "
+             f"T = {PAPER_PROTOCOL.temperature:g}, top-p {PAPER_PROTOCOL.top_p:g}, {race.sampled_samples} samples "
+             "per prompt.", "", header, "|---" * (5 + len(sampled)) + "|"]
     for r in rows:
         per_seed = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
         cells = "".join(f" {r[k]:.3f} +- {r.get(k + '_std', 0.0):.3f} |" if k in r else " - |" for k in sampled)

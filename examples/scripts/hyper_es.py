@@ -31,9 +31,11 @@ import os
 from dataclasses import dataclass, field
 
 from trl_es.arguments import TrlESParser
-from trl_es.files import write_json
+from trl_es.files import is_main_process, write_json
 from trl_es.merging import build_direction_pool
 from trl_es.merging.direction_pool import POOL_NAME
+
+POOL_ROWS_NAME = "pool_rows.json"  # beside direction_pool.json: the rows the pool was trained on
 from trl_es.models import load_model_and_tokenizer
 from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
 from trl_es.trainer.hyper_es_config import HyperESConfig
@@ -106,7 +108,20 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     fitness_rows = train.select(range(script_args.n_pool, len(train)))
 
     pool_dir = script_args.pool_dir or os.path.join(training_args.output_dir, "pool")
+    # The pool's training rows, recorded beside it: a reused pool must have been trained on exactly these (the split
+    # sizes shift the train rows, and a pool trained on what is now validation or fitness would leak into them).
+    pool_prompts = {"task_seed": script_args.task_seed, "prompts": [str(row["prompt"]) for row in pool_rows]}
+    rows_file = os.path.join(pool_dir, POOL_ROWS_NAME)
     if script_args.reuse_pool and os.path.exists(os.path.join(pool_dir, POOL_NAME)):
+        recorded = None
+        if os.path.exists(rows_file):
+            with open(rows_file) as f:
+                recorded = json.load(f)
+        if recorded != pool_prompts:
+            raise ValueError(f"The direction pool in {pool_dir} was trained on other rows than this run's pool rows "
+                             f"({'no ' + POOL_ROWS_NAME if recorded is None else 'they differ'}: task_seed, n_pool, "
+                             "n_fitness, n_validation, n_eval, low/high/ops select them). Use another pool_dir or "
+                             "--reuse_pool false.")
         with open(os.path.join(pool_dir, POOL_NAME)) as f:
             adapters = [a["adapter"] for a in json.load(f)["adapters"]]
         logger.info(f"Reusing the direction pool in {pool_dir}: {adapters}")
@@ -134,6 +149,8 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
             },
             seed=training_args.seed,
         )
+        if is_main_process():
+            write_json(rows_file, pool_prompts)
 
     trainer = HyperESTrainer(
         model,

@@ -9,7 +9,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/grpo_tune}
 BUDGET=${BUDGET:-4}
 LRS=${LRS:-"3e-6 1e-5 3e-5"}
-GENS=${GENS:-"4 16"}
+GENS=${GENS-"4 16"}  # GENS="" skips the num_generations sweep
 arm() {  # arm LR GENERATIONS
   local dir="$OUT/lr$1_g$2"
   [ -f "$dir/results.json" ] && return 0
@@ -17,11 +17,11 @@ arm() {  # arm LR GENERATIONS
     --budgets_minutes "$BUDGET" --grpo_learning_rate "$1" --grpo_num_generations "$2" --sampled_samples 8 \
     --output_dir "$dir"
 }
-best() {  # the arm folder with the best (greedy accuracy, sampled pass@1) at the end
-  $PY - "$OUT" <<'PYEOF'
+best() {  # best [GLOB]: the arm folder with the best (greedy accuracy, sampled pass@1) at the end
+  $PY - "$OUT" "${1:-lr*_g*}" <<'PYEOF'
 import json, pathlib, sys
 rows = []
-for path in sorted(pathlib.Path(sys.argv[1]).glob("lr*_g*/results.json")):
+for path in sorted(pathlib.Path(sys.argv[1]).glob(sys.argv[2] + "/results.json")):
     row = json.loads(path.read_text())["table"][-1]
     rows.append(((row["mean"], row.get("sampled_pass@1", 0.0)), path.parent.name))
     print(f"{path.parent.name}: greedy {row['mean']:.3f} sampled pass@1 {row.get('sampled_pass@1', float('nan')):.3f}",
@@ -30,7 +30,7 @@ print(max(rows)[1])
 PYEOF
 }
 for lr in $LRS; do arm "$lr" 8; done
-lr=$(best | sed -E 's/^lr(.*)_g[0-9]+$/\1/')
+lr=$(best "lr*_g8" | sed -E 's/^lr(.*)_g[0-9]+$/\1/')
 echo "best learning rate at num_generations 8: $lr" >&2
 for g in $GENS; do arm "$lr" "$g"; done
 echo "best arm: $(best)" >&2

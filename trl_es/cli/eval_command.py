@@ -120,8 +120,8 @@ def parse_eval_arguments(argv: list[str]):
             candidate = values.get(es_key)
             if source is not None or candidate is None:
                 continue
-            if name == "sample_temperature" and not candidate > 0:
-                continue  # trained with greedy decoding: sample at the default temperature
+            if name in ("sample_temperature", "top_p") and not values.get("temperature", 0) > 0:
+                continue  # trained with greedy decoding: sample with the default protocol (its top_p never applied)
             value, source = candidate, origin
         if source is None:
             value, source = _EVAL_DEFAULTS.get(name), "default"

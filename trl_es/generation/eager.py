@@ -97,7 +97,7 @@ class EagerEngine(GenerationEngine):
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         self.last_shared_prefix = 0
-        generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs)
+        generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
             encoded = processing_class(text=texts, add_special_tokens=False)["input_ids"]

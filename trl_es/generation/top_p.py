@@ -15,8 +15,9 @@ from transformers import GenerationConfig, LogitsProcessor, TopPLogitsWarper
 
 __all__ = ["CandidateTopPLogitsWarper", "use_candidate_top_p"]
 
-#: Warpers that run between temperature and top-p, or after it, in transformers' order: the swap keeps out of them.
-_OTHER_WARPERS = ("top_h", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+#: Generation settings that, passed to ``generate`` as keyword arguments, would override the config's sampling.
+_SAMPLING_KEYS = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
+                            "eta_cutoff", "top_h", "num_beams"})
 
 
 class CandidateTopPLogitsWarper(LogitsProcessor):
@@ -73,33 +74,49 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
         return out
 
 
-def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: dict,
-                        candidates: int = 256) -> tuple[GenerationConfig, dict]:
+def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: dict, candidates: int = 256,
+                        model=None) -> tuple[GenerationConfig, dict]:
     """Swap transformers' top-p for :class:`CandidateTopPLogitsWarper` where it gives the same tokens.
 
-    Applies when sampling with ``0 < top_p < 1``, no top-k and none of the warpers that transformers runs between
-    temperature and top-p or after it (``top_h``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``):
-    the config is copied with ``top_p=1.0`` and the warper is appended to ``logits_processor`` (after any custom
-    processor, e.g. an entropy recorder, which then still sees the untruncated scores). Otherwise both come back
-    unchanged.
+    Applies only when the settings are fully known and transformers would run temperature then top-p and nothing
+    that interacts with them: sampling (``do_sample``) without beams, ``0 < top_p < 1``, an explicit
+    ``temperature``, ``top_k == 0`` explicitly (an unset top-k becomes transformers' default of 50), none of the
+    warpers that transformers runs between temperature and top-p or after it (``top_h``, ``min_p``, ``typical_p``,
+    ``epsilon_cutoff``, ``eta_cutoff``) in the config or in ``model.generation_config`` (whose values fill the
+    unset ones), and no sampling setting passed as a keyword argument (it would override the config inside
+    ``generate``). The config is then copied with ``top_p=1.0`` and the warper is appended to ``logits_processor``
+    (after any custom processor, e.g. an entropy recorder, which then still sees the untruncated scores).
+    Otherwise both come back unchanged.
 
     Args:
         candidates (`int`): See :class:`CandidateTopPLogitsWarper`.
+        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
 
     Returns:
         `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
     """
-    top_p = generation_config.top_p
+    top_p, temperature = generation_config.top_p, generation_config.temperature
     if not generation_config.do_sample or top_p is None or not 0 < top_p < 1:
         return generation_config, generate_kwargs
-    if generation_config.top_k not in (None, 0) or any(
-        getattr(generation_config, name, None) not in (None, 0, 0.0, 1.0) for name in _OTHER_WARPERS
-    ) or generation_config.min_p is not None:
+    if temperature is None or not temperature > 0 or generation_config.top_k != 0:
+        return generation_config, generate_kwargs
+    if (generation_config.num_beams or 1) != 1 or _SAMPLING_KEYS & set(generate_kwargs):
+        return generation_config, generate_kwargs
+    configs = [generation_config, getattr(model, "generation_config", None)]
+    if any(_sets_other_warper(config) for config in configs if config is not None):
         return generation_config, generate_kwargs
     config = copy.deepcopy(generation_config)
     config.top_p = 1.0
     kwargs = dict(generate_kwargs)
     processors = list(kwargs.get("logits_processor") or [])
-    kwargs["logits_processor"] = [*processors, CandidateTopPLogitsWarper(top_p, generation_config.temperature or 1.0,
-                                                                          candidates)]
+    kwargs["logits_processor"] = [*processors, CandidateTopPLogitsWarper(top_p, temperature, candidates)]
     return config, kwargs
+
+
+def _sets_other_warper(config: GenerationConfig) -> bool:
+    """Whether ``config`` turns on a warper that transformers runs between temperature and top-p or after it."""
+    if getattr(config, "top_h", None) is not None or getattr(config, "min_p", None) is not None:
+        return True
+    typical = getattr(config, "typical_p", None)
+    cutoffs = (getattr(config, "epsilon_cutoff", None), getattr(config, "eta_cutoff", None))
+    return (typical is not None and typical < 1.0) or any(c is not None and 0 < c < 1 for c in cutoffs)

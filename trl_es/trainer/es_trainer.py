@@ -522,6 +522,13 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         num_prompts, offset = None, 0
         if self.args.per_prompt_shaping != "none":
             shares = self.accelerator.num_processes if self.sharded else 1
+            if shares > 1:  # each process fills its own prompts' columns: the shares must be equal
+                counts = self.accelerator.gather(torch.tensor([num_rows], device=self.accelerator.device)).tolist()
+                self._comm_bytes += 8 * len(counts)
+                if len(set(counts)) != 1:
+                    raise ValueError(f"per_prompt_shaping={self.args.per_prompt_shaping!r} under ZeRO-3 needs the "
+                                     f"same number of prompts on every process; got {counts} (an iterable dataset or "
+                                     "uneven batches). Use per_prompt_shaping='none' or a map-style dataset.")
             num_prompts, offset = num_rows * shares, num_rows * self.accelerator.process_index * (shares > 1)
         scores = PopulationScores.collect(member_scores, self.args.population_size, len(self.reward_func_names),
                                           num_prompts, offset)

@@ -56,17 +56,17 @@ class HyperESConfig(_BaseConfig):
             Extra pycma options, applied last (e.g. ``{"CMA_diagonal": True}``).
         final_genome (`str`, *optional*, defaults to `"rescored"`):
             The genome kept after training. ``"rescored"``: the ``rescore_top_k`` candidates with the highest fitness
-            seen during the search and the final CMA-ES mean are scored again on the **whole** fitness split, and the
-            highest of those scores wins; unlike ``"best"`` it is not biased by which prompts a generation happened to
+            seen during the search, the final CMA-ES mean and the search's start (the uniform merge) are scored again on
+            the **whole** fitness split, and the highest of those scores wins (a tie goes to the start); unlike ``"best"`` it is not biased by which prompts a generation happened to
             draw (with ``prompt_batch_size`` smaller than the split, the single highest minibatch score over many
-            candidates is mostly luck: a winner's curse). Costs ``rescore_top_k + 1`` scorings of the whole split,
+            candidates is mostly luck: a winner's curse). Costs ``rescore_top_k + 2`` scorings of the whole split,
             once. ``"best"``: the best candidate seen (pycma ``xbest``), as scored in its generation. ``"mean"``: the
             final distribution mean (pycma ``xfavorite``), unscored. ``"validation"``: the same finalists as
             ``"rescored"`` are scored on the **validation** rows, the trainer's ``eval_dataset`` (TRL's convention:
             HyperESTrainer has no separate validation split; fitness rows come from ``train_dataset``), and the one
             with the highest validation score wins, so that the choice is not made on the rows the candidates were
             selected with; ``eval_dataset`` is then required and must not be the split you report. Costs
-            ``rescore_top_k + 1`` scorings of ``eval_dataset``, once. Every choice raises an error when no candidate
+            ``rescore_top_k + 2`` scorings of ``eval_dataset``, once. Every choice raises an error when no candidate
             got a finite fitness (every reward ``None``).
         rescore_top_k (`int`, *optional*, defaults to `5`):
             With ``final_genome="rescored"`` or ``"validation"``: how many of the best candidates seen are re-scored
@@ -186,8 +186,8 @@ class HyperESConfig(_BaseConfig):
     final_genome: str = field(
         default="rescored",
         metadata={
-            "help": "Genome kept after training: 'rescored' (the rescore_top_k best candidates seen and the CMA "
-            "mean, re-scored on the whole fitness split; the highest wins), 'best' (the best candidate seen, as "
+            "help": "Genome kept after training: 'rescored' (the rescore_top_k best candidates seen, the CMA "
+            "mean and the start, re-scored on the whole fitness split; the highest wins, a tie goes to the start), 'best' (the best candidate seen, as "
             "scored on its generation's prompts), 'mean' (the CMA mean) or 'validation' (the same finalists as "
             "'rescored', scored on eval_dataset, the validation rows; the highest wins). Default 'rescored'.",
             "choices": list(FINAL_GENOMES),
@@ -197,7 +197,7 @@ class HyperESConfig(_BaseConfig):
         default=5,
         metadata={
             "help": "final_genome='rescored' or 'validation': number of best candidates seen that are re-scored at "
-            "the end (on the whole fitness split, or on eval_dataset), with the CMA mean. Default 5 (ours)."
+            "the end (on the whole fitness split, or on eval_dataset), with the CMA mean and the start. Default 5 (ours)."
         },
     )
     noise_handling: bool = field(

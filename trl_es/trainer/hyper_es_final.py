@@ -6,8 +6,9 @@ highest is, more often than not, one whose prompts happened to suit it. The choi
 * ``"mean"``: the CMA-ES distribution mean, pycma's "favorite" solution (``result.xfavorite``; the mean of
   Hansen 2016, "The CMA Evolution Strategy: A Tutorial"), a weighted average of the selected candidates, which
   averages their luck out.
-* ``"rescored"``: finalists (the ``rescore_top_k`` best candidates seen and the mean) re-scored on the whole fitness
-  split; the highest wins.
+* ``"rescored"``: finalists (the ``rescore_top_k`` best candidates seen, the mean and the search's start, the
+  uniform merge) re-scored on the whole fitness split; the highest wins, a tie goes to the start (a candidate must
+  beat where the search began).
 * ``"validation"``: the same finalists scored on the validation rows (the trainer's ``eval_dataset``); the highest
   validation score wins, so that the choice is not made on the rows the candidates were selected with.
 """
@@ -51,8 +52,8 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
     """The genome kept after training (``trainer.args.final_genome``), its score, and the re-scoring record.
 
     ``"rescored"`` / ``"validation"``: the :func:`finalists` are scored (``trainer.score_genomes``) on the whole
-    fitness split (``train_dataset``) / on the whole ``eval_dataset``; the highest score wins (ties: the candidate
-    with the higher search fitness, then the mean, then the start).
+    fitness split (``train_dataset``) / on the whole ``eval_dataset``; the highest score wins (ties: the start, then
+    the candidate with the higher search fitness, then the mean).
 
     Returns:
         `(Genome, float, list[dict])`: The genome; the score it was chosen by (the whole-split fitness with
@@ -94,6 +95,7 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
             f"Hyper-ES: none of the {len(genomes)} genomes re-scored on {where} got a finite score (every reward "
             "was None / NaN); no final genome can be chosen."
         )
-    best = max(finite, key=lambda i: (scores[i], -i))  # first of the highest, in the order of `genomes`
+    # the highest; among equals the start (nothing beat it), then the first in the order of `genomes`
+    best = max(finite, key=lambda i: (scores[i], record[i]["candidate"] == "start", -i))
     logger.info(f"Re-scored {len(genomes)} genomes on {where}: {record}; kept {record[best]}.")
     return genomes[best], float(scores[best]), record

@@ -113,6 +113,9 @@ class HyperESTrainer(_BaseTrainer):
                 "final_genome='validation' chooses the final genome on the validation rows: pass them as "
                 "eval_dataset (rows not used for fitness, nor the split you report)."
             )
+        if args.final_genome == "validation" and fitness_fn is not None:
+            raise ValueError("final_genome='validation' scores rows of eval_dataset, but a fitness_fn ignores rows: "
+                             "use final_genome='rescored', 'best' or 'mean' with a fitness_fn.")
         model.requires_grad_(False)
         delta_set = adapters if isinstance(adapters, LoraDeltaSet) else LoraDeltaSet.from_adapters(model, adapters)
         if processing_class is not None and processing_class.pad_token is None:
