@@ -134,3 +134,35 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
     assert (out / "accuracy_vs_time.png").stat().st_size > 0 and (out / "pass_at_k.png").stat().st_size > 0
     assert "| method | budget (min) | per task seed | mean | std |" in (out / "results.md").read_text()
     assert saved["table"] == json.loads(json.dumps(results["table"]))
+
+
+def test_reuse_results_reads_back_an_arm_run_with_the_same_settings(race, tmp_path, monkeypatch):
+    import trl_es.launch
+
+    calls = []
+
+    def fake_worker(script, spec, processes, threads):
+        calls.append(spec["task_seed"])
+        result = {"method": spec["method"], "task_seed": spec["task_seed"], "run": len(calls)}
+        with open(spec["result"], "w") as f:
+            json.dump(result, f)
+        return result
+
+    monkeypatch.setattr(trl_es.launch, "run_worker", fake_worker)
+    argv = ["--output_dir", str(tmp_path), "--budgets_minutes", "4", "--task_seeds", "0", "--methods", "es"]
+    args = race.parse_args([*argv, "--reuse_results"])
+    (spec,) = race.arms(args)
+    assert race.launch_arm(args, spec)["run"] == 1  # nothing saved yet: runs
+    saved = json.loads((tmp_path / "seed0" / "es_4min" / "arm.json").read_text())
+    assert saved["arm"] == {"method": "es", "task_seed": 0, "budget_minutes": 4.0, "marks_minutes": []}
+    assert saved["es_config"]["population_size"] == race.race_es_kwargs(args, race.load_recipe(args.es_recipe),
+                                                                        "<arm>")["population_size"]
+    assert race.launch_arm(args, spec)["run"] == 1 and calls == [0]  # same settings: read back, not run
+    # Another run's output folder or arm list does not matter; any setting of the arm does.
+    wider = race.parse_args([*argv, "--reuse_results", "--task_seeds", "0", "1", "--save_models"])
+    assert race.launch_arm(wider, race.arms(wider)[0])["run"] == 1 and calls == [0]
+    changed = race.parse_args([*argv, "--reuse_results", "--es_overrides", "sigma=0.01"])
+    assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2
+    assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2  # now saved with the new settings
+    no_reuse = race.parse_args([*argv, "--es_overrides", "sigma=0.01"])
+    assert race.launch_arm(no_reuse, race.arms(no_reuse)[0])["run"] == 3 and calls == [0, 0, 0]

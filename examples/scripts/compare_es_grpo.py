@@ -93,6 +93,11 @@ class RaceArguments:
         "evaluation during training (0 = none)."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call when scoring."})
     save_models: bool = field(default=False, metadata={"help": "Save each trained model to its arm folder."})
+    reuse_results: bool = field(default=False, metadata={
+        "help": "Reuse an arm's result.json when its arm.json records the same settings (every argument but "
+        "output_dir, methods, budgets_minutes, task_seeds, reuse_results and save_models, the arm's method, task "
+        "seed, budget and marks, and for ES the resolved ESConfig), instead of training it again: a race can be run "
+        "in parts and summarized once. The code version is not compared."})
     threads_per_process: int | None = field(
         default=None, metadata={"help": "torch threads per process (default: the launch plan's)."})
     # ES
@@ -464,16 +469,50 @@ def arms(race: RaceArguments) -> list[dict]:
     return runs
 
 
+ARM_SETTINGS_NAME = "arm.json"  # beside an arm's result.json: the settings it was run with (--reuse_results)
+NOT_ARM_SETTINGS = ("output_dir", "methods", "budgets_minutes", "task_seeds", "reuse_results", "save_models", "worker")
+
+
+def arm_settings(race: RaceArguments, spec: dict) -> dict:
+    """What an arm's result depends on: the race arguments that are not about which arms run or where they are
+    written, the arm's method, task seed, budget and marks, and for ES the resolved ESConfig keyword arguments (so an
+    edited recipe file does not pass for the old one). JSON-normalized, so it compares equal to a saved copy."""
+    settings = {k: v for k, v in dataclasses.asdict(race).items() if k not in NOT_ARM_SETTINGS}
+    settings["arm"] = {k: spec[k] for k in ("method", "task_seed", "budget_minutes", "marks_minutes")}
+    if spec["method"] == "es":
+        settings["es_config"] = race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>")
+    return json.loads(json.dumps(settings))
+
+
 def launch_arm(race: RaceArguments, spec: dict) -> dict:
-    """Run one arm in a fresh process tree (its launch plan, :func:`trl_es.launch.run_worker`); return its result."""
+    """Run one arm in a fresh process tree (its launch plan, :func:`trl_es.launch.run_worker`); return its result.
+
+    Writes ``arm.json`` (:func:`arm_settings`) beside the result once the arm has finished; with
+    ``--reuse_results`` an arm whose ``arm.json`` equals this run's settings and whose ``result.json`` exists is read
+    back instead of run."""
     from trl_es.launch import plan_launch, run_worker
 
     processes = race.es_num_processes if spec["method"] == "es" else race.grpo_num_processes
     os.makedirs(spec["output_dir"], exist_ok=True)
-    spec = dict(spec, race=dataclasses.asdict(race), result=os.path.join(spec["output_dir"], "result.json"))
-    print(f"[race] {spec['method']} seed {spec['task_seed']} budget {spec['budget_minutes']:g} min: "
-          f"{plan_launch(processes).reason}", flush=True)
-    return run_worker(os.path.abspath(__file__), spec, processes, race.threads_per_process)
+    result_file = os.path.join(spec["output_dir"], "result.json")
+    settings_file = os.path.join(spec["output_dir"], ARM_SETTINGS_NAME)
+    settings = arm_settings(race, spec)
+    label = f"[race] {spec['method']} seed {spec['task_seed']} budget {spec['budget_minutes']:g} min"
+    if race.reuse_results and os.path.isfile(result_file) and os.path.isfile(settings_file):
+        with open(settings_file) as f:
+            saved = json.load(f)
+        if saved == settings:
+            print(f"{label}: reusing {result_file} (same settings)", flush=True)
+            with open(result_file) as f:
+                return json.load(f)
+        print(f"{label}: {settings_file} records other settings; running the arm again", flush=True)
+    if os.path.isfile(settings_file):
+        os.remove(settings_file)  # it describes the result about to be replaced
+    spec = dict(spec, race=dataclasses.asdict(race), result=result_file)
+    print(f"{label}: {plan_launch(processes).reason}", flush=True)
+    result = run_worker(os.path.abspath(__file__), spec, processes, race.threads_per_process)
+    write_json(settings_file, settings)
+    return result
 
 
 def accuracy_at(result: dict, minutes: float) -> float:
