@@ -6,10 +6,10 @@ fp32, the eager engine with the shared chat prefix computed once):
 - ``training``: one ES iteration's generation as ESTrainer runs it for the main job: the batched low-rank population
   (``--population`` rank-1 members, antithetic) applied, one greedy ``generate`` over ``population x prompts`` rows
   (:class:`trl_es.rollout.Rollout`, the trainer's call).
-- ``eval_sample_batch_<s>``: ``trl-es eval --sample_batch_size s``'s sampled path: per ``s`` prompts, one call of
-  ``s x num_samples`` rows at T = 0.6, top-p 0.95
-  (:data:`trl_es.analysis.PAPER_PROTOCOL`), scored with the task's rewards (:func:`trl_es.rollout.score_model` with
-  the same engine, as ``trl_es.cli.eval_command`` calls it).
+- ``eval_sample_batch_<s>``: ``trl-es eval --sample_batch_size s``'s sampled path itself,
+  :func:`trl_es.analysis.sample_policy` (also ``evaluate_policy``'s and the race's): per ``s`` prompts, one call of
+  ``s x num_samples`` rows at T = 0.6, top-p 0.95 (:data:`trl_es.analysis.PAPER_PROTOCOL`), scored with the task's
+  rewards, token entropy recorded.
 - ``eval_before``: the same completions the way ``trl-es eval`` made them before (plain engine, 32 prompts x
   ``num_samples`` rows per call), on ``--before_prompts`` prompts.
 
@@ -28,7 +28,7 @@ import time
 import torch
 from trl import ModelConfig
 
-from trl_es.analysis import PAPER_PROTOCOL
+from trl_es.analysis import PAPER_PROTOCOL, sample_policy
 from trl_es.cli.arguments import TaskArguments
 from trl_es.cli.loading import load_model_and_tokenizer
 from trl_es.cli.splits import task_splits
@@ -79,11 +79,9 @@ def main(argv=None) -> dict:
         return len(out["completions"])
 
     def evaluation(rows, sample_batch_size):
-        done = 0
-        for first in range(0, len(rows), sample_batch_size):
-            done += len(score_model(model, tokenizer, rows[first : first + sample_batch_size], scorer, sampled,
-                                    args.num_samples, engine=engine)["completions"])
-        return done
+        out = sample_policy(model, tokenizer, rows, scorer, sampled, args.num_samples, sample_batch_size,
+                            progress=False)
+        return out["rewards_per_func"].shape[0] * out["rewards_per_func"].shape[1]
 
     def before(rows):
         done = 0

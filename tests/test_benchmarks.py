@@ -22,3 +22,16 @@ def test_population_throughput_random_init_runs_on_cpu(tmp_path):
     assert all(rate > 0 for rate in rates.values())
     assert figures["engine"] == {"name": "eager", "share_prompt_prefix": True}
     assert "(c)/(a)" in proc.stdout and "[eager]" in proc.stdout
+
+
+def test_top_p_speed_reports_each_variant_and_equal_kept_sets(tmp_path):
+    out = tmp_path / "top_p.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "top_p_speed.py"), "--rows", "6", "--vocab", "2000",
+           "--candidates", "64", "--repeats", "1", "--threads", "1", "--output_file", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures["seconds_per_step"]) == {"torch_sort", "torch_topk", "transformers_top_p", "candidate_top_p"}
+    assert all(seconds > 0 for seconds in figures["seconds_per_step"].values())
+    assert figures["same_kept_sets"] is True and figures["fallback_rows_per_step"] == 0.0
+    assert 1 <= figures["mean_kept_tokens"] <= 64

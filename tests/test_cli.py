@@ -115,6 +115,21 @@ def test_eval_pass_at_k(tmp_path, tiny_model_dir):
     assert metrics["settings"]["max_new_tokens"] == {"value": 3, "source": "flag"}
     # A random tiny model never answers a + b correctly.
     assert metrics["accuracy_greedy"] == 0.0 and metrics["pass@1"] == 0.0 and metrics["pass@3"] == 0.0
+    # The sampled pass is evaluate_policy's (trl_es.analysis.sample_policy), seeded with the task seed: same entropy.
+    from trl_es.analysis import evaluate_policy
+    from trl_es.cli.eval_command import parse_eval_arguments
+    from trl_es.cli.loading import load_model_and_tokenizer
+    from trl_es.cli.splits import task_splits
+
+    task_args, _, model_args, _ = parse_eval_arguments(["--model_name_or_path", tiny_model_dir, "--task",
+                                                        "arithmetic", "--num_eval_prompts", "6"])
+    task, splits = task_splits(task_args)
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    report = evaluate_policy(model, tokenizer, [splits["test"][i] for i in range(6)], task.reward_funcs, 3,
+                             num_samples=3, pass_k=(1, 3), temperature=0.6, top_p=0.95, seed=task_args.task_seed,
+                             progress=False)
+    assert 0 < metrics["token_entropy_tokens"] == report["token_entropy_tokens"] <= 6 * 3 * 3
+    assert metrics["token_entropy"] == pytest.approx(report["token_entropy"], rel=1e-6)
 
 
 def test_eval_rejects_k_above_samples(tiny_model_dir):
@@ -144,8 +159,14 @@ def _answer_then_ramble(tokenizer):
             text = f"{a} + {b} = {a + b}\n56 - 44 = 12"
             completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
         width = max(map(len, completions))
-        padded = [ids + [tokenizer.eos_token_id] * (width - len(ids)) for ids in completions]
-        return torch.cat([input_ids, torch.tensor(padded, dtype=input_ids.dtype)], dim=1)
+        padded = torch.tensor([ids + [tokenizer.eos_token_id] * (width - len(ids)) for ids in completions],
+                              dtype=input_ids.dtype)
+        for step in range(width):  # custom logits processors see one score row per step, as in generate
+            scores = torch.zeros(len(padded), self.config.vocab_size)
+            scores[torch.arange(len(padded)), padded[:, step]] = 10.0
+            for processor in kwargs.get("logits_processor") or []:
+                processor(torch.cat([input_ids, padded[:, :step]], dim=1), scores)
+        return torch.cat([input_ids, padded], dim=1)
 
     return generate
 

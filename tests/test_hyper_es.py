@@ -584,6 +584,8 @@ def test_build_direction_pool_on_tiny_model(tiny_llama, tokenizer, prompts, tmp_
     pool = json.loads((tmp_path / "pool" / "direction_pool.json").read_text())
     assert [a["bucket_size"] for a in pool["adapters"]] == [3, 3] and pool["lora"]["r"] == 4
     assert [a["nonzero_delta"] for a in pool["adapters"]] == [True, True] and pool["max_steps"] == 1
+    # cost records: one step of 4 completions of 1..8 tokens each, and its wall time
+    assert all(4 <= a["generated_tokens"] <= 4 * 8 and a["train_runtime_s"] > 0 for a in pool["adapters"])
     deltas = LoraDeltaSet.from_adapters(tiny_llama, paths)
     assert len(deltas.module_names) == 14 and os.path.exists(os.path.join(paths[0], "adapter_config.json"))
     for k in range(2):

@@ -81,3 +81,44 @@ def test_evaluate_policy_by_hand(tiny_llama, tokenizer):
     assert set(only_greedy) == {"num_prompts", "accuracy_greedy"}
     with pytest.raises(ValueError, match="pass_k"):
         evaluate_policy(tiny_llama, tokenizer, rows, [good_reward], 4, num_samples=2, pass_k=(4,))
+
+
+def test_sample_policy_scores_records_and_is_seeded(tiny_llama, tokenizer):
+    from trl_es.analysis import sample_policy
+
+    dataset = make_arithmetic_dataset_dict(5, 0, 0, seed=3)["train"]
+    rows = [dict(dataset[i], good=i in (1, 4)) for i in range(5)]
+    config = build_generation_config(tokenizer, 5, temperature=0.8, top_p=0.95)
+    torch.manual_seed(7)
+    before = torch.random.get_rng_state()
+    out = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, sample_batch_size=2, seed=11,
+                        progress=False)
+    assert torch.equal(torch.random.get_rng_state(), before)  # sampled inside fork_rng: the caller's RNG is kept
+    assert out["rewards_per_func"].shape == (5, 3, 1) and out["rewards_per_func"].dtype == torch.float32
+    assert out["correct"] == [0, 3, 0, 0, 3]
+    assert out["token_entropy_tokens"] > 0
+    assert out["token_entropy"] == pytest.approx(out["token_entropy_sum"] / out["token_entropy_tokens"])
+    again = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, sample_batch_size=2, seed=11,
+                          progress=False)
+    assert again["token_entropy_sum"] == out["token_entropy_sum"]  # same seed: the same samples
+    other = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, sample_batch_size=2, seed=12,
+                          progress=False)
+    assert other["token_entropy_sum"] != out["token_entropy_sum"]
+    # evaluate_policy's sampled figures are this pass's
+    report = evaluate_policy(tiny_llama, tokenizer, rows, [good_reward], 5, num_samples=3, pass_k=(1, 3),
+                             temperature=0.8, top_p=0.95, sample_batch_size=2, seed=11, progress=False)
+    assert report["correct_per_prompt"] == out["correct"]
+    assert report["token_entropy"] == out["token_entropy"]
+    assert report["token_entropy_tokens"] == out["token_entropy_tokens"]
+    plain = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, 2, seed=11, record_entropy=False,
+                          progress=False)
+    assert plain["correct"] == out["correct"] and math.isnan(plain["token_entropy"])
+    assert plain["token_entropy_tokens"] == 0
+    empty = sample_policy(tiny_llama, tokenizer, [], [good_reward], config, 3, progress=False)
+    assert empty["rewards_per_func"].shape == (0, 3, 1) and empty["correct"] == []
+    with pytest.raises(ValueError, match="generation_config must sample"):
+        sample_policy(tiny_llama, tokenizer, rows, [good_reward], build_generation_config(tokenizer, 5), 3)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+        sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 0)
+    with pytest.raises(ValueError, match="sample_batch_size must be an integer >= 1"):
+        sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 2, sample_batch_size=0)

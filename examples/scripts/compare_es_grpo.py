@@ -187,35 +187,28 @@ class SplitAccuracy:
 
 class HeldOutEntropy:
     """Mean token entropy (nats) of the policy at T = 1 on held-out prompts, 2 samples each, split over processes
-    (:class:`trl_es.analysis.TokenEntropyRecorder`; the entropy-collapse measure of arXiv 2608.27351)."""
+    (:func:`trl_es.analysis.sample_policy`, all of a process's prompts in one call; the entropy-collapse measure of
+    arXiv 2608.27351)."""
 
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, samples: int = 2):
-        from trl_es.generation import EagerEngine
-        from trl_es.rollout import RewardScorer
+        from trl_es.rollout import RewardScorer, build_generation_config
         from trl_es.tasks.arithmetic import arithmetic_reward
 
-        self.tokenizer, self.rows, self.max_new_tokens, self.samples = tokenizer, rows, max_new_tokens, samples
+        self.tokenizer, self.rows, self.samples = tokenizer, rows, samples
         self.scorer = RewardScorer([arithmetic_reward])
-        self.engine = EagerEngine(share_prompt_prefix=True)
+        self.config = build_generation_config(tokenizer, max_new_tokens, temperature=1.0)
 
     def __call__(self, model) -> float:
-        import torch
-
-        from trl_es.analysis import TokenEntropyRecorder, mean_completion_entropy
-        from trl_es.rollout import build_generation_config, score_model
+        from trl_es.analysis import sample_policy
 
         rank, world = _world()
         mine = self.rows[rank::world]
-        entropy = {"sum": 0.0, "num_tokens": 0}  # a process without rows adds nothing
+        entropy = [0.0, 0.0]  # a process without rows adds nothing
         if mine:
-            config = build_generation_config(self.tokenizer, self.max_new_tokens, temperature=1.0)
-            recorder = TokenEntropyRecorder(1.0)
-            with torch.random.fork_rng():
-                torch.manual_seed(4321 + rank)
-                out = score_model(model, self.tokenizer, mine, self.scorer, config, self.samples,
-                                  engine=self.engine, logits_processor=[recorder])
-            entropy = mean_completion_entropy(recorder, out["completion_ids"])
-        total, tokens = _all_reduce([entropy["sum"], float(entropy["num_tokens"])])
+            out = sample_policy(model, self.tokenizer, mine, self.scorer, self.config, self.samples,
+                                sample_batch_size=len(mine), seed=4321 + rank, progress=False)
+            entropy = [out["token_entropy_sum"], float(out["token_entropy_tokens"])]
+        total, tokens = _all_reduce(entropy)
         return total / tokens if tokens else math.nan
 
 

@@ -28,18 +28,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
+from transformers import TrainerCallback
+
 from trl_es.arguments import TrlESParser
-from trl_es.files import is_main_process, write_json
+from trl_es.files import is_main_process, save_figure, write_json
 from trl_es.merging import build_direction_pool
 from trl_es.merging.direction_pool import POOL_NAME
-
-POOL_ROWS_NAME = "pool_rows.json"  # beside direction_pool.json: the rows the pool was trained on
 from trl_es.models import load_model_and_tokenizer
 from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
 from trl_es.trainer.hyper_es_config import HyperESConfig
 from trl_es.trainer.hyper_es_trainer import HyperESTrainer
+
+POOL_ROWS_NAME = "pool_rows.json"  # beside direction_pool.json: the rows and settings the pool was trained with
 
 logger = logging.getLogger("hyper_es")
 
@@ -86,6 +89,189 @@ class HyperESScriptArguments:
     )
     pool_num_generations: int = field(default=8, metadata={"help": "GRPO completions per prompt (group size)."})
     pool_max_completion_length: int = field(default=32, metadata={"help": "GRPO max completion tokens."})
+    grpo_lora_factors: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": "GRPO-LoRA baselines (the paper's comparison): per factor f, one LoRA adapter (same rank, alpha, "
+            "targets, learning rate and batch as the pool) trained with GRPO on all pool rows for round(f x K x "
+            "pool_max_steps) steps. 1.0 = the pool's gradient updates; 1.1111 = the pool has 10% fewer. Saved in "
+            "<pool_dir>/grpo_lora_<steps>steps (reused like the pool)."
+        },
+    )
+    sampled_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Held-out Pass@K at the papers' protocol (T=0.6, top-p 0.95; trl_es.analysis.PAPER_PROTOCOL) "
+            "with this many samples per prompt, K = 1, 2, 4, ... <= it, for the base model, the best single adapter, "
+            "the uniform merge, Hyper-ES and each GRPO-LoRA baseline. 0 = greedy only."
+        },
+    )
+    sampled_prompts: int | None = field(
+        default=None, metadata={"help": "Pass@K on the first this many held-out prompts (default: all n_eval)."}
+    )
+    sample_batch_size: int = field(default=8, metadata={"help": "Prompts per sampled generate call."})
+    track_validation: bool = field(
+        default=False,
+        metadata={
+            "help": "After every generation, score the CMA-ES distribution mean's merge on the validation rows "
+            "(needs n_validation; diagnostic, not part of the search) for search_curve.png and comparison.json."
+        },
+    )
+
+
+def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: str, num_adapters: int,
+                  steps: int) -> tuple[list[str], list[dict]]:
+    """Train ``num_adapters`` GRPO-LoRA adapters of ``steps`` steps on ``rows`` into ``pool_dir``, or reuse the ones
+    there (``--reuse_pool``) when ``pool_rows.json`` records exactly these rows and settings.
+
+    Returns:
+        `(list[str], list[dict])`: The adapter folders and their ``direction_pool.json`` records (steps, runtime,
+        generated tokens).
+
+    Raises:
+        ValueError: if a reused pool was trained on other rows or settings.
+    """
+    # The pool's training rows and settings, recorded beside it: a reused pool must have been trained on exactly
+    # these (the split sizes shift the train rows, and a pool trained on what is now validation or fitness would
+    # leak into them).
+    recipe = {"task_seed": script_args.task_seed, "prompts": [str(row["prompt"]) for row in rows],
+              "num_adapters": num_adapters, "max_steps": steps, "seed": training_args.seed,
+              **{key: getattr(script_args, key) for key in (
+                  "pool_split", "pool_learning_rate", "lora_r", "lora_alpha", "pool_batch_size",
+                  "pool_num_generations", "pool_max_completion_length")}}
+    rows_file = os.path.join(pool_dir, POOL_ROWS_NAME)
+    if script_args.reuse_pool and os.path.exists(os.path.join(pool_dir, POOL_NAME)):
+        recorded = None
+        if os.path.exists(rows_file):
+            with open(rows_file) as f:
+                recorded = json.load(f)
+        if recorded != recipe:
+            raise ValueError(f"The direction pool in {pool_dir} was trained on other rows or settings than this run's "
+                             f"({'no ' + POOL_ROWS_NAME if recorded is None else 'they differ'}: task_seed, n_pool, "
+                             "n_fitness, n_validation, n_eval, low/high/ops select the rows; num_adapters, "
+                             "pool_max_steps, seed and the pool_*/lora_* settings train them). Use another pool_dir "
+                             "or --reuse_pool false.")
+        with open(os.path.join(pool_dir, POOL_NAME)) as f:
+            records = json.load(f)["adapters"]
+        logger.info(f"Reusing the direction pool in {pool_dir}: {[r['adapter'] for r in records]}")
+        return [r["adapter"] for r in records], records
+    if script_args.pool_split not in ("random", "difficulty"):
+        raise ValueError(f"pool_split must be 'random' or 'difficulty', got {script_args.pool_split!r}.")
+    adapters = build_direction_pool(
+        model,
+        rows,
+        arithmetic_reward,
+        num_adapters=num_adapters,
+        output_dir=pool_dir,
+        processing_class=tokenizer,
+        split_key=(lambda row: abs(row["answer"])) if script_args.pool_split == "difficulty" else None,
+        max_steps=steps,
+        learning_rate=script_args.pool_learning_rate,
+        lora_r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        grpo_kwargs={
+            "per_device_train_batch_size": script_args.pool_batch_size,
+            "num_generations": script_args.pool_num_generations,
+            "max_completion_length": script_args.pool_max_completion_length,
+            "gradient_checkpointing": False,
+            "use_cpu": training_args.use_cpu,
+        },
+        seed=training_args.seed,
+    )
+    if is_main_process():
+        write_json(rows_file, recipe)
+    with open(os.path.join(pool_dir, POOL_NAME)) as f:
+        records = json.load(f)["adapters"]
+    return adapters, records
+
+
+def sampled_figures(model, tokenizer, rows: list[dict], training_args: HyperESConfig, script_args) -> dict:
+    """Pass@K (K = 1, 2, 4, ... <= ``sampled_samples``) and token entropy of ``model`` at the papers' protocol
+    (:data:`trl_es.analysis.PAPER_PROTOCOL`) on ``rows``, completions of ``max_completion_length`` tokens, sampling
+    seeded with ``seed`` (the same samples for the same model)."""
+    from trl_es.analysis import PAPER_PROTOCOL, mean_pass_at_k, sample_policy
+    from trl_es.rollout import build_generation_config
+
+    protocol = PAPER_PROTOCOL.with_samples(script_args.sampled_samples)
+    config = build_generation_config(tokenizer, training_args.max_completion_length, protocol.temperature,
+                                     protocol.top_p)
+    out = sample_policy(model, tokenizer, rows, [arithmetic_reward], config, protocol.num_samples,
+                        script_args.sample_batch_size, seed=training_args.seed)
+    figures = {f"pass@{k}": mean_pass_at_k(protocol.num_samples, out["correct"], k) for k in protocol.pass_k}
+    figures["token_entropy"] = out["token_entropy"]
+    return figures
+
+
+def arm_costs(pool_records: list[dict], best_single: int, baselines: dict, search_metrics: dict,
+              search_seconds: float) -> dict:
+    """What each arm cost: ``gradient_updates`` (GRPO optimizer steps), ``generated_tokens`` (completion tokens
+    generated to train or search: GRPO rollouts, and for Hyper-ES also the candidates' fitness scoring) and
+    ``wall_seconds`` (GRPO training and the search, evaluations excluded). A pool reused from an older run without
+    these records gives `None` for its tokens and seconds."""
+
+    def total(records, key):
+        values = [r.get(key) for r in records]
+        return None if any(v is None for v in values) else sum(values)
+
+    pool = {"gradient_updates": total(pool_records, "steps"), "generated_tokens": total(pool_records, "generated_tokens"),
+            "wall_seconds": total(pool_records, "train_runtime_s")}
+    single = pool_records[best_single]
+    costs = {
+        "base": {"gradient_updates": 0, "generated_tokens": 0, "wall_seconds": 0.0},
+        "best_single_adapter": {"gradient_updates": single["steps"], "generated_tokens": single.get("generated_tokens"),
+                                "wall_seconds": single.get("train_runtime_s")},
+        "uniform_merge": pool,
+        "hyper_es": {
+            "gradient_updates": pool["gradient_updates"],
+            "generated_tokens": None if pool["generated_tokens"] is None
+            else pool["generated_tokens"] + int(search_metrics["train_generated_tokens"]),
+            "wall_seconds": None if pool["wall_seconds"] is None else pool["wall_seconds"] + search_seconds,
+            "search_generated_tokens": int(search_metrics["train_generated_tokens"]),
+            "search_seconds": search_seconds,
+        },
+    }
+    for name, (_, record) in baselines.items():
+        costs[name] = {"gradient_updates": record["steps"], "generated_tokens": record.get("generated_tokens"),
+                       "wall_seconds": record.get("train_runtime_s")}
+    return costs
+
+
+class MeanGenomeValidation(TrainerCallback):
+    """After each CMA-ES generation, the mean reward on ``rows`` of the distribution mean's merge (pycma's favorite
+    solution, what ``final_genome="mean"`` keeps). ``records``: ``{"generation", "validation_mean_genome"}``."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows, self.records, self.trainer = rows, [], None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        with trainer.merged(trainer.space.decode(trainer.search.mean)):
+            reward = trainer.score_current_model(self.rows)
+        self.records.append({"generation": state.global_step, "validation_mean_genome": reward})
+
+
+def plot_search(history: list[dict], validation: list[dict], path: str) -> None:
+    """Fitness (best and mean of each generation's candidates) and, if tracked, the mean genome's validation reward,
+    by generation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    generations = [h["generation"] for h in history]
+    ax.plot(generations, [h["fitness/best"] for h in history], "o-", label="fitness: best candidate")
+    ax.plot(generations, [h["fitness/mean"] for h in history], "o-", label="fitness: candidates' mean")
+    if validation:
+        ax.plot([v["generation"] for v in validation], [v["validation_mean_genome"] for v in validation], "s-",
+                label="validation: CMA-ES mean genome")
+    ax.set_xlabel("CMA-ES generation")
+    ax.set_ylabel("mean reward (accuracy)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
 
 
 def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> dict:
@@ -94,6 +280,8 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     if training_args.final_genome == "validation" and script_args.n_validation < 1:
         raise ValueError("final_genome='validation' needs validation rows: set n_validation (the test split is not "
                          "for choosing).")
+    if script_args.track_validation and script_args.n_validation < 1:
+        raise ValueError("track_validation needs validation rows: set n_validation.")
     splits = make_arithmetic_dataset_dict(
         script_args.n_pool + script_args.n_fitness,
         script_args.n_validation,
@@ -108,49 +296,21 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     fitness_rows = train.select(range(script_args.n_pool, len(train)))
 
     pool_dir = script_args.pool_dir or os.path.join(training_args.output_dir, "pool")
-    # The pool's training rows, recorded beside it: a reused pool must have been trained on exactly these (the split
-    # sizes shift the train rows, and a pool trained on what is now validation or fitness would leak into them).
-    pool_prompts = {"task_seed": script_args.task_seed, "prompts": [str(row["prompt"]) for row in pool_rows]}
-    rows_file = os.path.join(pool_dir, POOL_ROWS_NAME)
-    if script_args.reuse_pool and os.path.exists(os.path.join(pool_dir, POOL_NAME)):
-        recorded = None
-        if os.path.exists(rows_file):
-            with open(rows_file) as f:
-                recorded = json.load(f)
-        if recorded != pool_prompts:
-            raise ValueError(f"The direction pool in {pool_dir} was trained on other rows than this run's pool rows "
-                             f"({'no ' + POOL_ROWS_NAME if recorded is None else 'they differ'}: task_seed, n_pool, "
-                             "n_fitness, n_validation, n_eval, low/high/ops select them). Use another pool_dir or "
-                             "--reuse_pool false.")
-        with open(os.path.join(pool_dir, POOL_NAME)) as f:
-            adapters = [a["adapter"] for a in json.load(f)["adapters"]]
-        logger.info(f"Reusing the direction pool in {pool_dir}: {adapters}")
-    else:
-        if script_args.pool_split not in ("random", "difficulty"):
-            raise ValueError(f"pool_split must be 'random' or 'difficulty', got {script_args.pool_split!r}.")
-        adapters = build_direction_pool(
-            model,
-            pool_rows,
-            arithmetic_reward,
-            num_adapters=script_args.num_adapters,
-            output_dir=pool_dir,
-            processing_class=tokenizer,
-            split_key=(lambda row: abs(row["answer"])) if script_args.pool_split == "difficulty" else None,
-            max_steps=script_args.pool_max_steps,
-            learning_rate=script_args.pool_learning_rate,
-            lora_r=script_args.lora_r,
-            lora_alpha=script_args.lora_alpha,
-            grpo_kwargs={
-                "per_device_train_batch_size": script_args.pool_batch_size,
-                "num_generations": script_args.pool_num_generations,
-                "max_completion_length": script_args.pool_max_completion_length,
-                "gradient_checkpointing": False,
-                "use_cpu": training_args.use_cpu,
-            },
-            seed=training_args.seed,
+    adapters, pool_records = pool_adapters(
+        script_args, training_args, model, tokenizer, pool_rows, pool_dir, script_args.num_adapters,
+        script_args.pool_max_steps,
+    )
+    pool_updates = script_args.num_adapters * script_args.pool_max_steps
+    baselines = {}  # GRPO-LoRA at f x the pool's gradient updates: name -> (adapter folder, record)
+    for factor in script_args.grpo_lora_factors:
+        if not factor > 0:
+            raise ValueError(f"grpo_lora_factors must be > 0, got {factor}.")
+        steps = max(1, round(factor * pool_updates))
+        (folder,), (record,) = pool_adapters(
+            script_args, training_args, model, tokenizer, pool_rows, os.path.join(pool_dir, f"grpo_lora_{steps}steps"),
+            1, steps,
         )
-        if is_main_process():
-            write_json(rows_file, pool_prompts)
+        baselines[f"grpo_lora_{steps}steps"] = (folder, dict(record, factor=factor))
 
     trainer = HyperESTrainer(
         model,
@@ -161,7 +321,22 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         eval_dataset=splits["validation"] if script_args.n_validation else held_out,
         processing_class=tokenizer,
     )
+    tracker = None
+    if script_args.track_validation:
+        tracker = MeanGenomeValidation([splits["validation"][i] for i in range(len(splits["validation"]))])
+        tracker.trainer = trainer
+        trainer.add_callback(tracker)
+    sampled_rows = [held_out[i] for i in range(min(script_args.sampled_prompts or len(held_out), len(held_out)))]
+
+    def sampled(arm_trainer, genome) -> dict:
+        """Pass@K and token entropy of a merge on the sampled held-out rows ({} without --sampled_samples)."""
+        if not script_args.sampled_samples:
+            return {}
+        with arm_trainer.merged(genome):
+            return sampled_figures(arm_trainer.model, tokenizer, sampled_rows, training_args, script_args)
+
     results = {"base": trainer.evaluate(held_out, genome="base", metric_key_prefix="base")["base_reward"]}
+    figures = {"base": sampled(trainer, "base")}
     singles_fitness, singles_eval = [], []
     for k, name in enumerate(trainer.space.adapter_names):
         singles_fitness.append(
@@ -171,12 +346,36 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     best_k = max(range(len(singles_fitness)), key=singles_fitness.__getitem__)
     results["single_adapters"] = dict(zip(trainer.space.adapter_names, singles_eval, strict=True))
     results["best_single_adapter"] = {"name": trainer.space.adapter_names[best_k], "reward": singles_eval[best_k]}
+    figures["best_single_adapter"] = sampled(trainer, best_k)
     results["uniform_merge"] = trainer.evaluate(held_out, genome="uniform", metric_key_prefix="uniform")[
         "uniform_reward"
     ]
+    figures["uniform_merge"] = sampled(trainer, "uniform")
+    # Each GRPO-LoRA baseline is one adapter applied alone (W0 + Delta), scored before the search, while the model
+    # holds the base weights (a trainer takes the weights it finds as W0).
+    for name, (folder, _) in baselines.items():
+        arm = HyperESTrainer(model, [folder], reward_funcs=arithmetic_reward, args=training_args,
+                             train_dataset=fitness_rows, eval_dataset=held_out, processing_class=tokenizer)
+        results[name] = arm.evaluate(held_out, genome=0, metric_key_prefix=name)[f"{name}_reward"]
+        figures[name] = sampled(arm, 0)
+        del arm
+    search_start = time.time()
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    search_seconds = time.time() - search_start
     results["hyper_es"] = trainer.evaluate(held_out, metric_key_prefix="hyper_es")["hyper_es_reward"]
     results["hyper_es_fitness"] = -train_output.training_loss
+    figures["hyper_es"] = sampled(trainer, None)
+    if script_args.sampled_samples:
+        results["sampled"] = figures
+    results["search_curve"] = [
+        {"generation": h["generation"], "fitness_best": h["fitness/best"], "fitness_mean": h["fitness/mean"]}
+        for h in trainer.history
+    ]
+    if tracker is not None:
+        for point, record in zip(results["search_curve"], tracker.records, strict=False):
+            point["validation_mean_genome"] = record["validation_mean_genome"]
+    results["costs"] = arm_costs(pool_records, best_k, baselines,
+                                 train_output.metrics, search_seconds)
     results["settings"] = {
         "generations": trainer.search.generation,
         "population_size": trainer.search.popsize,
@@ -185,10 +384,18 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         "n_fitness": len(fitness_rows),
         "n_validation": script_args.n_validation,
         "final_genome": training_args.final_genome,
+        "genome_granularity": training_args.genome_granularity,
+        "noise_handling": training_args.noise_handling,
+        "pool_gradient_updates": pool_updates,
+        "sampled_samples": script_args.sampled_samples,
+        "sampled_prompts": len(sampled_rows) if script_args.sampled_samples else 0,
     }
     trainer.save_model(training_args.output_dir)  # every process; checks the files where it writes them
     if trainer.is_world_process_zero():
         write_json(os.path.join(training_args.output_dir, "comparison.json"), results)
+        if trainer.history:
+            plot_search(trainer.history, tracker.records if tracker else [],
+                        os.path.join(training_args.output_dir, "search_curve.png"))
         print("held-out mean reward:")
         print(f"  base                 {results['base']:.4f}")
         print(
@@ -196,6 +403,8 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         )
         print(f"  uniform merge        {results['uniform_merge']:.4f}")
         print(f"  Hyper-ES             {results['hyper_es']:.4f}")
+        for name in baselines:
+            print(f"  {name:<20} {results[name]:.4f}")
     return results
 
 

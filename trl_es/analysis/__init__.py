@@ -29,8 +29,8 @@ from .pass_at_k import (
     pass_at_k,
     plot_pass_at_k_curves,
 )
-from .policy_eval import evaluate_policy, greedy_accuracy
-from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtocol
+from .policy_eval import evaluate_policy, greedy_accuracy, sample_policy
+from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtocol, check_sampling
 from .report import analyze
 from .sparsity import functional_sparsity, reset_small_updates
 
@@ -43,6 +43,7 @@ __all__ = [
     "analyze",
     "barrier",
     "binary_entropy",
+    "check_sampling",
     "encode_prompts",
     "estimate_pass_at_k",
     "evaluate_policy",
@@ -59,6 +60,7 @@ __all__ = [
     "pass_at_k",
     "plot_pass_at_k_curves",
     "reset_small_updates",
+    "sample_policy",
     "success_diversity",
     "success_diversity_from_matrix",
     "tensor_drift",

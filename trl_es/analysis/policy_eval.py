@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -13,8 +14,9 @@ from .drift import parameter_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .kl import off_task_kl
 from .pass_at_k import mean_pass_at_k
+from .protocol import check_sampling
 
-__all__ = ["evaluate_policy", "greedy_accuracy"]
+__all__ = ["evaluate_policy", "greedy_accuracy", "sample_policy"]
 
 
 def _scorer(reward_funcs):
@@ -73,6 +75,107 @@ def greedy_accuracy(
             correct += int((out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).sum())
             bar.update(len(out["completions"]))
     return correct / len(rows)
+
+
+def sample_policy(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    reward_funcs,
+    generation_config,
+    num_samples: int,
+    sample_batch_size: int = 1,
+    seed: int | None = None,
+    success_threshold: float = 0.5,
+    chat_template_kwargs: dict | None = None,
+    record_entropy: bool = True,
+    progress: bool = True,
+) -> dict:
+    r"""Sample ``num_samples`` completions per prompt, score them, and record their token entropy: the sampled pass of
+    :func:`evaluate_policy`, ``trl-es eval`` and the race's entropy curve.
+
+    Generation is training's eager engine with the shared prompt prefix computed once
+    (:class:`trl_es.generation.EagerEngine`, ``share_prompt_prefix=True``) through :func:`trl_es.rollout.score_model`,
+    ``sample_batch_size`` prompts (``sample_batch_size * num_samples`` rows) per ``generate`` call; with 1 prompt per
+    call its ``num_samples`` rows share the whole prompt but its last token. With ``record_entropy`` a
+    :class:`trl_es.analysis.entropy.TokenEntropyRecorder` at ``generation_config.temperature`` records the entropy
+    (nats) of the sampling distribution at every completion token up to and including EOS (before any top-p cut;
+    it reads the scores and does not change the sampled tokens).
+
+    Args:
+        model (`nn.Module`): The policy (a causal LM).
+        tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (with a pad token).
+        rows (`Sequence[dict]`): Dataset rows (``prompt`` and the columns the reward functions read); may be empty.
+        reward_funcs (`Callable | list | RewardScorer`): TRL-style reward functions (or a ready
+            :class:`trl_es.rollout.RewardScorer`); the last one decides correctness.
+        generation_config (`GenerationConfig`): A sampling config (``do_sample=True``, ``temperature > 0``), e.g.
+            :func:`trl_es.rollout.build_generation_config` with a temperature.
+        num_samples (`int`): Completions per prompt, ``>= 1``.
+        sample_batch_size (`int`): Prompts per ``generate`` call, ``>= 1``.
+        seed (`int`, *optional*): Seeds the sampling inside ``torch.random.fork_rng`` (the caller's RNG is left as it
+            was); ``None`` samples from the current global RNG.
+        success_threshold (`float`): A sample is correct when the last reward is above this (NaN: not correct).
+        chat_template_kwargs (`dict`, *optional*): For conversational prompts.
+        record_entropy (`bool`): Record the token entropy.
+        progress (`bool`): A tqdm bar of completions done / total (stderr).
+
+    Returns:
+        `dict`: ``rewards_per_func`` (float32 tensor ``(len(rows), num_samples, F)``, NaN for ``None`` rewards),
+        ``correct`` (list of ``len(rows)`` ints: correct samples per prompt), ``token_entropy`` (mean, nats; NaN
+        without tokens or ``record_entropy``), ``token_entropy_sum`` and ``token_entropy_tokens`` (they add up over
+        processes).
+
+    Raises:
+        ValueError: if ``num_samples`` or ``sample_batch_size`` is below 1, or the config does not sample.
+    """
+    from ..generation import EagerEngine
+    from ..rollout import RewardScorer, score_model
+
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    if isinstance(sample_batch_size, bool) or not isinstance(sample_batch_size, int) or sample_batch_size < 1:
+        raise ValueError(f"sample_batch_size must be an integer >= 1, got {sample_batch_size!r}.")
+    temperature = generation_config.temperature
+    if not generation_config.do_sample or temperature is None or not temperature > 0:
+        raise ValueError(f"generation_config must sample (do_sample=True, temperature > 0), got do_sample="
+                         f"{generation_config.do_sample}, temperature={temperature}.")
+    rows = list(rows)
+    scorer = reward_funcs if isinstance(reward_funcs, RewardScorer) else _scorer(reward_funcs)
+    engine = EagerEngine(share_prompt_prefix=True)
+    recorder = TokenEntropyRecorder(temperature) if record_entropy else None
+    per_func, correct, entropy_sum, entropy_tokens = [], [], 0.0, 0
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(rows) * num_samples, desc=f"sampled completions (T={temperature:g})", unit="completion",
+               disable=not progress)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(bar)
+        if seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+            torch.manual_seed(seed)
+        for first in range(0, len(rows), sample_batch_size):
+            chunk = rows[first : first + sample_batch_size]
+            kwargs = {}
+            if recorder is not None:
+                recorder.reset()
+                kwargs["logits_processor"] = [recorder]
+            out = score_model(model, tokenizer, chunk, scorer, generation_config, num_samples, chat_template_kwargs,
+                              engine=engine, **kwargs)
+            rewards = out["rewards_per_func"].view(len(chunk), num_samples, -1)
+            per_func.append(rewards)
+            correct.extend(int(c) for c in (rewards[..., -1].nan_to_num(0.0) > success_threshold).sum(dim=1))
+            if recorder is not None:
+                entropy = mean_completion_entropy(recorder, out["completion_ids"])
+                entropy_sum += entropy["sum"]
+                entropy_tokens += entropy["num_tokens"]
+            bar.update(len(out["completions"]))
+    width = len(scorer.names)
+    return {
+        "rewards_per_func": torch.cat(per_func) if per_func else torch.empty(0, num_samples, width),
+        "correct": correct,
+        "token_entropy": entropy_sum / entropy_tokens if entropy_tokens else math.nan,
+        "token_entropy_sum": entropy_sum,
+        "token_entropy_tokens": entropy_tokens,
+    }
 
 
 def evaluate_policy(
@@ -152,51 +255,27 @@ def evaluate_policy(
         ValueError: if ``rows`` is empty, ``num_samples < 0``, a ``k`` is outside ``[1, num_samples]``, or
             ``temperature <= 0`` with ``num_samples > 0``.
     """
-    from ..generation import EagerEngine
-    from ..rollout import build_generation_config, score_model
+    from ..rollout import build_generation_config
 
     if not rows:
         raise ValueError("evaluate_policy needs at least one row.")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
-        raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}.")
-    if num_samples and any(not 1 <= k <= num_samples for k in pass_k):
-        raise ValueError(f"every pass_k value must be in [1, num_samples={num_samples}], got {list(pass_k)}.")
-    if num_samples and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    check_sampling(temperature, top_p, num_samples, pass_k, allow_no_samples=True)
     rows = list(rows)
     report = {"num_prompts": len(rows)}
     report["accuracy_greedy"] = greedy_accuracy(model, tokenizer, rows, reward_funcs, max_new_tokens, batch_size,
                                                 success_threshold, chat_template_kwargs, progress)
     if num_samples:
-        scorer = _scorer(reward_funcs)
-        engine = EagerEngine(share_prompt_prefix=True)
         config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
-        recorder = TokenEntropyRecorder(temperature)
-        correct, entropy_sum, entropy_tokens = [], 0.0, 0
-        device = next(model.parameters()).device
-        bar = tqdm(total=len(rows) * num_samples, desc=f"sampled completions (T={temperature:g})",
-                   unit="completion", disable=not progress)
-        with bar, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            for first in range(0, len(rows), sample_batch_size):
-                chunk = rows[first : first + sample_batch_size]
-                recorder.reset()
-                out = score_model(model, tokenizer, chunk, scorer, config, num_samples, chat_template_kwargs,
-                                  engine=engine, logits_processor=[recorder])
-                ok = (out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).view(len(chunk), num_samples)
-                correct.extend(int(c) for c in ok.sum(dim=1))
-                entropy = mean_completion_entropy(recorder, out["completion_ids"])
-                entropy_sum += entropy["sum"]
-                entropy_tokens += entropy["num_tokens"]
-                bar.update(len(out["completions"]))
+        sampled = sample_policy(model, tokenizer, rows, reward_funcs, config, num_samples, sample_batch_size,
+                                seed=seed, success_threshold=success_threshold,
+                                chat_template_kwargs=chat_template_kwargs, progress=progress)
+        correct = sampled["correct"]
         report.update(num_samples=num_samples, temperature=float(temperature), top_p=float(top_p))
         for k in sorted(set(pass_k)):
             report[f"pass@{k}"] = mean_pass_at_k(num_samples, correct, k)
         report["js_succ"] = success_diversity([c / num_samples for c in correct])
-        report["token_entropy"] = entropy_sum / entropy_tokens if entropy_tokens else math.nan
-        report["token_entropy_tokens"] = entropy_tokens
+        report["token_entropy"] = sampled["token_entropy"]
+        report["token_entropy_tokens"] = sampled["token_entropy_tokens"]
         report["correct_per_prompt"] = correct
     if base_model is not None:
         drift = parameter_drift(model, base_model, per_group=False)

@@ -9,7 +9,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PAPER_PROTOCOL", "UNIT_TEMPERATURE_PROTOCOL", "SamplingProtocol"]
+__all__ = ["PAPER_PROTOCOL", "UNIT_TEMPERATURE_PROTOCOL", "SamplingProtocol", "check_sampling"]
+
+
+def check_sampling(temperature: float, top_p: float, num_samples: int, pass_k, allow_no_samples: bool = False) -> None:
+    """Check sampled Pass@K settings (shared by :class:`SamplingProtocol` and
+    :func:`trl_es.analysis.evaluate_policy`).
+
+    Args:
+        temperature (`float`): Must be ``> 0`` (checked only when there are samples).
+        top_p (`float`): Must be in ``(0, 1]``.
+        num_samples (`int`): An integer ``>= 1`` (``>= 0`` with ``allow_no_samples``: 0 means no sampled figures).
+        pass_k (`Sequence[int]`): Non-empty when there are samples, each in ``[1, num_samples]``.
+        allow_no_samples (`bool`): Accept ``num_samples == 0``.
+
+    Raises:
+        ValueError: naming the field and the allowed values.
+    """
+    least = 0 if allow_no_samples else 1
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < least:
+        raise ValueError(f"num_samples must be an integer >= {least}, got {num_samples!r}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    if num_samples == 0:
+        return
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
+    if not pass_k or any(not 1 <= k <= num_samples for k in pass_k):
+        raise ValueError(f"every pass_k value must be in [1, num_samples={num_samples}], got {list(pass_k)}.")
 
 
 @dataclass(frozen=True)
@@ -32,14 +59,7 @@ class SamplingProtocol:
     pass_k: tuple[int, ...]
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}.")
-        if not self.pass_k or any(not 1 <= k <= self.num_samples for k in self.pass_k):
-            raise ValueError(f"pass_k values must be in [1, num_samples={self.num_samples}], got {self.pass_k}.")
+        check_sampling(self.temperature, self.top_p, self.num_samples, self.pass_k)
 
     def with_samples(self, num_samples: int) -> SamplingProtocol:
         """The same protocol with ``num_samples`` per prompt and the powers of two ``K <= num_samples``."""

@@ -160,7 +160,7 @@ def evaluate(argv: list[str]) -> dict:
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
-    from ..analysis import mean_pass_at_k
+    from ..analysis import mean_pass_at_k, sample_policy
     from ..generation import EagerEngine
     from ..rollout import RewardScorer, build_generation_config, score_model
 
@@ -186,34 +186,33 @@ def evaluate(argv: list[str]) -> dict:
     sampled = build_generation_config(tokenizer, eval_args.max_new_tokens, eval_args.sample_temperature, **common)
     engine = EagerEngine(share_prompt_prefix=True)  # training's engine: a shared prefix is computed once
     local = []  # per prompt: greedy rewards per function, sampled rewards per function (n rows), correct samples
+    entropy = [0.0, 0]  # this process's token entropy sum (nats) and tokens, over its sampled completions
     with state.split_between_processes(list(range(len(rows)))) as mine:
-        torch.manual_seed(task_args.task_seed + state.process_index)
-        bar = tqdm(total=len(mine) * (1 + num_samples), unit="completion", disable=not state.is_main_process,
-                   desc=f"{eval_args.split}: greedy + {num_samples} sampled completions per prompt")
+        shown = state.is_main_process
         greedy_rows = []
-        for first in range(0, len(mine), eval_args.batch_size):
-            batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
-            out = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs,
-                              engine=engine)
-            greedy_rows.extend(out["rewards_per_func"].tolist())
-            bar.update(len(out["completions"]))
-        # Sampled: sample_batch_size prompts x num_samples rows per call; with one prompt, its num_samples rows share
-        # the whole prompt but its last token, which the engine computes once.
-        for first in range(0, len(mine), eval_args.sample_batch_size):
-            batch = [rows[i] for i in mine[first : first + eval_args.sample_batch_size]]
-            out = score_model(model, tokenizer, batch, scorer, sampled, num_samples, eval_args.chat_template_kwargs,
-                              engine=engine)
-            bar.update(len(out["completions"]))
-            per_func = out["rewards_per_func"].view(len(batch), num_samples, -1)
-            for j in range(len(batch)):
-                local.append((greedy_rows[first + j], per_func[j].tolist(),
-                              int((per_func[j, :, answer] > 0.5).sum())))
-        bar.close()
+        bar = tqdm(total=len(mine), unit="completion", disable=not shown, desc=f"{eval_args.split}: greedy completions")
+        with bar:
+            for first in range(0, len(mine), eval_args.batch_size):
+                batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
+                out = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs,
+                                  engine=engine)
+                greedy_rows.extend(out["rewards_per_func"].tolist())
+                bar.update(len(out["completions"]))
+        if mine:  # the sampled pass that evaluate_policy runs (shared prefix, token entropy), seeded per process
+            out = sample_policy(model, tokenizer, [rows[i] for i in mine], scorer, sampled, num_samples,
+                                eval_args.sample_batch_size, seed=task_args.task_seed + state.process_index,
+                                chat_template_kwargs=eval_args.chat_template_kwargs, progress=shown)
+            for j, samples in enumerate(out["rewards_per_func"].tolist()):
+                local.append((greedy_rows[j], samples, out["correct"][j]))
+            entropy = [out["token_entropy_sum"], out["token_entropy_tokens"]]
     results = gather_object(local)
+    entropy_sum, entropy_tokens = (sum(values) for values in zip(*gather_object([entropy]), strict=True))
     metrics = {
         "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
         "sample_temperature": eval_args.sample_temperature, "top_p": eval_args.top_p, "max_new_tokens": eval_args.max_new_tokens,
         "accuracy_greedy": sum(g[answer] > 0.5 for g, _, _ in results) / len(results),
+        "token_entropy": entropy_sum / entropy_tokens if entropy_tokens else None,
+        "token_entropy_tokens": entropy_tokens,
     }
     for k in sorted({1, *eval_args.pass_k}):
         metrics[f"pass@{k}"] = mean_pass_at_k(num_samples, [c for _, _, c in results], k)

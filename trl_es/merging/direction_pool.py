@@ -55,6 +55,19 @@ def split_buckets(
     return [ordered.shard(num_shards=num_buckets, index=k, contiguous=True) for k in range(num_buckets)]
 
 
+def grpo_generated_tokens(trainer, steps: int) -> int | None:
+    """Completion tokens a finished ``trl.GRPOTrainer`` run generated: the mean of its logged
+    ``completions/mean_length`` times the completions per optimizer step (``per_device_train_batch_size x
+    gradient_accumulation_steps x processes``) times ``steps``; exact when every step is logged (``logging_steps=1``,
+    as :func:`build_direction_pool` sets). `None` when nothing was logged."""
+    lengths = [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
+    if not lengths:
+        return None
+    args = trainer.args
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes
+    return int(round(sum(lengths) / len(lengths) * per_step * steps))
+
+
 def build_direction_pool(
     model,
     train_dataset,
@@ -173,6 +186,8 @@ def build_direction_pool(
                 "steps": int(result.global_step),
                 "reward_first_step": rewards[0] if rewards else None,
                 "reward_last_step": rewards[-1] if rewards else None,
+                "train_runtime_s": float(result.metrics["train_runtime"]),
+                "generated_tokens": grpo_generated_tokens(trainer, int(result.global_step)),
             }
         )
         logger.info(f"Direction pool: adapter {k} trained on {len(bucket)} rows for {result.global_step} steps.")

@@ -160,6 +160,8 @@ class HyperESTrainer(_BaseTrainer):
         self.best_genome: Genome | None = None
         self.history: list[dict] = []
         self.rows_drawn = 0  # position in the stream of fitness rows (fitness_rows), checkpointed
+        self._tokens = 0  # completion tokens this process generated for rewards (fitness and evaluate)
+        self.scored_tokens = 0  # completion tokens generated to score candidates, summed over processes (cost)
 
     # ---- The search ----
 
@@ -229,6 +231,7 @@ class HyperESTrainer(_BaseTrainer):
             )
             per_func.append(out["rewards_per_func"])
             rewards.append(out["rewards"])
+            self._tokens += out["num_tokens"]
         return {"rewards_per_func": torch.cat(per_func), "rewards": torch.cat(rewards)}
 
     def score_current_model(self, rows: list[dict], genome: Genome | None = None) -> float:
@@ -247,16 +250,19 @@ class HyperESTrainer(_BaseTrainer):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
         device = self.applier.device if distributed and self.applier.device.type != "cpu" else torch.device("cpu")
-        fitness = torch.zeros(len(genomes), dtype=torch.float64, device=device)
+        fitness = torch.zeros(len(genomes) + 1, dtype=torch.float64, device=device)  # last: completion tokens
+        tokens_before = self._tokens
         try:
             for i in member_indices(len(genomes), rank, world):
                 self.applier.apply(genomes[i])
                 fitness[i] = self.score_current_model(rows, genomes[i])
         finally:
             self.applier.restore()
+        fitness[-1] = self._tokens - tokens_before
         if distributed:
             torch.distributed.all_reduce(fitness)
-        return fitness.cpu().tolist()
+        self.scored_tokens += int(fitness[-1].item())
+        return fitness[:-1].cpu().tolist()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run CMA-ES for ``max_generations`` generations (or until pycma's termination criteria), then put the final
@@ -273,13 +279,16 @@ class HyperESTrainer(_BaseTrainer):
             was chosen by: re-scored on the whole fitness split with ``final_genome="rescored"``, its validation
             score with ``"validation"``; pycma minimizes negated fitness) and metrics (``train_runtime``,
             ``train_fitness_best`` (best seen during the search), ``train_fitness_final`` (that score),
-            ``train_generations``).
+            ``train_generations``, ``train_generated_tokens``: the completion tokens generated to score candidates in
+            this call, over all processes: fitness, noise re-evaluations and the final choice; since the resume point
+            when resumed).
 
         Raises:
             ValueError: If no candidate got a finite fitness (see ``final_genome``), or no checkpoint to resume from.
         """
         args = self.args
         start_time = time.time()
+        tokens_at_start = self.scored_tokens
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
@@ -370,6 +379,7 @@ class HyperESTrainer(_BaseTrainer):
             "train_fitness_best": float(search.best_fitness),
             "train_fitness_final": float(final_fitness),
             "train_generations": float(search.generation),
+            "train_generated_tokens": float(self.scored_tokens - tokens_at_start),
         }
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.log(dict(metrics))
@@ -415,6 +425,16 @@ class HyperESTrainer(_BaseTrainer):
 
     # ---- Evaluation and saving ----
 
+    def merged(self, genome: Genome | int | str | None):
+        """Context manager: the model with ``genome``'s merge applied (what :meth:`evaluate` scores), put back as it
+        was afterwards, also on an exception. ``genome`` as in :meth:`evaluate` (`None`: the model as it is).
+
+        Raises:
+            ValueError: for an unknown ``genome``, or ``"best"`` before :meth:`train`.
+        """
+        state = self._resolve_state(genome)
+        return self.applier.applied(state) if state is not None else contextlib.nullcontext()
+
     def _resolve_state(self, genome):
         if genome is None:
             return None
@@ -453,9 +473,8 @@ class HyperESTrainer(_BaseTrainer):
             ``{prefix}_fitness``.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        state = self._resolve_state(genome)
+        context = self.merged(genome)
         start = time.time()
-        context = self.applier.applied(state) if state is not None else contextlib.nullcontext()
         with context:
             if self.fitness_fn is not None:
                 current = self.applier.state if isinstance(self.applier.state, Genome) else None

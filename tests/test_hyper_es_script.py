@@ -1,0 +1,77 @@
+"""examples/scripts/hyper_es.py end to end on the tiny model: pool, GRPO-LoRA baselines, search, Pass@K, costs."""
+
+import json
+
+import pytest
+from example_script import example_script
+
+from trl_es.arguments import TrlESParser
+from trl_es.trainer.hyper_es_config import HyperESConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def script():
+    with example_script("hyper_es.py", "hyper_es_script_e2e") as module:
+        yield module
+
+
+def run(script, tiny_model_dir, out, *extra, factors=("1.0", "1.5")):
+    args = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--num_adapters", "2",
+            "--pool_max_steps", "1", "--n_pool", "8", "--n_fitness", "4", "--n_eval", "4", "--pool_batch_size", "4",
+            "--pool_num_generations", "4", "--pool_max_completion_length", "4", "--pool_learning_rate", "1e-2",
+            "--lora_r", "4", "--lora_alpha", "8", "--max_generations", "1", "--population_size", "4",
+            "--genome_granularity", "global", "--final_genome", "best", "--max_completion_length", "4", "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--temperature", "0.0", "--report_to", "none", "--save_strategy",
+            "no", "--use_cpu", "--sampled_samples", "2", "--sampled_prompts", "3", *extra]
+    if factors:
+        args += ["--grpo_lora_factors", *factors]
+    script_args, config = TrlESParser((script.HyperESScriptArguments, HyperESConfig)).parse_args_and_config(args)
+    return script.main(script_args, config)
+
+
+def test_comparison_with_grpo_lora_baselines_pass_at_k_and_costs(script, tiny_model_dir, tmp_path):
+    results = run(script, tiny_model_dir, tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "comparison.json").read_text())
+    assert saved["settings"]["pool_gradient_updates"] == 2 and saved["settings"]["sampled_prompts"] == 3
+    arms = ["base", "best_single_adapter", "uniform_merge", "grpo_lora_2steps", "grpo_lora_3steps", "hyper_es"]
+    assert sorted(saved["sampled"]) == sorted(arms)
+    for arm in arms:
+        figures = saved["sampled"][arm]
+        assert set(figures) == {"pass@1", "pass@2", "token_entropy"}
+        assert 0.0 <= figures["pass@1"] <= figures["pass@2"] <= 1.0 and figures["token_entropy"] > 0
+    for name in ("grpo_lora_2steps", "grpo_lora_3steps"):
+        assert 0.0 <= saved[name] <= 1.0
+    costs = saved["costs"]
+    assert {arm: costs[arm]["gradient_updates"] for arm in arms} == {
+        "base": 0, "best_single_adapter": 1, "uniform_merge": 2, "grpo_lora_2steps": 2, "grpo_lora_3steps": 3,
+        "hyper_es": 2}
+    # GRPO: 4 completions of 1..4 tokens per step; the search: 4 candidates x 4 fitness rows x 1..4 tokens
+    assert 2 * 4 <= costs["uniform_merge"]["generated_tokens"] <= 2 * 4 * 4
+    assert 3 * 4 <= costs["grpo_lora_3steps"]["generated_tokens"] <= 3 * 4 * 4
+    search = costs["hyper_es"]["search_generated_tokens"]
+    assert 16 <= search <= 16 * 4
+    assert costs["hyper_es"]["generated_tokens"] == costs["uniform_merge"]["generated_tokens"] + search
+    assert costs["hyper_es"]["wall_seconds"] > costs["uniform_merge"]["wall_seconds"] > 0
+    assert saved["hyper_es"] == results["hyper_es"]
+    assert [p["generation"] for p in saved["search_curve"]] == [1]
+    assert (tmp_path / "run" / "search_curve.png").stat().st_size > 0
+    # Reused pool and baselines: nothing is trained again, the same (greedy) figures come back.
+    baseline = tmp_path / "run" / "pool" / "grpo_lora_3steps" / "adapter_0" / "adapter_model.safetensors"
+    stamp = baseline.stat().st_mtime_ns
+    again = run(script, tiny_model_dir, tmp_path / "run")
+    assert baseline.stat().st_mtime_ns == stamp
+    assert again["grpo_lora_3steps"] == saved["grpo_lora_3steps"] and again["base"] == saved["base"]
+    assert again["sampled"]["grpo_lora_3steps"] == saved["sampled"]["grpo_lora_3steps"]  # seeded sampling
+    with pytest.raises(ValueError, match="other rows or settings"):
+        run(script, tiny_model_dir, tmp_path / "run", "--pool_learning_rate", "1e-3")
+    tracked = run(script, tiny_model_dir, tmp_path / "tracked", "--n_validation", "3", "--track_validation",
+                  "--max_generations", "2", "--sampled_samples", "0", factors=())
+    assert [p["generation"] for p in tracked["search_curve"]] == [1, 2]
+    assert all(0.0 <= p["validation_mean_genome"] <= 1.0 for p in tracked["search_curve"])
+    assert "sampled" not in tracked and not any(k.startswith("grpo_lora") for k in tracked["costs"])
+    with pytest.raises(ValueError, match="track_validation needs validation rows"):
+        run(script, tiny_model_dir, tmp_path / "other", "--track_validation")
+    with pytest.raises(ValueError, match="grpo_lora_factors must be > 0"):
+        run(script, tiny_model_dir, tmp_path / "other", factors=("0",))
