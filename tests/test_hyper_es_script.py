@@ -75,3 +75,37 @@ def test_comparison_with_grpo_lora_baselines_pass_at_k_and_costs(script, tiny_mo
         run(script, tiny_model_dir, tmp_path / "other", "--track_validation")
     with pytest.raises(ValueError, match="grpo_lora_factors must be > 0"):
         run(script, tiny_model_dir, tmp_path / "other", factors=("0",))
+
+
+def test_table_over_seeds(tmp_path):
+    with example_script("hyper_es_table.py", "hyper_es_table") as table:
+        def seed(base, uniform, hyper, grpo, p1):
+            costs = {"gradient_updates": 72, "generated_tokens": 1000, "wall_seconds": 600.0}
+            return {"base": base, "best_single_adapter": {"name": "adapter_0", "reward": 0.5},
+                    "uniform_merge": uniform, "hyper_es": hyper, "grpo_lora_72steps": grpo, "grpo_lora_80steps": grpo,
+                    "sampled": {arm: {"pass@1": p1, "pass@16": 0.9, "token_entropy": 0.4} for arm in (
+                        "base", "best_single_adapter", "uniform_merge", "hyper_es", "grpo_lora_72steps",
+                        "grpo_lora_80steps")},
+                    "costs": {"base": {"gradient_updates": 0, "generated_tokens": 0, "wall_seconds": 0.0},
+                              "best_single_adapter": dict(costs, gradient_updates=24),
+                              "uniform_merge": costs, "hyper_es": dict(costs, wall_seconds=1200.0),
+                              "grpo_lora_72steps": costs, "grpo_lora_80steps": dict(costs, gradient_updates=80)}}
+
+        files = []
+        for i, values in enumerate([(0.3, 0.6, 0.64, 0.62, 0.5), (0.3, 0.62, 0.66, 0.6, 0.7)]):
+            path = tmp_path / f"seed{i}.json"
+            path.write_text(json.dumps(seed(*values)))
+            files.append(str(path))
+        text = table.main([*files, "--output_file", str(tmp_path / "table.md")])
+        assert (tmp_path / "table.md").read_text() == text
+        lines = text.splitlines()
+        assert lines[0].startswith("| arm | greedy per seed | greedy mean | std | pass@1 (mean +- std) | pass@16")
+        assert [line.split(" | ")[0] for line in lines[2:8]] == [
+            "| base", "| best_single_adapter", "| uniform_merge", "| hyper_es", "| grpo_lora_72steps",
+            "| grpo_lora_80steps"]
+        assert "| hyper_es | 0.640, 0.660 | 0.650 | 0.014 | 0.600 +- 0.141 | 0.900 +- 0.000 | 72 | 1,000 | 20.0 |" in text
+        assert "Hyper-ES - (uniform merge + 0.02): +0.020." in text
+        assert "Hyper-ES - grpo_lora_72steps (equal gradient updates): +0.040." in text
+        assert "grpo_lora_80steps (equal" not in text
+        with pytest.raises(ValueError, match="no comparison.json"):
+            table.summarize([])
