@@ -216,9 +216,10 @@ def policy_figures(model, tokenizer, rows: list[dict], max_new_tokens: int, num_
                    sample_batch_size: int) -> dict:
     """End of run, split over processes: Pass@K (K = 1, 2, 4, ... <= ``num_samples``) and the token entropy of the
     samples at the papers' protocol (:data:`trl_es.analysis.PAPER_PROTOCOL`), via
-    :func:`trl_es.analysis.evaluate_policy` (which also scores this process's share greedily again; unused here,
-    :class:`SplitAccuracy` gives the greedy figure). A process without rows adds nothing."""
-    from trl_es.analysis import PAPER_PROTOCOL, evaluate_policy
+    :func:`trl_es.analysis.sample_policy` (the sampled pass of ``evaluate_policy`` and ``trl-es eval``; the greedy
+    figure is :class:`SplitAccuracy`'s). A process without rows adds nothing."""
+    from trl_es.analysis import PAPER_PROTOCOL, mean_pass_at_k, sample_policy
+    from trl_es.rollout import build_generation_config
     from trl_es.tasks.arithmetic import arithmetic_reward
 
     rank, world = _world()
@@ -227,12 +228,11 @@ def policy_figures(model, tokenizer, rows: list[dict], max_new_tokens: int, num_
     keys = [f"pass@{k}" for k in protocol.pass_k]
     local = [0.0] * (len(keys) + 3)
     if mine:
-        report = evaluate_policy(model, tokenizer, mine, [arithmetic_reward], max_new_tokens, num_samples=num_samples,
-                                 pass_k=protocol.pass_k, temperature=protocol.temperature, top_p=protocol.top_p,
-                                 sample_batch_size=sample_batch_size, seed=1234 + rank, progress=rank == 0)
-        local = [report[k] * len(mine) for k in keys] + [
-            float(len(mine)), report["token_entropy"] * report["token_entropy_tokens"],
-            float(report["token_entropy_tokens"])]
+        config = build_generation_config(tokenizer, max_new_tokens, protocol.temperature, protocol.top_p)
+        out = sample_policy(model, tokenizer, mine, [arithmetic_reward], config, num_samples, sample_batch_size,
+                            seed=1234 + rank, progress=rank == 0)
+        local = [mean_pass_at_k(num_samples, out["correct"], k) * len(mine) for k in protocol.pass_k] + [
+            float(len(mine)), out["token_entropy_sum"], float(out["token_entropy_tokens"])]
     sums = _all_reduce(local)
     prompts = sums[len(keys)]
     figures = {f"sampled_{k}": value / prompts for k, value in zip(keys, sums, strict=False)}
