@@ -137,6 +137,8 @@ def test_eval_rejects_k_above_samples(tiny_model_dir):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--num_samples", "2", "--pass_k", "4"])
     with pytest.raises(ValueError, match="0 means one sample"):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--pass_k", "2"])
+    with pytest.raises(ValueError, match=r"^sample_temperature must be > 0 \(the sampled completions"):
+        main(["eval", "--model_name_or_path", tiny_model_dir, "--sample_temperature", "0"])
     with pytest.raises(ValueError, match=r"argument --split: invalid choice: 'train'"):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--split", "train"])
 

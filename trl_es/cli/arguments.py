@@ -150,6 +150,9 @@ class EvalArguments:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
         if self.sample_batch_size < 1:
             raise ValueError(f"sample_batch_size must be >= 1, got {self.sample_batch_size}.")
+        if self.sample_temperature is not None and not self.sample_temperature > 0:
+            raise ValueError(f"sample_temperature must be > 0 (the sampled completions of pass@k; greedy accuracy is "
+                             f"always reported), got {self.sample_temperature}.")
 
 
 @dataclass
