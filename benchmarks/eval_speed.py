@@ -9,7 +9,7 @@ fp32, the eager engine with the shared chat prefix computed once):
 - ``eval_sample_batch_<s>``: ``trl-es eval --sample_batch_size s``'s sampled path itself,
   :func:`trl_es.analysis.sample_policy` (also ``evaluate_policy``'s and the race's): per ``s`` prompts, one call of
   ``s x num_samples`` rows at T = 0.6, top-p 0.95 (:data:`trl_es.analysis.PAPER_PROTOCOL`), scored with the task's
-  rewards, token entropy recorded.
+  rewards, token entropy recorded (as ``trl-es eval`` does; ``eval_before`` recorded none).
 - ``eval_before``: the same completions the way ``trl-es eval`` made them before (plain engine, 32 prompts x
   ``num_samples`` rows per call), on ``--before_prompts`` prompts.
 

@@ -64,7 +64,7 @@ def test_comparison_with_grpo_lora_baselines_pass_at_k_and_costs(script, tiny_mo
     assert baseline.stat().st_mtime_ns == stamp
     assert again["grpo_lora_3steps"] == saved["grpo_lora_3steps"] and again["base"] == saved["base"]
     assert again["sampled"]["grpo_lora_3steps"] == saved["sampled"]["grpo_lora_3steps"]  # seeded sampling
-    with pytest.raises(ValueError, match="other rows or settings"):
+    with pytest.raises(ValueError, match="other rows or settings than this run.s \\(differing: pool_learning_rate;"):
         run(script, tiny_model_dir, tmp_path / "run", "--pool_learning_rate", "1e-3")
     tracked = run(script, tiny_model_dir, tmp_path / "tracked", "--n_validation", "3", "--track_validation",
                   "--max_generations", "2", "--sampled_samples", "0", factors=())

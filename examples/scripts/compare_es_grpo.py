@@ -468,12 +468,12 @@ NOT_ARM_SETTINGS = ("output_dir", "methods", "budgets_minutes", "task_seeds", "r
 
 def arm_settings(race: RaceArguments, spec: dict) -> dict:
     """What an arm's result depends on: the race arguments that are not about which arms run or where they are
-    written, the arm's method, task seed, budget and marks, and for ES the resolved ESConfig keyword arguments (so an
-    edited recipe file does not pass for the old one). JSON-normalized, so it compares equal to a saved copy."""
+    written, the arm's method, task seed, budget and marks, and the resolved ESConfig keyword arguments (so an edited
+    recipe file does not pass for the old one; GRPO takes its completion length from the recipe too). JSON-normalized, so it compares equal to a saved copy."""
     settings = {k: v for k, v in dataclasses.asdict(race).items() if k not in NOT_ARM_SETTINGS}
     settings["arm"] = {k: spec[k] for k in ("method", "task_seed", "budget_minutes", "marks_minutes")}
-    if spec["method"] == "es":
-        settings["es_config"] = race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>")
+    # Every arm: GRPO reads the recipe too (its completion length is the recipe's max_completion_length).
+    settings["es_config"] = race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>")
     return json.loads(json.dumps(settings))
 
 

@@ -31,6 +31,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from accelerate import PartialState
 from transformers import TrainerCallback
 
 from trl_es.arguments import TrlESParser
@@ -134,7 +135,8 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
     # The pool's training rows and settings, recorded beside it: a reused pool must have been trained on exactly
     # these (the split sizes shift the train rows, and a pool trained on what is now validation or fitness would
     # leak into them).
-    recipe = {"task_seed": script_args.task_seed, "prompts": [str(row["prompt"]) for row in rows],
+    recipe = {"model": script_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
+              "task_seed": script_args.task_seed, "prompts": [str(row["prompt"]) for row in rows],
               "num_adapters": num_adapters, "max_steps": steps, "seed": training_args.seed,
               **{key: getattr(script_args, key) for key in (
                   "pool_split", "pool_learning_rate", "lora_r", "lora_alpha", "pool_batch_size",
@@ -146,11 +148,12 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
             with open(rows_file) as f:
                 recorded = json.load(f)
         if recorded != recipe:
+            differ = "no " + POOL_ROWS_NAME if recorded is None else "differing: " + ", ".join(
+                sorted(k for k in {*recorded, *recipe} if recorded.get(k) != recipe.get(k)))
             raise ValueError(f"The direction pool in {pool_dir} was trained on other rows or settings than this run's "
-                             f"({'no ' + POOL_ROWS_NAME if recorded is None else 'they differ'}: task_seed, n_pool, "
-                             "n_fitness, n_validation, n_eval, low/high/ops select the rows; num_adapters, "
-                             "pool_max_steps, seed and the pool_*/lora_* settings train them). Use another pool_dir "
-                             "or --reuse_pool false.")
+                             f"({differ}; task_seed, n_pool, n_fitness, n_validation, n_eval, low/high/ops select the "
+                             "rows; the model, num_adapters, pool_max_steps, seed and the pool_*/lora_* settings "
+                             "train them). Use another pool_dir or --reuse_pool false.")
         with open(os.path.join(pool_dir, POOL_NAME)) as f:
             records = json.load(f)["adapters"]
         logger.info(f"Reusing the direction pool in {pool_dir}: {[r['adapter'] for r in records]}")
@@ -180,6 +183,7 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
     )
     if is_main_process():
         write_json(rows_file, recipe)
+    PartialState().wait_for_everyone()  # direction_pool.json is written by the main process
     with open(os.path.join(pool_dir, POOL_NAME)) as f:
         records = json.load(f)["adapters"]
     return adapters, records
@@ -242,12 +246,15 @@ class MeanGenomeValidation(TrainerCallback):
 
     def __init__(self, rows: list[dict]):
         self.rows, self.records, self.trainer = rows, [], None
+        self.seconds = 0.0  # time spent here (not a cost of the search: subtracted from its wall time)
 
     def on_step_end(self, args, state, control, **kwargs):
+        start = time.time()
         trainer = self.trainer
         with trainer.merged(trainer.space.decode(trainer.search.mean)):
             reward = trainer.score_current_model(self.rows)
         self.records.append({"generation": state.global_step, "validation_mean_genome": reward})
+        self.seconds += time.time() - start
 
 
 def plot_search(history: list[dict], validation: list[dict], path: str) -> None:
@@ -361,7 +368,7 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         del arm
     search_start = time.time()
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    search_seconds = time.time() - search_start
+    search_seconds = time.time() - search_start - (tracker.seconds if tracker else 0.0)
     results["hyper_es"] = trainer.evaluate(held_out, metric_key_prefix="hyper_es")["hyper_es_reward"]
     results["hyper_es_fitness"] = -train_output.training_loss
     figures["hyper_es"] = sampled(trainer, None)
@@ -372,10 +379,13 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         for h in trainer.history
     ]
     if tracker is not None:
-        for point, record in zip(results["search_curve"], tracker.records, strict=False):
-            point["validation_mean_genome"] = record["validation_mean_genome"]
-    results["costs"] = arm_costs(pool_records, best_k, baselines,
-                                 train_output.metrics, search_seconds)
+        tracked = {r["generation"]: r["validation_mean_genome"] for r in tracker.records}
+        for point in results["search_curve"]:
+            if point["generation"] in tracked:
+                point["validation_mean_genome"] = tracked[point["generation"]]
+    results["costs"] = arm_costs(pool_records, best_k, baselines, train_output.metrics, search_seconds)
+    if training_args.resume_from_checkpoint:  # the tokens and seconds of the search before the resume are not known
+        results["costs"]["hyper_es"]["partial"] = "resumed: search tokens and seconds since the resume only"
     results["settings"] = {
         "generations": trainer.search.generation,
         "population_size": trainer.search.popsize,

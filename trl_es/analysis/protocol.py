@@ -35,7 +35,9 @@ def check_sampling(temperature: float, top_p: float, num_samples: int, pass_k, a
         return
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
-    if not pass_k or any(not 1 <= k <= num_samples for k in pass_k):
+    if not pass_k:
+        raise ValueError("pass_k must hold at least one k to sample for, got none.")
+    if any(not 1 <= k <= num_samples for k in pass_k):
         raise ValueError(f"every pass_k value must be in [1, num_samples={num_samples}], got {list(pass_k)}.")
 
 

@@ -57,14 +57,16 @@ def split_buckets(
 
 def grpo_generated_tokens(trainer, steps: int) -> int | None:
     """Completion tokens a finished ``trl.GRPOTrainer`` run generated: the mean of its logged
-    ``completions/mean_length`` times the completions per optimizer step (``per_device_train_batch_size x
-    gradient_accumulation_steps x processes``) times ``steps``; exact when every step is logged (``logging_steps=1``,
-    as :func:`build_direction_pool` sets). `None` when nothing was logged."""
+    ``completions/mean_length`` times the completions generated per optimizer step (``per_device_train_batch_size x
+    gradient_accumulation_steps x processes / num_iterations``: TRL generates once per ``steps_per_generation x
+    num_iterations`` micro-batches) times ``steps``; exact when every step is logged (``logging_steps=1``, as
+    :func:`build_direction_pool` sets). `None` when nothing was logged."""
     lengths = [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
     if not lengths:
         return None
     args = trainer.args
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes
+    per_step /= getattr(args, "num_iterations", 1)  # a generation is reused for num_iterations optimizer passes
     return int(round(sum(lengths) / len(lengths) * per_step * steps))
 
 
