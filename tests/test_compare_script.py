@@ -163,6 +163,9 @@ def test_reuse_results_reads_back_an_arm_run_with_the_same_settings(race, tmp_pa
     assert race.launch_arm(wider, race.arms(wider)[0])["run"] == 1 and calls == [0]
     changed = race.parse_args([*argv, "--reuse_results", "--es_overrides", "sigma=0.01"])
     assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2
+    arm_dir = tmp_path / "seed0" / "es_4min"
+    assert json.loads((arm_dir / "result.replaced.json").read_text())["run"] == 1  # the earlier result is kept
+    assert json.loads((arm_dir / "arm.replaced.json").read_text()) == saved
     assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2  # now saved with the new settings
     no_reuse = race.parse_args([*argv, "--es_overrides", "sigma=0.01"])
     assert race.launch_arm(no_reuse, race.arms(no_reuse)[0])["run"] == 3 and calls == [0, 0, 0]

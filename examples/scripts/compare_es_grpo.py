@@ -482,7 +482,8 @@ def launch_arm(race: RaceArguments, spec: dict) -> dict:
 
     Writes ``arm.json`` (:func:`arm_settings`) beside the result once the arm has finished; with
     ``--reuse_results`` an arm whose ``arm.json`` equals this run's settings and whose ``result.json`` exists is read
-    back instead of run."""
+    back instead of run. An arm run again keeps the earlier result and settings as ``result.replaced.json`` and
+    ``arm.replaced.json`` (one generation back)."""
     from trl_es.launch import plan_launch, run_worker
 
     processes = race.es_num_processes if spec["method"] == "es" else race.grpo_num_processes
@@ -498,9 +499,12 @@ def launch_arm(race: RaceArguments, spec: dict) -> dict:
             print(f"{label}: reusing {result_file} (same settings)", flush=True)
             with open(result_file) as f:
                 return json.load(f)
-        print(f"{label}: {settings_file} records other settings; running the arm again", flush=True)
-    if os.path.isfile(settings_file):
-        os.remove(settings_file)  # it describes the result about to be replaced
+        print(f"{label}: {settings_file} records other settings; running the arm again (the earlier result is kept "
+              "as result.replaced.json)", flush=True)
+    for name in ("result", "arm"):  # an earlier result (and its settings): kept aside, not lost, then replaced
+        path = os.path.join(spec["output_dir"], f"{name}.json")
+        if os.path.isfile(path):
+            os.replace(path, os.path.join(spec["output_dir"], f"{name}.replaced.json"))
     spec = dict(spec, race=dataclasses.asdict(race), result=result_file)
     print(f"{label}: {plan_launch(processes).reason}", flush=True)
     result = run_worker(os.path.abspath(__file__), spec, processes, race.threads_per_process)
