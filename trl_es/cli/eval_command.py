@@ -155,7 +155,6 @@ def evaluate(argv: list[str]) -> dict:
     Raises:
         ValueError: On bad arguments, ``pass_k`` above the number of samples, or an empty split.
     """
-    import torch
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
