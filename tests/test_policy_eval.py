@@ -122,3 +122,22 @@ def test_sample_policy_scores_records_and_is_seeded(tiny_llama, tokenizer):
         sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 0)
     with pytest.raises(ValueError, match="sample_batch_size must be an integer >= 1"):
         sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 2, sample_batch_size=0)
+
+
+def test_sample_batch_size_none_fills_calls_to_the_row_target(tiny_llama, tokenizer, monkeypatch):
+    from trl_es.analysis import SAMPLE_ROWS_PER_CALL, auto_sample_batch_size, policy_eval, sample_policy
+
+    assert SAMPLE_ROWS_PER_CALL == 128
+    assert [auto_sample_batch_size(n) for n in (1, 16, 64, 100, 128, 200)] == [128, 8, 2, 1, 1, 1]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+            auto_sample_batch_size(bad)
+    dataset = make_arithmetic_dataset_dict(5, 0, 0, seed=3)["train"]
+    rows = [dict(dataset[i], good=i in (1, 4)) for i in range(5)]
+    config = build_generation_config(tokenizer, 5, temperature=0.8, top_p=0.95)
+    monkeypatch.setattr(policy_eval, "SAMPLE_ROWS_PER_CALL", 6)  # 3 samples: 2 prompts a call
+    auto = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, seed=11, progress=False)
+    two = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, 2, seed=11, progress=False)
+    one = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, 1, seed=11, progress=False)
+    assert auto["token_entropy_sum"] == two["token_entropy_sum"]  # the same calls: the same samples
+    assert auto["token_entropy_sum"] != one["token_entropy_sum"]

@@ -29,18 +29,20 @@ from .pass_at_k import (
     pass_at_k,
     plot_pass_at_k_curves,
 )
-from .policy_eval import evaluate_policy, greedy_accuracy, sample_policy
+from .policy_eval import SAMPLE_ROWS_PER_CALL, auto_sample_batch_size, evaluate_policy, greedy_accuracy, sample_policy
 from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtocol, check_sampling
 from .report import analyze
 from .sparsity import functional_sparsity, reset_small_updates
 
 __all__ = [
     "PAPER_PROTOCOL",
+    "SAMPLE_ROWS_PER_CALL",
     "PASS_AT_K_METRIC_PATH",
     "SamplingProtocol",
     "UNIT_TEMPERATURE_PROTOCOL",
     "TokenEntropyRecorder",
     "analyze",
+    "auto_sample_batch_size",
     "barrier",
     "binary_entropy",
     "check_sampling",

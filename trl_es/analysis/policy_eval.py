@@ -16,7 +16,29 @@ from .kl import off_task_kl
 from .pass_at_k import mean_pass_at_k
 from .protocol import check_sampling
 
-__all__ = ["evaluate_policy", "greedy_accuracy", "sample_policy"]
+__all__ = ["SAMPLE_ROWS_PER_CALL", "auto_sample_batch_size", "evaluate_policy", "greedy_accuracy", "sample_policy"]
+
+SAMPLE_ROWS_PER_CALL = 128
+"""Rows (prompts x samples) per sampled ``generate`` call that ``sample_batch_size=None`` aims at: the fastest width
+measured for the eager engine on the 2-core CPU (``benchmarks/eval_speed.py``, docs/benchmarks.md)."""
+
+
+def auto_sample_batch_size(num_samples: int) -> int:
+    """Prompts per sampled ``generate`` call for ``sample_batch_size=None``: ``max(1, SAMPLE_ROWS_PER_CALL //
+    num_samples)``, so that a call holds about :data:`SAMPLE_ROWS_PER_CALL` rows (8 prompts at 16 samples, 2 at 64).
+
+    Args:
+        num_samples (`int`): Completions per prompt, ``>= 1``.
+
+    Returns:
+        `int`: ``>= 1``.
+
+    Raises:
+        ValueError: if ``num_samples`` is not an integer ``>= 1``.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    return max(1, SAMPLE_ROWS_PER_CALL // num_samples)
 
 
 def _scorer(reward_funcs):
@@ -84,7 +106,7 @@ def sample_policy(
     reward_funcs,
     generation_config,
     num_samples: int,
-    sample_batch_size: int = 1,
+    sample_batch_size: int | None = None,
     seed: int | None = None,
     success_threshold: float = 0.5,
     chat_template_kwargs: dict | None = None,
@@ -97,7 +119,8 @@ def sample_policy(
     Generation is training's eager engine with the shared prompt prefix computed once
     (:class:`trl_es.generation.EagerEngine`, ``share_prompt_prefix=True``) through :func:`trl_es.rollout.score_model`,
     ``sample_batch_size`` prompts (``sample_batch_size * num_samples`` rows) per ``generate`` call; with 1 prompt per
-    call its ``num_samples`` rows share the whole prompt but its last token. With ``record_entropy`` a
+    call its ``num_samples`` rows share the whole prompt but its last token (fewer FLOPs, but narrower and slower
+    calls on the CPU: ``None``, the default, fills a call with about :data:`SAMPLE_ROWS_PER_CALL` rows). With ``record_entropy`` a
     :class:`trl_es.analysis.entropy.TokenEntropyRecorder` at ``generation_config.temperature`` records the entropy
     (nats) of the sampling distribution at every completion token up to and including EOS (before any top-p cut;
     it reads the scores and does not change the sampled tokens).
@@ -111,7 +134,8 @@ def sample_policy(
         generation_config (`GenerationConfig`): A sampling config (``do_sample=True``, ``temperature > 0``), e.g.
             :func:`trl_es.rollout.build_generation_config` with a temperature.
         num_samples (`int`): Completions per prompt, ``>= 1``.
-        sample_batch_size (`int`): Prompts per ``generate`` call, ``>= 1``.
+        sample_batch_size (`int`, *optional*): Prompts per ``generate`` call, ``>= 1``; ``None`` (default):
+            :func:`auto_sample_batch_size` (about :data:`SAMPLE_ROWS_PER_CALL` rows a call).
         seed (`int`, *optional*): Seeds the sampling inside ``torch.random.fork_rng`` (the caller's RNG is left as it
             was); ``None`` samples from the current global RNG.
         success_threshold (`float`): A sample is correct when the last reward is above this (NaN: not correct).
@@ -126,13 +150,16 @@ def sample_policy(
         processes).
 
     Raises:
-        ValueError: if ``num_samples`` or ``sample_batch_size`` is below 1, or the config does not sample.
+        ValueError: if ``num_samples`` or ``sample_batch_size`` (not ``None``) is below 1, or the config does not
+            sample.
     """
     from ..generation import EagerEngine
     from ..rollout import RewardScorer, score_model
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    if sample_batch_size is None:
+        sample_batch_size = auto_sample_batch_size(num_samples)
     if isinstance(sample_batch_size, bool) or not isinstance(sample_batch_size, int) or sample_batch_size < 1:
         raise ValueError(f"sample_batch_size must be an integer >= 1, got {sample_batch_size!r}.")
     temperature = generation_config.temperature
@@ -193,7 +220,7 @@ def evaluate_policy(
     kl_max_new_tokens: int = 16,
     kl_num_samples: int = 1,
     batch_size: int = 50,
-    sample_batch_size: int = 1,
+    sample_batch_size: int | None = None,
     seed: int = 0,
     success_threshold: float = 0.5,
     chat_template_kwargs: dict | None = None,
@@ -237,10 +264,11 @@ def evaluate_policy(
         kl_max_new_tokens (`int`): New tokens per KL sample.
         kl_num_samples (`int`): KL samples per off-task prompt.
         batch_size (`int`): Prompts per greedy ``generate`` call.
-        sample_batch_size (`int`): Prompts per sampling ``generate`` call (``sample_batch_size * num_samples`` rows).
-            With 1 (default) the engine's shared-prefix path computes the whole prompt once for its ``num_samples``
-            rows (all rows share it but its last token), instead of once per row: about half the FLOPs on the
-            arithmetic prompts, the cheaper choice on a CPU; raise it on a GPU, where wide batches are cheap.
+        sample_batch_size (`int`, *optional*): Prompts per sampling ``generate`` call (``sample_batch_size *
+            num_samples`` rows). ``None`` (default): :func:`auto_sample_batch_size`, about
+            :data:`SAMPLE_ROWS_PER_CALL` rows a call. With 1 the engine's shared-prefix path computes the whole
+            prompt once for its ``num_samples`` rows (all rows share it but its last token): about half the FLOPs
+            on the arithmetic prompts, yet slower on the 2-core CPU than 128-row calls (docs/benchmarks.md).
         seed (`int`): Seed of the sampling.
         success_threshold (`float`): Correct when the answer reward is above this.
         chat_template_kwargs (`dict`, *optional*): For conversational prompts.

@@ -128,10 +128,11 @@ class EvalArguments:
         metadata={"help": "Extra apply_chat_template arguments (JSON). None: run/recipe, else none."},
     )
     batch_size: int = field(default=32, metadata={"help": "Prompts per greedy generate call."})
-    sample_batch_size: int = field(
-        default=1,
-        metadata={"help": "Prompts per sampled generate call (x num_samples rows). 1 (default): the prompt's "
-                  "num_samples rows share it, and the engine computes it once (the cheaper choice on a CPU)."},
+    sample_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Prompts per sampled generate call (x num_samples rows). None (default): about 128 rows a "
+                  "call (max(1, 128 // num_samples) prompts; trl_es.analysis.auto_sample_batch_size), the fastest "
+                  "width measured on the CPU."},
     )
     output_file: str | None = field(default=None, metadata={"help": "Also write the metrics as JSON here."})
 
@@ -148,8 +149,9 @@ class EvalArguments:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
-        if self.sample_batch_size < 1:
-            raise ValueError(f"sample_batch_size must be >= 1, got {self.sample_batch_size}.")
+        if self.sample_batch_size is not None and self.sample_batch_size < 1:
+            raise ValueError(f"sample_batch_size must be >= 1 (or None: about 128 rows a call), got "
+                             f"{self.sample_batch_size}.")
         if self.sample_temperature is not None and not self.sample_temperature > 0:
             raise ValueError(f"sample_temperature must be > 0 (the sampled completions of pass@k; greedy accuracy is "
                              f"always reported), got {self.sample_temperature}.")
