@@ -128,14 +128,15 @@ def test_sample_batch_size_none_fills_calls_to_the_row_target(tiny_llama, tokeni
     from trl_es.analysis import SAMPLE_ROWS_PER_CALL, auto_sample_batch_size, policy_eval, sample_policy
 
     assert SAMPLE_ROWS_PER_CALL == 128
-    assert [auto_sample_batch_size(n) for n in (1, 16, 64, 100, 128, 200)] == [128, 8, 2, 1, 1, 1]
+    # about 128 rows a call; one prompt a call from 64 samples on (its rows share the whole prompt)
+    assert [auto_sample_batch_size(n) for n in (1, 16, 32, 63, 64, 100, 200)] == [128, 8, 4, 2, 1, 1, 1]
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
             auto_sample_batch_size(bad)
     dataset = make_arithmetic_dataset_dict(5, 0, 0, seed=3)["train"]
     rows = [dict(dataset[i], good=i in (1, 4)) for i in range(5)]
     config = build_generation_config(tokenizer, 5, temperature=0.8, top_p=0.95)
-    monkeypatch.setattr(policy_eval, "SAMPLE_ROWS_PER_CALL", 6)  # 3 samples: 2 prompts a call
+    monkeypatch.setattr(policy_eval, "SAMPLE_ROWS_PER_CALL", 8)  # 3 samples: 8 // 3 = 2 prompts a call
     auto = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, seed=11, progress=False)
     two = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, 2, seed=11, progress=False)
     one = sample_policy(tiny_llama, tokenizer, rows, [good_reward], config, 3, 1, seed=11, progress=False)

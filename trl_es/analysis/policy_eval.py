@@ -24,8 +24,13 @@ measured for the eager engine on the 2-core CPU (``benchmarks/eval_speed.py``, d
 
 
 def auto_sample_batch_size(num_samples: int) -> int:
-    """Prompts per sampled ``generate`` call for ``sample_batch_size=None``: ``max(1, SAMPLE_ROWS_PER_CALL //
-    num_samples)``, so that a call holds about :data:`SAMPLE_ROWS_PER_CALL` rows (8 prompts at 16 samples, 2 at 64).
+    """Prompts per sampled ``generate`` call for ``sample_batch_size=None``.
+
+    ``SAMPLE_ROWS_PER_CALL // num_samples`` prompts (about 128 rows a call: 8 prompts at 16 samples), and one prompt a
+    call once its samples fill half a call (``num_samples >= 64``): then every row of the call shares the whole
+    prompt, which the eager engine computes once. On the 2-core CPU (``benchmarks/eval_speed.py``, SmolLM2-135M, 12
+    new tokens, one run each): 16 samples, completions/s at 1 / 4 / 8 / 16 / 24 prompts a call: 10.4 / 14.9 / 17.5 /
+    15.6 / 12.5; 64 samples, at 1 / 2 / 8 prompts: 19.9 / 17.2 / 12.3.
 
     Args:
         num_samples (`int`): Completions per prompt, ``>= 1``.
@@ -38,7 +43,9 @@ def auto_sample_batch_size(num_samples: int) -> int:
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
-    return max(1, SAMPLE_ROWS_PER_CALL // num_samples)
+    if 2 * num_samples >= SAMPLE_ROWS_PER_CALL:
+        return 1
+    return SAMPLE_ROWS_PER_CALL // num_samples
 
 
 def _scorer(reward_funcs):
@@ -119,8 +126,9 @@ def sample_policy(
     Generation is training's eager engine with the shared prompt prefix computed once
     (:class:`trl_es.generation.EagerEngine`, ``share_prompt_prefix=True``) through :func:`trl_es.rollout.score_model`,
     ``sample_batch_size`` prompts (``sample_batch_size * num_samples`` rows) per ``generate`` call; with 1 prompt per
-    call its ``num_samples`` rows share the whole prompt but its last token (fewer FLOPs, but narrower and slower
-    calls on the CPU: ``None``, the default, fills a call with about :data:`SAMPLE_ROWS_PER_CALL` rows). With ``record_entropy`` a
+    call its ``num_samples`` rows share the whole prompt but its last token (fewer FLOPs; with few samples, narrow
+    and slow calls on the CPU). ``None``, the default, is :func:`auto_sample_batch_size`: about
+    :data:`SAMPLE_ROWS_PER_CALL` rows a call, one prompt a call from 64 samples on. With ``record_entropy`` a
     :class:`trl_es.analysis.entropy.TokenEntropyRecorder` at ``generation_config.temperature`` records the entropy
     (nats) of the sampling distribution at every completion token up to and including EOS (before any top-p cut;
     it reads the scores and does not change the sampled tokens).
@@ -135,7 +143,8 @@ def sample_policy(
             :func:`trl_es.rollout.build_generation_config` with a temperature.
         num_samples (`int`): Completions per prompt, ``>= 1``.
         sample_batch_size (`int`, *optional*): Prompts per ``generate`` call, ``>= 1``; ``None`` (default):
-            :func:`auto_sample_batch_size` (about :data:`SAMPLE_ROWS_PER_CALL` rows a call).
+            :func:`auto_sample_batch_size` (about :data:`SAMPLE_ROWS_PER_CALL` rows a call, one prompt a call from
+            64 samples on).
         seed (`int`, *optional*): Seeds the sampling inside ``torch.random.fork_rng`` (the caller's RNG is left as it
             was); ``None`` samples from the current global RNG.
         success_threshold (`float`): A sample is correct when the last reward is above this (NaN: not correct).
@@ -266,9 +275,10 @@ def evaluate_policy(
         batch_size (`int`): Prompts per greedy ``generate`` call.
         sample_batch_size (`int`, *optional*): Prompts per sampling ``generate`` call (``sample_batch_size *
             num_samples`` rows). ``None`` (default): :func:`auto_sample_batch_size`, about
-            :data:`SAMPLE_ROWS_PER_CALL` rows a call. With 1 the engine's shared-prefix path computes the whole
-            prompt once for its ``num_samples`` rows (all rows share it but its last token): about half the FLOPs
-            on the arithmetic prompts, yet slower on the 2-core CPU than 128-row calls (docs/benchmarks.md).
+            :data:`SAMPLE_ROWS_PER_CALL` rows a call, or one prompt at 64 samples or more. With 1 the engine's
+            shared-prefix path computes the whole prompt once for its ``num_samples`` rows (all rows share it but
+            its last token): about half the FLOPs on the arithmetic prompts, but at 16 samples narrow (16-row)
+            calls, 0.6x the completions/s of 128-row calls on the 2-core CPU (docs/benchmarks.md).
         seed (`int`): Seed of the sampling.
         success_threshold (`float`): Correct when the answer reward is above this.
         chat_template_kwargs (`dict`, *optional*): For conversational prompts.

@@ -130,9 +130,9 @@ class EvalArguments:
     batch_size: int = field(default=32, metadata={"help": "Prompts per greedy generate call."})
     sample_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Prompts per sampled generate call (x num_samples rows). None (default): about 128 rows a "
-                  "call (max(1, 128 // num_samples) prompts; trl_es.analysis.auto_sample_batch_size), the fastest "
-                  "width measured on the CPU."},
+        metadata={"help": "Prompts per sampled generate call (x num_samples rows). None (default): "
+                  "trl_es.analysis.auto_sample_batch_size, 128 // num_samples prompts (about 128 rows a call), one "
+                  "prompt a call from 64 samples on: the fastest widths measured on the CPU."},
     )
     output_file: str | None = field(default=None, metadata={"help": "Also write the metrics as JSON here."})
 
