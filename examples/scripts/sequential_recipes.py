@@ -118,8 +118,9 @@ class SequentialArguments:
     eval_max_new_tokens: int | None = field(default=None, metadata={
         "help": "New tokens per evaluated completion (default: the ES recipe's max_completion_length)."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per greedy generate call."})
-    sample_batch_size: int = field(default=1, metadata={
-        "help": "Prompts per sampling generate call (1: each prompt computed once for its samples; raise on a GPU)."})
+    sample_batch_size: int | None = field(default=None, metadata={
+        "help": "Prompts per sampling generate call; None: trl_es.analysis.auto_sample_batch_size (about 128 rows a "
+                "call, one prompt a call from 64 samples on). 1: each prompt computed once for its samples."})
     num_kl_prompts: int = field(default=32, metadata={"help": "Off-task (Countdown) prompts for the KL."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
     eval_workers: int | None = field(default=None, metadata={
