@@ -141,6 +141,8 @@ def test_eval_rejects_k_above_samples(tiny_model_dir):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--sample_temperature", "0"])
     with pytest.raises(ValueError, match=r"argument --split: invalid choice: 'train'"):
         main(["eval", "--model_name_or_path", tiny_model_dir, "--split", "train"])
+    with pytest.raises(ValueError, match=r"^sample_batch_size must be >= 1 \(or None: about 128 rows a call\), got 0"):
+        main(["eval", "--model_name_or_path", tiny_model_dir, "--sample_batch_size", "0"])
 
 
 def test_eval_reports_every_reward_function(tmp_path, tiny_model_dir):
