@@ -10,6 +10,9 @@ fp32, the eager engine with the shared chat prefix computed once):
   :func:`trl_es.analysis.sample_policy` (also ``evaluate_policy``'s and the race's): per ``s`` prompts, one call of
   ``s x num_samples`` rows at T = 0.6, top-p 0.95 (:data:`trl_es.analysis.PAPER_PROTOCOL`), scored with the task's
   rewards, token entropy recorded (as ``trl-es eval`` does; ``eval_before`` recorded none).
+- ``eval_multinomial_<s>`` (with ``--time_multinomial``): the same with transformers' own draws
+  (``sample_policy(candidate_sampling=False)``, ``torch.multinomial`` over the vocabulary; the path before
+  2026-12-02).
 - ``eval_before``: the same completions the way ``trl-es eval`` made them before (plain engine, 32 prompts x
   ``num_samples`` rows per call), on ``--before_prompts`` prompts.
 
@@ -50,6 +53,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_samples", type=int, default=16)
     parser.add_argument("--sample_batch_sizes", type=int, nargs="+", default=[1, 4, 8],
                         help="trl-es eval --sample_batch_size values to time (prompts per sampled call).")
+    parser.add_argument("--time_multinomial", action="store_true",
+                        help="Also time each width with transformers' multinomial draws (the path before 2026-12-02).")
     parser.add_argument("--new_tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output_file", default=None)
@@ -78,9 +83,9 @@ def main(argv=None) -> dict:
             out = rollout(model, train_rows * len(members), num_row_groups=len(members))
         return len(out["completions"])
 
-    def evaluation(rows, sample_batch_size):
+    def evaluation(rows, sample_batch_size, candidate_sampling=True):
         out = sample_policy(model, tokenizer, rows, scorer, sampled, args.num_samples, sample_batch_size,
-                            progress=False)
+                            progress=False, candidate_sampling=candidate_sampling)
         return out["rewards_per_func"].shape[0] * out["rewards_per_func"].shape[1]
 
     def before(rows):
@@ -94,6 +99,10 @@ def main(argv=None) -> dict:
     for size in args.sample_batch_sizes:
         variants[f"eval_sample_batch_{size}"] = (lambda size=size: evaluation(eval_rows[: args.eval_prompts], size),
                                                  lambda size=size: evaluation(eval_rows[:size], size))
+        if args.time_multinomial:
+            variants[f"eval_multinomial_{size}"] = (
+                lambda size=size: evaluation(eval_rows[: args.eval_prompts], size, False),
+                lambda size=size: evaluation(eval_rows[:size], size, False))
     variants["eval_before"] = (lambda: before(eval_rows[: args.before_prompts]), lambda: before(eval_rows[:2]))
     result = {"threads": torch.get_num_threads(), "settings": vars(args)}
     with torch.no_grad():
@@ -113,6 +122,9 @@ def main(argv=None) -> dict:
         rate = result[f"eval_sample_batch_{size}"]["completions_per_s"]
         result[f"ratio_eval_sample_batch_{size}_over_training"] = rate / result["training"]["completions_per_s"]
         result[f"ratio_eval_sample_batch_{size}_over_before"] = rate / result["eval_before"]["completions_per_s"]
+        if args.time_multinomial:
+            result[f"ratio_eval_multinomial_{size}_over_training"] = (
+                result[f"eval_multinomial_{size}"]["completions_per_s"] / result["training"]["completions_per_s"])
     result["protocol"] = {"temperature": PAPER_PROTOCOL.temperature, "top_p": PAPER_PROTOCOL.top_p}
     print(json.dumps(result, indent=2))
     if args.output_file:

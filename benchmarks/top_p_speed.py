@@ -1,6 +1,9 @@
 """Top-p per decoding step: transformers' ``TopPLogitsWarper`` (a sort of every row's vocabulary) against
 :class:`trl_es.generation.top_p.CandidateTopPLogitsWarper` (a top-k of ``--candidates``), and the bare ``torch.sort``
-/ ``torch.topk`` they are built on; seconds per step, one scores tensor of ``--rows x --vocab`` float32.
+/ ``torch.topk`` they are built on; then the draw that follows: transformers' ``softmax`` + ``torch.multinomial`` of
+the truncated scores (``transformers_draw``) against :class:`trl_es.generation.sampling.CandidateSampler`, which
+truncates and draws in one (``candidate_sampler``, what ``sample_policy`` runs); seconds per step, one scores tensor
+of ``--rows x --vocab`` float32.
 
 Scores: random logits scaled so that the T = 0.6 softmax is peaked like a trained LM's (``--scale``), so the nucleus
 sits inside the candidates (no fallback; the count of fallback rows is printed). Each variant runs once untimed, then
@@ -20,6 +23,7 @@ import torch
 from transformers import TopPLogitsWarper
 
 from trl_es.files import write_json
+from trl_es.generation.sampling import CandidateSampler
 from trl_es.generation.top_p import CandidateTopPLogitsWarper
 
 
@@ -42,11 +46,15 @@ def main(argv=None) -> dict:
     ids = torch.zeros(args.rows, 1, dtype=torch.long)
     candidate = CandidateTopPLogitsWarper(args.top_p, args.temperature, args.candidates)
     hf = TopPLogitsWarper(args.top_p)
+    sampler = CandidateSampler(args.temperature, args.top_p, args.candidates)
+    truncated = candidate(ids, scores) / args.temperature  # what transformers' sampling step draws from
     variants = {
         "torch_sort": lambda: torch.sort(scores, dim=-1, descending=True),
         "torch_topk": lambda: torch.topk(scores, args.candidates, dim=-1),
         "transformers_top_p": lambda: hf(ids, scores / args.temperature),
         "candidate_top_p": lambda: candidate(ids, scores),
+        "transformers_draw": lambda: torch.multinomial(truncated.softmax(dim=-1), num_samples=1),
+        "candidate_sampler": lambda: sampler(ids, scores),
     }
     result = {"threads": torch.get_num_threads(), "settings": vars(args), "seconds_per_step": {}}
     for name, fn in variants.items():
@@ -61,7 +69,9 @@ def main(argv=None) -> dict:
     kept_hf = ~torch.isinf(hf(ids, scores / args.temperature))
     kept_candidate = ~torch.isinf(candidate(ids, scores))
     result["same_kept_sets"] = bool(torch.equal(kept_hf, kept_candidate))
-    result["fallback_rows_per_step"] = candidate.fallback_rows / (args.repeats + 2)
+    result["fallback_rows_per_step"] = candidate.fallback_rows / (args.repeats + 3)  # warm-up, repeats, 2 more
+    drawn = sampler(ids, scores).argmax(dim=-1)
+    result["candidate_sampler_draws_in_nucleus"] = bool(kept_hf.gather(1, drawn[:, None]).all())
     result["mean_kept_tokens"] = float(kept_hf.sum(dim=-1).float().mean())
     print(json.dumps(result, indent=2))
     if args.output_file:

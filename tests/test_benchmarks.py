@@ -31,7 +31,9 @@ def test_top_p_speed_reports_each_variant_and_equal_kept_sets(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert set(figures["seconds_per_step"]) == {"torch_sort", "torch_topk", "transformers_top_p", "candidate_top_p"}
+    assert set(figures["seconds_per_step"]) == {"torch_sort", "torch_topk", "transformers_top_p", "candidate_top_p",
+                                                "transformers_draw", "candidate_sampler"}
     assert all(seconds > 0 for seconds in figures["seconds_per_step"].values())
     assert figures["same_kept_sets"] is True and figures["fallback_rows_per_step"] == 0.0
+    assert figures["candidate_sampler_draws_in_nucleus"] is True
     assert 1 <= figures["mean_kept_tokens"] <= 64

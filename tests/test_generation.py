@@ -282,3 +282,99 @@ def test_sampling_with_top_p_gives_transformers_tokens(tokenizer):
     assert use_candidate_top_p(config, {}, model=model)[0] is config
     model.generation_config.min_p = None
     assert use_candidate_top_p(config, {}, model=model)[0] is not config
+
+
+# ------------------------------------------------------------------------------- sampling without multinomial
+def nucleus_probabilities(scores, temperature, top_p):
+    """transformers' own sampling distribution: temperature, then TopPLogitsWarper, then softmax."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
+    warped = TemperatureLogitsWarper(temperature)(ids, scores.clone())
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(ids, warped)
+    return warped.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("temperature, top_p, candidates, fallback", [
+    (0.6, 0.95, 256, False),  # the papers' protocol: nucleus among the candidates
+    (1.0, 0.9, 3, True),      # nucleus wider than 3 candidates: transformers' warper, then the full cumulative sum
+    (1.0, 1.0, 256, True),    # no truncation: the whole distribution
+])
+def test_candidate_sampler_draws_the_nucleus_distribution(temperature, top_p, candidates, fallback):
+    from trl_es.generation.sampling import CandidateSampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40) * 2.0
+    expected = nucleus_probabilities(logits, temperature, top_p)
+    draws = 20_000
+    scores = logits.repeat_interleave(draws, dim=0)
+    sampler = CandidateSampler(temperature, top_p, candidates)
+    torch.manual_seed(1)
+    out = sampler(torch.zeros(scores.shape[0], 1, dtype=torch.long), scores.clone())
+    # the output is the draw: 0 at one token per row, -inf elsewhere, so greedy decoding picks it
+    assert torch.equal((out == 0).sum(dim=1), torch.ones(scores.shape[0], dtype=torch.long))
+    assert torch.isinf(out).sum() == scores.numel() - scores.shape[0]
+    tokens = out.argmax(dim=1).view(3, draws)
+    for row in range(3):
+        counts = torch.bincount(tokens[row], minlength=40).double()
+        assert counts[expected[row] == 0].sum() == 0  # never outside the nucleus
+        # every token's frequency within 5 binomial standard deviations of transformers' probability
+        sd = (expected[row].double() * (1 - expected[row].double()) / draws).sqrt()
+        assert ((counts / draws - expected[row]).abs() <= 5 * sd + 1e-12).all(), row
+    assert (sampler.fallback_rows > 0) == (fallback and top_p < 1)
+    torch.manual_seed(1)  # one uniform per row from the global generator: the same seed, the same draws
+    assert torch.equal(sampler(torch.zeros(scores.shape[0], 1, dtype=torch.long), scores.clone()), out)
+    for bad, match in (({"temperature": 0.0}, "temperature must be > 0"), ({"top_p": 0.0}, "top_p must be in"),
+                       ({"top_p": 1.5}, "top_p must be in"), ({"candidates": 0}, "candidates must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            CandidateSampler(**bad)
+
+
+def test_candidate_sampling_in_generate_matches_transformers_sampling(tokenizer):
+    """One sampled token from many copies of a prompt: the candidate sampler's frequencies (greedy generate) equal
+    transformers' do_sample frequencies within sampling error; seeded runs repeat; the swap keeps out where unsafe."""
+    from transformers import GenerationConfig
+
+    from trl_es.generation.sampling import CandidateSampler, use_candidate_sampler
+
+    model = build_llama(tokenizer).eval()
+    config = build_generation_config(tokenizer, 1, temperature=0.6, top_p=0.95)
+    swapped, kwargs = use_candidate_sampler(config, {}, model=model)
+    assert swapped.do_sample is False and config.do_sample is True
+    assert isinstance(kwargs["logits_processor"][-1], CandidateSampler)
+    inputs = tokenizer(text=["Write: 1"] * 4000, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        reference = model.generate(**inputs, generation_config=config)[:, -1]
+        torch.manual_seed(0)
+        ours = model.generate(**inputs, generation_config=swapped, **kwargs)[:, -1]
+        probs = nucleus_probabilities(model(**tokenizer(text=["Write: 1"], return_tensors="pt",
+                                                        add_special_tokens=False)).logits[:, -1], 0.6, 0.95)[0]
+    assert len(set(ours.tolist())) > 2  # really sampled
+    sd = (probs.double() * (1 - probs.double()) / 4000).sqrt()
+    for drawn in (reference, ours):
+        frequency = torch.bincount(drawn, minlength=probs.numel()).double() / 4000
+        assert ((frequency - probs).abs() <= 5 * sd + 1e-12).all()
+    prompts = ["Write: 1", "Write: 22"] * 4
+    engine = EagerEngine(share_prompt_prefix=True, min_shared_prefix=1, candidate_sampling=True)
+    sampled = build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        _, ids = generate_completions(model, tokenizer, prompts, sampled, engine=engine)
+        runs.append(ids)
+    assert runs[0] == runs[1] and len({str(i) for i in runs[0]}) > 2
+    assert engine.describe() == {"name": "eager", "share_prompt_prefix": True, "candidate_sampling": True}
+    # where something reads or changes the scores after sampling, or the settings are not fully known: no swap
+    for unsure in (GenerationConfig(do_sample=True, top_p=0.9, temperature=0.6),  # top-k unset (50)
+                   build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9,
+                                           generation_kwargs={"output_scores": True}),
+                   build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9,
+                                           generation_kwargs={"renormalize_logits": True}),
+                   build_generation_config(tokenizer, 8, temperature=0.6, top_p=None)):
+        assert use_candidate_sampler(unsure, {})[0] is unsure
+    assert use_candidate_sampler(sampled, {"output_logits": True})[0] is sampled
+    assert use_candidate_sampler(build_generation_config(tokenizer, 8), {})[1] == {}  # greedy stays greedy
+    whole = build_generation_config(tokenizer, 8, temperature=1.0, top_p=1.0)
+    assert use_candidate_sampler(whole, {})[1]["logits_processor"][-1].top_p == 1.0

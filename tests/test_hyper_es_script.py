@@ -109,3 +109,24 @@ def test_table_over_seeds(tmp_path):
         assert "grpo_lora_80steps (equal" not in text
         with pytest.raises(ValueError, match="no comparison.json"):
             table.summarize([])
+
+
+def test_table_plots_every_seeds_search_curve(tmp_path):
+    with example_script("hyper_es_table.py", "hyper_es_table_plot") as table:
+        files = []
+        for i in range(2):
+            run = {"base": 0.3, "best_single_adapter": {"name": "adapter_0", "reward": 0.5}, "uniform_merge": 0.5,
+                   "hyper_es": 0.55,
+                   "search_curve": [{"generation": g, "fitness_best": 0.5 + 0.01 * g, "fitness_mean": 0.4 + 0.01 * g,
+                                     "validation_mean_genome": 0.45 + 0.01 * i} for g in (1, 2, 3)]}
+            (tmp_path / f"seed{i}").mkdir()
+            path = tmp_path / f"seed{i}" / "comparison.json"
+            path.write_text(json.dumps(run))
+            files.append(str(path))
+        table.main([*files, "--plot_file", str(tmp_path / "curves.png")])
+        assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        del run["search_curve"]
+        (tmp_path / "seed1" / "comparison.json").write_text(json.dumps(run))
+        with pytest.raises(ValueError, match=r"no search_curve in \['seed1'\]"):
+            table.main([*files, "--plot_file", str(tmp_path / "other.png")])
+        assert not (tmp_path / "other.png").exists()

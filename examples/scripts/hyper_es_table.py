@@ -4,18 +4,22 @@ markdown table of mean +- sample standard deviation out.
 Per arm (base, best single adapter, uniform merge, Hyper-ES, each GRPO-LoRA baseline): greedy held-out accuracy per
 seed, its mean and spread, sampled pass@1 and the largest pass@K (when the runs have ``sampled``), gradient updates,
 generated tokens and wall-clock minutes of training/search (``costs``), and the distance of Hyper-ES to the issue's
-targets (uniform merge + 0.02; GRPO-LoRA at equal gradient updates).
+targets (uniform merge + 0.02; GRPO-LoRA at equal gradient updates). With ``--plot_file``, one figure of every seed's
+search curve (``search_curve`` of ``comparison.json``, written with ``--track_validation``): the fitness of each
+generation's best candidate and the candidates' mean, and the validation accuracy of the CMA-ES mean genome.
 
-    python examples/scripts/hyper_es_table.py runs/hyper_es_cpu/seed*/comparison.json --output_file table.md
+    python examples/scripts/hyper_es_table.py runs/hyper_es_cpu/seed*/comparison.json --output_file table.md \
+        --plot_file search_curves.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trl_es.files import write_text
+from trl_es.files import save_figure, write_text
 
 ARMS = ("base", "best_single_adapter", "uniform_merge", "hyper_es")
 
@@ -88,10 +92,48 @@ def markdown(table: dict, seeds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_search_curves(results: list[dict], labels: list[str], path: str) -> None:
+    """Fitness (best and mean of each generation's candidates) and the mean genome's validation accuracy by CMA-ES
+    generation, one colour per seed, two panels; saved atomically to ``path``.
+
+    Raises:
+        ValueError: if a run has no ``search_curve`` (it ran without ``--track_validation``).
+    """
+    missing = [label for label, r in zip(labels, results) if not r.get("search_curve")]
+    if missing:
+        raise ValueError(f"no search_curve in {missing}: run hyper_es.py with --track_validation for --plot_file.")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (fitness, validation) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for i, (label, result) in enumerate(zip(labels, results)):
+        curve, colour = result["search_curve"], f"C{i}"
+        generations = [c["generation"] for c in curve]
+        fitness.plot(generations, [c["fitness_best"] for c in curve], "o-", color=colour, label=f"{label}: best")
+        fitness.plot(generations, [c["fitness_mean"] for c in curve], "o--", color=colour, alpha=0.6,
+                     label=f"{label}: mean")
+        tracked = [c for c in curve if c.get("validation_mean_genome") is not None]
+        validation.plot([c["generation"] for c in tracked], [c["validation_mean_genome"] for c in tracked], "s-",
+                        color=colour, label=label)
+    fitness.set_title("fitness rows: best candidate and candidates' mean")
+    validation.set_title("validation: CMA-ES mean genome")
+    for ax in (fitness, validation):
+        ax.set_xlabel("CMA-ES generation")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fitness.set_ylabel("accuracy")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="comparison.json files, one per seed.")
     parser.add_argument("--output_file", default=None)
+    parser.add_argument("--plot_file", default=None, help="A figure of every seed's search curve (e.g. .png).")
     args = parser.parse_args(argv)
     results = []
     for path in args.files:
@@ -101,6 +143,9 @@ def main(argv: list[str] | None = None) -> str:
     sys.stdout.write(text)
     if args.output_file:
         write_text(args.output_file, text)
+    if args.plot_file:
+        plot_search_curves(results, [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in args.files],
+                           args.plot_file)
     return text
 
 

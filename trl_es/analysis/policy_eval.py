@@ -119,12 +119,15 @@ def sample_policy(
     chat_template_kwargs: dict | None = None,
     record_entropy: bool = True,
     progress: bool = True,
+    candidate_sampling: bool = True,
 ) -> dict:
     r"""Sample ``num_samples`` completions per prompt, score them, and record their token entropy: the sampled pass of
     :func:`evaluate_policy`, ``trl-es eval`` and the race's entropy curve.
 
     Generation is training's eager engine with the shared prompt prefix computed once
     (:class:`trl_es.generation.EagerEngine`, ``share_prompt_prefix=True``) through :func:`trl_es.rollout.score_model`,
+    each token drawn by :class:`trl_es.generation.sampling.CandidateSampler` (``candidate_sampling``, default: the
+    distribution of transformers' sampling without its ``multinomial`` over the vocabulary; other draws for a seed),
     ``sample_batch_size`` prompts (``sample_batch_size * num_samples`` rows) per ``generate`` call; with 1 prompt per
     call its ``num_samples`` rows share the whole prompt but its last token (fewer FLOPs; with few samples, narrow
     and slow calls on the CPU). ``None``, the default, is :func:`auto_sample_batch_size`: about
@@ -151,6 +154,8 @@ def sample_policy(
         chat_template_kwargs (`dict`, *optional*): For conversational prompts.
         record_entropy (`bool`): Record the token entropy.
         progress (`bool`): A tqdm bar of completions done / total (stderr).
+        candidate_sampling (`bool`): Draw tokens with :class:`trl_es.generation.sampling.CandidateSampler` (fast on
+            a CPU); ``False``: transformers' own ``multinomial`` draws (the samples a seed gave before 2026-12-02).
 
     Returns:
         `dict`: ``rewards_per_func`` (float32 tensor ``(len(rows), num_samples, F)``, NaN for ``None`` rewards),
@@ -177,7 +182,7 @@ def sample_policy(
                          f"{generation_config.do_sample}, temperature={temperature}.")
     rows = list(rows)
     scorer = reward_funcs if isinstance(reward_funcs, RewardScorer) else _scorer(reward_funcs)
-    engine = EagerEngine(share_prompt_prefix=True)
+    engine = EagerEngine(share_prompt_prefix=True, candidate_sampling=candidate_sampling)
     recorder = TokenEntropyRecorder(temperature) if record_entropy else None
     per_func, correct, entropy_sum, entropy_tokens = [], [], 0.0, 0
     device = next(model.parameters()).device

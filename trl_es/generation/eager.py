@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from .base import GenerationEngine, model_device, tokenize_left_padded
+from .sampling import use_candidate_sampler
 from .top_p import use_candidate_top_p
 
 SHAREABLE_ATTENTION = ("sdpa", "eager")
@@ -61,20 +62,29 @@ class EagerEngine(GenerationEngine):
     least ``min_shared_prefix`` tokens, no n-gram logits processor (``no_repeat_ngram_size``, ``bad_words_ids``,
     ``sequence_bias``: they read the prompt's token order); otherwise the plain path runs.
 
+    Sampling with top-p swaps transformers' sorting top-p for :class:`trl_es.generation.top_p.CandidateTopPLogitsWarper`
+    (the same tokens). With ``candidate_sampling=True`` the whole sampling step (temperature, top-p and the draw) is
+    :class:`trl_es.generation.sampling.CandidateSampler` instead, under greedy decoding: the same distribution
+    without ``torch.multinomial`` over the vocabulary, but other random draws than transformers' for a seed.
+
     Args:
         share_prompt_prefix (`bool`): Compute the shared prompt prefix once per row group.
         min_shared_prefix (`int`): Shortest shared prefix (tokens) worth a separate forward.
+        candidate_sampling (`bool`): Draw sampled tokens with :func:`trl_es.generation.sampling.use_candidate_sampler`
+            where it applies (the evaluation's setting; training keeps transformers' draws).
     """
 
     name = "eager"
 
-    def __init__(self, share_prompt_prefix: bool = False, min_shared_prefix: int = 8):
+    def __init__(self, share_prompt_prefix: bool = False, min_shared_prefix: int = 8, candidate_sampling: bool = False):
         self.share_prompt_prefix = bool(share_prompt_prefix)
         self.min_shared_prefix = int(min_shared_prefix)
+        self.candidate_sampling = bool(candidate_sampling)
         self.last_shared_prefix = 0  # tokens shared in the last call (0: plain path), for logging and tests
 
     def describe(self) -> dict:
-        return {"name": self.name, "share_prompt_prefix": self.share_prompt_prefix}
+        facts = {"name": self.name, "share_prompt_prefix": self.share_prompt_prefix}
+        return {**facts, "candidate_sampling": True} if self.candidate_sampling else facts
 
     def can_share(self, model, generation_config, generate_kwargs) -> bool:
         """Whether prefix sharing applies to this model and these settings (see the class doc)."""
@@ -97,6 +107,8 @@ class EagerEngine(GenerationEngine):
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         self.last_shared_prefix = 0
+        if self.candidate_sampling:
+            generation_config, generate_kwargs = use_candidate_sampler(generation_config, generate_kwargs, model=model)
         generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):

@@ -13,7 +13,7 @@ import copy
 import torch
 from transformers import GenerationConfig, LogitsProcessor, TopPLogitsWarper
 
-__all__ = ["CandidateTopPLogitsWarper", "use_candidate_top_p"]
+__all__ = ["CandidateTopPLogitsWarper", "nucleus_among_candidates", "use_candidate_top_p"]
 
 #: Generation settings that, passed to ``generate`` as keyword arguments, would override the config's sampling.
 _SAMPLING_KEYS = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
@@ -57,21 +57,38 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.float() / self.temperature
-        k = min(self.candidates, z.shape[-1])
-        values, indices = z.topk(k, dim=-1)
-        probs = (values - torch.logsumexp(z, dim=-1, keepdim=True)).exp()
-        cumulative = probs.cumsum(dim=-1)
-        keep = (cumulative - probs) < self.top_p
-        keep[:, 0] = True
+        indices, probs, keep, missed = nucleus_among_candidates(z, self.top_p, self.candidates)
         out = torch.full_like(scores, -float("inf"))
         out.scatter_(1, indices, torch.where(keep, scores.gather(1, indices), out.gather(1, indices)))
-        missed = cumulative[:, -1] < self.top_p
         if missed.any():
             self.fallback_rows += int(missed.sum())
             rows = missed.nonzero(as_tuple=True)[0]
             removed = torch.isinf(TopPLogitsWarper(self.top_p)(input_ids[rows], z[rows])) & ~torch.isinf(z[rows])
             out[rows] = scores[rows].masked_fill(removed, -float("inf"))
         return out
+
+
+def nucleus_among_candidates(z: torch.Tensor, top_p: float, candidates: int):
+    """The top-p nucleus of ``softmax(z)`` searched among the ``candidates`` largest entries of each row.
+
+    Args:
+        z (`torch.Tensor`): float32 logits already divided by the temperature, shape ``(batch, vocab)``.
+        top_p (`float`): In ``(0, 1)``.
+        candidates (`int`): ``>= 1``; at most ``vocab`` are searched.
+
+    Returns:
+        `tuple`: ``indices`` (int64, ``(batch, k)``, the candidates by decreasing probability), ``probs`` (float32,
+        ``(batch, k)``, their probabilities under the full softmax), ``keep`` (bool, ``(batch, k)``: in the nucleus
+        by transformers' rule, the mass strictly before the token below ``top_p``) and ``missed`` (bool,
+        ``(batch,)``: the candidates hold less than ``top_p`` of the mass, so the row's nucleus is not settled).
+    """
+    k = min(candidates, z.shape[-1])
+    values, indices = z.topk(k, dim=-1)
+    probs = (values - torch.logsumexp(z, dim=-1, keepdim=True)).exp()
+    cumulative = probs.cumsum(dim=-1)
+    keep = (cumulative - probs) < top_p
+    keep[:, 0] = True
+    return indices, probs, keep, cumulative[:, -1] < top_p
 
 
 def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: dict, candidates: int = 256,
@@ -96,14 +113,7 @@ def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: di
         `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
     """
     top_p, temperature = generation_config.top_p, generation_config.temperature
-    if not generation_config.do_sample or top_p is None or not 0 < top_p < 1:
-        return generation_config, generate_kwargs
-    if temperature is None or not temperature > 0 or generation_config.top_k != 0:
-        return generation_config, generate_kwargs
-    if (generation_config.num_beams or 1) != 1 or _SAMPLING_KEYS & set(generate_kwargs):
-        return generation_config, generate_kwargs
-    configs = [generation_config, getattr(model, "generation_config", None)]
-    if any(_sets_other_warper(config) for config in configs if config is not None):
+    if top_p is None or not 0 < top_p < 1 or not swap_is_safe(generation_config, generate_kwargs, model):
         return generation_config, generate_kwargs
     config = copy.deepcopy(generation_config)
     config.top_p = 1.0
@@ -111,6 +121,20 @@ def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: di
     processors = list(kwargs.get("logits_processor") or [])
     kwargs["logits_processor"] = [*processors, CandidateTopPLogitsWarper(top_p, temperature, candidates)]
     return config, kwargs
+
+
+def swap_is_safe(generation_config: GenerationConfig, generate_kwargs: dict, model=None) -> bool:
+    """Whether transformers would sample with exactly temperature then top-p (the settings a swap replaces):
+    ``do_sample`` without beams, an explicit ``temperature > 0``, ``top_k == 0`` explicitly (an unset top-k becomes
+    transformers' default of 50), no other warper in the config or in ``model.generation_config`` (whose values fill
+    the unset ones), and no sampling setting among ``generate_kwargs`` (it would override the config)."""
+    temperature = generation_config.temperature
+    if not generation_config.do_sample or temperature is None or not temperature > 0 or generation_config.top_k != 0:
+        return False
+    if (generation_config.num_beams or 1) != 1 or _SAMPLING_KEYS & set(generate_kwargs):
+        return False
+    configs = [generation_config, getattr(model, "generation_config", None)]
+    return not any(_sets_other_warper(config) for config in configs if config is not None)
 
 
 def _sets_other_warper(config: GenerationConfig) -> bool:

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from decimal import Decimal, InvalidOperation
 
 from ..rewards import completion_text, dataset_column, extract_answer_tag, extract_boxed, find_numbers
@@ -254,7 +255,10 @@ class _MathVerifyProcess:
             return None
 
     def equal(self, gold: str, pred: str, seconds: float) -> bool | None:
-        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``."""
+        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``, counted from
+        the request (a reply already queued when this thread gets the GIL back after a late wake-up counts as late:
+        the limit does not depend on thread scheduling)."""
+        start = time.monotonic()
         try:
             request = {"gold": gold, "pred": pred, "timeout": max(1, int(seconds // 5))}
             self.process.stdin.write(json.dumps(request) + "\n")
@@ -262,7 +266,9 @@ class _MathVerifyProcess:
         except (BrokenPipeError, OSError, ValueError):
             return None
         reply = self._next_reply(seconds)
-        return None if reply is None else bool(reply.get("equal"))
+        if reply is None or time.monotonic() - start > seconds:
+            return None
+        return bool(reply.get("equal"))
 
     def kill(self) -> None:
         try:

@@ -1,0 +1,123 @@
+"""Sampling the next token without ``torch.multinomial`` over the vocabulary: the same distribution, drawn in a
+logits processor.
+
+transformers samples every decoding step with ``torch.multinomial(softmax(scores), 1)``. On a CPU that draw is the
+largest part of sampling once the top-p sort is gone: for 128 rows x 49,152 tokens (SmolLM2) the softmax and
+``multinomial`` (one exponential variate per vocabulary entry) take 0.163 s on one core, against 0.048 s for
+:class:`CandidateSampler`'s top-p *and* draw (``benchmarks/top_p_speed.py``, 2026-12-02). The sampler applies the
+temperature and top-p and draws each row's token by inverse transform sampling (one uniform per row); it returns
+scores that are ``0`` at the drawn token and ``-inf`` elsewhere, and ``generate`` runs greedy (argmax) on them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, TopPLogitsWarper
+
+from .top_p import nucleus_among_candidates, swap_is_safe
+
+__all__ = ["CandidateSampler", "use_candidate_sampler"]
+
+
+class CandidateSampler(LogitsProcessor):
+    r"""Draws each row's next token from ``softmax(scores / temperature)`` truncated to its top-p nucleus (Holtzman
+    et al. 2020, arXiv 1904.09751, Eq. 3) by inverse transform sampling, and returns the draw as scores.
+
+    The nucleus follows transformers' ``TopPLogitsWarper`` rule, found as
+    :class:`trl_es.generation.top_p.CandidateTopPLogitsWarper` finds it: among the ``candidates`` largest scores
+    when their probabilities sum to at least ``top_p``, else with ``TopPLogitsWarper`` itself. With the kept
+    probabilities :math:`q_1, \dots, q_n` of a row (in the order searched) and one :math:`u \sim U[0, 1)` per row
+    (``torch.rand``, the global generator), the token is the first :math:`j` with
+    :math:`\sum_{i \le j} q_i > u \sum_i q_i`: token :math:`j` is drawn with probability
+    :math:`q_j / \sum_i q_i`, the renormalised nucleus, as transformers' ``multinomial`` draws it. The random
+    numbers differ from transformers', so a seed gives other samples than ``do_sample=True`` does (the same
+    distribution); the same seed gives the same samples every time. ``top_p = 1`` draws from the whole
+    distribution (cumulative sum over the vocabulary).
+
+    Meant to be the last processor of a **greedy** ``generate`` (``do_sample=False``), so that argmax picks the drawn
+    token; :func:`use_candidate_sampler` sets that up.
+
+    Args:
+        temperature (`float`): ``> 0``, the sampling temperature.
+        top_p (`float`): In ``(0, 1]``.
+        candidates (`int`): Tokens searched for the nucleus before the fallback.
+
+    Raises:
+        ValueError: for ``temperature <= 0``, ``top_p`` outside ``(0, 1]`` or ``candidates < 1``.
+    """
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0, candidates: int = 256):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}.")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        if candidates < 1:
+            raise ValueError(f"candidates must be >= 1, got {candidates}.")
+        self.temperature, self.top_p, self.candidates = float(temperature), float(top_p), int(candidates)
+        self.fallback_rows = 0  # rows whose nucleus was not among the candidates (for tests and tuning)
+
+    def draw(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor:
+        """The drawn token of every row, int64 of shape ``(batch,)``."""
+        z = scores.float() / self.temperature
+        u = torch.rand(z.shape[0], 1, device=z.device)  # one uniform per row, whichever path the row takes
+        tokens = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+        pending = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
+        if self.top_p < 1:
+            indices, probs, keep, pending = nucleus_among_candidates(z, self.top_p, self.candidates)
+            kept = (probs * keep).cumsum(dim=-1)
+            j = torch.searchsorted(kept, u * kept[:, -1:], right=True).clamp_(max=indices.shape[-1] - 1)
+            tokens = indices.gather(1, j).squeeze(1)
+            self.fallback_rows += int(pending.sum())
+        if pending.any():
+            rows = pending.nonzero(as_tuple=True)[0]
+            full = z[rows]
+            if self.top_p < 1:
+                full = TopPLogitsWarper(self.top_p)(input_ids[rows], full)
+            kept = full.softmax(dim=-1).cumsum(dim=-1)
+            j = torch.searchsorted(kept, u[rows] * kept[:, -1:], right=True).clamp_(max=z.shape[-1] - 1)
+            tokens[rows] = j.squeeze(1)
+        return tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        tokens = self.draw(input_ids, scores)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, tokens[:, None], 0.0)
+
+
+def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: dict, candidates: int = 256,
+                          model=None) -> tuple[GenerationConfig, dict]:
+    """Swap transformers' sampling (temperature, top-p, ``multinomial``) for :class:`CandidateSampler` under greedy
+    decoding, where the sampled distribution is the same.
+
+    Applies where :func:`trl_es.generation.top_p.use_candidate_top_p` would (sampling without beams, explicit
+    temperature, ``top_k == 0``, no other warper, no sampling keyword argument), also at ``top_p = 1`` (set
+    explicitly: an unset one is filled from ``model.generation_config``), and only when nothing reads or changes the
+    scores after the sampler: no watermarking, no ``renormalize_logits``, no ``output_scores``/``output_logits`` (the
+    scores returned would be the draw). The config is copied with ``do_sample=False`` (temperature, top-p and top-k
+    unset: greedy decoding does not read them) and the sampler is appended to ``logits_processor`` (after any custom
+    processor, e.g. an entropy recorder, which still sees the untruncated scores). Otherwise both come back unchanged.
+
+    Args:
+        candidates (`int`): See :class:`CandidateSampler`.
+        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
+
+    Returns:
+        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
+    """
+    top_p = generation_config.top_p
+    if top_p is None or not 0 < top_p <= 1 or not swap_is_safe(generation_config, generate_kwargs, model):
+        return generation_config, generate_kwargs
+    configs = [c for c in (generation_config, getattr(model, "generation_config", None)) if c is not None]
+    reads_scores = ("output_scores", "output_logits", "renormalize_logits")
+    if any(getattr(c, "watermarking_config", None) is not None or any(getattr(c, name, False) for name in reads_scores)
+           for c in configs) or any(generate_kwargs.get(name) for name in (*reads_scores, "watermarking_config")):
+        return generation_config, generate_kwargs
+    config = copy.deepcopy(generation_config)
+    temperature = config.temperature
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+    kwargs = dict(generate_kwargs)
+    processors = list(kwargs.get("logits_processor") or [])
+    kwargs["logits_processor"] = [*processors, CandidateSampler(temperature, top_p, candidates)]
+    return config, kwargs
