@@ -325,10 +325,32 @@ def test_candidate_sampler_draws_the_nucleus_distribution(temperature, top_p, ca
     assert (sampler.fallback_rows > 0) == (fallback and top_p < 1)
     torch.manual_seed(1)  # one uniform per row from the global generator: the same seed, the same draws
     assert torch.equal(sampler(torch.zeros(scores.shape[0], 1, dtype=torch.long), scores.clone()), out)
+    for row in (torch.full((1, 40), -float("inf")), torch.tensor([[0.0, float("nan")] + [1.0] * 38])):
+        for top_p in (0.95, 1.0):  # NaN or all -inf scores: refused, as transformers' multinomial refuses them
+            with pytest.raises(ValueError, match="contain NaN or inf, or sum to 0"):
+                CandidateSampler(1.0, top_p)(torch.zeros(1, 1, dtype=torch.long), row)
     for bad, match in (({"temperature": 0.0}, "temperature must be > 0"), ({"top_p": 0.0}, "top_p must be in"),
                        ({"top_p": 1.5}, "top_p must be in"), ({"candidates": 0}, "candidates must be >= 1")):
         with pytest.raises(ValueError, match=match):
             CandidateSampler(**bad)
+
+
+def test_candidate_sampler_can_draw_the_tiniest_tokens_of_a_large_vocabulary(monkeypatch):
+    """Inverse transform sampling in float64: past a cumulative mass of 0.5 a float32 sum ignores tokens of
+    probability below about 3e-8, which could then never be drawn; the uniform that falls in such a token's interval
+    of the float64 CDF draws it."""
+    import trl_es.generation.sampling as sampling
+
+    vocab = 49_152
+    scores = torch.full((1, vocab), -18.0)  # each tail token: p = e^-18 / (1 + ...) ~ 1.5e-8
+    scores[0, 0] = 0.0
+    cdf = scores.double().softmax(dim=-1).cumsum(dim=-1)[0]
+    cdf32 = scores.softmax(dim=-1).cumsum(dim=-1)[0]
+    assert float(cdf32[30_000] - cdf32[29_999]) == 0  # in float32, token 30,000 has no interval of its own
+    for target in (1, 30_000, vocab - 1):
+        u = float((cdf[target - 1] + cdf[target]) / 2 / cdf[-1])
+        monkeypatch.setattr(sampling.torch, "rand", lambda *shape, **kwargs: torch.full(shape, u, **kwargs))
+        assert int(sampling.CandidateSampler(1.0, 1.0).draw(torch.zeros(1, 1, dtype=torch.long), scores)) == target
 
 
 def test_candidate_sampling_in_generate_matches_transformers_sampling(tokenizer):
@@ -375,6 +397,14 @@ def test_candidate_sampling_in_generate_matches_transformers_sampling(tokenizer)
                    build_generation_config(tokenizer, 8, temperature=0.6, top_p=None)):
         assert use_candidate_sampler(unsure, {})[0] is unsure
     assert use_candidate_sampler(sampled, {"output_logits": True})[0] is sampled
+    several = build_generation_config(tokenizer, 8, temperature=0.6, top_p=0.9,
+                                      generation_kwargs={"num_return_sequences": 2})
+    assert use_candidate_sampler(several, {})[0] is several  # greedy decoding refuses several sequences
+    assert use_candidate_sampler(sampled, {"num_return_sequences": 2})[0] is sampled
+    model.generation_config.penalty_alpha = 0.6  # would turn greedy decoding into contrastive search
+    assert use_candidate_sampler(sampled, {}, model=model)[0] is sampled
+    model.generation_config.penalty_alpha = None
+    assert use_candidate_sampler(sampled, {}, model=model)[0].top_k == 0
     assert use_candidate_sampler(build_generation_config(tokenizer, 8), {})[1] == {}  # greedy stays greedy
     whole = build_generation_config(tokenizer, 8, temperature=1.0, top_p=1.0)
     assert use_candidate_sampler(whole, {})[1]["logits_processor"][-1].top_p == 1.0

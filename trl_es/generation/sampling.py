@@ -59,14 +59,24 @@ class CandidateSampler(LogitsProcessor):
         self.fallback_rows = 0  # rows whose nucleus was not among the candidates (for tests and tuning)
 
     def draw(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor:
-        """The drawn token of every row, int64 of shape ``(batch,)``."""
+        """The drawn token of every row, int64 of shape ``(batch,)``.
+
+        Cumulative sums are float64: over a 49,152-token vocabulary a float32 sum stops growing at tokens of
+        probability below about 3e-8, which could then never be drawn.
+
+        Raises:
+            ValueError: for a row whose kept probabilities are not finite or sum to 0 (NaN or all ``-inf`` scores),
+                as transformers' ``multinomial`` refuses them.
+        """
         z = scores.float() / self.temperature
-        u = torch.rand(z.shape[0], 1, device=z.device)  # one uniform per row, whichever path the row takes
+        # one uniform per row, whichever path the row takes
+        u = torch.rand(z.shape[0], 1, device=z.device, dtype=torch.float64)
         tokens = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
         pending = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
         if self.top_p < 1:
             indices, probs, keep, pending = nucleus_among_candidates(z, self.top_p, self.candidates)
-            kept = (probs * keep).cumsum(dim=-1)
+            kept = (probs.double() * keep).cumsum(dim=-1)
+            _check_mass(kept[~pending, -1])
             j = torch.searchsorted(kept, u * kept[:, -1:], right=True).clamp_(max=indices.shape[-1] - 1)
             tokens = indices.gather(1, j).squeeze(1)
             self.fallback_rows += int(pending.sum())
@@ -75,7 +85,8 @@ class CandidateSampler(LogitsProcessor):
             full = z[rows]
             if self.top_p < 1:
                 full = TopPLogitsWarper(self.top_p)(input_ids[rows], full)
-            kept = full.softmax(dim=-1).cumsum(dim=-1)
+            kept = full.double().softmax(dim=-1).cumsum(dim=-1)
+            _check_mass(kept[:, -1])
             j = torch.searchsorted(kept, u[rows] * kept[:, -1:], right=True).clamp_(max=z.shape[-1] - 1)
             tokens[rows] = j.squeeze(1)
         return tokens
@@ -86,6 +97,13 @@ class CandidateSampler(LogitsProcessor):
         return out.scatter_(1, tokens[:, None], 0.0)
 
 
+def _check_mass(total: torch.Tensor) -> None:
+    """Refuse rows whose kept probability mass is NaN, infinite or 0 (transformers' ``multinomial`` raises too)."""
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("CandidateSampler: a row's probabilities contain NaN or inf, or sum to 0 (scores that are "
+                         "NaN or all -inf); transformers' sampling refuses such rows too.")
+
+
 def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: dict, candidates: int = 256,
                           model=None) -> tuple[GenerationConfig, dict]:
     """Swap transformers' sampling (temperature, top-p, ``multinomial``) for :class:`CandidateSampler` under greedy
@@ -93,11 +111,13 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
 
     Applies where :func:`trl_es.generation.top_p.use_candidate_top_p` would (sampling without beams, explicit
     temperature, ``top_k == 0``, no other warper, no sampling keyword argument), also at ``top_p = 1`` (set
-    explicitly: an unset one is filled from ``model.generation_config``), and only when nothing reads or changes the
-    scores after the sampler: no watermarking, no ``renormalize_logits``, no ``output_scores``/``output_logits`` (the
-    scores returned would be the draw). The config is copied with ``do_sample=False`` (temperature, top-p and top-k
-    unset: greedy decoding does not read them) and the sampler is appended to ``logits_processor`` (after any custom
-    processor, e.g. an entropy recorder, which still sees the untruncated scores). Otherwise both come back unchanged.
+    explicitly: an unset one is filled from ``model.generation_config``), with one return sequence and no
+    ``penalty_alpha`` (greedy decoding refuses the one, the other turns it into contrastive search), and only when
+    nothing reads or changes the scores after the sampler: no watermarking, no ``renormalize_logits``, no
+    ``output_scores``/``output_logits`` (the scores returned would be the draw). The config is copied with
+    ``do_sample=False`` (temperature and top-p unset, top-k left at 0: greedy decoding reads none of them) and the
+    sampler is appended to ``logits_processor`` (after any custom processor, e.g. an entropy recorder, which still
+    sees the untruncated scores). Otherwise both come back unchanged.
 
     Args:
         candidates (`int`): See :class:`CandidateSampler`.
@@ -110,13 +130,17 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
     if top_p is None or not 0 < top_p <= 1 or not swap_is_safe(generation_config, generate_kwargs, model):
         return generation_config, generate_kwargs
     configs = [c for c in (generation_config, getattr(model, "generation_config", None)) if c is not None]
+    # greedy decoding refuses several return sequences; a penalty_alpha would turn it into contrastive search
+    if any((getattr(c, "num_return_sequences", None) or 1) != 1 or getattr(c, "penalty_alpha", None)
+           for c in configs) or "num_return_sequences" in generate_kwargs or "penalty_alpha" in generate_kwargs:
+        return generation_config, generate_kwargs
     reads_scores = ("output_scores", "output_logits", "renormalize_logits")
     if any(getattr(c, "watermarking_config", None) is not None or any(getattr(c, name, False) for name in reads_scores)
            for c in configs) or any(generate_kwargs.get(name) for name in (*reads_scores, "watermarking_config")):
         return generation_config, generate_kwargs
     config = copy.deepcopy(generation_config)
     temperature = config.temperature
-    config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+    config.do_sample, config.temperature, config.top_p = False, None, None  # top_k stays 0 (explicit, not refilled)
     kwargs = dict(generate_kwargs)
     processors = list(kwargs.get("logits_processor") or [])
     kwargs["logits_processor"] = [*processors, CandidateSampler(temperature, top_p, candidates)]

@@ -255,9 +255,9 @@ class _MathVerifyProcess:
             return None
 
     def equal(self, gold: str, pred: str, seconds: float) -> bool | None:
-        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``, counted from
-        the request (a reply already queued when this thread gets the GIL back after a late wake-up counts as late:
-        the limit does not depend on thread scheduling)."""
+        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``: a strict
+        wall-clock limit from the request, this thread's scheduling delay included (a reply that is already queued
+        when the thread wakes up too late counts as late, and the caller restarts the helper)."""
         start = time.monotonic()
         try:
             request = {"gold": gold, "pred": pred, "timeout": max(1, int(seconds // 5))}
