@@ -16,15 +16,21 @@ fp32, the eager engine with the shared chat prefix computed once):
 - ``eval_before``: the same completions the way ``trl-es eval`` made them before (plain engine, 32 prompts x
   ``num_samples`` rows per call), on ``--before_prompts`` prompts.
 
-Each variant runs once untimed first; completions/s, the ratio eval / training, and a JSON file are printed.
+Each variant runs once untimed first. With ``--repeats R`` the variants are then timed in R interleaved rounds (every
+variant once per round, in order), so a drift of the machine's speed during the run reaches training and evaluation
+alike; each variant's ``completions_per_s`` is the median of its R rates (all in ``rates``), and each ratio eval /
+training is given as the ratio of the medians and per round (``..._per_round``: both timed within seconds of each
+other). Completions/s, the ratios and a JSON file are printed.
 
     python benchmarks/eval_speed.py --threads 2 --output_file runs/eval_speed.json
+    python benchmarks/eval_speed.py --threads 2 --repeats 5 --sample_batch_sizes 8 --output_file runs/eval_speed_r5.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -57,8 +63,12 @@ def main(argv=None) -> dict:
                         help="Also time each width with transformers' multinomial draws (the path before 2026-12-02).")
     parser.add_argument("--new_tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Interleaved timing rounds (every variant once per round); medians are reported.")
     parser.add_argument("--output_file", default=None)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(ModelConfig(model_name_or_path="embedded:SmolLM2-135M-Instruct"))
@@ -109,22 +119,34 @@ def main(argv=None) -> dict:
         for name, (_, warm_up) in variants.items():
             print(f"warm-up: {name}", file=sys.stderr, flush=True)
             warm_up()
-        for name, (fn, _) in variants.items():
-            print(f"timing: {name}", file=sys.stderr, flush=True)
-            torch.manual_seed(0)
-            start = time.perf_counter()
-            completions = fn()
-            seconds = time.perf_counter() - start
-            result[name] = {"completions": completions, "seconds": seconds, "completions_per_s": completions / seconds}
-            print(f"{name}: {completions} completions in {seconds:.1f} s = {completions / seconds:.1f}/s",
-                  file=sys.stderr, flush=True)
+        rates = {name: [] for name in variants}
+        for round_index in range(args.repeats):
+            for name, (fn, _) in variants.items():
+                print(f"timing: {name} (round {round_index + 1}/{args.repeats})", file=sys.stderr, flush=True)
+                torch.manual_seed(round_index)
+                start = time.perf_counter()
+                completions = fn()
+                seconds = time.perf_counter() - start
+                rates[name].append(completions / seconds)
+                print(f"{name}: {completions} completions in {seconds:.1f} s = {completions / seconds:.1f}/s",
+                      file=sys.stderr, flush=True)
+                result[name] = {"completions": completions, "seconds": seconds}
+        for name in variants:
+            result[name]["completions_per_s"] = statistics.median(rates[name])
+            result[name]["rates"] = rates[name]
+            if args.repeats > 1:
+                del result[name]["seconds"]  # the last round's only; the rates hold every round
+
+    def ratio(name, over):
+        result[f"ratio_{name}_over_{over}"] = result[name]["completions_per_s"] / result[over]["completions_per_s"]
+        if args.repeats > 1:
+            result[f"ratio_{name}_over_{over}_per_round"] = [a / b for a, b in zip(rates[name], rates[over])]
+
     for size in args.sample_batch_sizes:
-        rate = result[f"eval_sample_batch_{size}"]["completions_per_s"]
-        result[f"ratio_eval_sample_batch_{size}_over_training"] = rate / result["training"]["completions_per_s"]
-        result[f"ratio_eval_sample_batch_{size}_over_before"] = rate / result["eval_before"]["completions_per_s"]
+        ratio(f"eval_sample_batch_{size}", "training")
+        ratio(f"eval_sample_batch_{size}", "eval_before")
         if args.time_multinomial:
-            result[f"ratio_eval_multinomial_{size}_over_training"] = (
-                result[f"eval_multinomial_{size}"]["completions_per_s"] / result["training"]["completions_per_s"])
+            ratio(f"eval_multinomial_{size}", "training")
     result["protocol"] = {"temperature": PAPER_PROTOCOL.temperature, "top_p": PAPER_PROTOCOL.top_p}
     print(json.dumps(result, indent=2))
     if args.output_file:

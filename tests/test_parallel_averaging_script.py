@@ -46,6 +46,7 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
     for label in ("RL only (GRPO)", "SFT only", "SFT -> RL", "RL + SFT parallel averaging", "ES + SFT parallel",
                   "Pass@4", "off-task KL"):
         assert label in markdown
+    assert "at temperature 0.6, top-p 0.95;" in markdown  # the papers' protocol, by default
     assert (out / "pass_at_k.png").stat().st_size > 0
     assert json.loads((out / "results.json").read_text())["table"] == json.loads(json.dumps(results["table"]))
 

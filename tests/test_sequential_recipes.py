@@ -59,6 +59,7 @@ def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq,
     markdown = (out / "results.md").read_text()
     for label in ("base model", "GRPO only", "ES only", "GRPO -> ES", "ES -> GRPO", "Pass@4", "JS_succ"):
         assert label in markdown
+    assert "4 samples per prompt at temperature 0.6, top-p 0.95" in markdown  # the papers' protocol, by default
     assert (out / "pass_at_k.png").stat().st_size > 0
 
     # listing only some arms of a finished run reuses their phases and evaluations: nothing runs again

@@ -269,7 +269,8 @@ def markdown_table(args: ParallelRecipeArguments, rows: list[dict]) -> str:
     header = (["arm", "updates", "training min", "greedy Pass@1"] + [f"Pass@{k}" for k in ks]
               + ["off-task KL", "drift L2", "JS_succ", "token entropy"])
     lines = [f"Test split: {args.num_test_prompts} prompts (task seed {args.task_seed}); Pass@K from "
-             f"{args.num_samples} samples per prompt at temperature {args.sample_temperature:g}; N = {args.max_steps} "
+             f"{args.num_samples} samples per prompt at temperature {args.sample_temperature:g}, top-p "
+             f"{args.sample_top_p:g}; N = {args.max_steps} "
              f"updates per gradient arm, {args.es_max_steps} iterations per ES arm.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:

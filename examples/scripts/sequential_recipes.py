@@ -374,8 +374,8 @@ def markdown_table(args: SequentialArguments, rows: list[dict]) -> str:
               + ["JS_succ (nats)", "token entropy (nats)", "off-task KL", "drift L2", "drift rel."])
     lines = [
         f"Test split: {args.num_test_prompts} prompts (task seed {args.task_seed}); Pass@K from {args.num_samples} "
-        f"samples per prompt at temperature {args.sample_temperature:g}; training budget {args.budget_minutes:g} min "
-        "per arm.", "",
+        f"samples per prompt at temperature {args.sample_temperature:g}, top-p {args.sample_top_p:g}; training budget "
+        f"{args.budget_minutes:g} min per arm.", "",
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
     ]
     for r in rows:
