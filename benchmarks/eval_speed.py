@@ -78,8 +78,9 @@ def main(argv=None) -> dict:
     eval_rows = [splits["validation"][i] for i in range(max(args.eval_prompts, args.before_prompts))]
     scorer = RewardScorer(task.reward_funcs)
     engine = EagerEngine(share_prompt_prefix=True)
-    greedy = build_generation_config(tokenizer, args.new_tokens)
-    sampled = build_generation_config(tokenizer, args.new_tokens, PAPER_PROTOCOL.temperature, PAPER_PROTOCOL.top_p)
+    greedy = build_generation_config(tokenizer, args.new_tokens, model_generation_config=model.generation_config)
+    sampled = build_generation_config(tokenizer, args.new_tokens, PAPER_PROTOCOL.temperature, PAPER_PROTOCOL.top_p,
+                                      model_generation_config=model.generation_config)
 
     backend = BatchedLowRankPopulation(noise_rank=1)
     names = set(linear_weight_names(model))  # the low-rank backend's default selection, as ESTrainer takes it

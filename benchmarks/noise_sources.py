@@ -5,26 +5,33 @@ times ``GaussianPerturbation.perturb_`` + the restore (``TrainedParameters.rende
 with each noise source of ``trl_es.es.noise``:
 
 - ``table``: slices of the shared 256 MiB table (memory-bound adds);
-- ``gaussian``: fresh ``torch.randn`` per 2^20-element block from a CPU generator (moved to the device);
+- ``gaussian``: a fresh draw per 2^20-element block from a CPU generator (moved to the device);
 - ``device_gaussian``: the same from a generator on the weights' device (Philox on CUDA).
+
+``--generators`` times the CPU draws and the arithmetic of each generator: ``numpy-pcg64`` (the default since
+2026-12-02: portable noise, a multiply then an add) and ``torch`` (the legacy ``torch.randn`` noise and fused
+``add(alpha=)`` kernels, which differ between CPUs). The table's one-time build is timed separately.
 
 Also prints each source's resident memory (the table's 256 MiB). ``ESConfig.noise_source="auto"`` picks per device
 from these figures (docs/scaling.md).
 
     python benchmarks/noise_sources.py                       # CPU, fp32, 4 members
     python benchmarks/noise_sources.py --device cuda --dtype bfloat16
+    python benchmarks/noise_sources.py --generators numpy-pcg64 torch   # portable vs legacy, on CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trl_es.es.noise import DEFAULT_TABLE_SIZE, make_noise_source
+from trl_es.es.noise import (DEFAULT_TABLE_SIZE, PORTABLE_GENERATOR, TABLE_SEED, DeviceGaussianNoise,
+                             GaussianNoise, NoiseTable, standard_normal)
 from trl_es.es.perturbation import GaussianPerturbation
 from trl_es.es.population import sample_population
 from trl_es.es.update import TrainedParameters, es_update_, select_parameters
@@ -40,6 +47,7 @@ def main():
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--sources", nargs="+", default=["table", "gaussian", "device_gaussian"])
+    parser.add_argument("--generators", nargs="+", default=[PORTABLE_GENERATOR], choices=["numpy-pcg64", "torch"])
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -57,8 +65,16 @@ def main():
             torch.cuda.synchronize()
 
     figures = {}
-    for kind in args.sources:
-        noise = make_noise_source(DEFAULT_TABLE_SIZE, kind, args.device)
+    sources = {"table": lambda g: NoiseTable(DEFAULT_TABLE_SIZE, generator=g),
+               "gaussian": GaussianNoise, "device_gaussian": DeviceGaussianNoise}
+    for generator in args.generators:
+        start = time.perf_counter()
+        standard_normal(DEFAULT_TABLE_SIZE, TABLE_SEED, generator)
+        build = time.perf_counter() - start
+        figures[f"table_build/{generator}"] = {"seconds": build}
+        print(f"{'table build':>16} [{generator}]: {build:7.3f} s for {DEFAULT_TABLE_SIZE:,} values", flush=True)
+    for generator, kind in itertools.product(args.generators, args.sources):
+        noise = sources[kind](generator)
         perturbation.perturb_(params, noise, members[0], 1e-3)  # warm-up: builds the table, loads kernels
         params.render_()
         sync()
@@ -73,10 +89,10 @@ def main():
         sync()
         update = time.perf_counter() - start
         memory = DEFAULT_TABLE_SIZE * 4 / 2**20 if kind == "table" else 0.0
-        figures[kind] = {"perturb_restore_seconds_per_member": perturb, "update_seconds": update,
-                         "resident_mib": memory}
-        print(f"{kind:>16}: perturb+restore {perturb:7.3f} s/member, update ({args.members} members) {update:7.3f} s, "
-              f"resident {memory:6.0f} MiB", flush=True)
+        figures[f"{kind}/{generator}"] = {"perturb_restore_seconds_per_member": perturb, "update_seconds": update,
+                                          "resident_mib": memory}
+        print(f"{kind:>16} [{generator}]: perturb+restore {perturb:7.3f} s/member, update ({args.members} members) "
+              f"{update:7.3f} s, resident {memory:6.0f} MiB", flush=True)
     print(f"device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} trained_params={params.numel:,} "
           f"torch={torch.__version__}")
     if args.output_json:

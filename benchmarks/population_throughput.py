@@ -150,7 +150,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, prompts, source = build(args)
-    config = build_generation_config(tokenizer, args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens})
+    config = build_generation_config(tokenizer, args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
+                                     model_generation_config=model.generation_config)
     engine = make_engine("eager" if args.engine == "vllm" else args.engine, model,
                          share_prompt_prefix=args.share_prompt_prefix)
     completions = args.population * args.prompts

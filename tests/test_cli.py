@@ -41,7 +41,8 @@ def test_train_two_iterations(trained_run, tiny_model_dir):
     assert results.pop("train_seconds") > 0
     assert results == {"task": "arithmetic", "eval_split": "validation", "num_train_prompts": 8,
                        "num_validation_prompts": 4, "num_test_prompts": 5, "accuracy_before": 0.0,
-                       "test_accuracy_before": 0.0, "accuracy_after": 0.0, "iterations": 2,
+                       "test_accuracy_before": 0.0, "accuracy_after": 0.0, "iterations": 2, "max_steps": 2,
+                       "stopped_by_time_budget": False,
                        "curve": [{"step": 1, "accuracy": 0.0}, {"step": 2, "accuracy": 0.0}],
                        "test_accuracy_after": 0.0}
     assert (out / "training_curves.png").stat().st_size > 1000
@@ -208,7 +209,8 @@ def test_train_on_the_test_split(tmp_path, tiny_model_dir):
     assert isinstance(train_seconds, float) and train_seconds >= 0.0
     assert results == {"task": "arithmetic", "eval_split": "test", "num_train_prompts": 4,
                        "num_validation_prompts": 0, "num_test_prompts": 3, "accuracy_before": 0.0,
-                       "accuracy_after": 0.0, "iterations": 1, "curve": [{"step": 1, "accuracy": 0.0}]}
+                       "accuracy_after": 0.0, "iterations": 1, "max_steps": 1, "stopped_by_time_budget": False,
+                       "curve": [{"step": 1, "accuracy": 0.0}]}
     assert json.loads((tmp_path / RUN_FILE).read_text())["eval_split"] == "test"
     # A checkpoint folder reads its run's settings from the parent folder.
     (tmp_path / "checkpoint-1").mkdir()
@@ -216,7 +218,7 @@ def test_train_on_the_test_split(tmp_path, tiny_model_dir):
     assert read_run_settings(str(tmp_path / "elsewhere")) == {}
 
 
-def test_train_stops_at_the_time_budget_on_a_held_out_point(tmp_path, tiny_model_dir, monkeypatch):
+def test_train_stops_at_the_time_budget_on_a_held_out_point(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """--time_budget_minutes stops on trl_es.trainer.time_budget.TrainingClock after the first iteration past the
     budget, and that iteration is evaluated during training (the curve ends on it) although eval_steps=100 would not
     evaluate it."""
@@ -244,6 +246,25 @@ def test_train_stops_at_the_time_budget_on_a_held_out_point(tmp_path, tiny_model
                           "--eval_before_training", "false", "--plot", "false", "--time_budget_minutes", "1e-9"])
     assert results["iterations"] == 1 and results["curve"] == [{"step": 1, "accuracy": 0.0}]
     assert evaluations == [(1, True)]  # at the stop, inside training; not again after it
+    # a cut run says so: in results.json, and in stdout
+    assert (results["max_steps"], results["stopped_by_time_budget"], results["time_budget_minutes"]) == (5, True, 1e-9)
+    with open(tmp_path / "results.json") as f:
+        assert json.load(f)["stopped_by_time_budget"] is True
+    printed = capsys.readouterr().out
+    assert "WARNING: training was cut short by the time budget (1e-09 min): it stopped at iteration 1 of max_steps=5" \
+        in printed
+
+
+def test_train_to_max_steps_under_a_budget_is_not_cut(tmp_path, tiny_model_dir, capsys):
+    """A budget that max_steps reaches first leaves the run whole: stopped_by_time_budget False, no warning."""
+    results = main_train(["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--report_to", "none",
+                          "--save_strategy", "no", "--max_steps", "2", "--population_size", "2",
+                          "--prompt_batch_size", "2", "--max_completion_length", "2", "--noise_table_size",
+                          str(1 << 20), "--num_train_prompts", "4", "--num_validation_prompts", "2",
+                          "--num_eval_prompts", "0", "--eval_strategy", "no", "--eval_before_training", "false",
+                          "--plot", "false", "--time_budget_minutes", "100"])
+    assert (results["iterations"], results["max_steps"], results["stopped_by_time_budget"]) == (2, 2, False)
+    assert "time_budget_minutes" not in results and "cut short" not in capsys.readouterr().out
 
 
 def main_train(args):

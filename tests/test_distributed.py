@@ -27,8 +27,9 @@ import run_es
 
 from trl_es.trainer.distributed import es_deepspeed_config, zero3_partition
 
-STATS_BYTES = 4 * (6 + 2 * 1) * 8  # population x (sum, count, completions, tokens, per-function sum and count, invalid,
-# successes) fp64
+# population x (sum, count, completions, tokens, per-function sum and count, invalid, successes) fp64, and TRL's
+# completion statistics (6 sums, a per-function square sum, 6 length extremes per share; one share here)
+STATS_BYTES = 4 * (6 + 2 * 1) * 8 + 4 * (6 + 1 + 6 * 1) * 8
 
 
 def launch(launcher: list[str], out, model_dir, *extra, timeout=600):

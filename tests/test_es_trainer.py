@@ -172,7 +172,8 @@ def test_rewards_see_completion_only_and_extra_columns(tmp_path, tokenizer):
         return [0.0] * len(completions)
 
     data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(4)], "target": list(range(4))})
-    trainer = ESTrainer(build_llama(tokenizer), spy, args=es_args(tmp_path, max_steps=1, num_generations=2),
+    trainer = ESTrainer(build_llama(tokenizer), spy, args=es_args(tmp_path, max_steps=1, num_generations=2,
+                                                                   temperature=1.0),
                         train_dataset=data, processing_class=tokenizer)
     trainer.train()
     assert seen["calls"] == 4  # one call per member

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from conftest import needs_inductor_vectorized_cpu
 from tiny import build_llama, build_qwen2
 
 from trl_es import ESConfig, ESTrainer
@@ -114,6 +115,7 @@ def test_static_cache_engine_equals_eager_and_buckets_the_batch(tokenizer):
     assert (8, 128) in engine.shapes_seen
 
 
+@needs_inductor_vectorized_cpu
 def test_compiled_engine_greedy_equals_eager_on_cpu(tokenizer):
     """torch.compile'd decoding step (inductor on CPU; ~20 s to compile the tiny model once)."""
     model = build_llama(tokenizer).eval()

@@ -62,3 +62,60 @@ def test_time_schedule_by_hand():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
     with pytest.raises(ValueError, match="decay_fraction"):
         TimeScheduleCallback(clock, 0.01, 100.0, 1.5)
+
+
+def test_clock_says_when_it_cut_a_run():
+    """stopped_early and describe_stop: True and a sentence with the step and max_steps when the budget stopped the
+    run before max_steps; False and None when max_steps came first."""
+    control = SimpleNamespace(should_training_stop=False, should_evaluate=False)
+    clock = TrainingClock(budget_seconds=0.01)
+    state = SimpleNamespace(global_step=0, max_steps=26)
+    clock.on_train_begin(None, state, control)
+    time.sleep(0.02)
+    state.global_step = 18
+    clock.on_step_end(SimpleNamespace(eval_strategy="no"), state, control)
+    assert control.should_training_stop and clock.stopped_early
+    assert clock.describe_stop().startswith("training was cut short by the time budget (0.000166667 min): it stopped "
+                                            "at iteration 18 of max_steps=26 after")
+    whole = TrainingClock(budget_seconds=0.01)
+    state = SimpleNamespace(global_step=0, max_steps=3)
+    whole.on_train_begin(None, state, control := SimpleNamespace(should_training_stop=False))
+    time.sleep(0.02)
+    state.global_step = 3  # the last step, past the budget too: not cut
+    whole.on_step_end(SimpleNamespace(eval_strategy="no"), state, control)
+    assert not whole.stopped_early and whole.describe_stop() is None
+
+
+def test_progress_bar_in_minutes(tiny_llama, tokenizer, tmp_path, capsys):
+    """show_progress_in_minutes: a run with a placeholder max_steps shows the budget in minutes and the steps done,
+    not 'n/1000000' steps; with disable_tqdm nothing is swapped."""
+    from datasets import Dataset
+    from transformers.trainer_callback import ProgressCallback
+
+    from trl_es import ESConfig, ESTrainer
+    from trl_es.trainer.time_budget import TimeProgressCallback, show_progress_in_minutes
+
+    clock = TrainingClock(budget_seconds=600.0)
+    args = ESConfig(output_dir=str(tmp_path), max_steps=1_000_000, population_size=2, prompt_batch_size=2,
+                    max_completion_length=2, noise_table_size=1 << 20, report_to=[], save_strategy="no",
+                    logging_steps=1)
+    data = Dataset.from_dict({"prompt": ["a", "b"]})
+    trainer = ESTrainer(tiny_llama, lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=data, processing_class=tokenizer, callbacks=[clock])
+
+    class StopAfterTwo(TrainingClock):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    trainer.add_callback(StopAfterTwo())
+    show_progress_in_minutes(trainer, 600.0, clock.elapsed_seconds)
+    kinds = [type(c) for c in trainer.callback_handler.callbacks]
+    assert ProgressCallback not in kinds and TimeProgressCallback in kinds
+    trainer.train()
+    err = capsys.readouterr().err
+    assert "/10.0 min" in err and "step=2" in err and "1000000" not in err
+    trainer.args.disable_tqdm = True
+    show_progress_in_minutes(trainer, 600.0, clock.elapsed_seconds)  # no bar asked for: nothing changes
+    assert [type(c) for c in trainer.callback_handler.callbacks] == kinds
+    with pytest.raises(ValueError, match="budget_seconds must be > 0, got 0"):
+        TimeProgressCallback(0, clock.elapsed_seconds)

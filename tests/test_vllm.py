@@ -207,6 +207,60 @@ def test_unsupported_generation_setting_is_named(tokenizer):
         engine.sampling_params(config, 1)
 
 
+def scripted_engine(tokenizer, model_eos, stop):
+    """tests/test_eos_tokens.py's scripted model ("yes" + ``stop`` + " no no ...") at vLLM's sizes, and an engine
+    holding its weights."""
+    from test_eos_tokens import scripted_llama
+
+    model = scripted_llama(tokenizer, model_eos, stop,
+                           build=lambda tok: build_vllm_llama(tok, tie_word_embeddings=False))
+    engine = make_engine(model, tokenizer)
+    params = TrainedParameters(list(model.named_parameters()), None, share_params=True)
+    engine.sync_weights(model, params, make_noise_source(1 << 20, "gaussian", torch.device("cpu")))
+    return model, engine
+
+
+@pytest.mark.parametrize("case", ["list-with-end-of-turn", "list-without-tokenizer-eos"])
+def test_engine_stops_at_the_models_end_of_turn(case):
+    """A model whose generation_config lists an end-of-turn id the tokenizer does not call eos_token
+    (tests/test_eos_tokens.py): vLLM itself stops there (``stop_token_ids``), greedy and sampled, where ``generate``
+    stops."""
+    from test_eos_tokens import CASES, chat_rows, end_of_turn_tokenizer, expected_ids, reference
+
+    from trl_es.rollout import prompt_texts
+
+    tokenizer = end_of_turn_tokenizer()
+    model_eos, stop = CASES[case]
+    model, engine = scripted_engine(tokenizer, model_eos, stop)
+    texts = prompt_texts(chat_rows(), tokenizer)
+    expected = reference(model, tokenizer, texts, 8)[0]
+    assert expected == [expected_ids(tokenizer, stop)] * 3
+    for temperature in (0.0, 1.0):
+        config = build_generation_config(tokenizer, 8, temperature, model_generation_config=model.generation_config)
+        assert engine._generate_ids(model, tokenizer, texts, config, 1) == expected  # vLLM stopped: nothing to cut
+        out = generate_completions(model, tokenizer, texts, config, engine=engine)
+        assert out.ids == expected and out.texts == ["yes"] * 3
+    engine.close()
+
+
+def test_engine_runs_past_the_tokenizers_eos_when_the_user_leaves_it_out():
+    """``generation_kwargs={"eos_token_id": <end_of_turn>}``: ``generate`` runs past ``<|im_end|>``, and so does vLLM
+    (``ignore_eos``: its own stop at the tokenizer's EOS is off)."""
+    from test_eos_tokens import EOT, chat_rows, end_of_turn_tokenizer, expected_ids
+
+    from trl_es.rollout import prompt_texts
+
+    tokenizer = end_of_turn_tokenizer()
+    model, engine = scripted_engine(tokenizer, EOT, "<|im_end|>")
+    texts = prompt_texts(chat_rows(), tokenizer)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    config = build_generation_config(tokenizer, 8, generation_kwargs={"eos_token_id": eot})
+    in_hf = generate_completions(model, tokenizer, texts, config).ids
+    assert in_hf == [expected_ids(tokenizer, "<|im_end|>") + tokenizer(" no ", add_special_tokens=False).input_ids] * 3
+    assert generate_completions(model, tokenizer, texts, config, engine=engine).ids == in_hf
+    engine.close()
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
 def prompt_rows(n=8):
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write {i}"}] for i in range(n)]})

@@ -5,15 +5,21 @@ diagnostics. Prompts come in TRL's dataset formats, rewards with TRL's signature
 
 Reward functions follow TRL's GRPOTrainer contract: ``f(prompts, completions, completion_ids, **columns)`` returns one
 ``float`` (or ``None``, "not applicable") per completion; extra dataset columns arrive as keyword arguments, one value
-per completion. Rewards see the completion only (never prompt + completion), in the same format as the prompt
+per completion. A function may be ``async def`` (or return an awaitable): as in GRPOTrainer, the async functions of a
+rollout are awaited together (``asyncio.gather``, concurrently) on an event loop in a daemon thread, after the sync
+ones, and their outputs are checked the same way. Rewards see the completion only (never prompt + completion), in the same format as the prompt
 (a string, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import functools
 import inspect
 import math
 import numbers
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +30,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from .generation import GenerationEngine, generate_completions
+from .generation import GenerationEngine, eos_token_ids, generate_completions, stop_token_ids
 
 def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
     """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
@@ -81,13 +87,42 @@ def build_generation_config(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generation_kwargs: dict | None = None,
+    model_generation_config: GenerationConfig | None = None,
 ) -> GenerationConfig:
-    """A ``GenerationConfig``: greedy when ``temperature == 0`` (the ES reference's decoding), sampling otherwise."""
-    pad = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
+    """A ``GenerationConfig``: greedy when ``temperature == 0`` (the ES reference's decoding), sampling otherwise.
+
+    Completions end at every id of :func:`trl_es.generation.eos_token_ids`: the tokenizer's ``eos_token_id`` and
+    the model's ``generation_config.eos_token_id`` (an int or a list, e.g. Gemma-3-it's ``<end_of_turn>``), as in
+    TRL's ``GRPOTrainer``; one id stays an int. The pad id is the tokenizer's (it pads the prompts), else the
+    model's, else the first EOS id. Settings left unset here are filled by ``generate`` from the model's
+    ``generation_config``, as transformers does; ``generation_kwargs`` (``eos_token_id`` too) win over all.
+
+    Args:
+        processing_class (`PreTrainedTokenizerBase`): The tokenizer.
+        max_completion_length (`int`): ``max_new_tokens``.
+        temperature (`float`): ``0``: greedy; ``> 0``: sampling at this temperature, with ``top_p`` and
+            ``top_k=0``.
+        top_p (`float`): Nucleus mass when sampling.
+        generation_kwargs (`dict`, *optional*): Any ``GenerationConfig`` field, applied last.
+        model_generation_config (`GenerationConfig`, *optional*): The model's ``model.generation_config``;
+            ``None``: the tokenizer's EOS only.
+
+    Returns:
+        `GenerationConfig`: ``eos_token_id`` an int or a list of ints.
+
+    Raises:
+        ValueError: from ``GenerationConfig`` for inconsistent settings.
+    """
+    eos = eos_token_ids(processing_class, model_generation_config)
+    pad = processing_class.pad_token_id
+    if pad is None:
+        pad = getattr(model_generation_config, "pad_token_id", None)
+    if pad is None and eos:
+        pad = eos[0]
     kwargs = {
         "max_new_tokens": max_completion_length,
         "pad_token_id": pad,
-        "eos_token_id": processing_class.eos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "do_sample": temperature > 0,
     }
     if temperature > 0:
@@ -118,27 +153,128 @@ def _as_float(value, name: str) -> float:
     )
 
 
+def is_async_reward_func(func) -> bool:
+    """Whether calling ``func`` returns a coroutine, as TRL's ``is_async_callable`` tells it: an ``async def``
+    function, a ``functools.partial`` of one, or an instance whose ``__call__`` is ``async def``.
+
+    Args:
+        func (`Callable`): A reward function.
+
+    Returns:
+        `bool`: ``True`` for an async reward function.
+    """
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+_ASYNC_LOOP: asyncio.AbstractEventLoop | None = None
+_ASYNC_LOOP_LOCK = threading.Lock()
+
+
+def _shutdown_async_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+
+
+def async_reward_loop() -> asyncio.AbstractEventLoop:
+    """The event loop async reward functions run on: one per process, running forever in a daemon thread (started at
+    the first call, stopped at exit), as GRPOTrainer does; so it works also where the caller is itself inside a
+    running loop (a notebook).
+
+    Returns:
+        `asyncio.AbstractEventLoop`: The running loop.
+    """
+    global _ASYNC_LOOP
+    with _ASYNC_LOOP_LOCK:
+        if _ASYNC_LOOP is None or _ASYNC_LOOP.is_closed() or not _ASYNC_LOOP.is_running():
+            loop, ready = asyncio.new_event_loop(), threading.Event()
+
+            def run():
+                asyncio.set_event_loop(loop)
+                ready.set()
+                loop.run_forever()
+
+            thread = threading.Thread(target=run, name="trl_es-async-rewards", daemon=True)
+            thread.start()
+            ready.wait()
+            atexit.register(_shutdown_async_loop, loop, thread)
+            _ASYNC_LOOP = loop
+        return _ASYNC_LOOP
+
+
+def _await_all(awaitables: list) -> list:
+    """Run ``awaitables`` concurrently (``asyncio.gather``) on :func:`async_reward_loop`; their results in order.
+
+    Raises:
+        Exception: the first exception of an awaitable (the others are cancelled).
+    """
+    async def _one(awaitable):
+        return await awaitable
+
+    async def _gather():
+        tasks = [asyncio.ensure_future(_one(a)) for a in awaitables]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    return asyncio.run_coroutine_threadsafe(_gather(), async_reward_loop()).result()
+
+
+def _close_awaitables(awaitables) -> None:
+    for awaitable in awaitables:  # never awaited: close coroutines, so Python does not warn about them
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+
+
+def _checked_rewards(output, name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One function's output as ``(rewards, returned_nan)``: ``(n,)`` float32 (NaN for ``None``) and ``(n,)`` bool.
+
+    Raises:
+        ValueError: if ``output`` is ``None`` or does not have ``n`` values.
+        TypeError: if a value is not a number or ``None``.
+    """
+    output = list(output) if output is not None else None
+    if output is None or len(output) != n:
+        got = "None" if output is None else len(output)
+        raise ValueError(
+            f"Reward function {name!r} returned {got} rewards, but {n} were expected (one per completion)."
+        )
+    rewards = torch.tensor([_as_float(v, name) for v in output], dtype=torch.float32)
+    # None was mapped to NaN above; a NaN that came back as a number is invalid, not "not applicable"
+    returned_nan = torch.tensor([v is not None and not isinstance(v, bool) and _is_nan_number(v) for v in output],
+                                dtype=torch.bool)
+    return rewards, returned_nan
+
+
 class RewardScorer:
     """Scores completions with TRL-style reward functions and reward models.
 
     Args:
-        reward_funcs (`Callable | PreTrainedModel | str | list`): A callable, a reward model (``PreTrainedModel`` for sequence classification, or its id/path),
-            or a list of them.
+        reward_funcs (`Callable | PreTrainedModel | str | list`): A callable (sync or ``async def``), a reward model
+            (``PreTrainedModel`` for sequence classification, or its id/path), or a list of them.
         reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
         reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded from the model path when ``None``).
+        model_init_kwargs (`dict`, *optional*): For reward models given by id/path.
+        trust_remote_code (`bool`): Passed to the reward models' and their tokenizers' loads (GRPO's option).
 
     Raises:
         ValueError: if ``reward_weights`` has the wrong length, or no reward function is given.
     """
 
-    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None):
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None,
+                 trust_remote_code: bool = False):
         if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
             raise ValueError("reward_funcs must be a callable, a reward model, or a non-empty list of them.")
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_funcs: list = []
         for func in funcs:
             if isinstance(func, str):
-                func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
+                func = AutoModelForSequenceClassification.from_pretrained(
+                    func, num_labels=1, **{"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})})
             if not (callable(func) or isinstance(func, nn.Module)):
                 raise TypeError(f"reward_funcs entries must be callables or reward models, got {type(func).__name__}.")
             self.reward_funcs.append(func)
@@ -164,7 +300,7 @@ class RewardScorer:
         self.processing_classes = []
         for func, cls in zip(self.reward_funcs, classes, strict=True):
             if isinstance(func, PreTrainedModel) and cls is None:
-                cls = AutoTokenizer.from_pretrained(func.config._name_or_path)
+                cls = AutoTokenizer.from_pretrained(func.config._name_or_path, trust_remote_code=trust_remote_code)
             if cls is not None and cls.pad_token_id is None:
                 cls.pad_token = cls.eos_token
             if isinstance(func, PreTrainedModel):
@@ -195,36 +331,44 @@ class RewardScorer:
         function, or a reward model's logit) is *invalid*: it is replaced by NaN in the rewards and flagged, so the
         caller can tell the user and keep it out of the weights (``ESTrainer`` ranks the member worst).
 
+        Reward models and sync functions run one after the other, in order; the functions whose call returns an
+        awaitable (``async def``) are then awaited together, concurrently (``asyncio.gather`` on
+        :func:`async_reward_loop`), as GRPOTrainer does. Their outputs are checked as the sync ones'.
+
         Returns:
             `(rewards, invalid)`: ``rewards`` of shape ``(len(completions), num_funcs)``, float32, NaN for ``None``
             and invalid values; ``invalid`` of the same shape, bool.
 
         Raises:
-            ValueError / TypeError: if a function returns the wrong number of values or non-numbers.
+            ValueError / TypeError: if a function (sync or async) returns the wrong number of values or non-numbers;
+                any exception a function raises (an async one's through ``asyncio.gather``; the others are then
+                cancelled).
         """
         n = len(completions)
         prompts = [row["prompt"] for row in rows]
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         rewards = torch.zeros(n, len(self.reward_funcs), dtype=torch.float32)
         invalid = torch.zeros(n, len(self.reward_funcs), dtype=torch.bool)
-        for i, (func, cls, name) in enumerate(zip(self.reward_funcs, self.processing_classes, self.names, strict=True)):
-            if isinstance(func, nn.Module):
-                rewards[:, i] = self._score_with_model(func, cls, prompts, completions)
-                continue
-            output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
-            if inspect.isawaitable(output):
-                raise TypeError(f"Reward function {name!r} is async; ESTrainer calls reward functions synchronously.")
-            output = list(output) if output is not None else None
-            if output is None or len(output) != n:
-                got = "None" if output is None else len(output)
-                raise ValueError(
-                    f"Reward function {name!r} returned {got} rewards, but {n} were expected (one per completion)."
-                )
-            rewards[:, i] = torch.tensor([_as_float(v, name) for v in output], dtype=torch.float32)
-            # None was mapped to NaN above; a NaN that came back as a number is invalid, not "not applicable"
-            returned_nan = torch.tensor([v is not None and not isinstance(v, bool) and _is_nan_number(v)
-                                         for v in output], dtype=torch.bool)
-            invalid[:, i] = returned_nan
+        pending = []  # (column, awaitable): the async functions' calls, awaited together below
+        try:
+            for i, (func, cls, name) in enumerate(zip(self.reward_funcs, self.processing_classes, self.names,
+                                                      strict=True)):
+                if isinstance(func, nn.Module):
+                    rewards[:, i] = self._score_with_model(func, cls, prompts, completions)
+                    continue
+                output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                              **extra)
+                if inspect.isawaitable(output):  # async def (or a sync wrapper returning a coroutine)
+                    pending.append((i, output))
+                    continue
+                rewards[:, i], invalid[:, i] = _checked_rewards(output, name, n)
+        except BaseException:
+            _close_awaitables(a for _, a in pending)
+            raise
+        if pending:  # as GRPOTrainer: the async functions run concurrently (asyncio.gather) on a daemon loop
+            outputs = _await_all([a for _, a in pending])
+            for (i, _), output in zip(pending, outputs, strict=True):
+                rewards[:, i], invalid[:, i] = _checked_rewards(output, self.names[i], n)
         invalid |= torch.isinf(rewards)
         model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, nn.Module)]
         for i in model_columns:
@@ -288,7 +432,10 @@ def score_model(
     Returns:
         `dict`: ``rewards_per_func`` (``(len(rows) * num_generations, F)`` float32, NaN for ``None`` and invalid
         rewards), ``invalid`` (same shape, bool: a non-finite number was returned), ``rewards`` (weighted, same
-        length), ``completions`` (texts), ``completion_ids``, ``num_tokens`` (completion tokens generated).
+        length), ``completions`` (texts), ``completion_ids``, ``num_tokens`` (completion tokens generated),
+        ``terminated`` (`list[bool]`, one per completion: it ended with a stop id (EOS) or the pad id, as
+        GRPOTrainer tells a terminated completion from a clipped one) and ``prompt_lengths`` (`list[int]`, one per
+        completion: its prompt's tokens, without special tokens, as the engines tokenize it).
     """
     prompts = prompt_texts(rows, processing_class, chat_template_kwargs)
     texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations,
@@ -296,6 +443,11 @@ def score_model(
     repeated_rows = [row for row in rows for _ in range(num_generations)]
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
+    ends = set(stop_token_ids(generation_config, model, processing_class))
+    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else processing_class.pad_token_id
+    if pad is not None:
+        ends.add(int(pad))
+    lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=False)["input_ids"]]
     return {
         "rewards_per_func": per_func,
         "invalid": invalid,
@@ -303,6 +455,8 @@ def score_model(
         "completions": texts,
         "completion_ids": ids,
         "num_tokens": sum(len(i) for i in ids),
+        "terminated": [bool(i) and int(i[-1]) in ends for i in ids],
+        "prompt_lengths": [length for length in lengths for _ in range(num_generations)],
     }
 
 
@@ -358,8 +512,9 @@ def split_row_groups(out: dict, num_groups: int) -> list[dict]:
     """Cut a :class:`Rollout` result over ``num_groups`` equal consecutive row blocks (one per stacked member).
 
     Returns:
-        `list[dict]`: Per block: ``rewards_per_func``, ``invalid``, ``rewards``, ``completions``, ``completion_ids``
-        (slices), ``num_tokens`` (the block's completion tokens) and ``seconds`` (the call's, shared equally).
+        `list[dict]`: Per block: ``rewards_per_func``, ``invalid``, ``rewards``, ``completions``, ``completion_ids``,
+        ``terminated``, ``prompt_lengths`` (slices; the last two when ``out`` has them), ``num_tokens`` (the block's
+        completion tokens) and ``seconds`` (the call's, shared equally).
 
     Raises:
         ValueError: if the completions do not split into ``num_groups`` equal blocks.
@@ -380,4 +535,7 @@ def split_row_groups(out: dict, num_groups: int) -> list[dict]:
             "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
             "seconds": out.get("seconds", 0.0) / num_groups,
         })
+        for key in ("terminated", "prompt_lengths"):
+            if key in out:
+                parts[-1][key] = out[key][block]
     return parts

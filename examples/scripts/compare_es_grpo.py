@@ -173,7 +173,8 @@ class SplitAccuracy:
 
         rank, world = _world()
         mine = self.rows[rank::world]
-        config = build_generation_config(self.tokenizer, max_new_tokens or self.max_new_tokens, temperature=temperature)
+        config = build_generation_config(self.tokenizer, max_new_tokens or self.max_new_tokens, temperature=temperature,
+                                         model_generation_config=getattr(model, "generation_config", None))
         if temperature > 0:
             torch.manual_seed(1234 + rank)
         correct = 0.0
@@ -191,21 +192,24 @@ class HeldOutEntropy:
     arXiv 2608.27351)."""
 
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, samples: int = 2):
-        from trl_es.rollout import RewardScorer, build_generation_config
+        from trl_es.rollout import RewardScorer
         from trl_es.tasks.arithmetic import arithmetic_reward
 
         self.tokenizer, self.rows, self.samples = tokenizer, rows, samples
+        self.max_new_tokens = max_new_tokens
         self.scorer = RewardScorer([arithmetic_reward])
-        self.config = build_generation_config(tokenizer, max_new_tokens, temperature=1.0)
 
     def __call__(self, model) -> float:
         from trl_es.analysis import sample_policy
+        from trl_es.rollout import build_generation_config
 
         rank, world = _world()
         mine = self.rows[rank::world]
         entropy = [0.0, 0.0]  # a process without rows adds nothing
         if mine:
-            out = sample_policy(model, self.tokenizer, mine, self.scorer, self.config, self.samples,
+            config = build_generation_config(self.tokenizer, self.max_new_tokens, temperature=1.0,
+                                             model_generation_config=getattr(model, "generation_config", None))
+            out = sample_policy(model, self.tokenizer, mine, self.scorer, config, self.samples,
                                 sample_batch_size=len(mine), seed=4321 + rank, progress=False)
             entropy = [out["token_entropy_sum"], float(out["token_entropy_tokens"])]
         total, tokens = _all_reduce(entropy)
@@ -228,7 +232,8 @@ def policy_figures(model, tokenizer, rows: list[dict], max_new_tokens: int, num_
     keys = [f"pass@{k}" for k in protocol.pass_k]
     local = [0.0] * (len(keys) + 3)
     if mine:
-        config = build_generation_config(tokenizer, max_new_tokens, protocol.temperature, protocol.top_p)
+        config = build_generation_config(tokenizer, max_new_tokens, protocol.temperature, protocol.top_p,
+                                         model_generation_config=getattr(model, "generation_config", None))
         out = sample_policy(model, tokenizer, mine, [arithmetic_reward], config, num_samples, sample_batch_size,
                             seed=1234 + rank, progress=rank == 0)
         local = [mean_pass_at_k(num_samples, out["correct"], k) * len(mine) for k in protocol.pass_k] + [
@@ -422,6 +427,10 @@ def run_worker(spec: dict) -> dict:
         trainer = build_es_trainer(model, tokenizer, splits["train"], race, recipe, spec["output_dir"], callbacks)
     else:
         trainer = build_grpo_trainer(model, tokenizer, splits["train"], race, length, spec["output_dir"], callbacks)
+    if trainer.args.max_steps == NO_LIMIT_STEPS:  # the budget alone ends the run: a bar in minutes, not 1e6 steps
+        from trl_es.trainer.time_budget import show_progress_in_minutes
+
+        show_progress_in_minutes(trainer, 60.0 * budget, lambda: clock.training_seconds)
     wall_start = time.monotonic()
     trainer.train()
     wall_seconds = time.monotonic() - wall_start

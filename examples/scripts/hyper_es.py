@@ -198,7 +198,7 @@ def sampled_figures(model, tokenizer, rows: list[dict], training_args: HyperESCo
 
     protocol = PAPER_PROTOCOL.with_samples(script_args.sampled_samples)
     config = build_generation_config(tokenizer, training_args.max_completion_length, protocol.temperature,
-                                     protocol.top_p)
+                                     protocol.top_p, model_generation_config=model.generation_config)
     out = sample_policy(model, tokenizer, rows, [arithmetic_reward], config, protocol.num_samples,
                         script_args.sample_batch_size, seed=training_args.seed)
     figures = {f"pass@{k}": mean_pass_at_k(protocol.num_samples, out["correct"], k) for k in protocol.pass_k}

@@ -21,7 +21,10 @@ if __name__ == "__main__":
     results = train(["--config", RECIPE, *sys.argv[1:]])
     if is_main_process():
         before, after = results.get("test_accuracy_before"), results.get("test_accuracy_after")
+        iterations = f"after {results['iterations']} of {results['max_steps']} iterations"
+        if results["stopped_by_time_budget"]:
+            iterations += f" (CUT SHORT by time_budget_minutes={results['time_budget_minutes']:g})"
         if after is not None:
-            print(f"test accuracy: {before if before is not None else float('nan'):.3f} -> {after:.3f}")
+            print(f"test accuracy: {before if before is not None else float('nan'):.3f} -> {after:.3f} {iterations}")
         print(f"{results['eval_split']} accuracy: {results.get('accuracy_before', float('nan')):.3f} -> "
-              f"{results['accuracy_after']:.3f}")
+              f"{results['accuracy_after']:.3f} {iterations}")

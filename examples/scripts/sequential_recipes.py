@@ -178,7 +178,7 @@ def build_es_trainer(model, tokenizer, train, args: SequentialArguments, output_
 
     kwargs = es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides)
     kwargs.update(output_dir=output_dir, max_steps=NO_LIMIT_STEPS, lr_scheduler_type="constant", eval_strategy="no",
-                  save_strategy="no", report_to="none", seed=args.seed, disable_tqdm=True)
+                  save_strategy="no", report_to="none", seed=args.seed)
     kwargs.pop("lr_scheduler_kwargs", None)
     kwargs.setdefault("reward_weights", [1.0])
     return ESTrainer(model, task_reward_funcs(), args=ESConfig(**kwargs), train_dataset=train,
@@ -211,7 +211,6 @@ def build_grpo_trainer(model, tokenizer, train, args: SequentialArguments, outpu
         logging_steps=1,
         report_to="none",
         seed=args.seed,
-        disable_tqdm=True,
     )
     return GRPOTrainer(model=model, reward_funcs=task_reward_funcs(), args=config, train_dataset=train,
                        processing_class=tokenizer, callbacks=callbacks)
@@ -222,7 +221,7 @@ def train_phase(spec: dict) -> dict:
     ``spec["budget_seconds"]`` of training time, save to ``spec["output_dir"]/model``; process 0 writes the result."""
     from trl_es.models import load_model_and_tokenizer
     from trl_es.files import save_trainer_model
-    from trl_es.trainer.time_budget import TimeScheduleCallback, TrainingClock
+    from trl_es.trainer.time_budget import TimeScheduleCallback, TrainingClock, show_progress_in_minutes
 
     args = SequentialArguments(**spec["args"])
     model, tokenizer = load_model_and_tokenizer(spec["model"])  # fp32
@@ -236,6 +235,7 @@ def train_phase(spec: dict) -> dict:
                                                       args.decay_fraction))
     else:
         trainer = build_grpo_trainer(model, tokenizer, train, args, spec["output_dir"], callbacks)
+    show_progress_in_minutes(trainer, spec["budget_seconds"], clock.elapsed_seconds)  # the budget ends the phase
     trainer.train()
     model_dir = os.path.join(spec["output_dir"], "model")
     save_trainer_model(trainer, model_dir)  # every process (ZeRO-3 gathers); checked where it was written

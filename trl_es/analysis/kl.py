@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from ..generation.base import model_device
+from ..generation.base import eos_token_ids, model_device
 from ._common import ModelLike, eval_mode, load_model
 
 __all__ = ["encode_prompts", "off_task_kl"]
@@ -118,10 +118,11 @@ def off_task_kl(
 
     where the completions :math:`y` are sampled from the current model at temperature 1 with no top-k / top-p /
     min-p / typical / repetition-penalty warping, and :math:`T(y)` are the generated tokens up to and including the
-    first EOS (prompt tokens and padding are masked). Sampling is seeded with ``seed`` inside
-    ``torch.random.fork_rng`` (the global RNG state is left as it was). Prompts are left-padded for generation;
-    position ids follow the attention mask, as in ``generate``. Log-probabilities are computed in float32. A model
-    compared with itself gives exactly 0.
+    first EOS: any id of the model's ``generation_config.eos_token_id`` or the tokenizer's (as
+    :func:`trl_es.generation.eos_token_ids`; prompt tokens and padding are masked). Sampling is seeded with
+    ``seed`` inside ``torch.random.fork_rng`` (the global RNG state is left as it was). Prompts are left-padded for
+    generation; position ids follow the attention mask, as in ``generate``. Log-probabilities are computed in
+    float32. A model compared with itself gives exactly 0.
 
     Args:
         model (nn.Module | str): the current model :math:`p_\theta` (a ``transformers`` causal LM, PEFT model, or a
@@ -160,10 +161,7 @@ def off_task_kl(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer needs a pad token or an EOS token to batch prompts.")
-    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos_ids = eos_token_ids(tokenizer, getattr(model, "generation_config", None))  # the model's and the tokenizer's
     gen_config = GenerationConfig(
         do_sample=True,
         temperature=1.0,

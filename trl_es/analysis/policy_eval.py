@@ -95,7 +95,8 @@ def greedy_accuracy(
         raise ValueError("greedy_accuracy needs at least one row.")
     scorer = _scorer(reward_funcs)
     engine = EagerEngine(share_prompt_prefix=True)
-    config = build_generation_config(tokenizer, max_new_tokens)
+    config = build_generation_config(tokenizer, max_new_tokens,
+                                     model_generation_config=getattr(model, "generation_config", None))
     correct = 0
     with tqdm(total=len(rows), desc="greedy completions", unit="completion", disable=not progress) as bar:
         for first in range(0, len(rows), batch_size):
@@ -143,7 +144,8 @@ def sample_policy(
         reward_funcs (`Callable | list | RewardScorer`): TRL-style reward functions (or a ready
             :class:`trl_es.rollout.RewardScorer`); the last one decides correctness.
         generation_config (`GenerationConfig`): A sampling config (``do_sample=True``, ``temperature > 0``), e.g.
-            :func:`trl_es.rollout.build_generation_config` with a temperature.
+            :func:`trl_es.rollout.build_generation_config` with a temperature and the model's
+            ``generation_config`` (so that its end-of-turn ids end the completions).
         num_samples (`int`): Completions per prompt, ``>= 1``.
         sample_batch_size (`int`, *optional*): Prompts per ``generate`` call, ``>= 1``; ``None`` (default):
             :func:`auto_sample_batch_size` (about :data:`SAMPLE_ROWS_PER_CALL` rows a call, one prompt a call from
@@ -308,7 +310,8 @@ def evaluate_policy(
     report["accuracy_greedy"] = greedy_accuracy(model, tokenizer, rows, reward_funcs, max_new_tokens, batch_size,
                                                 success_threshold, chat_template_kwargs, progress)
     if num_samples:
-        config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
+        config = build_generation_config(tokenizer, max_new_tokens, temperature=temperature, top_p=top_p,
+                                         model_generation_config=getattr(model, "generation_config", None))
         sampled = sample_policy(model, tokenizer, rows, reward_funcs, config, num_samples, sample_batch_size,
                                 seed=seed, success_threshold=success_threshold,
                                 chat_template_kwargs=chat_template_kwargs, progress=progress)

@@ -31,9 +31,10 @@ def analyze(argv: list[str]) -> dict:
     held_out = splits["test"]
     rows = [held_out[i] for i in range(len(held_out))]
     scorer = RewardScorer(task.reward_funcs[-1:])
-    config = build_generation_config(tokenizer, analyze_args.max_new_tokens)
 
     def reward_fn(model) -> float:
+        config = build_generation_config(tokenizer, analyze_args.max_new_tokens,
+                                         model_generation_config=getattr(model, "generation_config", None))
         return float(score_model(model, tokenizer, rows, scorer, config)["rewards"].nanmean())
 
     # Off-task prompts for the KL: another task's prompts (arithmetic <-> countdown).

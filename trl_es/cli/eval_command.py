@@ -180,7 +180,8 @@ def evaluate(argv: list[str]) -> dict:
     scorer = RewardScorer(task.reward_funcs)
     answer = len(scorer.names) - 1  # the answer reward: > 0.5 = correct
     rows = [dataset[i] for i in range(len(dataset))]
-    common = {"top_p": eval_args.top_p, "generation_kwargs": eval_args.generation_kwargs}
+    common = {"top_p": eval_args.top_p, "generation_kwargs": eval_args.generation_kwargs,
+              "model_generation_config": model.generation_config}  # its end-of-turn ids end completions
     greedy = build_generation_config(tokenizer, eval_args.max_new_tokens, 0.0, **common)
     sampled = build_generation_config(tokenizer, eval_args.max_new_tokens, eval_args.sample_temperature, **common)
     engine = EagerEngine(share_prompt_prefix=True)  # training's engine: a shared prefix is computed once

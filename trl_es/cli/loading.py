@@ -5,13 +5,15 @@ from __future__ import annotations
 from trl import ModelConfig
 
 
-def load_model_and_tokenizer(model_args: ModelConfig, dtype=None):
+def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_code: bool = False):
     """The causal LM and its tokenizer (pad token = eos token when it has none), in ``float32`` unless a dtype is set.
 
     Args:
         model_args (`ModelConfig`): ``model_name_or_path`` (a folder, hub id or ``embedded:`` name),
             ``model_revision``, ``dtype``, ``attn_implementation``.
         dtype (`str`, *optional*): Overrides ``model_args.dtype``.
+        trust_remote_code (`bool`): Passed to both loads (``ESConfig.trust_remote_code``: TRL's ``ModelConfig`` has
+            no such field).
 
     Returns:
         (`tuple[PreTrainedModel, PreTrainedTokenizer]`): The model and the tokenizer.
@@ -21,12 +23,14 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None):
     from ..models import resolve_model_path
 
     path = resolve_model_path(model_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
+                                              trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = dtype or model_args.dtype
     model = AutoModelForCausalLM.from_pretrained(
-        path, revision=model_args.model_revision, dtype="float32" if dtype in (None, "auto") else dtype,
+        path, revision=model_args.model_revision, trust_remote_code=trust_remote_code,
+        dtype="float32" if dtype in (None, "auto") else dtype,
         attn_implementation=model_args.attn_implementation,
     )
     return model, tokenizer

@@ -29,7 +29,9 @@ def train(argv: list[str]) -> dict:
 
     ``results.json`` holds ``accuracy_before``/``accuracy_after`` on the eval split (``--eval_split``, default
     validation: what the trainer's evaluations read) and, when that is validation, ``test_accuracy_before``/
-    ``test_accuracy_after``: the test split scored once before and once after training, for reporting.
+    ``test_accuracy_after``: the test split scored once before and once after training, for reporting. It also
+    records ``iterations`` (done) and ``max_steps`` (asked for), and ``stopped_by_time_budget``: ``True`` when
+    ``--time_budget_minutes`` stopped training before ``max_steps`` (a cut run, also printed as a warning).
 
     Args:
         argv (`list[str]`): Command-line arguments after ``train``.
@@ -53,16 +55,15 @@ def train(argv: list[str]) -> dict:
     if len(eval_dataset) == 0:
         count = "num_validation_prompts" if split == "validation" else "num_eval_prompts"
         raise ValueError(f"eval_split={split!r} is empty: set --{count} >= 1 (or choose the other --eval_split).")
-    model, tokenizer = load_model_and_tokenizer(model_args)
+    model, tokenizer = load_model_and_tokenizer(model_args, trust_remote_code=es_args.trust_remote_code)
     if es_args.reward_weights is None:
         es_args.reward_weights = task.reward_weights
+    clock = TrainingClock(60.0 * task_args.time_budget_minutes, evaluate_at_stop=True) \
+        if task_args.time_budget_minutes else None
     trainer = ESTrainer(
         model, task.reward_funcs, args=es_args, train_dataset=splits["train"], eval_dataset=eval_dataset,
         processing_class=tokenizer, peft_config=get_peft_config(model_args),
-        callbacks=(
-            [TrainingClock(60.0 * task_args.time_budget_minutes, evaluate_at_stop=True)]
-            if task_args.time_budget_minutes else None
-        ),
+        callbacks=[clock] if clock is not None else None,
     )
     if trainer.accelerator.is_main_process:
         stale = os.path.join(es_args.output_dir, "results.json")
@@ -84,6 +85,12 @@ def train(argv: list[str]) -> dict:
     last = [h for h in trainer.state.log_history if key in h and h.get("step") == trainer.state.global_step]
     results["accuracy_after"] = last[-1][key] if last else trainer.evaluate()[key]
     results["iterations"] = trainer.state.global_step
+    results["max_steps"] = trainer.state.max_steps
+    cut = clock.describe_stop() if clock is not None else None
+    results["stopped_by_time_budget"] = cut is not None  # True: a cut run, not comparable with a whole one
+    if cut is not None:
+        results["time_budget_minutes"] = task_args.time_budget_minutes
+        trainer.accelerator.print(f"WARNING: {cut}; the figures below are those of a cut run.")
     results["curve"] = [{"step": h["step"], "accuracy": h[key]} for h in trainer.state.log_history
                         if key in h and "step" in h]
     results["train_seconds"] = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h),

@@ -14,6 +14,11 @@ travels instead of one number per member, and :meth:`PopulationScores.per_prompt
 column across the members before the mean over prompts (EGGROLL's members x prompts fitness, Sarkar et al. 2025,
 arXiv 2511.16652; GRPO's group baseline, Shao et al. 2024, arXiv 2402.03300, Eq. 3, turned sideways: the group is
 the population on one prompt).
+
+Completion statistics (optional fields, for the logged metrics only: they never reach the fitness): sums of squared
+rewards, prompt tokens, terminated (EOS) completions and their tokens, reward groups with zero spread, and per
+process the fewest/most completion tokens (min and max do not add up, so each process fills its own columns, as the
+per-prompt sums do). They travel in the same flat tensor when collected (``completion_stats=True``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from .shaping import shape_fitness
 
-__all__ = ["PER_PROMPT_SHAPINGS", "MemberScores", "PopulationScores"]
+__all__ = ["LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "MemberScores", "PopulationScores"]
 
 #: The values of ``ESConfig.per_prompt_shaping`` (see :meth:`PopulationScores.per_prompt_fitness`).
 PER_PROMPT_SHAPINGS = ("none", "center", "zscore", "centered_rank")
@@ -50,6 +55,17 @@ class MemberScores:
         prompt_reward_sum (`list[float]`, *optional*): Per prompt row (in order), the sum of its completions' weighted
             rewards (``None`` skipped); only kept for per-prompt shaping.
         prompt_reward_count (`list[int]`, *optional*): Per prompt row, its completions with a weighted reward.
+        prompt_tokens (`int`): Prompt tokens, counted once per completion (as GRPOTrainer counts ``num_tokens``).
+        reward_sq_sum (`float`): Sum of the squared weighted rewards (``None`` skipped).
+        per_func_sq_sum (`list[float]`, *optional*): Per reward function, the sum of its squared rewards.
+        terminated (`int`): Completions that ended with a stop (EOS) or pad id; the others were clipped at
+            ``max_completion_length``.
+        terminated_tokens (`int`): Completion tokens of the terminated completions.
+        min_length, max_length (`int`, *optional*): Fewest / most completion tokens (``None``: no completion).
+        min_terminated_length, max_terminated_length (`int`, *optional*): The same over the terminated completions.
+        groups (`int`): Prompt rows (groups of ``num_generations`` completions) counted for ``zero_std_groups``.
+        zero_std_groups (`int`): Groups whose weighted rewards have zero spread (GRPOTrainer's
+            ``frac_reward_zero_std``: unbiased ``nanstd`` close to 0; every group when ``num_generations == 1``).
     """
 
     reward_sum: float
@@ -64,10 +80,21 @@ class MemberScores:
     texts: list[str] | None = None
     prompt_reward_sum: list[float] | None = None
     prompt_reward_count: list[int] | None = None
+    prompt_tokens: int = 0
+    reward_sq_sum: float = 0.0
+    per_func_sq_sum: list[float] | None = None
+    terminated: int = 0
+    terminated_tokens: int = 0
+    min_length: int | None = None
+    max_length: int | None = None
+    min_terminated_length: int | None = None
+    max_terminated_length: int | None = None
+    groups: int = 0
+    zero_std_groups: int = 0
 
     @classmethod
     def from_rollout(cls, rollout: Mapping, success_threshold: float, seconds: float = 0.0,
-                     num_generations: int | None = None) -> MemberScores:
+                     num_generations: int | None = None, group_size: int | None = None) -> MemberScores:
         """Sum one member's rollout (the rows it owns).
 
         Args:
@@ -78,9 +105,12 @@ class MemberScores:
             seconds (`float`): The rollout's wall-clock seconds.
             num_generations (`int`, *optional*): Completions per prompt row (consecutive, as
                 :func:`~trl_es.rollout.score_model` orders them): when given, the per-prompt sums are kept too.
+            group_size (`int`, *optional*): Completions per prompt row, for ``groups`` / ``zero_std_groups`` (the
+                statistics only; ``None``: not counted). The completion statistics read ``completion_ids``,
+                ``terminated`` and ``prompt_lengths`` when the rollout has them.
 
         Raises:
-            ValueError: if the completions do not split into rows of ``num_generations``.
+            ValueError: if the completions do not split into rows of ``num_generations`` (or ``group_size``).
         """
         rewards = rollout["rewards"].double()
         per_func = rollout["rewards_per_func"].double()
@@ -92,7 +122,9 @@ class MemberScores:
             by_prompt = rewards.view(-1, num_generations)
             prompt_sum = by_prompt.nansum(dim=1).tolist()
             prompt_count = (~torch.isnan(by_prompt)).sum(dim=1).tolist()
+        stats = _completion_stats(rollout, rewards, per_func, group_size)
         return cls(
+            **stats,
             reward_sum=float(rewards.nansum()),
             reward_count=int((~torch.isnan(rewards)).sum()),
             completions=len(rollout["completions"]),
@@ -107,6 +139,44 @@ class MemberScores:
             prompt_reward_count=prompt_count,
         )
 
+
+def _completion_stats(rollout: Mapping, rewards: torch.Tensor, per_func: torch.Tensor, group_size: int | None) -> dict:
+    """The statistics fields of :class:`MemberScores` (metrics only) from one rollout."""
+    finite = rewards[~torch.isnan(rewards)]
+    stats = {"reward_sq_sum": float(finite.pow(2).sum()), "per_func_sq_sum": per_func.pow(2).nansum(dim=0).tolist()}
+    ids = rollout.get("completion_ids")
+    if ids is not None:
+        lengths = [len(i) for i in ids]
+        ended = list(rollout.get("terminated", [False] * len(lengths)))
+        done = [n for n, end in zip(lengths, ended, strict=True) if end]
+        stats.update(terminated=len(done), terminated_tokens=sum(done),
+                     min_length=min(lengths, default=None), max_length=max(lengths, default=None),
+                     min_terminated_length=min(done, default=None), max_terminated_length=max(done, default=None))
+    if "prompt_lengths" in rollout:
+        stats["prompt_tokens"] = int(sum(rollout["prompt_lengths"]))
+    if group_size is not None:
+        if group_size < 1 or rewards.numel() % group_size:
+            raise ValueError(f"{rewards.numel()} completions do not split into prompt rows of {group_size}.")
+        grouped = rewards.view(-1, group_size)
+        if group_size == 1:  # as GRPOTrainer: one sample has no spread
+            zero = torch.ones(grouped.shape[0], dtype=torch.bool)
+        else:
+            count = (~torch.isnan(grouped)).sum(dim=1)
+            mean = grouped.nanmean(dim=1, keepdim=True)
+            variance = (grouped - mean).pow(2).nansum(dim=1) / (count - 1).clamp(min=1)
+            std = torch.where(count > 1, variance.sqrt(), torch.full_like(variance, math.nan))
+            zero = torch.isclose(std, torch.zeros_like(std))  # NaN (fewer than 2 rewards): not zero, as nanstd
+        stats.update(groups=int(grouped.shape[0]), zero_std_groups=int(zero.sum()))
+    return stats
+
+
+#: The summed completion statistics of :class:`PopulationScores` (optional), in the order of the flat tensor.
+_STATS = (("prompt_tokens", False), ("reward_sq_sum", False), ("terminated", False), ("terminated_tokens", False),
+          ("groups", False), ("zero_std_groups", False), ("per_func_sq_sum", True))
+
+#: Per process share, the columns of ``PopulationScores.length_extremes``.
+LENGTH_EXTREMES = ("completions", "min_length", "max_length", "terminated", "min_terminated_length",
+                   "max_terminated_length")
 
 #: The summed fields of :class:`PopulationScores`, in the order of the flat tensor (name, per reward function?).
 _SUMMED = (("reward_sum", False), ("reward_count", False), ("completions", False), ("tokens", False),
@@ -123,6 +193,13 @@ class PopulationScores:
         prompt_sum, prompt_count (`torch.Tensor` or `None`): Shape ``(P, B)`` for the ``B`` prompts of the iteration
             (all processes'): member ``i``'s weighted-reward sum and count on prompt ``p``. Kept only for per-prompt
             shaping; ``None`` otherwise (then nothing per prompt travels).
+        prompt_tokens, reward_sq_sum, terminated, terminated_tokens, groups, zero_std_groups (`torch.Tensor` or
+            `None`): Shape ``(P,)``, the sums of the :class:`MemberScores` fields of those names (metrics only).
+        per_func_sq_sum (`torch.Tensor` or `None`): Shape ``(P, F)``.
+        length_extremes (`torch.Tensor` or `None`): Shape ``(P, S, 6)``: per member and process share ``s`` (``S``
+            processes that each score their own prompts of every member, ZeRO-3; else ``S = 1``), the columns of
+            :data:`LENGTH_EXTREMES` (completions, min/max tokens, terminated, min/max terminated tokens; 0 where
+            there are none). ``None`` for all of these when the statistics were not collected.
     """
 
     reward_sum: torch.Tensor
@@ -135,16 +212,28 @@ class PopulationScores:
     successes: torch.Tensor
     prompt_sum: torch.Tensor | None = None
     prompt_count: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
+    reward_sq_sum: torch.Tensor | None = None
+    terminated: torch.Tensor | None = None
+    terminated_tokens: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    zero_std_groups: torch.Tensor | None = None
+    per_func_sq_sum: torch.Tensor | None = None
+    length_extremes: torch.Tensor | None = None
 
     @classmethod
     def collect(cls, scores: Mapping[int, MemberScores], population_size: int, num_funcs: int,
-                num_prompts: int | None = None, prompt_offset: int = 0) -> PopulationScores:
+                num_prompts: int | None = None, prompt_offset: int = 0, completion_stats: bool = False,
+                num_shares: int = 1, share_index: int = 0) -> PopulationScores:
         """The members this process scored (``{member index: MemberScores}``) in a population-sized table.
 
         Args:
             num_prompts (`int`, *optional*): The iteration's prompts over all processes: when given, the members'
                 per-prompt sums fill ``prompt_sum``/``prompt_count``, this process's prompts at columns
                 ``prompt_offset, prompt_offset + 1, ...`` (a sharded process scores its own share of the prompts).
+            completion_stats (`bool`): Also collect the completion statistics (``prompt_tokens``, ...,
+                ``length_extremes``); this process fills share ``share_index`` of ``num_shares`` in
+                ``length_extremes``.
 
         Raises:
             ValueError: if a member's per-function lists do not have ``num_funcs`` entries, or its per-prompt lists
@@ -171,21 +260,28 @@ class PopulationScores:
             columns = slice(prompt_offset, prompt_offset + len(sums))
             table["prompt_sum"][index, columns] = torch.tensor(sums, dtype=torch.float64)
             table["prompt_count"][index, columns] = torch.tensor(counts, dtype=torch.float64)
+        if completion_stats:
+            table.update(_collect_stats(scores, population_size, num_funcs, num_shares, share_index))
         return cls(**table)
 
     def _blocks(self) -> list[torch.Tensor]:
         blocks = [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _SUMMED]
         if self.prompt_sum is not None:
             blocks += [self.prompt_sum, self.prompt_count]
+        if self.length_extremes is not None:
+            blocks += [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _STATS]
+            blocks.append(self.length_extremes.reshape(self.length_extremes.shape[0], -1))
         return blocks
 
     def to_tensor(self) -> torch.Tensor:
-        """All fields as one ``(P, 6 + 2F [+ 2B])`` float64 tensor (the layout of :meth:`from_tensor`)."""
+        """All fields as one ``(P, 6 + 2F [+ 2B] [+ 6 + F + 6S])`` float64 tensor (the layout of :meth:`from_tensor`)."""
         return torch.cat(self._blocks(), dim=1)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, num_funcs: int, num_prompts: int | None = None) -> PopulationScores:
-        """Inverse of :meth:`to_tensor` (``num_prompts``: ``B`` when the per-prompt columns are there)."""
+    def from_tensor(cls, tensor: torch.Tensor, num_funcs: int, num_prompts: int | None = None,
+                    num_shares: int | None = None) -> PopulationScores:
+        """Inverse of :meth:`to_tensor` (``num_prompts``: ``B`` when the per-prompt columns are there;
+        ``num_shares``: ``S`` when the completion statistics are)."""
         values, column = {}, 0
         for name, per_func in _SUMMED:
             width = num_funcs if per_func else 1
@@ -195,13 +291,23 @@ class PopulationScores:
         if num_prompts is not None:
             values["prompt_sum"] = tensor[:, column : column + num_prompts]
             values["prompt_count"] = tensor[:, column + num_prompts : column + 2 * num_prompts]
+            column += 2 * num_prompts
+        if num_shares is not None:
+            for name, per_func in _STATS:
+                width = num_funcs if per_func else 1
+                block = tensor[:, column : column + width]
+                values[name] = block if per_func else block[:, 0]
+                column += width
+            width = num_shares * len(LENGTH_EXTREMES)
+            values["length_extremes"] = tensor[:, column : column + width].reshape(-1, num_shares, len(LENGTH_EXTREMES))
         return cls(**values)
 
     def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> PopulationScores:
         """Sum every field over processes with ``reduce_sum`` (e.g. ``accelerator.reduce(t, "sum")``); one call."""
         num_funcs = self.per_func_sum.shape[1]
         num_prompts = None if self.prompt_sum is None else self.prompt_sum.shape[1]
-        return PopulationScores.from_tensor(reduce_sum(self.to_tensor()), num_funcs, num_prompts)
+        num_shares = None if self.length_extremes is None else self.length_extremes.shape[1]
+        return PopulationScores.from_tensor(reduce_sum(self.to_tensor()), num_funcs, num_prompts, num_shares)
 
     def nbytes(self) -> int:
         """Bytes of the flat tensor :meth:`all_reduce` moves."""
@@ -282,3 +388,24 @@ class PopulationScores:
         """Per reward function, its mean over the whole population's completions (``None`` if it gave none)."""
         sums, counts = self.per_func_sum.sum(dim=0), self.per_func_count.sum(dim=0)
         return [float(s / c) if c > 0 else None for s, c in zip(sums.tolist(), counts.tolist(), strict=True)]
+
+
+def _collect_stats(scores: Mapping[int, MemberScores], population_size: int, num_funcs: int, num_shares: int,
+                   share_index: int) -> dict[str, torch.Tensor]:
+    """The completion-statistics fields of :meth:`PopulationScores.collect`."""
+    if not 0 <= share_index < num_shares:
+        raise ValueError(f"share_index {share_index} is not in [0, {num_shares}).")
+    table = {name: torch.zeros((population_size, num_funcs) if per_func else (population_size,), dtype=torch.float64)
+             for name, per_func in _STATS}
+    table["length_extremes"] = torch.zeros(population_size, num_shares, len(LENGTH_EXTREMES), dtype=torch.float64)
+    for index, member in scores.items():
+        for name, per_func in _STATS:
+            value = getattr(member, name)
+            if per_func and (value is None or len(value) != num_funcs):
+                found = None if value is None else len(value)
+                raise ValueError(f"member {index}: {name} has {found} entries, expected {num_funcs}.")
+            table[name][index] = torch.tensor(value, dtype=torch.float64) if per_func else float(value)
+        row = [member.completions, member.min_length, member.max_length, member.terminated,
+               member.min_terminated_length, member.max_terminated_length]
+        table["length_extremes"][index, share_index] = torch.tensor([float(v or 0) for v in row], dtype=torch.float64)
+    return table

@@ -7,6 +7,14 @@ depends only on ``(s, name, j)``: never on how the tensor is split across proces
 generate only the blocks they overlap), and never on which other tensors exist, so two tensors never share noise
 (the public reference code seeds every tensor with the member seed, so all same-shape tensors move together).
 
+**Portable values.** A block's values come from NumPy's PCG64 bit generator and its float32 ziggurat normal
+sampler (``numpy.random.Generator.standard_normal(dtype=float32)``): one compiled code path, the same on every CPU,
+so a seed log replays to the same weights on any machine, and processes on nodes with different CPUs agree on every
+member. (``torch.randn`` on CPU is not portable: its float32 kernel has an AVX2 variant whose values differ from the
+scalar one that other CPUs run, e.g. with ``ATEN_CPU_CAPABILITY=default`` or AVX-512. Seed logs written before
+2026-12-02, whose noise description has no ``"generator"``, replay with ``torch.randn`` as they were trained:
+:data:`LEGACY_GENERATOR`, bitwise only on a CPU that dispatches as the training one did.)
+
 Three sources produce a block:
 
 - :class:`NoiseTable` (default): a shared table of i.i.d. N(0, 1) fp32 values generated once from a fixed seed;
@@ -14,9 +22,8 @@ Three sources produce a block:
   ``(s, name, k)``. This is the shared noise table of Salimans et al. 2017 ("Evolution Strategies as a Scalable
   Alternative to Reinforcement Learning", arXiv 1703.03864, Sec. 2.1): perturbing is then a memory-bound add, not a
   random-number generation, which keeps noise, perturb, restore and update far below generation time.
-- :class:`GaussianNoise`: a fresh ``torch.randn`` draw per block from a CPU generator seeded with the hashed key.
-  Exactly independent Gaussian noise, identical on every machine and device, about 10x slower than the table on
-  CPU (~1 s per 100M parameters on 2 cores). No table in memory.
+- :class:`GaussianNoise`: a fresh draw per block from a generator seeded with the hashed key. Exactly independent
+  Gaussian noise, identical on every machine and device, about 10x slower than the table on CPU. No table in memory.
 - :class:`DeviceGaussianNoise`: the same draw from a generator on the tensor's own device, keyed the same way
   (Philox on CUDA: no host work, no transfer, no table). Values depend on the device type (a CUDA run's noise is
   not a CPU run's), so ``replay`` must run on the same kind of device; on CPU it equals :class:`GaussianNoise`.
@@ -31,6 +38,7 @@ import functools
 import hashlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 NOISE_BLOCK_SIZE = 1 << 20
@@ -41,6 +49,39 @@ DEFAULT_TABLE_SIZE = 1 << 26
 
 TABLE_SEED = 1703_03864
 """Seed of the shared noise table (the arXiv id of Salimans et al. 2017)."""
+
+PORTABLE_GENERATOR = "numpy-pcg64"
+"""The generator of every new noise source: NumPy's PCG64 and float32 ziggurat, the same values on every CPU."""
+
+LEGACY_GENERATOR = "torch"
+"""The generator of seed logs written before 2026-12-02 (no ``"generator"`` in their noise description):
+``torch.randn`` on a CPU generator, whose float32 values depend on the CPU's dispatch (AVX2 or not)."""
+
+GENERATORS = (PORTABLE_GENERATOR, LEGACY_GENERATOR)
+
+
+def standard_normal(length: int, seed: int, generator: str = PORTABLE_GENERATOR) -> torch.Tensor:
+    """``length`` i.i.d. N(0, 1) float32 values from ``seed``, on CPU.
+
+    Args:
+        length (`int`): Number of values.
+        seed (`int`): A non-negative integer below ``2**63``.
+        generator (`str`): :data:`PORTABLE_GENERATOR` (NumPy PCG64 + float32 ziggurat: the same values on every
+            CPU) or :data:`LEGACY_GENERATOR` (``torch.randn``: depends on the CPU's SIMD dispatch).
+
+    Returns:
+        `torch.Tensor`: Shape ``(length,)``, float32, CPU.
+
+    Raises:
+        ValueError: for an unknown ``generator``.
+    """
+    if generator == PORTABLE_GENERATOR:
+        values = np.random.Generator(np.random.PCG64(int(seed))).standard_normal(int(length), dtype=np.float32)
+        return torch.from_numpy(values)
+    if generator == LEGACY_GENERATOR:
+        return torch.randn(int(length), generator=torch.Generator(device="cpu").manual_seed(int(seed)),
+                           dtype=torch.float32)
+    raise ValueError(f"Unknown noise generator {generator!r}: expected one of {GENERATORS}.")
 
 
 def block_key(seed: int, name: str, block: int) -> int:
@@ -75,6 +116,12 @@ class NoiseSource:
         """A JSON-serializable description, written into the seed log so ``replay`` rebuilds the same source."""
         raise NotImplementedError
 
+    @property
+    def portable(self) -> bool:
+        """Whether the runs of this source use the portable arithmetic of :mod:`trl_es.es.arithmetic` (every source
+        but a :data:`LEGACY_GENERATOR` one, which replays seed logs from before 2026-12-02 as they were trained)."""
+        return getattr(self, "generator", PORTABLE_GENERATOR) != LEGACY_GENERATOR
+
     def pieces(
         self, seed: int, name: str, numel: int, start: int = 0, end: int | None = None, device=None
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -108,10 +155,8 @@ class NoiseSource:
 
 
 @functools.lru_cache(maxsize=2)
-def _table_values(size: int, seed: int, device: str) -> torch.Tensor:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    values = torch.randn(size, generator=generator, dtype=torch.float32)
-    return values.to(device)
+def _table_values(size: int, seed: int, device: str, generator: str) -> torch.Tensor:
+    return standard_normal(size, seed, generator).to(device)
 
 
 class NoiseTable(NoiseSource):
@@ -119,55 +164,87 @@ class NoiseTable(NoiseSource):
 
     Args:
         size (`int`): Number of fp32 entries, at least ``NOISE_BLOCK_SIZE``. Default ``2**26`` (256 MiB).
-        seed (`int`): Seed of the table. The table is generated on CPU, so it is identical on every machine.
+        seed (`int`): Seed of the table. The table is generated on CPU by ``generator`` (:func:`standard_normal`).
+        generator (`str`): :data:`PORTABLE_GENERATOR` (default: the same table on every CPU) or
+            :data:`LEGACY_GENERATOR` (seed logs written before 2026-12-02).
 
     Raises:
-        ValueError: if ``size < NOISE_BLOCK_SIZE``.
+        ValueError: if ``size < NOISE_BLOCK_SIZE`` or ``generator`` is unknown.
     """
 
-    def __init__(self, size: int = DEFAULT_TABLE_SIZE, seed: int = TABLE_SEED):
+    def __init__(self, size: int = DEFAULT_TABLE_SIZE, seed: int = TABLE_SEED, generator: str = PORTABLE_GENERATOR):
         if size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 (no table) or >= {NOISE_BLOCK_SIZE}, got {size}.")
+        _check_generator(generator)
         self.size = int(size)
         self.seed = int(seed)
+        self.generator = generator
 
     def values(self, device) -> torch.Tensor:
         """The whole table, shape ``(size,)``, float32, on ``device`` (built once per device and cached)."""
-        return _table_values(self.size, self.seed, str(torch.device(device)))
+        return _table_values(self.size, self.seed, str(torch.device(device)), self.generator)
 
     def block(self, seed, name, index, length, device):
         offset = block_key(seed, name, index) % (self.size - length + 1)
         return self.values(device)[offset : offset + length]
 
     def describe(self) -> dict:
-        return {"type": "table", "size": self.size, "seed": self.seed, "block_size": NOISE_BLOCK_SIZE}
+        return _with_generator({"type": "table", "size": self.size, "seed": self.seed, "block_size": NOISE_BLOCK_SIZE},
+                               self.generator)
 
 
 class GaussianNoise(NoiseSource):
-    """Fresh Gaussian noise per block: ``torch.randn`` from a CPU generator seeded with ``block_key``."""
+    """Fresh Gaussian noise per block, generated on CPU from ``block_key`` (:func:`standard_normal`).
+
+    Args:
+        generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
+    """
+
+    def __init__(self, generator: str = PORTABLE_GENERATOR):
+        _check_generator(generator)
+        self.generator = generator
 
     def block(self, seed, name, index, length, device):
-        generator = torch.Generator(device="cpu").manual_seed(block_key(seed, name, index))
-        return torch.randn(length, generator=generator, dtype=torch.float32).to(device)
+        return standard_normal(length, block_key(seed, name, index), self.generator).to(device)
 
     def describe(self) -> dict:
-        return {"type": "gaussian", "block_size": NOISE_BLOCK_SIZE}
+        return _with_generator({"type": "gaussian", "block_size": NOISE_BLOCK_SIZE}, self.generator)
 
 
 class DeviceGaussianNoise(NoiseSource):
     """Fresh Gaussian noise per block from a ``torch.Generator`` on the tensor's device, seeded with ``block_key``.
 
     On CUDA this is the counter-based Philox generator: a block costs one kernel, nothing crosses the bus and no
-    table occupies device memory. The values depend on the device type; on CPU they equal :class:`GaussianNoise`.
+    table occupies device memory. The values depend on the device type; on CPU they equal :class:`GaussianNoise`
+    (with the same ``generator``).
+
+    Args:
+        generator (`str`): On CPU, :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
     """
+
+    def __init__(self, generator: str = PORTABLE_GENERATOR):
+        _check_generator(generator)
+        self.generator = generator
 
     def block(self, seed, name, index, length, device):
         device = torch.device(device)
+        if device.type == "cpu":
+            return standard_normal(length, block_key(seed, name, index), self.generator)
         generator = torch.Generator(device=device).manual_seed(block_key(seed, name, index))
         return torch.randn(length, generator=generator, dtype=torch.float32, device=device)
 
     def describe(self) -> dict:
-        return {"type": "device_gaussian", "block_size": NOISE_BLOCK_SIZE}
+        return _with_generator({"type": "device_gaussian", "block_size": NOISE_BLOCK_SIZE}, self.generator)
+
+
+def _check_generator(generator: str) -> None:
+    if generator not in GENERATORS:
+        raise ValueError(f"Unknown noise generator {generator!r}: expected one of {GENERATORS}.")
+
+
+def _with_generator(description: dict, generator: str) -> dict:
+    # A legacy source keeps the legacy description (no "generator"), so old seed logs and checkpoints compare equal.
+    return description if generator == LEGACY_GENERATOR else {**description, "generator": generator}
 
 
 NOISE_SOURCES = ("auto", "table", "gaussian", "device_gaussian")
@@ -209,15 +286,21 @@ def make_noise_source(
 
 
 def noise_source_from_description(description: dict) -> NoiseSource:
-    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``)."""
+    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``). A description without ``"generator"`` (a seed
+    log written before 2026-12-02) gives the :data:`LEGACY_GENERATOR` source it was trained with.
+
+    Raises:
+        ValueError: for another block size, an unknown type or generator.
+    """
     if description.get("block_size", NOISE_BLOCK_SIZE) != NOISE_BLOCK_SIZE:
         raise ValueError(f"This log was written with noise block size {description['block_size']}.")
+    generator = description.get("generator", LEGACY_GENERATOR)
     if description["type"] == "table":
-        return NoiseTable(description["size"], description["seed"])
+        return NoiseTable(description["size"], description["seed"], generator)
     if description["type"] == "gaussian":
-        return GaussianNoise()
+        return GaussianNoise(generator)
     if description["type"] == "device_gaussian":
-        return DeviceGaussianNoise()
+        return DeviceGaussianNoise(generator)
     raise ValueError(f"Unknown noise source type {description['type']!r}: expected 'table', 'gaussian' or "
                      "'device_gaussian'.")
 

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from .arithmetic import add_scaled_, added_scaled
 from .noise import NOISE_BLOCK_SIZE, NoiseSource, full_noise
 from .update import Member, TrainedParameters, _Entry
 
@@ -135,7 +136,7 @@ class GaussianPerturbation(Perturbation):
                 for member, coef in pairs:
                     for lo2, hi2, eps in noise.pieces(member.seed, e.name, e.numel, e.start + position,
                                                       e.start + hi, device=device):
-                        total[lo2:hi2].add_(eps, alpha=coef)
+                        add_scaled_(total[lo2:hi2], eps, coef, noise.portable)
                 yield e, position, hi, total
                 position = hi
 
@@ -148,9 +149,9 @@ def _write_perturbed(flat_param: torch.Tensor, flat_master: torch.Tensor, noise:
     pieces = noise.pieces(member.seed, name, numel, start, start + flat_param.numel(), device=flat_param.device)
     for lo, hi, eps in pieces:
         if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
-            torch.add(flat_master[lo:hi], eps, alpha=scale, out=flat_param[lo:hi])  # one pass
+            added_scaled(flat_master[lo:hi], eps, scale, noise.portable, out=flat_param[lo:hi])
         else:
-            flat_param[lo:hi].copy_(torch.add(flat_master[lo:hi].float(), eps, alpha=scale))
+            flat_param[lo:hi].copy_(added_scaled(flat_master[lo:hi].float(), eps, scale, noise.portable))
 
 
 def _block_span(position: int) -> int:
@@ -282,7 +283,10 @@ class LowRankPerturbation(Perturbation):
                 a, b = self.factors(noise, member.seed, e, device)
                 a = a * coef
                 for j in range(self.rank):
-                    total.addcmul_(a[:, j : j + 1], b[:, j].unsqueeze(0))
+                    if noise.portable:  # an outer product (one rounding each), then an add: the same on every CPU
+                        total.add_(a[:, j : j + 1] * b[:, j].unsqueeze(0))
+                    else:  # seed logs from before 2026-12-02 (arithmetic.py)
+                        total.addcmul_(a[:, j : j + 1], b[:, j].unsqueeze(0))
             yield e, 0, e.param.numel(), total.view(-1)
 
 

@@ -37,27 +37,43 @@ class SeedLog:
             ``"torch"``), ``awd_penalty``. Logs written before the ``perturbation`` key existed name it through
             ``population_backend`` (``{"name": "batched_lowrank", "noise_rank": r}`` or ``{"name": "sequential"}``);
             :func:`header_perturbation` reads both.
-        records (`list[dict]`): One per iteration: ``step`` (1-based), ``members`` (``[seed, sign]`` pairs),
-            ``coefficients`` (the shaped fitness), ``learning_rate`` and ``awd_shrink`` (``alpha * lambda``, 0 if off).
+        records (`list[dict]`): One per iteration: ``step`` (1-based, contiguous: record ``k`` is step ``k``, the
+            ``k``-th iteration since the base model), ``members`` (``[seed, sign]`` pairs), ``coefficients`` (the shaped
+            fitness), ``learning_rate``, ``awd_shrink`` (``alpha * lambda``, 0 if off) and, only where it differs from
+            ``step`` (a second ``train()`` call on the same trainer restarts ``Trainer``'s count), ``global_step``.
     """
 
     header: dict
     records: list[dict] = field(default_factory=list)
 
-    def append(self, step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
-        self.records.append(
-            {
-                "step": int(step),
-                "members": [[int(m.seed), int(m.sign)] for m in members],
-                "coefficients": [float(c) for c in coefficients],
-                "learning_rate": float(learning_rate),
-                "awd_shrink": float(awd_shrink),
-            }
-        )
+    def append(self, global_step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
+        """Record one iteration as the log's next step (``len(records) + 1``).
+
+        Args:
+            global_step (`int`): ``Trainer``'s count of this iteration (``state.global_step + 1``); kept in the
+                record only where it differs from the log's step (a second ``train()`` on the same trainer).
+        """
+        record = {
+            "step": len(self.records) + 1,
+            "members": [[int(m.seed), int(m.sign)] for m in members],
+            "coefficients": [float(c) for c in coefficients],
+            "learning_rate": float(learning_rate),
+            "awd_shrink": float(awd_shrink),
+        }
+        if int(global_step) != record["step"]:
+            record["global_step"] = int(global_step)
+        self.records.append(record)
 
     def truncate(self, step: int) -> None:
-        """Drop records after ``step`` (used when resuming from a checkpoint)."""
+        """Drop records after ``step``."""
         self.records = [r for r in self.records if r["step"] <= step]
+
+    @property
+    def global_step(self) -> int:
+        """``Trainer``'s ``global_step`` after the last recorded iteration (0 for an empty log)."""
+        if not self.records:
+            return 0
+        return int(self.records[-1].get("global_step", self.records[-1]["step"]))
 
     def save(self, path: str) -> None:
         """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a rename)."""
@@ -72,7 +88,8 @@ class SeedLog:
         """Read a log written by :meth:`save`. A directory is read as ``<dir>/es_seed_log.jsonl``.
 
         Raises:
-            ValueError: if the file is not a trl_es seed log.
+            ValueError: if the file is not a trl_es seed log, or its steps are not ``1, 2, ..., N`` in order
+                (:func:`check_steps`: the missing, repeated or misplaced steps are named).
         """
         if os.path.isdir(path):
             path = os.path.join(path, SEED_LOG_NAME)
@@ -81,7 +98,38 @@ class SeedLog:
         if not lines or lines[0].get("format") != FORMAT:
             raise ValueError(f"{path} is not a trl_es seed log (missing header with format={FORMAT!r}).")
         header = {k: v for k, v in lines[0].items() if k not in ("format", "version")}
+        check_steps([record.get("step") for record in lines[1:]], path)
         return cls(header=header, records=lines[1:])
+
+
+def check_steps(steps: list, where: str) -> None:
+    """A seed log replays from the base model: its records must be steps ``1, 2, ..., N``, each once, in order.
+
+    Args:
+        steps (`list[int]`): The records' ``step`` values, in file order.
+        where (`str`): The log's path, named in the error.
+
+    Raises:
+        ValueError: naming the steps that are missing (e.g. a log that starts at step 3 lacks steps 1-2), repeated,
+            or out of order.
+    """
+    if steps == list(range(1, len(steps) + 1)):
+        return
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps):
+        raise ValueError(f"{where}: every seed-log record needs an integer step >= 1, got steps {steps}.")
+    seen = set(steps)
+    missing = [s for s in range(1, max(steps) + 1) if s not in seen]
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    problems = []
+    if missing:
+        problems.append(f"missing steps {missing}" + (" (the log does not start at step 1, the base model)"
+                                                      if steps[0] != 1 else ""))
+    if repeated:
+        problems.append(f"repeated steps {repeated}")
+    if not problems:
+        problems.append(f"steps out of order: {steps}")
+    raise ValueError(f"{where}: a seed log must hold steps 1..N, each once and in order, to replay from the base "
+                     f"model; this one has {'; '.join(problems)}. It is incomplete or was assembled from several runs.")
 
 
 def header_perturbation(header: dict) -> Perturbation:
@@ -118,16 +166,20 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
         model (`nn.Module`): The *base* model (same architecture, same initial weights; with PEFT, the PeftModel with
             its initial adapter). Modified in place.
         log_path (`str`): A seed log file, or a directory (checkpoint or output dir) holding ``es_seed_log.jsonl``.
-        max_step (`int` or `None`): Replay only iterations ``step <= max_step``.
+        max_step (`int` or `None`): Replay only iterations ``step <= max_step`` (at most the log's last step).
 
     Returns:
         `nn.Module`: ``model``, now holding the trained weights.
 
     Raises:
         ValueError: if the log was written with ``es_optimizer="torch"``, says it is not replayable (its
-            ``not_replayable`` header, e.g. ES + SFT parallel averaging), or names parameters the model lacks.
+            ``not_replayable`` header, e.g. ES + SFT parallel averaging), names parameters the model lacks, has
+            missing, repeated or misplaced steps (:meth:`SeedLog.load`), or ends before ``max_step``.
     """
     log = SeedLog.load(log_path)
+    if max_step is not None and max_step > len(log.records):
+        raise ValueError(f"max_step={max_step} is beyond the seed log {log_path!r}, which ends at step "
+                         f"{len(log.records)}: steps {list(range(len(log.records) + 1, max_step + 1))} are missing.")
     if log.header.get("not_replayable"):
         raise ValueError(f"This seed log cannot be replayed: {log.header['not_replayable']}")
     if log.header.get("optimizer", "es") != "es":

@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from .arithmetic import zscore
+
 logger = logging.getLogger(__name__)
 
 FITNESS_SHAPINGS = ("zscore", "centered_rank", "none")
@@ -142,4 +144,4 @@ def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor
         return torch.zeros_like(f)
     if method == "centered_rank":
         return centered_ranks(merged)
-    return (merged - merged.mean()) / merged.std(unbiased=False)
+    return zscore(merged)  # exactly rounded mean and variance: the same coefficients on every CPU

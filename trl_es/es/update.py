@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .arithmetic import add_scaled_
 from .noise import NoiseSource
 
 AWD_PENALTIES = ("l2", "l1")
@@ -261,9 +262,9 @@ def es_update_(
         for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
             flat = e.master.view(-1)[lo:hi]
             if flat.dtype == torch.float32:
-                flat.add_(total, alpha=step)
+                add_scaled_(flat, total, step, noise.portable)
             else:
-                flat.copy_(flat.float().add_(total, alpha=step))
+                flat.copy_(add_scaled_(flat.float(), total, step, noise.portable))
     params.render_()
 
 
@@ -288,4 +289,4 @@ def es_gradient_(
     for e in params.entries:
         e.master.grad = torch.zeros_like(e.master)
     for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
-        e.master.grad.view(-1)[lo:hi].add_(total, alpha=scale)
+        add_scaled_(e.master.grad.view(-1)[lo:hi], total, scale, noise.portable)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Completions, GenerationEngine, model_device
+from .base import Completions, GenerationEngine, eos_token_ids, model_device, stop_token_ids
 from .compiled import CompiledEngine, supports_static_cache
 from .eager import EagerEngine, common_prefix_length
 
@@ -80,8 +80,10 @@ __all__ = [
     "EagerEngine",
     "GenerationEngine",
     "common_prefix_length",
+    "eos_token_ids",
     "generate_completions",
     "make_engine",
     "resolve_engine_name",
+    "stop_token_ids",
     "supports_static_cache",
 ]

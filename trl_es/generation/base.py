@@ -17,7 +17,8 @@ class Completions:
 
     Attributes:
         texts (`list[str]`): One decoded completion per row (special tokens removed).
-        ids (`list[list[int]]`): Its token ids, cut after the first EOS token (included, as GRPOTrainer does).
+        ids (`list[list[int]]`): Its token ids, cut after the first EOS token (included, as GRPOTrainer does): any id
+            of the generation config's ``eos_token_id`` (see :func:`stop_token_ids`).
     """
 
     texts: list[str]
@@ -89,12 +90,44 @@ class GenerationEngine(ABC):
                                             **generate_kwargs)
         finally:
             model.train(was_training)
-        eos = generation_config.eos_token_id if generation_config.eos_token_id is not None \
-            else processing_class.eos_token_id
-        eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        ids = [_cut_after_eos(row, eos_ids) for row in completion]
+        stop = set(stop_token_ids(generation_config, model, processing_class))
+        ids = [_cut_after_eos(row, stop) for row in completion]
         texts = processing_class.batch_decode(ids, skip_special_tokens=True)
         return Completions(texts, ids)
+
+
+def eos_token_ids(processing_class, model_generation_config: GenerationConfig | None = None) -> list[int]:
+    """Every id that ends a completion, as TRL's ``GRPOTrainer`` takes them: the model's
+    ``generation_config.eos_token_id`` (an int or a list: Gemma-3-it, Phi-3.5 and Llama-3 end a turn on an id the
+    tokenizer does not call ``eos_token``), with the tokenizer's ``eos_token_id`` put first when it is not among them.
+
+    Args:
+        processing_class (`PreTrainedTokenizerBase`): The tokenizer (its ``eos_token_id`` may be ``None``).
+        model_generation_config (`GenerationConfig` or `None`): The model's ``generation_config``; ``None``: the
+            tokenizer's id only.
+
+    Returns:
+        `list[int]`: Distinct ids in that order; empty when neither declares one.
+    """
+    declared = getattr(model_generation_config, "eos_token_id", None)
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    if processing_class.eos_token_id is not None and processing_class.eos_token_id not in ids:
+        ids = [processing_class.eos_token_id, *ids]
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def stop_token_ids(generation_config: GenerationConfig, model: nn.Module, processing_class) -> list[int]:
+    """The ids a completion is cut after: ``generation_config.eos_token_id`` (an int or a list), or, when it is
+    unset (``generate`` then takes the model's), :func:`eos_token_ids` of the tokenizer and the model's
+    ``generation_config``.
+
+    Returns:
+        `list[int]`: Possibly empty (nothing is cut).
+    """
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return eos_token_ids(processing_class, getattr(model, "generation_config", None))
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def _cut_after_eos(row: list[int], eos_ids: set) -> list[int]:

@@ -20,6 +20,7 @@ weights into the engine once per iteration. See ``docs/generation.md``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 import os
@@ -131,8 +132,10 @@ def _global_random_states_kept():
 
 def _model_directory(model: nn.Module, processing_class) -> str:
     """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config, its tokenizer and a generation
-    config whose EOS is the tokenizer's (the HF engines stop there; without it vLLM would also stop at every EOS id
-    of the model config). The weights come from memory. Written by every process for its own engine."""
+    config whose EOS is the tokenizer's only: every stop id comes with each request (:func:`sampling_kwargs`, from
+    the trainer's generation config: the tokenizer's and the model's EOS ids unless ``generation_kwargs`` set
+    others), so that vLLM adds none of its own. The weights come from memory. Written by every process for its own
+    engine."""
     path = tempfile.mkdtemp(prefix="trl_es_vllm_")
     try:
         model.config.save_pretrained(path)
@@ -326,37 +329,23 @@ class VLLMEngine(GenerationEngine):
                              f"{sorted(_SUPPORTED_GENERATION_KEYS)}.")
 
     def sampling_params(self, generation_config: GenerationConfig, num_rows: int) -> list:
-        """One ``vllm.SamplingParams`` per row from ``generation_config``: greedy when ``do_sample`` is off; with
-        sampling, row ``j``'s seed is ``s + j`` where ``s`` is drawn from torch's global generator (the trainer
-        seeds it per member), so a rollout is reproducible from the ES seed.
+        """One ``vllm.SamplingParams`` per row from ``generation_config`` (see :func:`sampling_kwargs`; this engine's
+        tokenizer gives vLLM's own EOS).
 
         Raises:
             ValueError: for a generation setting vLLM's sampler does not take here (named).
         """
         from vllm import SamplingParams
 
-        self.check_generation_config(generation_config)
-        eos = generation_config.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        common = {
-            "max_tokens": int(generation_config.max_new_tokens),
-            "stop_token_ids": eos,
-            "detokenize": False,
-            "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
-            "min_tokens": int(generation_config.min_new_tokens or 0),
-        }
-        if not generation_config.do_sample:
-            return [SamplingParams(temperature=0.0, **common)] * num_rows
-        base = int(torch.randint(0, 2**31 - 1 - num_rows, ()).item())
-        return [SamplingParams(temperature=float(generation_config.temperature), top_p=float(generation_config.top_p),
-                               top_k=int(generation_config.top_k or 0), min_p=float(generation_config.min_p or 0.0),
-                               seed=base + j, **common) for j in range(num_rows)]
+        return [SamplingParams(**kwargs)
+                for kwargs in sampling_kwargs(generation_config, num_rows, self.processing_class.eos_token_id)]
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
         if generate_kwargs:
             raise ValueError(f"use_vllm=True takes no model.generate arguments, got {sorted(generate_kwargs)}.")
         prompt_ids = processing_class(text=list(texts), add_special_tokens=False)["input_ids"]
-        params = self.sampling_params(generation_config, len(prompt_ids))
+        config = with_model_defaults(generation_config, getattr(model, "generation_config", None))
+        params = self.sampling_params(config, len(prompt_ids))
         lora = None
         if self._lora_requests:
             if num_row_groups != len(self._lora_requests):
@@ -374,6 +363,70 @@ class VLLMEngine(GenerationEngine):
             self.clear_adapters_()
         finally:
             self._cleanup()
+
+
+def with_model_defaults(generation_config: GenerationConfig,
+                        model_generation_config: GenerationConfig | None) -> GenerationConfig:
+    """``generation_config`` with its unset (``None``) settings that vLLM takes filled from the model's
+    ``generation_config``, as transformers' ``generate`` fills every unset setting (e.g. a model's
+    ``repetition_penalty``, or its ``eos_token_id`` list when the config leaves it unset): vLLM then decodes with
+    what the HF engines decode with. A copy; the input is unchanged.
+
+    Returns:
+        `GenerationConfig`: ``generation_config`` itself when nothing is filled.
+    """
+    if model_generation_config is None:
+        return generation_config
+    filled = {key: getattr(model_generation_config, key, None) for key in sorted(_SUPPORTED_GENERATION_KEYS)
+              if getattr(generation_config, key, None) is None}
+    filled = {key: value for key, value in filled.items() if value is not None}
+    if not filled:
+        return generation_config
+    config = copy.deepcopy(generation_config)
+    config.update(**filled)
+    return config
+
+
+def sampling_kwargs(generation_config: GenerationConfig, num_rows: int,
+                    primary_eos_token_id: int | None = None) -> list[dict]:
+    """The keyword arguments of one ``vllm.SamplingParams`` per row (no vLLM needed): greedy when ``do_sample`` is
+    off; with sampling, row ``j``'s seed is ``s + j`` where ``s`` is drawn from torch's global generator (the
+    trainer seeds it per member), so a rollout is reproducible from the ES seed.
+
+    A completion stops at every id of ``generation_config.eos_token_id`` (an int or a list: ``stop_token_ids``), as
+    ``generate`` stops. vLLM also stops at its own EOS, ``primary_eos_token_id`` (the tokenizer's); when the
+    config's ids leave it out (``generation_kwargs={"eos_token_id": ...}``), ``ignore_eos`` turns that stop off.
+
+    Args:
+        generation_config (`GenerationConfig`): Decoding settings (see :meth:`VLLMEngine.check_generation_config`).
+        num_rows (`int`): Rows of the ``generate`` call.
+        primary_eos_token_id (`int`, *optional*): The EOS id vLLM stops at on its own.
+
+    Returns:
+        `list[dict]`: ``num_rows`` dicts with ``max_tokens``, ``stop_token_ids`` (`list[int]`), ``ignore_eos``,
+        ``detokenize``, ``repetition_penalty``, ``min_tokens``, ``temperature`` and, when sampling, ``top_p``,
+        ``top_k``, ``min_p``, ``seed``.
+
+    Raises:
+        ValueError: for a generation setting vLLM's sampler does not take here (named).
+    """
+    VLLMEngine.check_generation_config(generation_config)
+    eos = generation_config.eos_token_id
+    eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(i) for i in eos])
+    common = {
+        "max_tokens": int(generation_config.max_new_tokens),
+        "stop_token_ids": eos,
+        "ignore_eos": bool(eos) and primary_eos_token_id is not None and primary_eos_token_id not in eos,
+        "detokenize": False,
+        "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
+        "min_tokens": int(generation_config.min_new_tokens or 0),
+    }
+    if not generation_config.do_sample:
+        return [{"temperature": 0.0, **common} for _ in range(num_rows)]
+    base = int(torch.randint(0, 2**31 - 1 - num_rows, ()).item())
+    return [{"temperature": float(generation_config.temperature), "top_p": float(generation_config.top_p),
+             "top_k": int(generation_config.top_k or 0), "min_p": float(generation_config.min_p or 0.0),
+             "seed": base + j, **common} for j in range(num_rows)]
 
 
 def _remove_folders(paths: list[str]) -> None:

@@ -15,10 +15,19 @@ from .dare_ties import (
 )
 from .direction_pool import DEFAULT_TARGET_MODULES, build_direction_pool, split_buckets
 from .genome import GRANULARITIES, Genome, GenomeSpace, group_modules, layer_index
-from .lora_delta import LoraDeltaSet, LoraFactors, extract_lora_factors, low_rank_factors, save_deltas_as_lora
+from .lora_delta import (
+    DenseDelta,
+    LoraDeltaSet,
+    LoraFactors,
+    check_adapter_config,
+    extract_lora_factors,
+    low_rank_factors,
+    save_deltas_as_lora,
+)
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
+    "DenseDelta",
     "GRANULARITIES",
     "MAJORITY_SIGN_METHODS",
     "SIGN_ELECTIONS",
@@ -28,6 +37,7 @@ __all__ = [
     "LoraFactors",
     "MergeApplier",
     "build_direction_pool",
+    "check_adapter_config",
     "dare_prune",
     "dare_ties_merge",
     "extract_lora_factors",

@@ -35,7 +35,7 @@ from peft.utils.merge_utils import calculate_majority_sign_mask, disjoint_merge,
 from torch import nn
 
 from .genome import Genome
-from .lora_delta import LoraDeltaSet
+from .lora_delta import LoraDeltaSet, target_tensor
 
 SIGN_ELECTIONS = ("weighted", "unweighted")
 MAJORITY_SIGN_METHODS = ("total", "frequency")
@@ -189,13 +189,15 @@ def merge_module_deltas(
 
 
 class MergeApplier:
-    """Writes ``W = W0 + merged delta`` into a model's weights, from a saved copy of the base weights ``W0``.
+    """Writes ``W = W0 + merged delta`` into a model's tensors, from a saved copy of the base tensors ``W0``.
 
     Every ``apply*`` call starts from ``W0`` (never from the previous candidate), computing ``W0 + delta`` in float32
-    and casting once to the weight's dtype; [`restore`] copies ``W0`` back bitwise.
+    and casting once to the tensor's dtype; [`restore`] copies ``W0`` back bitwise into every tensor the applier
+    writes. An exception during an ``apply*`` call puts the previous state back (``W0`` bitwise, or the previous
+    candidate rebuilt from its genome, bitwise when its merge is deterministic: seeded, or density 1) and re-raises.
 
     Args:
-        model (`nn.Module`): The base model; its weights are changed in place.
+        model (`nn.Module`): The base model; its tensors are changed in place.
         delta_set (`LoraDeltaSet`): The adapters; their factors are moved to the model's device.
         cache_pruned (`bool`): Keep every module's DARE-pruned full deltas between candidates (reused while the
             module's density and seed are unchanged: always, with fixed densities and a shared seed). Saves the
@@ -203,15 +205,21 @@ class MergeApplier:
             weights in memory.
 
     Raises:
-        ValueError: if the adapters target modules the model does not have, or with other shapes.
+        ValueError: if the adapters target tensors the model does not have, with other shapes, or two delta names
+            that are the same tensor in the model (tied weights).
     """
 
     def __init__(self, model: nn.Module, delta_set: LoraDeltaSet, cache_pruned: bool = False):
         delta_set.check_model(model)
         self.model = model
         self.delta_set = delta_set
-        modules = dict(model.named_modules())
-        self.weights: dict[str, torch.Tensor] = {name: modules[name].weight for name in delta_set.module_names}
+        self.weights: dict[str, torch.Tensor] = {name: target_tensor(model, name) for name in delta_set.module_names}
+        shared: dict[int, str] = {}
+        for name, w in self.weights.items():
+            if w.data_ptr() in shared:
+                raise ValueError(f"The deltas {shared[w.data_ptr()]!r} and {name!r} are the same tensor in the model "
+                                 "(tied weights): one would overwrite the other.")
+            shared[w.data_ptr()] = name
         self.base: dict[str, torch.Tensor] = {name: w.detach().clone() for name, w in self.weights.items()}
         self.device = next(iter(self.weights.values())).device
         delta_set.to(self.device)
@@ -220,23 +228,27 @@ class MergeApplier:
 
     @torch.no_grad()
     def apply(self, genome: Genome) -> None:
-        """Put the DARE-TIES merge of ``genome`` into the model."""
-        for name, merged in merge_module_deltas(self.delta_set, genome, device=self.device, cache=self.cache):
-            self._write(name, merged)
-        self.state = genome
+        """Put the DARE-TIES merge of ``genome`` into the model.
+
+        Raises:
+            ValueError: if the genome has no group for some delta (checked before anything is written).
+        """
+        missing = [name for name in self.delta_set.module_names if name not in genome.module_groups]
+        if missing:
+            raise ValueError(f"The genome has no coefficients for {missing[:4]} ({len(missing)} deltas).")
+        self._write_all(merge_module_deltas(self.delta_set, genome, device=self.device, cache=self.cache), genome)
 
     @torch.no_grad()
     def apply_adapter(self, k: int) -> None:
         """Put adapter ``k`` alone into the model (``W0 + Delta_k``, no drop, no election)."""
         if not 0 <= k < self.delta_set.num_adapters:
             raise ValueError(f"adapter index must be in [0, {self.delta_set.num_adapters}), got {k}.")
-        for name in self.delta_set.module_names:
-            self._write(name, self.delta_set.delta(name, k, self.device))
-        self.state = k
+        names = self.delta_set.module_names
+        self._write_all(((name, self.delta_set.delta(name, k, self.device)) for name in names), k)
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Copy the base weights back (bitwise)."""
+        """Copy the base tensors back (bitwise) into every tensor the applier writes."""
         for name, weight in self.weights.items():
             weight.copy_(self.base[name])
         self.state = "base"
@@ -266,6 +278,22 @@ class MergeApplier:
     def merged_deltas(self, genome: Genome) -> dict[str, torch.Tensor]:
         """The merged delta of every module (float32, on the model's device), without touching the model."""
         return dict(merge_module_deltas(self.delta_set, genome, device=self.device, cache=self.cache))
+
+    def _write_all(self, items: Iterator[tuple[str, torch.Tensor]], state) -> None:
+        """Write every ``(name, delta)``; on any exception put the previous state back (else ``W0``) and re-raise."""
+        previous = self.state
+        try:
+            for name, delta in items:
+                self._write(name, delta)
+        except BaseException:
+            self.restore()
+            if previous != "base":
+                try:
+                    self.set_state(previous)
+                except BaseException:
+                    self.restore()
+            raise
+        self.state = state
 
     def _write(self, name: str, delta: torch.Tensor) -> None:
         weight = self.weights[name]

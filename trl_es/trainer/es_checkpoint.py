@@ -1,41 +1,114 @@
 """ESTrainer's checkpoint I/O: the seed log beside every saved model, the fp32 master and theta_0 in checkpoints (one
 file, or one shard per process under ZeRO-3), and resume to the weights of an uninterrupted run.
 
+Every ``Trainer`` path that puts other weights into the model keeps the ES state (master, anchor, seed log) in step
+with them: resuming (:meth:`ESCheckpointMixin._load_from_checkpoint`, and under DeepSpeed
+``_load_deepspeed_checkpoint``), ``load_best_model_at_end`` (:meth:`ESCheckpointMixin._load_best_model`) and a model
+re-created by ``model_init`` (``hyperparameter_search``; see :meth:`ESCheckpointMixin.call_model_init`). A checkpoint
+is checked before anything is loaded (:meth:`ESCheckpointMixin._check_checkpoint`): every file it needs, a seed log
+of steps 1..N that ends where ``trainer_state.json`` does, and the settings the run continues with.
+
 A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (it reads the trainer's ES state: ``es_params``, ``anchor``,
 ``seed_log``, ``population``); every file goes through :mod:`trl_es.files` (one writer, complete or absent).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
-from ..es.seedlog import SEED_LOG_NAME, SeedLog
+from ..es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
 from ..files import SAVED_MODEL_FILES, atomic_path, require_files
-from .distributed import read_flat_ranges
+from .distributed import SHARD_PATTERN, read_flat_ranges
 
 logger = logging.get_logger(__name__)
 
 MASTER_WEIGHTS_NAME = "es_master.safetensors"
 ANCHOR_WEIGHTS_NAME = "es_anchor.safetensors"
+TRAINER_STATE_NAME = "trainer_state.json"
+SCHEDULER_NAME = "scheduler.pt"
+OPTIMIZER_NAME = "optimizer.pt"
+
+#: Seed-log header keys that :func:`trl_es.replay` or a resumed run reads, with the settings that decide them (named
+#: in the error when a resumed run's value differs from the checkpoint's).
+RESUME_HEADER_FIELDS = {
+    "noise": "noise_source/noise_table_size",
+    "sigma": "sigma",
+    "population_size": "population_size",
+    "antithetic": "antithetic",
+    "fitness_shaping": "fitness_shaping",
+    "optimizer": "es_optimizer",
+    "master_dtype": "fp32_master_weights",
+    "awd_penalty": "awd_penalty",
+    "parameters": "include_parameters/exclude_parameters (the trained parameters)",
+    "perturbation": "population_backend/noise_rank",
+}
+
+#: Config fields that set the rest of a run's trajectory (the prompts, the fitness, the learning rate of each step),
+#: kept in the seed-log header under ``run_settings`` and compared on resume. ``reward_funcs`` (the reward functions'
+#: names) is kept there too.
+RESUME_SETTINGS = (
+    "seed", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "awd_lambda",
+    "per_prompt_shaping", "prompt_batch_size", "num_generations", "max_completion_length", "temperature", "top_p",
+    "generation_kwargs", "chat_template_kwargs", "reward_weights", "member_chunk_size", "bf16", "fp16",
+    "train_sampling_strategy", "data_seed", "dataloader_drop_last",
+)
+#: With ``es_optimizer="torch"`` also the optimizer's settings (its state is loaded from ``optimizer.pt``).
+TORCH_OPTIMIZER_SETTINGS = ("optim", "optim_args", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                            "max_grad_norm")
+
+
+def run_settings(args, reward_func_names) -> dict:
+    """The ``run_settings`` of a seed-log header: :data:`RESUME_SETTINGS` (and :data:`TORCH_OPTIMIZER_SETTINGS` with
+    ``es_optimizer="torch"``) of ``args`` and the reward functions' names, as JSON values."""
+    names = RESUME_SETTINGS + (TORCH_OPTIMIZER_SETTINGS if args.es_optimizer == "torch" else ())
+    settings = {name: getattr(getattr(args, name, None), "value", getattr(args, name, None)) for name in names}
+    settings["reward_funcs"] = list(reward_func_names)
+    return json.loads(json.dumps(settings, default=str))
+
+
+def _present(folder: str, name: str) -> bool:
+    path = os.path.join(folder, name)
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _present_or_sharded(folder: str, name: str) -> bool:
+    """``name`` (``es_master.safetensors``), or ZeRO-3's per-process shards of it."""
+    stem = name[: -len(".safetensors")]
+    return _present(folder, name) or any(
+        (m := SHARD_PATTERN.match(n)) and m["base"] == stem for n in os.listdir(folder)
+    )
 
 
 class ESCheckpointMixin:
     """Saving and resuming an ES run (see the module docstring)."""
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """``Trainer.train``, then the seed log is written to ``output_dir`` (a whole run in a few kilobytes).
 
-        Whatever the population backend installed in the model (the low-rank adapters' hooks) is removed at the end,
-        also when training raises.
+        A checkpoint to resume from (``resume_from_checkpoint=True``: the last one in ``output_dir``) is checked
+        first, before anything is loaded (:meth:`_check_checkpoint`). Whatever the population backend installed in
+        the model (the low-rank adapters' hooks) is removed at the end, also when training raises.
+
+        Raises:
+            ValueError: if the checkpoint is incomplete, its seed log has missing steps or ends elsewhere than its
+                ``trainer_state.json``, or this run's settings differ from the checkpoint's where the run's
+                trajectory depends on them (:meth:`_check_checkpoint`).
         """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: Trainer says so
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
+            self._check_checkpoint(resume_from_checkpoint)
         try:
-            output = super().train(*args, **kwargs)
+            output = super().train(resume_from_checkpoint, trial, **kwargs)
         finally:
             self.population.close()
         if self.args.should_save:
@@ -127,25 +200,158 @@ class ESCheckpointMixin:
             with atomic_path(os.path.join(output_dir, "scheduler.pt")) as tmp:
                 torch.save(self.lr_scheduler.state_dict(), tmp)
 
+    # ------------------------------------------------------------------ what a checkpoint must hold
+    def _missing_checkpoint_files(self, folder: str, resume: bool = True) -> list[str]:
+        """The files of ``folder`` that this run needs and that are absent (or empty).
+
+        Always: the model (``model.safetensors``, or its index and every shard it lists, or a PEFT adapter) and its
+        config, the seed log, the fp32 master (``es_master.safetensors``, or ZeRO-3 shards of it) when it differs in
+        dtype from the model's weights, theta_0 (``es_anchor.safetensors``) when this run holds one (``awd_lambda >
+        0`` or ``log_parameter_drift``). To resume (``resume=True``) also ``trainer_state.json`` (the step),
+        ``scheduler.pt`` (the learning rate's place in its schedule), an RNG state (``rng_state*.pth``) and, with
+        ``es_optimizer="torch"``, the optimizer's state (``optimizer.pt``, or ZeRO-3's per-process files).
+        """
+        missing = []
+        for options in SAVED_MODEL_FILES:
+            if not any(_present(folder, name) for name in options):
+                missing.append(" or ".join(options))
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if not _present(folder, "model.safetensors") and os.path.isfile(index):
+            shards = sorted(set(checkpoint_weight_map(folder).values()))
+            missing += [os.path.basename(f) for f in shards if not _present(folder, os.path.basename(f))]
+        needed = [SEED_LOG_NAME]
+        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
+            needed.append(MASTER_WEIGHTS_NAME)
+        if self.anchor is not None:
+            needed.append(ANCHOR_WEIGHTS_NAME)
+        missing += [name for name in needed if not _present_or_sharded(folder, name)]
+        if resume:
+            missing += [name for name in (TRAINER_STATE_NAME, SCHEDULER_NAME) if not _present(folder, name)]
+            if not any(n.startswith("rng_state") and n.endswith(".pth") for n in os.listdir(folder)):
+                missing.append("rng_state.pth")
+            optimizer_files = [n for n in os.listdir(folder) if n == OPTIMIZER_NAME
+                               or (n.startswith("optimizer.rank") and n.endswith(".pt"))]  # ZeRO-3: per process
+            if self.args.es_optimizer == "torch" and not optimizer_files:
+                missing.append(OPTIMIZER_NAME)
+        return missing
+
+    def _check_checkpoint(self, folder: str, resume: bool = True) -> SeedLog:
+        """Refuse, before anything is loaded, a checkpoint this run cannot continue exactly.
+
+        Checked: every file the run needs is there (:meth:`_missing_checkpoint_files`); the seed log holds steps
+        1..N (:meth:`SeedLog.load`) and, to resume, ends at the ``global_step`` of ``trainer_state.json``; and, to
+        resume, every setting that :func:`trl_es.replay` or the resumed run reads equals the checkpoint's:
+        :data:`RESUME_HEADER_FIELDS` and the seed log's ``run_settings`` (:data:`RESUME_SETTINGS`, with
+        ``es_optimizer="torch"`` also :data:`TORCH_OPTIMIZER_SETTINGS`, and the reward functions' names). Logs
+        written before a key existed are compared on the keys they hold. Everything else may change on resume
+        (``max_steps``, ``num_train_epochs``, ``output_dir``, logging, saving and evaluation settings, the generation
+        engine, ``use_vllm``, ``anchor_storage``, ``success_threshold``, the number of processes where the
+        checkpoint allows it...).
+
+        Returns:
+            `SeedLog`: The checkpoint's seed log.
+
+        Raises:
+            ValueError: naming the missing files, the missing or extra steps, or the setting whose value differs
+                (the checkpoint's value and this run's).
+        """
+        if not os.path.isdir(folder):
+            raise ValueError(f"Cannot resume from {folder!r}: it is not a folder.")
+        missing = self._missing_checkpoint_files(folder, resume)
+        if missing:
+            raise ValueError(f"Cannot {'resume from' if resume else 'load'} the checkpoint {folder!r}: it is "
+                             f"incomplete, it holds no {' and no '.join(missing)} (copied with file patterns, or "
+                             "written by a save that did not finish?). Use a complete checkpoint.")
+        saved = SeedLog.load(os.path.join(folder, SEED_LOG_NAME))
+        if not resume:
+            return saved
+        with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
+            global_step = int(json.load(f)["global_step"])
+        if saved.global_step != global_step:
+            raise ValueError(f"Cannot resume from {folder!r}: its {TRAINER_STATE_NAME} is at step {global_step} but "
+                             f"its {SEED_LOG_NAME} ends at step {saved.global_step}: the seed log belongs to another "
+                             "point of the run (or another run).")
+        self._check_resume_settings(folder, saved.header)
+        return saved
+
+    def _check_resume_settings(self, folder: str, saved: dict) -> None:
+        """Compare a checkpoint's seed-log header with this run's (see :meth:`_check_checkpoint`).
+
+        Raises:
+            ValueError: naming every setting that differs, with the checkpoint's value and this run's.
+        """
+        current = self.seed_log.header
+        saved = dict(saved)
+        if "perturbation" not in saved and "parameters" in saved:  # logs written before the key: its backend says
+            saved["perturbation"] = header_perturbation(saved).describe()
+        differences = [(field, saved[key], current.get(key)) for key, field in RESUME_HEADER_FIELDS.items()
+                       if key in saved and saved[key] != current.get(key)]
+        settings, now = saved.get("run_settings", {}), current.get("run_settings", {})
+        differences += [(name, settings[name], now.get(name)) for name in settings
+                        if name in now and settings[name] != now[name]]
+        if differences:
+            listed = "; ".join(f"{field} (checkpoint: {theirs!r}, this run: {ours!r})"
+                               for field, theirs, ours in differences)
+            raise ValueError(f"Cannot resume from {folder!r}: these settings differ from the checkpoint's: {listed}. "
+                             "The resumed run would not continue the checkpoint's run (and its seed log would not "
+                             "replay): resume with the checkpoint's values, or start a new run.")
+
+    # ------------------------------------------------------------------ paths that load other weights
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         self._load_es_state(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """With ``es_optimizer="es"`` the optimizer never steps: only the scheduler's state is loaded and the
+        learning rate it gives the next iteration is set (so a checkpoint's optimizer file, or its absence, makes no
+        difference). ``"torch"``: as ``Trainer`` (its file is checked by :meth:`_check_checkpoint`)."""
+        if checkpoint is None or self.args.es_optimizer != "es":
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        for group, learning_rate in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = learning_rate
+
+    def _load_best_model(self):
+        """``load_best_model_at_end``: the best checkpoint's weights, and with them its ES state: the master, theta_0
+        and the seed log up to the best step, so that the saved model replays from its seed log and further training
+        continues from the best weights. (With ``es_optimizer="torch"`` the optimizer's state stays at the last step,
+        as in ``Trainer``.)
+
+        Raises:
+            ValueError: if the best checkpoint lacks a file its ES state needs (:meth:`_missing_checkpoint_files`).
+        """
+        best = self.state.best_model_checkpoint
+        self._check_checkpoint(best, resume=False)
+        if self.is_deepspeed_enabled:  # Trainer would read a DeepSpeed engine checkpoint, which ES never writes
+            self._load_deepspeed_checkpoint(best)
+        else:
+            super()._load_best_model()
+            self._load_es_state(best)
+        logger.info("Loaded the best model (step %d) with its ES state.", self.seed_log.global_step)
+
+    def call_model_init(self, trial=None):
+        """``model_init`` (``hyperparameter_search``): a new model, for which the ES state is rebuilt once the trial's
+        settings are in ``args`` (:meth:`_hp_search_setup`), before a checkpoint is loaded."""
+        model = super().call_model_init(trial)
+        self._es_state_is_stale = True
+        return model
+
+    def _hp_search_setup(self, trial):
+        super()._hp_search_setup(trial)
+        if getattr(self, "_es_state_is_stale", False):
+            self._es_state_is_stale = False
+            self.population.close()
+            self._init_es_state()
 
     def _load_es_state(self, folder: str) -> None:
         """The checkpoint's ES master, anchor and seed log, whatever number of processes wrote it (one file each, or
         ZeRO-3's per-process shards): every process reads exactly its elements (:func:`read_flat_ranges`).
 
         Raises:
-            ValueError: if the checkpoint's seed log was written for other trained parameters, noise, perturbation or
-                sigma than this run's (before any iteration runs).
+            ValueError: if the checkpoint lacks the fp32 master of a 16-bit model (or, see
+                :meth:`_check_checkpoint`, another ES file), or its seed log has missing steps.
         """
-        log_path = os.path.join(folder, SEED_LOG_NAME)
-        if os.path.exists(log_path):
-            saved_log = SeedLog.load(log_path)
-            for key in ("noise", "perturbation", "sigma", "parameters"):
-                if key in saved_log.header and saved_log.header[key] != self.seed_log.header.get(key):
-                    raise ValueError(f"Cannot resume from {folder!r}: its seed log's {key!r} differs from this run's "
-                                     f"({saved_log.header[key]!r} vs {self.seed_log.header.get(key)!r}).")
+        saved_log = self._check_checkpoint(folder, resume=False)
         layout = {e.name: (e.start, e.param.numel()) for e in self.es_params.entries}
         masters = read_flat_ranges(folder, MASTER_WEIGHTS_NAME, layout)
         if masters is not None:
@@ -156,11 +362,8 @@ class ESCheckpointMixin:
         else:  # the master has the model's dtype: the model just loaded is the master
             self.es_params.refresh_master_from_model_()
         if self.anchor is not None:
-            anchor = read_flat_ranges(folder, ANCHOR_WEIGHTS_NAME, layout)
-            if anchor is not None:
-                self._adopt_checkpoint_anchor(anchor)
-        if os.path.exists(log_path):
-            self.seed_log.records = saved_log.records
+            self._adopt_checkpoint_anchor(read_flat_ranges(folder, ANCHOR_WEIGHTS_NAME, layout))
+        self.seed_log.records = saved_log.records
         self._sync_engine_weights()  # use_vllm: the engine computes with the loaded weights
 
     def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:

@@ -15,11 +15,26 @@ from ..es.population import POPULATION_BACKENDS
 from ..es.shaping import FITNESS_SHAPINGS
 from ..es.update import AWD_PENALTIES
 from ..generation import GENERATION_ENGINES
+from .grpo_fields import answer_grpo_fields, check_grpo_fields
 
 ES_OPTIMIZERS = ("es", "torch")
 
 
+def check_fp16_device(config) -> None:
+    """``fp16=True`` on the CPU would change nothing: accelerate runs fp16 mixed precision (autocast) on GPUs only,
+    so every forward would stay in the model's dtype while the config says fp16.
+
+    Raises:
+        ValueError: naming the field and what to use instead.
+    """
+    if config.fp16 and config.device.type == "cpu":
+        raise ValueError("fp16=True is not applied on the CPU (accelerate runs fp16 mixed precision on GPUs only, so "
+                         "every forward would stay in the model's dtype): use bf16=True (bf16 autocast on the CPU), or "
+                         "fp16=False and load the model in float16 with model_init_kwargs={'dtype': 'float16'}.")
+
+
 @dataclass
+@answer_grpo_fields  # every other GRPOConfig field, refused by name (grpo_fields.GRPO_FIELDS)
 class ESConfig(_BaseConfig):
     r"""
     Configuration class for [`ESTrainer`]: Evolution Strategies fine-tuning (Qiu et al. 2025, arXiv 2509.24372).
@@ -35,7 +50,9 @@ class ESConfig(_BaseConfig):
     and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
 
     Only the parameters specific to ES (or whose defaults ES changes) are listed here; see
-    [`~transformers.TrainingArguments`] for the rest.
+    [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too,
+    honoured under GRPO's name or refused with a ``ValueError`` that says why and names the ES counterpart
+    (``beta`` -> ``awd_lambda``, ``scale_rewards`` -> ``fitness_shaping``, ...; see docs/grpo_fields.md).
 
     Parameters:
         > Parameters that override `TrainingArguments` defaults
@@ -55,6 +72,10 @@ class ESConfig(_BaseConfig):
             trigger transformers' deprecation warning for this alias of activation_checkpointing.
         logging_steps (`float`, *optional*, defaults to `1`):
             Log every X ES iterations (default 1).
+        per_device_train_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Derived by ES, not a setting: the prompts each process loads per iteration, prompt_batch_size / number
+            of processes. Leave it unset; an explicit value that differs from the derived one is refused (set
+            prompt_batch_size instead).
         dataloader_pin_memory (`bool`, *optional*, defaults to `False`):
             Pin dataloader memory. Default False: ES loads text rows, not tensors.
         remove_unused_columns (`bool` or `None`, *optional*, defaults to `False`):
@@ -65,6 +86,9 @@ class ESConfig(_BaseConfig):
         model_init_kwargs (`dict` or `None`, *optional*, defaults to `None`):
             Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string (e.g. {'dtype':
             'bfloat16'}).
+        trust_remote_code (`bool`, *optional*, defaults to `False`):
+            GRPO's option: allow models that ship custom code from the Hub. True adds trust_remote_code=True to
+            model_init_kwargs (used when `model` is a string).
 
         > Parameters that control the ES iteration
 
@@ -179,7 +203,8 @@ class ESConfig(_BaseConfig):
         > Parameters that control generation (GRPO's names and meanings)
 
         num_generations (`int`, *optional*, defaults to `1`):
-            Completions per prompt per member (default 1: greedy decoding is deterministic).
+            Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 needs
+            sampling (temperature > 0): greedy copies of a prompt would be identical, so they are refused.
         max_completion_length (`int`, *optional*, defaults to `256`):
             Maximum new tokens per completion.
         temperature (`float`, *optional*, defaults to `0.0`):
@@ -192,6 +217,21 @@ class ESConfig(_BaseConfig):
             Extra keyword arguments for `apply_chat_template` on conversational prompts.
         reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
             Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO.
+        top_k (`int`, *optional*, defaults to `0`):
+            GRPO's top-k filtering when sampling (0 = off). Merged into generation_kwargs (whose own top_k wins).
+            Sampling only: a value other than 0 with greedy decoding (temperature=0) is refused.
+        min_p (`float` or `None`, *optional*, defaults to `None`):
+            GRPO's min-p filtering when sampling, in [0, 1]. Merged into generation_kwargs (whose own min_p wins).
+            Sampling only: refused with greedy decoding (temperature=0).
+        repetition_penalty (`float`, *optional*, defaults to `1.0`):
+            GRPO's repetition penalty (> 0; 1.0 = off, > 1 discourages repeats), greedy or sampling. Merged into
+            generation_kwargs (whose own repetition_penalty wins).
+
+        > Parameters that control the data
+
+        shuffle_dataset (`bool` or `None`, *optional*, defaults to `None`):
+            GRPO's option: False reads the training prompts in dataset order (train_sampling_strategy='sequential');
+            True shuffles them (train_sampling_strategy 'random', the default). None: as train_sampling_strategy.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
@@ -233,6 +273,14 @@ class ESConfig(_BaseConfig):
         default=False, metadata={"help": "Pin dataloader memory. Default False: ES loads text rows, not tensors."}
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every X ES iterations (default 1)."})
+    per_device_train_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Derived by ES, not a setting: the prompts each process loads per iteration, prompt_batch_size / "
+            "number of processes. Leave it unset; an explicit value that differs from the derived one is refused (set "
+            "prompt_batch_size instead)."
+        },
+    )
 
     # ------------------------------------------------------------------ model
     model_init_kwargs: dict[str, Any] | str | None = field(
@@ -240,6 +288,13 @@ class ESConfig(_BaseConfig):
         metadata={
             "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string "
             "(e.g. {'dtype': 'bfloat16'})."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO's option: allow models that ship custom code from the Hub. True adds "
+            "trust_remote_code=True to model_init_kwargs (used when `model` is a string)."
         },
     )
 
@@ -469,7 +524,11 @@ class ESConfig(_BaseConfig):
 
     # ------------------------------------------------------------------ generation (GRPO's names and meanings)
     num_generations: int = field(
-        default=1, metadata={"help": "Completions per prompt per member (default 1: greedy decoding is deterministic)."}
+        default=1,
+        metadata={
+            "help": "Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 "
+            "needs sampling (temperature > 0): greedy copies of a prompt would be identical, so they are refused."
+        },
     )
     max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
     temperature: float = field(
@@ -487,9 +546,41 @@ class ESConfig(_BaseConfig):
         default=None,
         metadata={"help": "Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO."},
     )
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "GRPO's top-k filtering when sampling (0 = off). Merged into generation_kwargs (whose own top_k "
+            "wins). Sampling only: a value other than 0 with greedy decoding (temperature=0) is refused."
+        },
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={
+            "help": "GRPO's min-p filtering when sampling, in [0, 1]. Merged into generation_kwargs (whose own min_p "
+            "wins). Sampling only: refused with greedy decoding (temperature=0)."
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "GRPO's repetition penalty (> 0; 1.0 = off, > 1 discourages repeats), greedy or sampling. Merged "
+            "into generation_kwargs (whose own repetition_penalty wins)."
+        },
+    )
+
+    # ------------------------------------------------------------------ data
+    shuffle_dataset: bool | None = field(
+        default=None,
+        metadata={
+            "help": "GRPO's option: False reads the training prompts in dataset order (train_sampling_strategy="
+            "'sequential'); True shuffles them (train_sampling_strategy 'random', the default). None: as "
+            "train_sampling_strategy."
+        },
+    )
 
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
+        check_grpo_fields(self)  # GRPOConfig fields ES refuses (beta, loss_type, ...), named with their counterpart
         if self.es_optimizer == "torch":
             if self.fp16:
                 raise ValueError("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
@@ -501,6 +592,7 @@ class ESConfig(_BaseConfig):
                                  "iteration and Trainer's own step then finds no gradient, which a schedule-free "
                                  "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
                                  "'sgd'.")
+        explicit_batch_size = self.per_device_train_batch_size  # None unless the user set it (derived below)
         self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
         super().__post_init__()
         if self.population_size < 2:
@@ -553,6 +645,8 @@ class ESConfig(_BaseConfig):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        self._apply_grpo_generation_fields()
+        self._apply_grpo_model_and_data_fields()
         world_size = self.world_size
         if self.prompt_batch_size % world_size:
             raise ValueError(
@@ -560,13 +654,100 @@ class ESConfig(_BaseConfig):
                 f"({world_size}): each process loads prompt_batch_size / {world_size} prompts, then all share them."
             )
         # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
-        self.per_device_train_batch_size = self.prompt_batch_size // world_size
+        self.per_device_train_batch_size = self._derived_batch_size(explicit_batch_size, world_size)
         if self.save_on_each_node:
             raise ValueError("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
                              "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
                              "to a shared filesystem from the main process (save_on_each_node=False).")
+        check_fp16_device(self)
         if self.gradient_accumulation_steps != 1:
-            raise ValueError("gradient_accumulation_steps must be 1 for ES: one step is one ES iteration.")
+            raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not an ES setting: ES "
+                             "fixes it at 1 (one step is one ES iteration, scored on prompt_batch_size prompts). Leave "
+                             "it at 1 and set prompt_batch_size to score more prompts per iteration.")
+
+    def _apply_grpo_generation_fields(self) -> None:
+        """GRPO's ``top_k``, ``min_p`` and ``repetition_penalty``, merged into ``generation_kwargs`` (what the trainer
+        builds its ``GenerationConfig`` from; a key ``generation_kwargs`` already holds wins, as in GRPO); values that
+        change nothing (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``) are not added. Then
+        ``num_generations > 1`` with greedy decoding is refused: the copies of a prompt would be identical.
+
+        Raises:
+            ValueError: naming the field: a sampling-only setting, or ``num_generations > 1``, with greedy decoding;
+                a value out of range.
+        """
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off, as in GRPO), got {self.top_k!r}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be None or in [0, 1], got {self.min_p}.")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
+        kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        sampling = self.temperature > 0 or bool(kwargs.get("do_sample"))
+        if not sampling:
+            for name, off in (("top_k", 0), ("min_p", None)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"{name}={getattr(self, name)!r} filters tokens when sampling, but temperature=0 "
+                                     f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default) to sample, or "
+                                     f"leave {name} at {off!r}.")
+            if self.num_generations > 1:
+                raise ValueError(f"num_generations={self.num_generations} with greedy decoding (temperature=0) would "
+                                 f"score {self.num_generations} identical copies of each completion: set temperature > "
+                                 "0 (e.g. 1.0, GRPO's default) to sample different completions, or num_generations=1.")
+        neutral = (("top_k", 0), ("min_p", None), ("repetition_penalty", 1.0))
+        merged = {name: getattr(self, name) for name, off in neutral if getattr(self, name) != off}
+        if merged:
+            self.generation_kwargs = {**merged, **kwargs}
+
+    def _apply_grpo_model_and_data_fields(self) -> None:
+        """GRPO's ``trust_remote_code`` (into ``model_init_kwargs``) and ``shuffle_dataset`` (as
+        ``train_sampling_strategy``).
+
+        Raises:
+            ValueError: naming both fields when they contradict each other.
+        """
+        if self.trust_remote_code:
+            init_kwargs = dict(self.model_init_kwargs or {})
+            if init_kwargs.get("trust_remote_code", True) is not True:
+                raise ValueError("trust_remote_code=True contradicts model_init_kwargs={'trust_remote_code': "
+                                 f"{init_kwargs['trust_remote_code']!r}}}: set one of them.")
+            init_kwargs["trust_remote_code"] = True
+            self.model_init_kwargs = init_kwargs
+        if self.shuffle_dataset is not None:
+            strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
+            wanted = "random" if self.shuffle_dataset else "sequential"
+            if strategy not in ("random", wanted):
+                raise ValueError(f"shuffle_dataset={self.shuffle_dataset} contradicts train_sampling_strategy="
+                                 f"{strategy!r}: set train_sampling_strategy alone ('random' shuffles, 'sequential' "
+                                 "keeps the dataset order), or shuffle_dataset alone.")
+            self.train_sampling_strategy = wanted
+
+    def to_dict(self) -> dict[str, Any]:
+        """``TrainingArguments.to_dict``, without the refused ``GRPOConfig`` fields left unset (``None``), so logs
+        and trackers show the ES settings only."""
+        from .grpo_fields import refused_fields
+
+        d = super().to_dict()
+        for entry in refused_fields():
+            if d.get(entry.name, 0) is None:
+                del d[entry.name]
+        return d
+
+    def _derived_batch_size(self, explicit: int | None, world_size: int) -> int:
+        """``per_device_train_batch_size``: ``prompt_batch_size / world_size``, the prompts each process loads per
+        iteration. ``explicit`` is what the user gave (``None``: unset); a value that differs is refused, as ES would
+        otherwise silently train with another batch than the one asked for.
+
+        Raises:
+            ValueError: naming the field, the value ES derives and the field to set instead.
+        """
+        derived = self.prompt_batch_size // world_size
+        if explicit is not None and explicit != derived:
+            raise ValueError(
+                f"per_device_train_batch_size={explicit} is not an ES setting: ES derives it from prompt_batch_size "
+                f"({self.prompt_batch_size}) / number of processes ({world_size}) = {derived}. Leave it unset (or "
+                f"{derived}) and set prompt_batch_size={explicit * world_size} for {explicit} prompts per process."
+            )
+        return derived
 
     def _check_vllm_settings(self) -> None:
         """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run).

@@ -19,6 +19,25 @@ from .es_metrics import warn_invalid_rewards
 class ESEvaluationMixin:
     """``evaluate()``: greedy (or sampled) rewards of the current weights on ``eval_dataset``."""
 
+    def _prepare_forward_precision(self) -> None:
+        """Give the model the precision of training before any forward: every ES forward (``evaluate`` before,
+        during and after ``train``, the members' rollouts) then runs the same computation.
+
+        accelerate applies mixed precision (``bf16``/``fp16``) by wrapping the model's ``forward`` in its autocast
+        (outputs cast back to fp32) when the model is prepared; ``Trainer`` prepares it when training starts, and
+        before its own first evaluation. ES prepares it the same way (``evaluation_mode=True``: no DDP wrapper) at
+        its first forward, whichever comes first. Without mixed precision, or under DeepSpeed (which casts the
+        weights instead), nothing changes. Called by ``evaluate`` and by the member loop (``_score_members``).
+        """
+        if not self.accelerator.native_amp or self.is_deepspeed_enabled:
+            return
+        if any(getattr(m, "_is_accelerate_prepared", False) for m in (self.model, self.model_wrapped)):
+            return
+        prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        if prepared is not self.model:  # as Trainer's evaluation_loop (e.g. torch_compile's wrapper)
+            self.model_wrapped = prepared
+        self._rebind_es_params()  # preparing may move the weights to new storage (as in _prepare_for_training)
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
 
@@ -27,7 +46,10 @@ class ESEvaluationMixin:
         Invalid (non-finite) rewards are left out of the means and counted.
 
         Returns:
-            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
+            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_loss`` (``-{prefix}_reward``, as the training "loss"
+            is the negated mean reward: so ``load_best_model_at_end=True`` with Trainer's default
+            ``metric_for_best_model="loss"`` keeps the checkpoint of the highest eval reward; ``None`` when nothing
+            was scored), ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
             ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
         """
         if isinstance(eval_dataset, str):
@@ -45,6 +67,7 @@ class ESEvaluationMixin:
             dataset = list(dataset)
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
             self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
+        self._prepare_forward_precision()
         self._sync_model_view()
         self._sync_engine_weights()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
@@ -80,8 +103,10 @@ class ESEvaluationMixin:
         if world > 1:
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
+        reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
         metrics = {
-            f"{metric_key_prefix}_reward": float(sums[0] / sums[1]) if sums[1] > 0 else None,
+            f"{metric_key_prefix}_loss": -reward if reward is not None else None,
+            f"{metric_key_prefix}_reward": reward,
             f"{metric_key_prefix}_num_completions": int(len(dataset) * self.args.num_generations),
             f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
             f"{metric_key_prefix}_runtime": time.perf_counter() - start,

@@ -15,18 +15,42 @@ import torch
 
 from ..analysis.diversity import success_diversity
 from ..analysis.drift import group_name
-from ..es.fitness import MemberScores, PopulationScores
+from ..es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores
 from ..es.noise import NOISE_BLOCK_SIZE
 
-__all__ = ["drift_metrics", "drift_sums", "iteration_metrics", "warn_invalid_rewards"]
+__all__ = ["completion_metrics", "drift_metrics", "drift_sums", "iteration_metrics", "warn_invalid_rewards"]
 
 
 def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScores], reward_names: Sequence[str],
                       timings: Mapping[str, float], evaluate_seconds: float, update_seconds: float) -> dict[str, float]:
-    """The logged metrics of one ES iteration.
+    """The logged metrics of one ES iteration: GRPOTrainer's names where ES has the quantity, and ES's own.
+
+    GRPOTrainer's keys, same meaning, computed over **all completions of all population members of the iteration**
+    (``population_size x prompt_batch_size x num_generations`` completions, every process's, summed exactly):
+
+    - ``reward`` / ``reward_std``: mean and standard deviation (unbiased, as TRL's ``nanstd``) of the weighted
+      reward over the completions that have one (not all-``None``; a member's completions count even when another
+      of its rewards was invalid).
+    - ``rewards/<name>/mean`` / ``rewards/<name>/std``: the same per reward function, over the completions it
+      scored (not ``None``, not invalid).
+    - ``frac_reward_zero_std``: the fraction of groups (one member's ``num_generations`` completions of one prompt,
+      GRPO's group) whose weighted rewards have zero spread (all of them when ``num_generations == 1``).
+    - ``completions/mean_length``, ``/min_length``, ``/max_length``: completion tokens (EOS included);
+      ``completions/clipped_ratio``: the fraction that did not end with EOS (cut at ``max_completion_length``);
+      ``completions/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``: over the
+      completions that did end (0 when none did, as TRL).
+    - ``num_tokens`` (cumulative prompt + completion tokens, ``state.num_input_tokens_seen``) is set by the trainer.
+
+    ES's own: ``fitness/mean`` / ``fitness/std`` / ``reward_min`` / ``reward_max`` over the members' fitnesses (one
+    number per member: its mean weighted reward; the members with a fitness), ``num_nan_members``,
+    ``num_invalid_rewards``, ``success_rate`` and ``success_diversity`` (JS_succ, arXiv 2608.27351),
+    ``completions_per_second``, ``completion_tokens`` (this iteration's) and ``time/*``. Where every member scores
+    every completion (no invalid rewards), ``reward`` equals ``fitness/mean`` (the negated training "loss").
 
     Args:
-        scores (`PopulationScores`): The population's scores, summed over processes.
+        scores (`PopulationScores`): The population's scores, summed over processes; the completion statistics
+            (``reward_std``, ``rewards/<name>/std``, ``frac_reward_zero_std``, ``completions/*``) are logged when
+            they were collected (``completion_stats=True``).
         members (`Mapping[int, MemberScores]`): The members this process scored (for throughput and timings).
         reward_names (`Sequence[str]`): The reward functions' distinct names.
         timings (`Mapping[str, float]`): The population backend's ``perturb`` / ``restore`` seconds.
@@ -34,18 +58,21 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
         update_seconds (`float`): Seconds of the update.
 
     Returns:
-        `dict[str, float]`: ``reward`` / ``reward_std`` / ``reward_min`` / ``reward_max`` (over the members with a
-        fitness), ``num_nan_members``, ``num_invalid_rewards``, ``success_rate`` and ``success_diversity`` (JS_succ,
-        arXiv 2608.27351), ``rewards/<name>/mean``, ``completions_per_second``, ``completion_tokens`` and ``time/*``.
+        `dict[str, float]`: The keys above (a key is left out when it has no value, e.g. no completion was scored).
     """
     metrics = {}
     fitness = scores.fitness
     finite = fitness[~torch.isnan(fitness)]
     if finite.numel():
-        metrics["reward"] = float(finite.mean())
-        metrics["reward_std"] = float(finite.std(unbiased=False))
+        metrics["fitness/mean"] = float(finite.mean())
+        metrics["fitness/std"] = float(finite.std(unbiased=False))
         metrics["reward_min"] = float(finite.min())
         metrics["reward_max"] = float(finite.max())
+    count = float(scores.reward_count.sum())
+    if count > 0:
+        metrics["reward"] = float(scores.reward_sum.sum()) / count
+        if scores.reward_sq_sum is not None and count > 1:
+            metrics["reward_std"] = _std(float(scores.reward_sum.sum()), float(scores.reward_sq_sum.sum()), count)
     metrics["num_nan_members"] = float(torch.isnan(fitness).sum())
     metrics["num_invalid_rewards"] = float(scores.invalid.sum())
     scored = scores.completions > 0
@@ -53,9 +80,15 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
         success_rates = scores.successes[scored] / scores.completions[scored]
         metrics["success_rate"] = float(success_rates.mean())
         metrics["success_diversity"] = success_diversity(success_rates)
-    for name, mean in zip(reward_names, scores.reward_means_per_func(), strict=True):
+    sums, counts = scores.per_func_sum.sum(dim=0).tolist(), scores.per_func_count.sum(dim=0).tolist()
+    squares = scores.per_func_sq_sum.sum(dim=0).tolist() if scores.per_func_sq_sum is not None else None
+    for j, (name, mean) in enumerate(zip(reward_names, scores.reward_means_per_func(), strict=True)):
         if mean is not None:
             metrics[f"rewards/{name}/mean"] = mean
+        if squares is not None and counts[j] > 1:
+            metrics[f"rewards/{name}/std"] = _std(sums[j], squares[j], counts[j])
+    if scores.length_extremes is not None:
+        metrics.update(completion_metrics(scores))
     generation_seconds = sum(m.seconds for m in members.values())
     if members:
         completions = sum(m.completions for m in members.values())
@@ -66,6 +99,54 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
     metrics["time/restore"] = timings.get("restore", 0.0)
     metrics["time/update"] = update_seconds
     metrics["time/other"] = max(0.0, evaluate_seconds - generation_seconds - sum(timings.values()))
+    return metrics
+
+
+def _std(total: float, square_total: float, count: float) -> float:
+    """Unbiased standard deviation from a sum, a sum of squares and a count (> 1), as TRL's ``nanstd``."""
+    mean = total / count
+    return math.sqrt(max(0.0, (square_total - count * mean * mean) / (count - 1)))
+
+
+def completion_metrics(scores: PopulationScores) -> dict[str, float]:
+    """GRPOTrainer's ``frac_reward_zero_std`` and ``completions/*`` from the collected completion statistics.
+
+    Args:
+        scores (`PopulationScores`): Summed over processes, with the statistics (``length_extremes`` not ``None``).
+
+    Returns:
+        `dict[str, float]`: ``frac_reward_zero_std`` (when groups were counted) and, when there are completions,
+        ``completions/{mean,min,max}_length``, ``completions/clipped_ratio`` and
+        ``completions/{mean,min,max}_terminated_length`` (0 when no completion terminated, as TRL).
+
+    Raises:
+        ValueError: if the statistics were not collected.
+    """
+    if scores.length_extremes is None:
+        raise ValueError("no completion statistics: collect the scores with completion_stats=True.")
+    metrics = {}
+    groups = float(scores.groups.sum())
+    if groups > 0:
+        metrics["frac_reward_zero_std"] = float(scores.zero_std_groups.sum()) / groups
+    extremes = scores.length_extremes.reshape(-1, len(LENGTH_EXTREMES))  # one row per (member, share)
+    column = {name: extremes[:, k] for k, name in enumerate(LENGTH_EXTREMES)}
+    completions = float(scores.completions.sum())
+    if completions <= 0:
+        return metrics
+    have = column["completions"] > 0
+    metrics["completions/mean_length"] = float(scores.tokens.sum()) / completions
+    metrics["completions/min_length"] = float(column["min_length"][have].min())
+    metrics["completions/max_length"] = float(column["max_length"][have].max())
+    terminated = float(scores.terminated.sum())
+    metrics["completions/clipped_ratio"] = 1.0 - terminated / completions
+    ended = column["terminated"] > 0
+    if terminated > 0:
+        metrics["completions/mean_terminated_length"] = float(scores.terminated_tokens.sum()) / terminated
+        metrics["completions/min_terminated_length"] = float(column["min_terminated_length"][ended].min())
+        metrics["completions/max_terminated_length"] = float(column["max_terminated_length"][ended].max())
+    else:
+        for key in ("mean", "min", "max"):
+            metrics[f"completions/{key}_terminated_length"] = 0.0
     return metrics
 
 

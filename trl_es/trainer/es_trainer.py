@@ -10,6 +10,7 @@ held-out evaluation (:mod:`.es_evaluation`) and the metrics (:mod:`.es_metrics`)
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import textwrap
@@ -35,7 +36,7 @@ from ..generation import make_engine
 from ..models import resolve_model_path
 from ..rollout import RewardScorer, Rollout, build_generation_config, split_row_groups, validate_dataset
 from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
-from .es_checkpoint import ESCheckpointMixin
+from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
 from .es_evaluation import ESEvaluationMixin
@@ -56,7 +57,14 @@ class SharedStream(torch.utils.data.IterableDataset):
     shard*: each process would read other files, so the gathered prompt batch would differ from one process's and
     shards of unequal length would end the epoch on different processes. Behind this plain ``torch`` iterable,
     ``accelerate`` keeps each process's slice of every batch instead (``IterableDatasetShard``), as for a single-shard
-    stream. ``set_epoch`` is passed on (``datasets`` reshuffles a shuffled stream with it).
+    stream.
+
+    The passes over the stream are chained into one endless sequence of rows (a batch may span the end of one pass
+    and the start of the next), pass ``p`` read after ``dataset.set_epoch(epoch + p)`` (``datasets`` reshuffles a
+    shuffled stream with it; ``epoch`` is what ``Trainer`` set, 0 at the start). ``Trainer`` sees one epoch that
+    ends at ``max_steps``, so the batches it reads past when resuming are exactly those of the uninterrupted run, in
+    every pass (with an epoch per pass, it would skip only within the first pass and restart a later one from its
+    beginning). A pass that yields no row ends the sequence.
 
     Args:
         dataset (`Iterable[dict]`): The stream of rows.
@@ -64,13 +72,21 @@ class SharedStream(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset):
         self.dataset = dataset
+        self.epoch = 0
 
     def __iter__(self):
-        return iter(self.dataset)
+        for passes in itertools.count():
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(self.epoch + passes)
+            empty = True
+            for row in self.dataset:
+                empty = False
+                yield row
+            if empty:
+                return
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        self.epoch = epoch
 
 
 class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseTrainer):
@@ -160,12 +176,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
 
         # Processing class
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+                                                             trust_remote_code=args.trust_remote_code)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
         # Rewards
-        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes)
+        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
+                                          trust_remote_code=args.trust_remote_code)
         self.reward_func_names = self.reward_scorer.names
 
         # Data
@@ -181,7 +199,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
 
         # Generation
         self.generation_config = build_generation_config(
-            processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs
+            processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs,
+            model.generation_config,  # its end-of-turn ids (e.g. Gemma's <end_of_turn>) end completions too
         )
         self._es_grad_norm = None  # es_optimizer="torch": the norm of the last ES gradient (logged as grad_norm)
 
@@ -203,6 +222,15 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         # ES state: built after Trainer placed the model on its device, so the tensors are the final ones (under
         # DeepSpeed ZeRO-3 it is rebuilt from the partitions once DeepSpeed has partitioned the model). The backend
         # checks the selection here, before any work.
+        self._init_es_state()
+        self._metrics = defaultdict(list)
+        self._warned_invalid: set[str] = set()
+
+    def _init_es_state(self) -> None:
+        """The ES state of the current model and ``args``: population backend, trained parameters with their master
+        and anchor, noise source, generation engine and an empty seed log. Built by the constructor, and again for a
+        model that ``model_init`` re-created (``hyperparameter_search``)."""
+        args = self.args
         self.population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self._build_es_state()
         lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
@@ -237,10 +265,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                 "parameters": [[e.name, e.numel] for e in self.es_params.entries],
                 "perturbation": self.population.perturbation.describe(),
                 "population_backend": self.population.describe(),
+                "run_settings": run_settings(args, self.reward_func_names),
             }
         )
-        self._metrics = defaultdict(list)
-        self._warned_invalid: set[str] = set()
 
     def _build_es_state(self) -> None:
         """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor.
@@ -419,6 +446,17 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         return total
 
     @property
+    def reward_processing_classes(self) -> list:
+        """One entry per reward function, as GRPOTrainer's attribute: the tokenizer of a reward model (given, or
+        loaded from the model's path), the given entry (``None`` by default) for a function. The scorer's own list
+        (``reward_scorer.processing_classes``)."""
+        return self.reward_scorer.processing_classes
+
+    @reward_processing_classes.setter
+    def reward_processing_classes(self, value: list) -> None:
+        self.reward_scorer.processing_classes = value
+
+    @property
     def rollout(self) -> Rollout:
         """The rollout: ``(model, prompt rows) -> scored completions``, a plain callable holding no trainer, built from
         the trainer's current tokenizer, reward scorer, generation config and engine."""
@@ -467,6 +505,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                                     evaluate_seconds, update_seconds)
         for name, value in metrics.items():
             self._metrics[name].append(value)
+        # as GRPOTrainer: num_tokens is the running total of prompt + completion tokens (state.num_input_tokens_seen)
+        self.state.num_input_tokens_seen += int(scores.prompt_tokens.sum() + scores.tokens.sum())
+        self._metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         fitness = scores.fitness
         mean = fitness[~torch.isnan(fitness)].mean() if not torch.isnan(fitness).all() else torch.tensor(math.nan)
         return torch.tensor(-float(mean), device=args.device)
@@ -484,6 +525,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         else:
             indices = member_indices(args.population_size, self.accelerator.process_index,
                                      self.accelerator.num_processes)
+        self._prepare_forward_precision()  # bf16/fp16: the forward evaluate() runs, also outside train()
         model = self.accelerator.unwrap_model(self.model)
         per_prompt = args.num_generations if args.per_prompt_shaping != "none" else None
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
@@ -496,7 +538,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
-                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt)
+                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
+                                                          group_size=args.num_generations)
         return scores
 
     def _seed_sampling(self, step: int, group: list[int]) -> None:
@@ -530,8 +573,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                                      f"same number of prompts on every process; got {counts} (an iterable dataset or "
                                      "uneven batches). Use per_prompt_shaping='none' or a map-style dataset.")
             num_prompts, offset = num_rows * shares, num_rows * self.accelerator.process_index * (shares > 1)
+        shares = self.accelerator.num_processes if self.sharded else 1  # min/max lengths: one column block each
         scores = PopulationScores.collect(member_scores, self.args.population_size, len(self.reward_func_names),
-                                          num_prompts, offset)
+                                          num_prompts, offset, completion_stats=True, num_shares=shares,
+                                          share_index=self.accelerator.process_index if shares > 1 else 0)
         if self.accelerator.num_processes > 1:
             device = self.accelerator.device
             scores = scores.all_reduce(lambda t: self.accelerator.reduce(t.to(device), reduction="sum").cpu())

@@ -9,6 +9,7 @@ from trl.trainer.base_config import _BaseConfig
 from ..arguments import check_finite_floats
 from ..merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
 from ..merging.genome import GRANULARITIES
+from .es_config import check_fp16_device
 
 FINAL_GENOMES = ("rescored", "best", "mean", "validation")
 
@@ -295,6 +296,7 @@ class HyperESConfig(_BaseConfig):
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
         super().__post_init__()
+        check_fp16_device(self)
         if self.max_generations < 1:
             raise ValueError(f"max_generations must be >= 1, got {self.max_generations}.")
         if self.population_size is not None and self.population_size < 2:

@@ -118,6 +118,12 @@ class HyperESTrainer(_BaseTrainer):
                              "use final_genome='rescored', 'best' or 'mean' with a fitness_fn.")
         model.requires_grad_(False)
         delta_set = adapters if isinstance(adapters, LoraDeltaSet) else LoraDeltaSet.from_adapters(model, adapters)
+        if args.export_lora_rank is not None:  # refused now, not after a whole search and the merged model's save
+            not_lora = sorted(n for n, shape in delta_set.shapes.items() if len(shape) != 2 or n.endswith(".bias"))
+            if not_lora:
+                raise ValueError(f"export_lora_rank={args.export_lora_rank} cannot export {not_lora[:5]} as LoRA: "
+                                 "not weight matrices (modules_to_save of norms, or trained biases, of the adapters). "
+                                 "Set export_lora_rank=None (the merged model is saved whole).")
         if processing_class is not None and processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
@@ -137,7 +143,8 @@ class HyperESTrainer(_BaseTrainer):
         )
         self.generation_config = (
             build_generation_config(
-                processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs
+                processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs,
+                self.model.generation_config,
             )
             if processing_class is not None
             else None
@@ -235,11 +242,20 @@ class HyperESTrainer(_BaseTrainer):
         return {"rewards_per_func": torch.cat(per_func), "rewards": torch.cat(rewards)}
 
     def score_current_model(self, rows: list[dict], genome: Genome | None = None) -> float:
-        """Fitness of the model as it is now: ``fitness_fn`` if given, else the mean weighted reward on ``rows``."""
-        if self.fitness_fn is not None:
-            return float(self.fitness_fn(self.model, genome))
-        rewards = self._mean_reward(rows, self.args.per_device_train_batch_size)["rewards"]
+        """Fitness of the model as it is now: ``fitness_fn`` if given, else the mean weighted reward on ``rows``.
+
+        Under :meth:`_forward_precision`, as :meth:`evaluate`."""
+        with self._forward_precision():
+            if self.fitness_fn is not None:
+                return float(self.fitness_fn(self.model, genome))
+            rewards = self._mean_reward(rows, self.args.per_device_train_batch_size)["rewards"]
         return float(torch.nanmean(rewards).item())
+
+    def _forward_precision(self):
+        """The one precision context of every Hyper-ES forward (candidates' fitness, the final choice, ``evaluate``):
+        accelerate's autocast, bf16 with ``bf16=True`` (fp16 with ``fp16=True`` on a GPU), else none. Hyper-ES never
+        prepares the model (its ``train`` is not Trainer's loop), so its ``forward`` carries no autocast of its own."""
+        return self.accelerator.autocast()
 
     def score_genomes(self, genomes: Sequence[Genome], rows: list[dict]) -> list[float]:
         """Fitness of each genome's merge on ``rows`` (this process's share under ``torch.distributed``, all-reduced).
@@ -475,7 +491,7 @@ class HyperESTrainer(_BaseTrainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         context = self.merged(genome)
         start = time.time()
-        with context:
+        with context, self._forward_precision():
             if self.fitness_fn is not None:
                 current = self.applier.state if isinstance(self.applier.state, Genome) else None
                 metrics = {f"{metric_key_prefix}_fitness": float(self.fitness_fn(self.model, current))}

@@ -232,7 +232,9 @@ class SFTStep:
         host_forward = self._patched.__dict__.get("forward", _MISSING)  # whatever the host runs with now
         self._restore_forward(self._sft_forward)
         try:
-            with torch.enable_grad():
+            # The SFT forward is not the one accelerate wrapped in autocast when the host prepared the model: apply the
+            # host's mixed precision (bf16/fp16, copied into the SFT config) here, as the host's own forwards get it.
+            with torch.enable_grad(), self.trainer.accelerator.autocast():
                 loss = self.trainer.training_step(model, batch)  # SFTTrainer.compute_loss, then backward
         finally:
             self._restore_forward(host_forward)

@@ -1,6 +1,11 @@
-"""Write the reference runs of ``tests/test_before_ask_tell.py``: tiny ES runs trained by ESTrainer as it was before
-the ask/tell refactor (commit fef91fa, 2026-12-01), one folder per run with the base and trained weights, the seed
-log and the run's ESConfig arguments. Re-running this script on a later ESTrainer must reproduce them bitwise.
+"""Write the reference runs of ``tests/test_before_ask_tell.py``: tiny ES runs, one folder per run with the base and
+trained weights, the seed log and the run's ESConfig arguments. Re-running this script on a later ESTrainer must
+reproduce them bitwise, on any x86-64 CPU (the ES runs; the AdamW run's optimizer kernels are CPU-dependent).
+
+The base weights are data: written once by ``build_llama`` (commit fef91fa, 2026-12-01; torch's initialisation is
+not the same on every CPU) and read from ``base.safetensors`` ever since. The trained weights and seed logs were
+recorded again on 2026-12-02 with the portable noise and arithmetic (``trl_es.es.arithmetic``; the records of
+fef91fa used ``torch.randn`` noise and fused kernels, which only an AVX2 CPU reproduced).
 
     python tests/data/before_ask_tell/make_runs.py      # from the repository root
 """
@@ -14,7 +19,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny import build_llama, build_tokenizer  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer  # noqa: E402
@@ -46,6 +51,9 @@ def train(name: str, output_dir: str) -> tuple[dict, dict]:
     """Train run ``name``; returns (base state dict, trained state dict)."""
     tokenizer = build_tokenizer()
     model = build_llama(tokenizer, seed=0)
+    recorded = os.path.join(HERE, name, "base.safetensors")
+    if os.path.isfile(recorded):  # the base is data (torch's initialisation differs between CPUs)
+        model.load_state_dict(load_file(recorded))
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     args = ESConfig(output_dir=output_dir, **COMMON, **RUNS[name])
     torch.manual_seed(0)

@@ -1,0 +1,436 @@
+"""Every field of TRL's ``GRPOConfig`` answered: the one table of the GRPO fields ``ESConfig`` honours or refuses.
+
+A GRPO user changes one import (``GRPOConfig`` -> ``ESConfig``) and keeps the keyword arguments, YAML keys and
+command-line flags they had. The fields of ``GRPOConfig`` fall in three sets:
+
+* the fields of :class:`transformers.TrainingArguments`: ``ESConfig`` is a ``TrainingArguments`` too;
+* the fields ``ESConfig`` declares itself with GRPO's name and meaning (``num_generations``, ``temperature``,
+  ``use_vllm``, ...; :func:`native_shared_fields`);
+* the others, each answered by one entry of :data:`GRPO_FIELDS`: *honoured* (an ``ESConfig`` field of the same name
+  and meaning, declared in ``es_config.py``) or *refused*. A refused field is still an ``ESConfig`` field (added by
+  :func:`answer_grpo_fields`, default ``None``), so ``ESConfig(beta=0.1)``, ``--beta 0.1`` and a recipe's
+  ``beta: 0.1`` all raise the same ``ValueError``, naming the field, why ES has no such thing and the ES
+  counterpart, instead of a bare ``TypeError``. Values under which GRPO does what ES does (``beta=0.0``: no KL
+  term; ``log_completions=False``) are accepted.
+
+``tests/test_grpo_fields.py`` fails when a ``GRPOConfig`` field of the installed TRL is in none of the sets.
+``docs/grpo_fields.md`` is generated from this table::
+
+    python -m trl_es.trainer.grpo_fields --markdown > docs/grpo_fields.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GRPO_FIELDS", "GRPOField", "answer_grpo_fields", "check_grpo_fields", "grpo_fields_markdown",
+           "native_shared_fields", "refused_fields"]
+
+HONOURED = "honoured"
+REFUSED = "refused"
+
+_NO_LOSS = "ES computes no loss and no gradient of one: each step moves the weights by the fitness-weighted sum of " \
+           "the members' noise."
+_NO_RATIO = "ES keeps no old policy and computes no log-probabilities: there is no importance ratio to clip, weigh " \
+            "or mask."
+_NO_KL = "ES has no reference model and no KL term."
+_NO_ENTROPY = "ES computes no token entropies (no loss to regularize); its exploration is the noise scale sigma " \
+              "(and sampling, temperature > 0)."
+_SHAPING = "fitness_shaping ('zscore', 'centered_rank', 'none') across the population, and per_prompt_shaping " \
+           "across the members on each prompt"
+_VLLM_IS = "ES scores exactly the completions the member's vLLM engine generated: no training-side " \
+           "log-probabilities, nothing off-policy to correct."
+_SERVER = "vllm_mode='server' (a separate `vllm serve` fleet) is not implemented yet."
+_COMPLETION_LOGS = "Completion logging (GRPO's table of prompts, completions and rewards) is not implemented yet."
+_COMPLETION_LOGS_ALT = "a reward function (it receives prompts, completions and completion_ids and can record them) " \
+                       "or a TrainerCallback"
+
+
+@dataclass(frozen=True)
+class GRPOField:
+    """How ``ESConfig`` answers one ``GRPOConfig`` field.
+
+    Args:
+        name (`str`): The ``GRPOConfig`` field.
+        status (`str`): ``"honoured"`` (an ``ESConfig`` field of the same name and meaning) or ``"refused"``.
+        reason (`str`): Why (refused: why ES has no such thing; honoured: how ES applies it).
+        counterpart (`str`, *optional*): The ES setting to use instead (refused), if any.
+        type (`str`): Annotation of the ``ESConfig`` field added for a refused entry (``| None`` is appended).
+        accepted (`tuple`): Refused entries: values under which GRPO does what ES does, accepted as well as ``None``.
+        same_as (`str`, *optional*): Refused entries: also accepted when equal to this ``ESConfig`` field.
+        not_yet (`bool`): Refused because ES does not support it yet (it could), not because it has no meaning.
+    """
+
+    name: str
+    status: str
+    reason: str
+    counterpart: str | None = None
+    type: str = "str"
+    accepted: tuple = ()
+    same_as: str | None = None
+    not_yet: bool = False
+
+    def accepts(self, value: Any, config: Any = None) -> bool:
+        """Whether ``value`` is accepted for a refused field (``None``, an ``accepted`` value, or ``same_as``'s)."""
+        if value is None:
+            return True
+        if self.same_as is not None and config is not None and value == getattr(config, self.same_as, None):
+            return True
+        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in self.accepted)
+
+    def accepted_text(self) -> str:
+        """The accepted values, in words (for messages and docs)."""
+        values = ["unset (None)"] + [repr(a) for a in self.accepted]
+        if self.same_as:
+            values.append(f"the value of {self.same_as}")
+        return ", ".join(values)
+
+    def help(self) -> str:
+        """The ``metadata["help"]`` of the ``ESConfig`` field of a refused entry."""
+        lead = "GRPOConfig field not supported by ES yet" if self.not_yet else "GRPOConfig field not used by ES"
+        use = f" Use {self.counterpart} instead." if self.counterpart else " ES has no counterpart."
+        return f"{lead}: {self.reason}{use} Accepted: {self.accepted_text()}; any other value raises ValueError."
+
+    def error(self, value: Any) -> str:
+        """The ``ValueError`` message for a refused value."""
+        lead = "is not supported by ES yet" if self.not_yet else "is a GRPOConfig setting with no meaning for ES"
+        use = f" ES counterpart: {self.counterpart}." if self.counterpart else " ES has no counterpart."
+        return f"{self.name}={value!r} {lead}: {self.reason}{use} Accepted for {self.name}: {self.accepted_text()}."
+
+
+def _honoured(name: str, how: str) -> GRPOField:
+    return GRPOField(name, HONOURED, how)
+
+
+def _refused(name: str, reason: str, counterpart: str | None = None, type: str = "str", accepted: tuple = (),
+             not_yet: bool = False, same_as: str | None = None) -> GRPOField:
+    return GRPOField(name, REFUSED, reason, counterpart, type, accepted, same_as, not_yet)
+
+
+#: The ``GRPOConfig`` fields that are neither ``TrainingArguments`` fields nor ``ESConfig``'s own fields of the same
+#: name and meaning, in ``GRPOConfig``'s order: each honoured or refused, with the reason and the ES counterpart.
+GRPO_FIELDS: tuple[GRPOField, ...] = (
+    # ------------------------------------------------------------------ model
+    _honoured("trust_remote_code", "Added to model_init_kwargs (trust_remote_code=True), used when the model is given "
+                                   "by name."),
+    _refused("router_aux_loss_coef", "the MoE load-balancing loss is a term of the training loss; " + _NO_LOSS,
+             type="float", accepted=(0.0,)),
+    _refused("disable_dropout", "ES generates with the model in eval mode, so dropout is always off (as "
+                                "disable_dropout=True); it runs no training forward pass.", type="bool",
+             accepted=(True,)),
+    _refused("cast_lm_head_to_fp32", "casting the LM head alone to float32 is not implemented.",
+             "load the model in float32 (model_init_kwargs={'dtype': 'float32'})", type="bool", accepted=(False,),
+             not_yet=True),
+    # ------------------------------------------------------------------ data and batching
+    _refused("num_generations_eval", "evaluate() scores num_generations completions per prompt, with the training "
+                                     "generation settings.",
+             "num_generations (evaluation uses it)", type="int", same_as="num_generations", not_yet=True),
+    _refused("ds3_gather_for_generation", "under DeepSpeed ZeRO-3 ES generates with DeepSpeed's per-layer gathering "
+                                          "(as ds3_gather_for_generation=False); gathering the whole model for "
+                                          "generation is not implemented.",
+             type="bool", accepted=(False,), not_yet=True),
+    _honoured("shuffle_dataset", "False sets train_sampling_strategy='sequential' (prompts in dataset order); True "
+                                 "keeps the default 'random'."),
+    _refused("pad_to_multiple_of", "ES pads each prompt batch to its longest prompt; padding to a multiple is not "
+                                   "implemented ('auto' pads only on AWS Neuron, which ES does not run on).",
+             type="str", accepted=("auto",), not_yet=True),
+    _refused("generation_batch_size", "ES generates once per member per iteration, on the prompt batch every member "
+                                      "shares; there are no generation batches reused over several optimizer steps.",
+             "prompt_batch_size (prompts per iteration) and, with population_backend='batched_lowrank', "
+             "member_chunk_size (members per generate call)", type="int"),
+    _refused("steps_per_generation", "one ES step is one iteration over freshly generated completions.",
+             "prompt_batch_size (prompts per iteration)", type="int", accepted=(1,)),
+    # ------------------------------------------------------------------ generation
+    _honoured("top_k", "Merged into generation_kwargs (GRPO's meaning: 0 = off); with temperature > 0 only."),
+    _honoured("min_p", "Merged into generation_kwargs; with temperature > 0 only."),
+    _honoured("repetition_penalty", "Merged into generation_kwargs (1.0 = off); applies to greedy decoding too."),
+    _refused("cache_implementation", "the KV cache is chosen by ES's generation engine.",
+             "generation_engine ('compiled': static KV cache and a compiled decoding step; 'eager'), or "
+             "generation_kwargs={'cache_implementation': ...} with generation_engine='eager'", not_yet=True),
+    # ------------------------------------------------------------------ vLLM
+    _refused("vllm_model_impl", "the colocated engine uses vLLM's default model implementation.", not_yet=True),
+    _refused("vllm_enable_sleep_mode", "the colocated engine stays resident: ES scores members back to back, with no "
+                                       "optimizer step to free memory for.",
+             "vllm_gpu_memory_utilization (the engine's share of GPU memory)", type="bool", accepted=(False,),
+             not_yet=True),
+    _refused("vllm_structured_outputs_regex", "structured (regex-constrained) outputs are not passed to vLLM.",
+             "a reward function that scores the format", not_yet=True),
+    _refused("vllm_server_base_url", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
+             not_yet=True),
+    _refused("vllm_server_host", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
+             not_yet=True),
+    _refused("vllm_server_port", _SERVER, "vllm_mode='colocate' (one engine in each training process)", type="int",
+             not_yet=True),
+    _refused("vllm_server_timeout", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
+             type="float", not_yet=True),
+    _refused("vllm_group_port", _SERVER + " ES writes members into the colocated engine from their seeds; there is "
+                                          "no weight-update group.",
+             "vllm_mode='colocate' (one engine in each training process)", type="int", not_yet=True),
+    # ------------------------------------------------------------------ loss, KL, clipping
+    _refused("beta", _NO_KL + " " + _NO_LOSS,
+             "awd_lambda (Anchored Weight Decay: after each step the drift from theta_0 shrinks, pulling the weights "
+             "toward the initial model instead of a KL penalty)", type="float", accepted=(0.0,)),
+    _refused("num_iterations", "ES scores every prompt batch once per iteration and steps once; there are no "
+                               "optimizer passes over the same samples.", type="int", accepted=(1,)),
+    _refused("epsilon", _NO_RATIO + " " + _NO_LOSS,
+             "sigma and learning_rate set the size of a step; with es_optimizer='torch', max_grad_norm clips the ES "
+             "gradient estimate", type="float"),
+    _refused("delta", _NO_RATIO, "max_grad_norm with es_optimizer='torch' (clips the ES gradient estimate)",
+             type="float"),
+    _refused("epsilon_high", _NO_RATIO, "max_grad_norm with es_optimizer='torch' (clips the ES gradient estimate)",
+             type="float"),
+    _refused("sapo_temperature_neg", "a parameter of the 'sapo' loss. " + _NO_LOSS, type="float"),
+    _refused("sapo_temperature_pos", "a parameter of the 'sapo' loss. " + _NO_LOSS, type="float"),
+    _refused("vespo_k_pos", "a parameter of the 'vespo' loss. " + _NO_LOSS, type="float"),
+    _refused("vespo_lambda_pos", "a parameter of the 'vespo' loss. " + _NO_LOSS, type="float"),
+    _refused("vespo_k_neg", "a parameter of the 'vespo' loss. " + _NO_LOSS, type="float"),
+    _refused("vespo_lambda_neg", "a parameter of the 'vespo' loss. " + _NO_LOSS, type="float"),
+    _refused("importance_sampling_level", _NO_RATIO),
+    # ------------------------------------------------------------------ rewards
+    _refused("multi_objective_aggregation", "ES sums the weighted rewards of a completion, then shapes the members' "
+                                            "fitness (GRPO's 'sum_then_normalize'); normalizing each reward function "
+                                            "first is not implemented.",
+             _SHAPING + "; reward_weights", accepted=("sum_then_normalize",), not_yet=True),
+    _refused("scale_rewards", "ES has no groups of completions and no advantages: rewards become a member's fitness, "
+                              "which is shaped across the population.", _SHAPING),
+    _refused("loss_type", _NO_LOSS,
+             "es_optimizer ('es': the reference update; 'torch': the ES gradient estimate through a torch optimizer) "
+             "and fitness_shaping"),
+    _refused("mask_truncated_completions", "ES scores every completion, truncated or not; leaving truncated ones out "
+                                           "of the fitness is not implemented.",
+             "a reward function that scores truncation itself (it receives completion_ids: a completion without an "
+             "EOS id ran to max_completion_length)", type="bool", accepted=(False,), not_yet=True),
+    _refused("sync_ref_model", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool",
+             accepted=(False,)),
+    _refused("ref_model_mixup_alpha", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="float"),
+    _refused("ref_model_sync_steps", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="int"),
+    # ------------------------------------------------------------------ entropy
+    _refused("top_entropy_quantile", _NO_ENTROPY, "sigma", type="float", accepted=(1.0,)),
+    _refused("entropy_coef", _NO_ENTROPY, "sigma", type="float", accepted=(0.0,)),
+    _refused("use_adaptive_entropy", _NO_ENTROPY, "sigma", type="bool", accepted=(False,)),
+    _refused("entropy_coef_min", _NO_ENTROPY, "sigma", type="float"),
+    _refused("entropy_coef_max", _NO_ENTROPY, "sigma", type="float"),
+    _refused("entropy_coef_delta", _NO_ENTROPY, "sigma", type="float"),
+    _refused("entropy_target", _NO_ENTROPY, "sigma", type="float"),
+    # ------------------------------------------------------------------ tools
+    _refused("max_tool_calling_iterations", "tool calling (GRPOTrainer's tools=) is not implemented in ESTrainer.",
+             type="int", not_yet=True),
+    # ------------------------------------------------------------------ vLLM importance sampling
+    _refused("vllm_importance_sampling_correction", _VLLM_IS, type="bool", accepted=(False,)),
+    _refused("vllm_importance_sampling_mode", _VLLM_IS),
+    _refused("vllm_importance_sampling_clip_max", _VLLM_IS, type="float"),
+    _refused("vllm_importance_sampling_clip_min", _VLLM_IS, type="float"),
+    _refused("off_policy_mask_threshold", _NO_KL + " " + _VLLM_IS, type="float"),
+    _refused("use_bias_correction_kl", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool"),
+    # ------------------------------------------------------------------ completion logging
+    _refused("log_completions", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="bool", accepted=(False,),
+             not_yet=True),
+    _refused("log_multimodal", "only used with log_completions. " + _COMPLETION_LOGS, _COMPLETION_LOGS_ALT,
+             type="bool", accepted=(True, False), not_yet=True),
+    _refused("num_completions_to_print", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="int", not_yet=True),
+    _refused("log_unique_prompts", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="bool", accepted=(False,),
+             not_yet=True),
+    _refused("log_completions_hub_repo", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, not_yet=True),
+    # ------------------------------------------------------------------ transformers continuous batching
+    _refused("use_transformers_continuous_batching", "transformers' continuous batching engine is not implemented.",
+             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True", type="bool",
+             accepted=(False,), not_yet=True),
+    _refused("transformers_continuous_batching_config", "transformers' continuous batching engine is not "
+                                                        "implemented.",
+             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True",
+             not_yet=True),
+    _refused("use_transformers_paged", "deprecated in TRL (use_transformers_continuous_batching); transformers' "
+                                       "continuous batching engine is not implemented.",
+             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True", type="bool",
+             accepted=(False,), not_yet=True),
+    _refused("vllm_importance_sampling_cap", "deprecated in TRL (vllm_importance_sampling_clip_max). " + _VLLM_IS,
+             type="float"),
+)
+
+_BY_NAME = {entry.name: entry for entry in GRPO_FIELDS}
+assert len(_BY_NAME) == len(GRPO_FIELDS), "a GRPOConfig field is answered twice"
+assert all(entry.status in (HONOURED, REFUSED) for entry in GRPO_FIELDS)
+
+
+def refused_fields() -> tuple[GRPOField, ...]:
+    """The refused entries of :data:`GRPO_FIELDS`."""
+    return tuple(entry for entry in GRPO_FIELDS if entry.status == REFUSED)
+
+
+def answer_grpo_fields(cls: type) -> type:
+    """Class decorator (under ``@dataclass``): add every refused ``GRPOConfig`` field to ``cls`` as a field
+    defaulting to ``None``, with its reason and counterpart as ``metadata["help"]`` (so ``HfArgumentParser`` gives it
+    a flag), and document them in a group of ``cls``'s ``Parameters:``. Their values are checked by
+    :func:`check_grpo_fields`.
+
+    Args:
+        cls (`type`): The config class, not yet a dataclass.
+
+    Returns:
+        `type`: ``cls``.
+    """
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    lines = ["", "        > Parameters of TRL's GRPOConfig that ES refuses (docs/grpo_fields.md)", ""]
+    for entry in refused_fields():
+        if entry.name in annotations:
+            raise TypeError(f"{cls.__name__} declares {entry.name}, which GRPO_FIELDS lists as refused.")
+        annotations[entry.name] = f"{entry.type} | None"
+        setattr(cls, entry.name, dataclasses.field(default=None, metadata={"help": entry.help()}))
+        lines += [f"        {entry.name} (`{entry.type}` or `None`, *optional*, defaults to `None`):",
+                  *textwrap.wrap(entry.help(), 120, initial_indent=" " * 12, subsequent_indent=" " * 12)]
+    cls.__annotations__ = annotations
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n    "
+    return cls
+
+
+def check_grpo_fields(config: Any) -> None:
+    """Refuse every refused ``GRPOConfig`` field set to a value ES does not accept (see :meth:`GRPOField.accepts`).
+
+    Raises:
+        ValueError: naming the field and the value, why ES has no such thing, the ES counterpart and the accepted
+            values.
+    """
+    for entry in refused_fields():
+        value = getattr(config, entry.name, None)
+        if not entry.accepts(value, config):
+            raise ValueError(entry.error(value))
+
+
+def native_shared_fields(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> list[str]:
+    """The ``GRPOConfig`` fields, not ``TrainingArguments`` ones, that ``ESConfig`` declares itself (GRPO's name and
+    meaning, not answered by :data:`GRPO_FIELDS`), in ``GRPOConfig``'s order."""
+    es_cls, grpo_cls, ta = _classes(es_config_cls, grpo_config_cls)
+    es = {f.name for f in dataclasses.fields(es_cls)}
+    return [f.name for f in dataclasses.fields(grpo_cls)
+            if f.name not in ta and f.name in es and f.name not in _BY_NAME]
+
+
+def _classes(es_config_cls=None, grpo_config_cls=None):
+    from transformers import TrainingArguments
+
+    if es_config_cls is None:
+        from .es_config import ESConfig as es_config_cls
+    if grpo_config_cls is None:
+        from trl import GRPOConfig as grpo_config_cls
+    return es_config_cls, grpo_config_cls, {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _code(value: Any) -> str:
+    text = "(required)" if value is dataclasses.MISSING else repr(getattr(value, "value", value))
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> str:
+    """``docs/grpo_fields.md``: every ``GRPOConfig`` field and its ``ESConfig`` answer, and the shared fields whose
+    defaults differ, generated from :data:`GRPO_FIELDS` and the two dataclasses.
+
+    Returns:
+        `str`: Markdown, ending with a newline.
+    """
+    import trl
+
+    es_cls, grpo_cls, ta = _classes(es_config_cls, grpo_config_cls)
+    es_fields = {f.name: f for f in dataclasses.fields(es_cls)}
+    grpo_fields = {f.name: f for f in dataclasses.fields(grpo_cls)}
+    native = native_shared_fields(es_cls, grpo_cls)
+    honoured = [e for e in GRPO_FIELDS if e.status == HONOURED]
+    refused = refused_fields()
+    out = [
+        "# GRPOConfig fields in ESConfig",
+        "",
+        "<!-- Generated by `python -m trl_es.trainer.grpo_fields --markdown > docs/grpo_fields.md` from the table in "
+        "`trl_es/trainer/grpo_fields.py`; tests/test_grpo_fields.py checks it is current. Do not edit by hand. -->",
+        "",
+        f"`ESConfig` takes every field of TRL's `GRPOConfig` (TRL {trl.__version__}) under its own name, as a keyword "
+        "argument, a YAML key or a command-line flag, so a GRPO script runs with only the import and the config class "
+        "changed. A field is either *honoured* (same name, same meaning) or *refused*: set to a value ES cannot "
+        "give it, it raises a `ValueError` that names the field, says why ES has no such thing, and names the ES "
+        "counterpart, e.g.",
+        "",
+        "```python",
+        ">>> ESConfig(output_dir=\"out\", beta=0.04)",
+        "ValueError: " + _BY_NAME["beta"].error(0.04),
+        "```",
+        "",
+        "A refused field accepts `None` (its `ESConfig` default) and the values under which GRPO does what ES does "
+        "(`beta=0.0`: no KL term; `log_completions=False`). *Not yet* marks refusals of things ES could do but does "
+        "not implement yet; the others have no meaning for ES.",
+        "",
+        f"Of the {len([n for n in grpo_fields if n not in ta])} `GRPOConfig` fields that are not `TrainingArguments` "
+        f"fields: {len(native)} are `ESConfig` fields of its own, {len(honoured)} more are honoured and "
+        f"{len(refused)} refused ({sum(e.not_yet for e in refused)} of them not yet supported). The "
+        f"{len([n for n in grpo_fields if n in ta])} `TrainingArguments` fields work as in any `Trainer`, with the "
+        "exceptions listed under [Defaults that differ](#defaults-that-differ).",
+        "",
+        "## Fields ESConfig declares with GRPO's name and meaning",
+        "",
+        "| GRPOConfig field | GRPO default | ES default |",
+        "|---|---|---|",
+    ]
+    for name in native:
+        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_code(_default(es_fields[name]))} |")
+    out += ["", "## Honoured", "", "| GRPOConfig field | GRPO default | ES default | How ES applies it |",
+            "|---|---|---|---|"]
+    for e in honoured:
+        out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name])) if e.name in grpo_fields else ''} | "
+                   f"{_code(_default(es_fields[e.name])) if e.name in es_fields else ''} | {_cell(e.reason)} |")
+    out += ["", "## Refused", "", "| GRPOConfig field | Why ES has no such thing | ES counterpart | Accepted values |",
+            "|---|---|---|---|"]
+    for e in refused:
+        tag = " (not yet)" if e.not_yet else ""
+        out.append(f"| `{e.name}`{tag} | {_cell(e.reason)} | {_cell(e.counterpart or '(none)')} | "
+                   f"{_cell(e.accepted_text())} |")
+    out += ["", "## Defaults that differ", "",
+            "ES keeps the ES reference's defaults (Qiu et al. 2025) where they differ from GRPO's: greedy decoding "
+            "(`temperature=0`) and one completion per prompt (`num_generations=1`; several greedy completions of a "
+            "prompt would be identical copies, so `num_generations > 1` needs `temperature > 0`). Set GRPO's values "
+            "explicitly for GRPO's behaviour (`temperature=1.0, num_generations=8`). Two `TrainingArguments` "
+            "fields are not settings in ES: `per_device_train_batch_size` is derived (`prompt_batch_size` / number of "
+            "processes; set `prompt_batch_size`) and `gradient_accumulation_steps` is fixed at 1 (one step is one ES "
+            "iteration). Every field both configs hold whose dataclass default differs:",
+            "",
+            "| Field | GRPO default | ES default | ES meaning |",
+            "|---|---|---|---|"]
+    for name, f in grpo_fields.items():
+        if name not in es_fields or name in _BY_NAME and _BY_NAME[name].status == REFUSED:
+            continue
+        grpo_default, es_default = _default(f), _default(es_fields[name])
+        if grpo_default == es_default and type(grpo_default) is type(es_default):
+            continue
+        help_text = es_fields[name].metadata.get("help", "") if name in es_cls.__dict__.get("__annotations__", {}) \
+            else "(TrainingArguments' own)"
+        out.append(f"| `{name}` | {_code(grpo_default)} | {_code(es_default)} | {_cell(help_text)} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m trl_es.trainer.grpo_fields --markdown``: print :func:`grpo_fields_markdown`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trl_es.trainer.grpo_fields", description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="Print docs/grpo_fields.md.")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(grpo_fields_markdown(), end="")
+    else:
+        for entry in GRPO_FIELDS:
+            print(f"{entry.name}: {entry.status}{' (not yet)' if entry.not_yet else ''}")
+
+
+if __name__ == "__main__":
+    main()
