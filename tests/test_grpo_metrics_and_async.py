@@ -10,6 +10,7 @@ import statistics
 import pytest
 import torch
 from datasets import Dataset
+from test_resume_trust import ScriptedEval
 from tiny import build_llama
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -323,20 +324,6 @@ def test_eval_loss_is_minus_eval_reward(tmp_path, tokenizer):
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == -metrics["eval_reward"]
     assert metrics["eval_reward"] > 0
-
-
-class ScriptedEval:
-    """mean_code on training prompts; on the eval prompts ("Eval: i") a reward set by the step."""
-
-    __name__ = "scripted"
-
-    def __init__(self, by_step):
-        self.by_step = by_step
-
-    def __call__(self, prompts, completions, trainer_state, **kwargs):
-        if str(prompts[0]).startswith("Eval"):
-            return [self.by_step[trainer_state.global_step]] * len(completions)
-        return mean_code(completions)
 
 
 def test_load_best_model_at_end_with_the_default_metric(tmp_path, tokenizer):

@@ -248,6 +248,13 @@ def resume_error(tmp_path, tokenizer, run, folder, **extra):
     return str(error.value)
 
 
+def copy_checkpoint(run, tmp_path) -> str:
+    """A whole copy of the run's checkpoint-2 in ``tmp_path/copied``, to take files from."""
+    folder = str(tmp_path / "copied")
+    shutil.copytree(os.path.join(run[0].output_dir, "checkpoint-2"), folder)
+    return folder
+
+
 def test_checkpoint_copied_by_file_patterns_is_refused_naming_its_missing_files(tmp_path, tokenizer, run_dirs):
     run = run_dirs["plain"]
     folder = copy_with_patterns(os.path.join(run[0].output_dir, "checkpoint-2"), tmp_path / "copied")
@@ -258,8 +265,7 @@ def test_checkpoint_copied_by_file_patterns_is_refused_naming_its_missing_files(
 def test_torch_optimizer_checkpoint_without_its_state_is_refused(tmp_path, tokenizer, run_dirs):
     """bf16 model, es_optimizer="torch": the fp32 master and optimizer.pt are needed (not the anchor: it is off)."""
     run = run_dirs["torch_bf16"]
-    folder = str(tmp_path / "copied")
-    shutil.copytree(os.path.join(run[0].output_dir, "checkpoint-2"), folder)
+    folder = copy_checkpoint(run, tmp_path)
     for name in ("optimizer.pt", MASTER_WEIGHTS_NAME, "trainer_state.json"):
         os.remove(os.path.join(folder, name))
     message = resume_error(tmp_path, tokenizer, run, folder, log_parameter_drift=False)
@@ -268,8 +274,7 @@ def test_torch_optimizer_checkpoint_without_its_state_is_refused(tmp_path, token
 
 def test_checkpoint_without_its_anchor_is_refused_when_the_run_holds_theta_0(tmp_path, tokenizer, run_dirs):
     run = run_dirs["plain"]
-    folder = str(tmp_path / "copied")
-    shutil.copytree(os.path.join(run[0].output_dir, "checkpoint-2"), folder)
+    folder = copy_checkpoint(run, tmp_path)
     os.remove(os.path.join(folder, ANCHOR_WEIGHTS_NAME))
     message = resume_error(tmp_path, tokenizer, run, folder)
     assert f"it holds no {ANCHOR_WEIGHTS_NAME} (" in message, message
@@ -284,8 +289,7 @@ def drop_steps(path, dropped):
 
 def test_checkpoint_whose_seed_log_lacks_a_step_is_refused(tmp_path, tokenizer, run_dirs):
     run = run_dirs["plain"]
-    folder = str(tmp_path / "copied")
-    shutil.copytree(os.path.join(run[0].output_dir, "checkpoint-2"), folder)
+    folder = copy_checkpoint(run, tmp_path)
     drop_steps(os.path.join(folder, SEED_LOG_NAME), {1})  # the line of step 1
     message = resume_error(tmp_path, tokenizer, run, folder)
     assert "this one has missing steps [1] (the log does not start at step 1, the base model)" in message, message
@@ -294,8 +298,7 @@ def test_checkpoint_whose_seed_log_lacks_a_step_is_refused(tmp_path, tokenizer, 
 def test_checkpoint_holding_the_seed_log_of_another_step_is_refused(tmp_path, tokenizer, run_dirs):
     """The final log (steps 1-4) copied into checkpoint-2: its trainer_state.json is at step 2."""
     run = run_dirs["plain"]
-    folder = str(tmp_path / "copied")
-    shutil.copytree(os.path.join(run[0].output_dir, "checkpoint-2"), folder)
+    folder = copy_checkpoint(run, tmp_path)
     shutil.copy(os.path.join(run[0].output_dir, SEED_LOG_NAME), folder)
     message = resume_error(tmp_path, tokenizer, run, folder)
     assert "its trainer_state.json is at step 2 but its es_seed_log.jsonl ends at step 4" in message, message
@@ -333,7 +336,7 @@ def test_replay_refuses_repeated_steps_and_a_max_step_beyond_the_log(tmp_path, t
 
 # ---------------------------------------------------------------------------------------------- class 2: weights
 class ScriptedEval:
-    """mean_code on training prompts; on the eval prompts ("Eval: i") a reward set by the step (best at step 2)."""
+    """mean_code on training prompts; on the eval prompts ("Eval: i") a reward set by the step (``by_step``)."""
 
     __name__ = "scripted"
 

@@ -130,6 +130,27 @@ def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
         fig.savefig(tmp, format=fmt, **savefig_kwargs)
 
 
+def is_present(folder: str | os.PathLike, name: str) -> bool:
+    """Whether ``folder/name`` exists as a non-empty file."""
+    file = os.path.join(os.fspath(folder), name)
+    return os.path.isfile(file) and os.path.getsize(file) > 0
+
+
+def missing_files(folder: str | os.PathLike, names: Iterable[str | tuple[str, ...]]) -> list[str]:
+    """The entries of ``names`` that ``folder`` lacks as non-empty files (a tuple: none of its options is there),
+    each as ``"a or b"``.
+
+    Returns:
+        `list[str]`: In the order of ``names``; empty when nothing is missing.
+    """
+    missing = []
+    for name in names:
+        options = (name,) if isinstance(name, str) else tuple(name)
+        if not any(is_present(folder, option) for option in options):
+            missing.append(" or ".join(options))
+    return missing
+
+
 def require_files(folder: str | os.PathLike, names: Iterable[str], what: str = "the saved model") -> None:
     """Raise unless every one of ``names`` exists in ``folder`` as a non-empty file (at least one of a tuple).
 
@@ -147,16 +168,7 @@ def require_files(folder: str | os.PathLike, names: Iterable[str], what: str = "
         RuntimeError: naming the missing files, the folder and this process's rank.
     """
     folder = os.fspath(folder)
-
-    def present(name: str) -> bool:
-        file = os.path.join(folder, name)
-        return os.path.isfile(file) and os.path.getsize(file) > 0
-
-    missing = []
-    for name in names:
-        options = (name,) if isinstance(name, str) else tuple(name)
-        if not any(present(option) for option in options):
-            missing.append(" or ".join(options))
+    missing = missing_files(folder, names)
     if missing:
         raise RuntimeError(
             f"{what} in {folder!r} is incomplete: {missing} missing or empty after writing it on process rank "

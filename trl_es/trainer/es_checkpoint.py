@@ -25,7 +25,7 @@ from transformers.utils import logging
 
 from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
 from ..es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
-from ..files import SAVED_MODEL_FILES, atomic_path, require_files
+from ..files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
 from .distributed import SHARD_PATTERN, read_flat_ranges
 
 logger = logging.get_logger(__name__)
@@ -74,15 +74,10 @@ def run_settings(args, reward_func_names) -> dict:
     return json.loads(json.dumps(settings, default=str))
 
 
-def _present(folder: str, name: str) -> bool:
-    path = os.path.join(folder, name)
-    return os.path.isfile(path) and os.path.getsize(path) > 0
-
-
 def _present_or_sharded(folder: str, name: str) -> bool:
     """``name`` (``es_master.safetensors``), or ZeRO-3's per-process shards of it."""
     stem = name[: -len(".safetensors")]
-    return _present(folder, name) or any(
+    return is_present(folder, name) or any(
         (m := SHARD_PATTERN.match(n)) and m["base"] == stem for n in os.listdir(folder)
     )
 
@@ -211,14 +206,11 @@ class ESCheckpointMixin:
         ``scheduler.pt`` (the learning rate's place in its schedule), an RNG state (``rng_state*.pth``) and, with
         ``es_optimizer="torch"``, the optimizer's state (``optimizer.pt``, or ZeRO-3's per-process files).
         """
-        missing = []
-        for options in SAVED_MODEL_FILES:
-            if not any(_present(folder, name) for name in options):
-                missing.append(" or ".join(options))
+        missing = missing_files(folder, SAVED_MODEL_FILES)
         index = os.path.join(folder, "model.safetensors.index.json")
-        if not _present(folder, "model.safetensors") and os.path.isfile(index):
+        if not is_present(folder, "model.safetensors") and os.path.isfile(index):
             shards = sorted(set(checkpoint_weight_map(folder).values()))
-            missing += [os.path.basename(f) for f in shards if not _present(folder, os.path.basename(f))]
+            missing += [os.path.basename(f) for f in shards if not is_present(folder, os.path.basename(f))]
         needed = [SEED_LOG_NAME]
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
             needed.append(MASTER_WEIGHTS_NAME)
@@ -226,7 +218,7 @@ class ESCheckpointMixin:
             needed.append(ANCHOR_WEIGHTS_NAME)
         missing += [name for name in needed if not _present_or_sharded(folder, name)]
         if resume:
-            missing += [name for name in (TRAINER_STATE_NAME, SCHEDULER_NAME) if not _present(folder, name)]
+            missing += [name for name in (TRAINER_STATE_NAME, SCHEDULER_NAME) if not is_present(folder, name)]
             if not any(n.startswith("rng_state") and n.endswith(".pth") for n in os.listdir(folder)):
                 missing.append("rng_state.pth")
             optimizer_files = [n for n in os.listdir(folder) if n == OPTIMIZER_NAME
