@@ -17,11 +17,21 @@ completions for each of ``--completions / --num_generations`` prompts, then take
 read from a safetensors folder in the measured dtype (default: the embedded SmolLM2-135M-Instruct, saved in bf16 for
 the bf16 runs; ``--random_init`` builds the
 SmolLM2-135M config with random weights and saves it to a temporary folder first; ``--scale`` multiplies its
-hidden size and layer count for the largest-model search). Goals (issue): ES/GRPO <= 0.5 with the defaults,
-<= 0.35 in lean mode, both dtypes.
+hidden size and layer count for the largest-model search). ``--shape`` picks the architecture of the random model
+(implies ``--random_init``; no download, the configs are written below): ``smollm2-135m`` (the default),
+``qwen2.5-0.5b`` or ``qwen2.5-1.5b`` (the Qwen2.5 base models' shapes, their 151,936-token vocabulary kept: the
+SmolLM2 tokenizer's 49,152 ids are a subset of it, so generated ids above it decode to nothing, which changes no
+memory figure; 494,032,768 and 1,543,714,304 parameters). The random model is built and saved in a subprocess of its
+own, so the parent holds no copy of it while the measured processes run. Goals (issue): ES/GRPO <= 0.5 with the
+defaults, <= 0.35 in lean mode, both dtypes.
+
+For ES the time split of every iteration (``time/perturb``, ``time/generation_and_reward``, ``time/restore``,
+``time/update``, ``time/other`` of ``ESTrainer``'s logs) is recorded and the last iteration's is printed (use
+``--iterations 2`` for one after warm-up); every variant also records the wall time of ``trainer.train()``.
 
     python benchmarks/es_memory.py                           # embedded model, fp32 and bf16
     python benchmarks/es_memory.py --variants es_lean grpo --dtypes bfloat16 --random_init --scale 4
+    python benchmarks/es_memory.py --shape qwen2.5-0.5b --completions 4 --new_tokens 8 --iterations 2
 """
 
 from __future__ import annotations
@@ -33,9 +43,23 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 VARIANTS = ("load", "es_default", "es_lean", "grpo")
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Qwen2.5 base models' shapes (their config.json: Qwen2 architecture, q/k/v biases, tied embeddings). Token ids are the
+# SmolLM2 tokenizer's (bos 1, eos/pad 2), which every random model here is saved with.
+QWEN2_5 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+           "tie_word_embeddings": True, "use_sliding_window": False, "attention_dropout": 0.0,
+           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+SHAPES = {
+    "smollm2-135m": None,  # smollm2_135m_config.json
+    "qwen2.5-0.5b": {**QWEN2_5, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2},
+    "qwen2.5-1.5b": {**QWEN2_5, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2},
+}
 
 
 def peak_mib(device: str) -> float:
@@ -47,14 +71,21 @@ def peak_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def save_random_model(folder: str, scale: float, dtype: str) -> str:
-    """The SmolLM2-135M config (``smollm2_135m_config.json``) with hidden size, intermediate size and layers scaled by
-    ``scale`` (hidden size and heads kept divisible), random weights, saved as safetensors with the embedded model's
-    tokenizer when it is installed, else the word-level tokenizer of ``population_throughput.py``."""
+def save_random_model(folder: str, scale: float, dtype: str, shape: str = "smollm2-135m") -> str:
+    """The config of ``shape`` (``SHAPES``; ``smollm2-135m``: ``smollm2_135m_config.json``, whose hidden size,
+    intermediate size and layers ``scale`` multiplies, hidden size and heads kept divisible), random weights, saved
+    as safetensors with the embedded model's tokenizer when it is installed, else the word-level tokenizer of
+    ``population_throughput.py``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(os.path.join(HERE, "smollm2_135m_config.json"))
+    if SHAPES[shape] is not None:
+        if scale != 1:
+            raise ValueError("--scale applies to the smollm2-135m shape only")
+        fields = dict(SHAPES[shape])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(os.path.join(HERE, "smollm2_135m_config.json"))
     if scale != 1:
         heads = max(1, round(config.num_attention_heads * scale ** 0.5))
         kv = max(1, min(heads, round(config.num_key_value_heads * scale ** 0.5)))
@@ -124,7 +155,11 @@ def worker(cli) -> dict:
             extra["fp32_master_weights"] = False
         args = ESConfig(population_size=cli.population_size, prompt_batch_size=cli.completions, **extra, **common)
         trainer = ESTrainer(model, arithmetic_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+        start = time.perf_counter()
         trainer.train()
+        info["train_seconds"] = time.perf_counter() - start
+        info["iteration_times"] = [{k: v for k, v in row.items() if k.startswith("time/")}
+                                   for row in trainer.state.log_history if "time/perturb" in row]
         info["setup"] = (f"population {cli.population_size} x {cli.completions} prompts x {cli.new_tokens} tokens, "
                          f"backend {args.population_backend}, noise {trainer.noise.describe()['type']}, master "
                          f"{trainer.es_params.master_bytes / 2**20:.0f} MiB, anchor "
@@ -136,7 +171,9 @@ def worker(cli) -> dict:
                           temperature=1.0, **common)
         trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=dataset,
                               processing_class=tokenizer)
+        start = time.perf_counter()
         trainer.train()
+        info["train_seconds"] = time.perf_counter() - start
         info["setup"] = (f"{cli.completions // cli.num_generations} prompts x {cli.num_generations} generations x "
                          f"{cli.new_tokens} tokens, optim {args.optim}, beta {args.beta}")
     else:
@@ -153,6 +190,8 @@ def main():
     parser.add_argument("--model", default=None, help="Model id/path (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--random_init", action="store_true", help="The SmolLM2-135M config with random weights.")
     parser.add_argument("--scale", type=float, default=1.0, help="--random_init: scale of the model (see doc).")
+    parser.add_argument("--shape", default=None, choices=list(SHAPES),
+                        help="Architecture of the random model (implies --random_init; default smollm2-135m).")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -166,10 +205,17 @@ def main():
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--build_to", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
+    if cli.shape:
+        cli.random_init = True
+    shape = cli.shape or "smollm2-135m"
 
     from trl_es.files import write_json
 
+    if cli.build_to:  # build and save the random model in a process of its own, then exit (frees it all)
+        save_random_model(cli.build_to, cli.scale, cli.dtype, shape)
+        return
     if cli.worker:  # one plain process (no launcher): the result is complete or absent
         write_json(cli.result, worker(cli), indent=None)
         return
@@ -179,7 +225,9 @@ def main():
         for dtype in cli.dtypes:
             model = cli.model
             if cli.random_init:
-                model = save_random_model(os.path.join(scratch, dtype), cli.scale, dtype)
+                model = os.path.join(scratch, dtype)
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--build_to", model, "--dtype", dtype,
+                                "--shape", shape, "--scale", str(cli.scale)], check=True)
             elif dtype != "float32":  # load a checkpoint in that dtype: no fp32 load-then-cast peak
                 model = save_copy(cli.model, os.path.join(scratch, dtype), dtype)
             for variant in cli.variants:
@@ -200,9 +248,14 @@ def main():
                     results[(variant, dtype)] = json.load(f)
                 r = results[(variant, dtype)]
                 print(f"{variant:>10} {dtype:>8}: peak {r['peak_mib']:9.1f} MiB  ({r['setup']})", flush=True)
+                if r.get("iteration_times"):
+                    last = r["iteration_times"][-1]
+                    print(f"{'':>20} iteration {len(r['iteration_times'])} (s): " + ", ".join(
+                        f"{k[5:]} {v:.2f}" for k, v in last.items()), flush=True)
 
-    first = next(iter(results.values()))
-    print(f"model: {cli.model or ('random init x' + str(cli.scale) if cli.random_init else 'embedded SmolLM2-135M')}, "
+    first = next((r for r in results.values() if "parameters" in r), {})
+    name = f"random init {shape}" + (f" x{cli.scale}" if cli.scale != 1 else "")
+    print(f"model: {cli.model or (name if cli.random_init else 'embedded SmolLM2-135M')}, "
           f"{first.get('parameters', 0):,} parameters; device {cli.device}; {cli.iterations} iteration(s)")
     for dtype in cli.dtypes:
         grpo = results.get(("grpo", dtype), {}).get("peak_mib")

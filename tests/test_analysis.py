@@ -512,7 +512,7 @@ def _sum_reward(m):
     return float(sum(p.detach().double().sum() for p in m.parameters()))
 
 
-def test_analyze_in_memory(tiny_llama, tokenizer, tmp_path):
+def test_analyze_in_memory(tiny_llama, tokenizer, tmp_path, capsys):
     a, b = _perturbed(tiny_llama, seed=1), _perturbed(tiny_llama, seed=2)
     snaps = [_snapshot(m) for m in (tiny_llama, a, b)]
     report = analyze(
@@ -542,6 +542,10 @@ def test_analyze_in_memory(tiny_llama, tokenizer, tmp_path):
     assert on_disk["drift"]["b"]["l2"] == pytest.approx(report["drift"]["b"]["l2"])
     for name in report["plots"]:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One progress bar over every evaluation: 2 drifts + 2 KLs + 2 x 2 sparsity rewards + 3 x (reward, loss) on the
+    # path + the cosine = 15, all done.
+    progress = capsys.readouterr().err
+    assert "15/15" in progress and "mode connectivity a -> b (3 points)" in progress
 
 
 def test_analyze_from_paths(tiny_model_dir, tokenizer, tmp_path):

@@ -37,3 +37,23 @@ def test_top_p_speed_reports_each_variant_and_equal_kept_sets(tmp_path):
     assert figures["same_kept_sets"] is True and figures["fallback_rows_per_step"] == 0.0
     assert figures["candidate_sampler_draws_in_nucleus"] is True
     assert 1 <= figures["mean_kept_tokens"] <= 64
+
+
+def test_es_memory_shapes_have_the_qwen2_5_parameter_counts():
+    """The --shape configs of es_memory.py (built on the meta device: no weights, no run)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("es_memory", os.path.join(ROOT, "benchmarks", "es_memory.py"))
+    es_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(es_memory)
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
+    for shape, count in expected.items():
+        fields = dict(es_memory.SHAPES[shape])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == count
+        assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -328,3 +328,21 @@ def test_iterable_dataset_population_parallelism_matches_one_process(tmp_path, t
     assert_bitwise(weights(tmp_path / "two" / "model"), weights(ref_out / "model"))
     assert seed_log(tmp_path / "two") == seed_log(ref_out)
     assert result["eval"]["eval_reward"] == ref["eval"]["eval_reward"]
+
+
+@pytest.mark.distributed
+def test_completion_logs_population_parallelism_match_one_process(tmp_path, tiny_model_dir):
+    """log_completions on two processes: process 0 alone writes each iteration's table, whole (no temporary file
+    left), and it holds every member's completions, the same table as one process writes."""
+    import pandas as pd
+
+    _, one = run_here(tmp_path / "one", tiny_model_dir, log_completions=True)
+    torchrun(tmp_path / "two", tiny_model_dir, "--log_completions")
+    for step in (1, 2):
+        name = f"completions/completions_{step:05d}.parquet"
+        a, b = pd.read_parquet(tmp_path / "one" / name), pd.read_parquet(tmp_path / "two" / name)
+        assert len(a) == 4 * 4  # population x prompt_batch_size x num_generations
+        assert sorted(set(a["member"])) == [0, 1, 2, 3] and set(a["step"]) == {step}
+        pd.testing.assert_frame_equal(a, b)
+    assert sorted(os.listdir(tmp_path / "two" / "completions")) == ["completions_00001.parquet",
+                                                                    "completions_00002.parquet"]

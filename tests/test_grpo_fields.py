@@ -62,7 +62,7 @@ def test_docs_page_is_the_generated_table():
     ("scale_rewards", "batch", "fitness_shaping"),
     ("epsilon", 0.2, "sigma and learning_rate"),
     ("num_iterations", 2, "ES has no counterpart"),
-    ("log_completions", True, "TrainerCallback"),
+    ("log_multimodal", "yes", "ES has no counterpart"),
     ("vllm_server_host", "0.0.0.0", "vllm_mode='colocate'"),
 ])
 def test_refused_field_raises_value_error_naming_it_and_its_counterpart(tmp_path, name, value, counterpart):
@@ -92,14 +92,14 @@ def test_refused_field_on_the_command_line_gives_the_same_error(tmp_path, argv, 
 
 def test_values_under_which_grpo_does_what_es_does_are_accepted(tmp_path):
     """GRPO's 'off' values (no KL term, no entropy bonus, no completion logs, one pass) ask for nothing ES lacks."""
-    args = ESConfig(output_dir=str(tmp_path), beta=0.0, num_iterations=1, entropy_coef=0.0, log_completions=False,
-                    mask_truncated_completions=False, multi_objective_aggregation="sum_then_normalize",
-                    num_generations_eval=1, disable_dropout=True)
+    args = ESConfig(output_dir=str(tmp_path), beta=0.0, num_iterations=1, entropy_coef=0.0,
+                    multi_objective_aggregation="sum_then_normalize", disable_dropout=True)
     assert args.beta == 0.0
     with pytest.raises(ValueError, match="^disable_dropout=False "):
         ESConfig(output_dir=str(tmp_path), disable_dropout=False)
-    with pytest.raises(ValueError, match=r"^num_generations_eval=4 is not supported by ES yet.*num_generations"):
-        ESConfig(output_dir=str(tmp_path), num_generations_eval=4)
+    with pytest.raises(ValueError, match=r"^multi_objective_aggregation='normalize_then_sum' is not supported by "
+                                         r"ES yet.*fitness_shaping"):
+        ESConfig(output_dir=str(tmp_path), multi_objective_aggregation="normalize_then_sum")
     # the refused fields left unset stay out of to_dict() (logs, trackers); a round trip gives the same config
     assert "beta" in args.to_dict() and "loss_type" not in args.to_dict()
     again = ESConfig(**{**args.to_dict(), "report_to": []})

@@ -396,3 +396,33 @@ def test_two_processes_each_with_its_engine_match_one_process_bitwise(vllm_model
     replay(replayed, str(tmp_path / "two"))
     for name, tensor in replayed.state_dict().items():
         assert torch.equal(tensor, trained_two[name]), name
+
+
+def test_trainer_constrains_completions_to_the_structured_outputs_regex(tokenizer, tmp_path):
+    """GRPO's vllm_structured_outputs_regex: every member's completions match it (vLLM structured outputs)."""
+    import re
+
+    seen = []
+
+    def record(completions, **kwargs):
+        texts = [c[0]["content"] for c in completions]
+        seen.extend(texts)
+        return [float(len(t)) for t in texts]
+
+    args = ESConfig(output_dir=str(tmp_path), max_steps=1, population_size=2, prompt_batch_size=2,
+                    max_completion_length=6, report_to=[], save_strategy="no", noise_table_size=1 << 20,
+                    disable_tqdm=True, use_vllm=True, vllm_kv_cache_memory_bytes=KV,
+                    vllm_structured_outputs_regex="[0-9]{1,3}")
+    trainer = ESTrainer(build_vllm_llama(tokenizer), record, args=args, train_dataset=prompt_rows(),
+                        processing_class=tokenizer)
+    trainer.train()
+    assert len(seen) == 4 and all(re.fullmatch("[0-9]{1,3}", t) for t in seen), seen
+
+
+def test_trainer_with_vllm_model_impl_ends_bitwise_as_without(tokenizer, tmp_path):
+    """GRPO's vllm_model_impl reaches the engine: the members it generates for are the HF members."""
+    with_vllm, history, _ = train(tokenizer, tmp_path, True, vllm_model_impl="vllm")
+    without, history_hf, _ = train(tokenizer, tmp_path, False)
+    for name in with_vllm:
+        assert torch.equal(with_vllm[name], without[name]), name
+    assert [h["reward"] for h in history] == [h["reward"] for h in history_hf]

@@ -24,6 +24,9 @@ def test_vllm_fields_default_to_trl_values(tmp_path):
     ("vllm_tensor_parallel_size", 0, "vllm_tensor_parallel_size must be an integer >= 1"),
     ("vllm_max_model_length", 0, "vllm_max_model_length must be None or an integer >= 1"),
     ("vllm_kv_cache_memory_bytes", -1, "vllm_kv_cache_memory_bytes must be None or an integer >= 1"),
+    ("vllm_model_impl", "transformers", r"vllm_model_impl='transformers' is not supported by ES yet.*'vllm'"),
+    ("vllm_model_impl", "mine", r"vllm_model_impl must be one of \('vllm',\)"),
+    ("vllm_structured_outputs_regex", "[0-9", "vllm_structured_outputs_regex='\\[0-9' is not a regular expression"),
 ])
 def test_bad_vllm_settings_are_named(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -56,3 +59,8 @@ def test_missing_vllm_names_what_to_install(tmp_path, tiny_llama, tokenizer):
     with pytest.raises(ImportError, match=r'pip install -e "\.\[vllm\]".*setup_vllm_env\.sh'):
         ESTrainer(tiny_llama, lambda completions, **k: [0.0] * len(completions), args=args,
                   train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer)
+
+
+def test_structured_outputs_need_the_vllm_engine(tmp_path):
+    with pytest.raises(ValueError, match="vllm_structured_outputs_regex constrains vLLM's sampler: set use_vllm=True"):
+        config(tmp_path, vllm_structured_outputs_regex="[0-9]+")

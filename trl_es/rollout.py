@@ -17,6 +17,7 @@ import asyncio
 import atexit
 import functools
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -31,6 +32,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Gene
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
 from .generation import GenerationEngine, eos_token_ids, generate_completions, stop_token_ids
+
+logger = logging.getLogger(__name__)
 
 def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
     """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
@@ -374,7 +377,25 @@ class RewardScorer:
         for i in model_columns:
             invalid[:, i] |= torch.isnan(rewards[:, i])
         rewards[invalid] = math.nan
+        self._warn_all_none(rewards, invalid, rows, completions)
         return rewards, invalid
+
+    def _warn_all_none(self, rewards: torch.Tensor, invalid: torch.Tensor, rows: Sequence[dict],
+                       completions: Sequence) -> None:
+        """GRPOTrainer's warning when every reward function returned ``None`` for a completion (its text; once per
+        scorer here: ES scores every member on the same prompts, so it would repeat population_size times)."""
+        if getattr(self, "_warned_all_none", False):
+            return
+        all_none = (torch.isnan(rewards) & ~invalid).all(dim=1)
+        if not all_none.any():
+            return
+        j = int(all_none.nonzero()[0])
+        row_kwargs = {key: value for key, value in rows[j].items() if key != "prompt"}
+        row_kwargs["prompt"], row_kwargs["completion"] = rows[j]["prompt"], completions[j]
+        logger.warning(f"All reward functions returned None for the following kwargs:\n{row_kwargs}\nPlease ensure "
+                       "that at least one reward function returns a valid reward. (ES leaves such a completion out "
+                       "of its member's fitness; shown once.)")
+        self._warned_all_none = True
 
     @torch.no_grad()
     def _score_with_model(self, model, tokenizer, prompts, completions) -> torch.Tensor:
@@ -399,6 +420,22 @@ class RewardScorer:
         weighted = (rewards_per_func.double() * self.weights.double()[None, :]).nansum(dim=1)
         all_nan = torch.isnan(rewards_per_func).all(dim=1)
         return torch.where(all_nan, torch.full_like(weighted, math.nan), weighted)
+
+
+def mask_truncated_rewards(out: dict) -> dict:
+    """``mask_truncated_completions``: leave the completions that did not end (no EOS or pad id last: cut at
+    ``max_completion_length``) out of the fitness, by setting their weighted reward to NaN (as a completion whose
+    rewards are all ``None``). ``rewards_per_func`` is kept: the per-function metrics count every completion.
+
+    Args:
+        out (`dict`): A :func:`score_model` result (``rewards``: ``(n,)`` float32; ``terminated``: ``n`` bools).
+
+    Returns:
+        `dict`: ``out``, with ``rewards`` replaced (in place of the dict, a new tensor).
+    """
+    terminated = torch.tensor(out["terminated"], dtype=torch.bool)
+    out["rewards"] = torch.where(terminated, out["rewards"], torch.full_like(out["rewards"], math.nan))
+    return out
 
 
 def completions_for_rewards(texts: Sequence[str], rows: Sequence[dict]) -> list:

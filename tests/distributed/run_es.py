@@ -4,10 +4,15 @@ Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (popula
 ``deepspeed --num_gpus 2`` (``--mode zero2`` / ``--mode zero3``). It writes into ``--out``:
 
 - ``result.json`` (process 0): the log history, the evaluation metrics, the class of the prepared model, whether
-  every process held bitwise identical weights after every iteration, and ``comm/bytes`` per iteration;
+  every process held bitwise identical weights after every iteration, and ``comm/bytes`` per iteration
+  (``comm_bytes_per_process``: every process's, with its rank and node);
 - the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``);
 - with ``--save_steps k``, Trainer checkpoints every ``k`` iterations (``checkpoint-k/``); ``--resume_from`` resumes
-  from one.
+  from one;
+- with ``--auto_resume`` and ``--kill_at_step`` / ``--kill_in_save_at_step`` (``tests/test_preemption.py``, under
+  ``torchrun --max-restarts 1``): one process SIGKILLs itself on the first attempt, and the restarted job resumes
+  from the newest complete checkpoint (``resume_from_checkpoint="latest"``); ``result.json`` then also says which
+  attempt wrote it (``restart_count``) and which checkpoint folders it found (``checkpoints_at_start``).
 
 The data, reward and hyperparameters are fixed here, so every mode must end with the same weights.
 
@@ -53,6 +58,18 @@ def parse_args():
     parser.add_argument("--vllm", action="store_true",
                         help="use_vllm=True: generate with a colocated vLLM engine per process (needs vLLM and a "
                              "model vLLM's CPU attention runs, e.g. tests/tiny.py build_vllm_llama).")
+    parser.add_argument("--log_completions", action="store_true", help="log_completions=True (parquet tables).")
+    # Preemption (tests/test_preemption.py): SIGKILL one process on the first attempt of a torchrun --max-restarts
+    # job (TORCHELASTIC_RESTART_COUNT == 0), and resume by itself (resume_from_checkpoint="latest").
+    parser.add_argument("--kill_at_step", type=int, default=0,
+                        help="SIGKILL --kill_rank in the middle of this iteration (at its 2nd reward call: after one "
+                             "of its members was scored), on the first attempt only. 0: never.")
+    parser.add_argument("--kill_in_save_at_step", type=int, default=0,
+                        help="SIGKILL --kill_rank while it writes checkpoint-K: after save_model (model, seed log, ES "
+                             "state) and before the scheduler, RNG and trainer_state.json; first attempt only.")
+    parser.add_argument("--kill_rank", type=int, default=0, help="The process that --kill_* kills.")
+    parser.add_argument("--auto_resume", action="store_true",
+                        help='resume_from_checkpoint="latest" in ESConfig: resume from the newest complete checkpoint.')
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -60,18 +77,73 @@ def parse_args():
 #: The prompt batch of every reward call in training (each member's call), in order.
 PROMPTS_SEEN: list[list[str]] = []
 
+#: Set by main() from --kill_at_step, --kill_in_save_at_step, --kill_rank, --auto_resume; "calls" counts this
+#: process's reward calls per iteration.
+PREEMPTION: dict = {"calls": {}}
+
+
+def _armed() -> bool:
+    """Whether this process is the one to kill: --kill_rank, on a torchrun job's first attempt."""
+    return (int(os.environ.get("RANK", "0")) == PREEMPTION.get("kill_rank", 0)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
+def _kill() -> None:
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_kill_in_reward(trainer_state) -> None:
+    """--kill_at_step K: SIGKILL on this process's 2nd reward call of iteration K (one of its members scored)."""
+    step = PREEMPTION.get("kill_at_step")
+    if not step or trainer_state is None or not _armed():
+        return
+    current = trainer_state.global_step + 1
+    calls = PREEMPTION["calls"]
+    calls[current] = calls.get(current, 0) + 1
+    if current == step and calls[current] == 2:
+        _kill()
+
+
+def _arm_kill_in_save(trainer) -> None:
+    """--kill_in_save_at_step K: SIGKILL once save_model has written checkpoint-K's model, seed log and ES state,
+    before Trainer._save_checkpoint writes the scheduler, RNG state and trainer_state.json (a partial folder)."""
+    step = PREEMPTION.get("kill_in_save_at_step")
+    if not step or not _armed():
+        return
+    save_model = trainer.save_model
+
+    def save_then_kill(output_dir=None, _internal_call=False):
+        save_model(output_dir, _internal_call)
+        if _internal_call and trainer.state.global_step == step:
+            _kill()
+
+    trainer.save_model = save_then_kill
+
+
+def _checkpoints_on_disk(out: str) -> dict:
+    """The checkpoint-* folders of ``out`` and their files (what a restarted attempt starts from)."""
+    if not os.path.isdir(out):
+        return {}
+    return {name: sorted(os.listdir(os.path.join(out, name))) for name in sorted(os.listdir(out))
+            if name.startswith("checkpoint-") and os.path.isdir(os.path.join(out, name))}
+
 
 def mean_code(completions, prompts=None, **kwargs):
     """Mean character code / 128: differs between almost any two completions. Records the prompts it was called on."""
     if prompts is not None:
         PROMPTS_SEEN.append(list(dict.fromkeys(prompts)))
+    _maybe_kill_in_reward(kwargs.get("trainer_state"))
     return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
 
 
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
-        vllm: bool = False, sigma: float = 0.02) -> dict:
+        vllm: bool = False, sigma: float = 0.02, log_completions: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -107,10 +179,14 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra.update(use_vllm=True, vllm_kv_cache_memory_bytes=1 << 26)
     if lean:
         extra["lean_memory"] = True
+    if log_completions:
+        extra["log_completions"] = True
     if save_steps:
         extra.update(save_strategy="steps", save_steps=save_steps)
     else:
         extra.update(save_strategy="no")
+    if PREEMPTION.get("auto_resume"):
+        extra["resume_from_checkpoint"] = "latest"
     config = ESConfig(
         output_dir=out,
         max_steps=steps,
@@ -157,6 +233,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()])
     PROMPTS_SEEN.clear()  # (a previous run in this process scored its evaluation prompts)
+    _arm_kill_in_save(trainer)
+    checkpoints_at_start = _checkpoints_on_disk(out)
     trainer.train(resume_from_checkpoint=resume_from)
     # The distinct prompt batches the training iterations scored on (one per iteration: all members share it).
     batches = [b for i, b in enumerate(PROMPTS_SEEN) if i == 0 or b != PROMPTS_SEEN[i - 1]]
@@ -166,6 +244,15 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         torch.distributed.all_gather_object(every, batches)
     else:
         every = [batches]
+    # Every process's comm/bytes per iteration and its node (GROUP_RANK: torchrun, CROSS_RANK: deepspeed), gathered
+    # after training.
+    node = os.environ.get("GROUP_RANK", os.environ.get("CROSS_RANK", "0"))
+    comm = {"rank": int(os.environ.get("RANK", "0")), "node": int(node),
+            "comm_bytes": [h["comm/bytes"] for h in trainer.state.log_history if "comm/bytes" in h]}
+    every_comm = [comm]
+    if torch.distributed.is_initialized():
+        every_comm = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every_comm, comm)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
     result = {}
@@ -178,9 +265,12 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             "prompt_batches": batches,
             "prompt_batches_identical": all(b == batches for b in every),
             "steps_run": steps_run,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "checkpoints_at_start": checkpoints_at_start,
             "log_history": trainer.state.log_history,
             "eval": metrics,
             "comm_bytes": [h["comm/bytes"] for h in trainer.state.log_history if "comm/bytes" in h],
+            "comm_bytes_per_process": every_comm,
         }
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
@@ -189,9 +279,11 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
 
 def main():
     args = parse_args()
+    PREEMPTION.update(kill_at_step=args.kill_at_step, kill_in_save_at_step=args.kill_in_save_at_step,
+                      kill_rank=args.kill_rank, auto_resume=args.auto_resume)
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
-        args.vllm, args.sigma)
+        args.vllm, args.sigma, args.log_completions)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

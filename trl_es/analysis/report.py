@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..files import is_main_process, save_figure, write_json
 from ._common import load_model, merged_module
@@ -110,6 +111,19 @@ def _plot_lmc(lmc: dict, path: str) -> None:
     save_figure(fig, path, dpi=100)
 
 
+def _counted(fn: Callable[[nn.Module], float] | None, bar) -> Callable[[nn.Module], float] | None:
+    """``fn``, advancing ``bar`` by one after each call (``None`` stays ``None``)."""
+    if fn is None:
+        return None
+
+    def counted(model: nn.Module) -> float:
+        value = fn(model)
+        bar.update(1)
+        return value
+
+    return counted
+
+
 def analyze(
     base_model: nn.Module | str,
     model_a: nn.Module | str,
@@ -144,7 +158,8 @@ def analyze(
     - ``update_cosine``: :func:`~trl_es.analysis.update_cosine` of the updates ``a - base`` and ``b - base``
       (needs ``b``).
 
-    Formulas and sources are in each function's docstring and in ``docs/analysis.md``. PEFT models are merged once
+    A tqdm bar (main process) counts every evaluation (each reward / loss call, each model's drift and KL) and
+    names the stage in progress. Formulas and sources are in each function's docstring and in ``docs/analysis.md``. PEFT models are merged once
     (into copies) for the weight-space diagnostics. Plots use matplotlib's Agg canvas (no display needed).
 
     Args:
@@ -205,29 +220,44 @@ def analyze(
         "skipped": {},
         "plots": [],
     }
-    report["drift"] = {k: parameter_drift(m, base_plain) for k, m in plain.items()}
+    with_kl = tokenizer is not None and bool(prompts)
+    if loss_fn is None and with_kl:
+        loss_fn = lm_loss_fn(tokenizer, prompts)
+    # One bar over every evaluation, named by stage: a run of many minutes shows what is done and what remains.
+    steps = len(plain) * (1 + with_kl + (len(taus) if reward_fn is not None else 0))
+    steps += len(ts) * ((reward_fn is not None) + (loss_fn is not None)) + ("b" in plain)
+    bar = tqdm(total=steps, desc="analyze", unit="eval", disable=not is_main_process())
+    reward_fn, loss_fn = _counted(reward_fn, bar), _counted(loss_fn, bar)
 
-    if tokenizer is not None and prompts:
-        report["kl"] = {
-            k: off_task_kl(
-                m, base, tokenizer, prompts, max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed
-            )
-            for k, m in models.items()
-        }
+    report["drift"] = {}
+    for k, m in plain.items():
+        bar.set_description(f"drift of model {k}")
+        report["drift"][k] = parameter_drift(m, base_plain)
+        bar.update(1)
+
+    if with_kl:
+        report["kl"] = {}
+        for k, m in models.items():
+            bar.set_description(f"off-task KL of model {k} ({len(prompts)} prompts)")
+            report["kl"][k] = off_task_kl(m, base, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                          num_samples=num_samples, seed=seed)
+            bar.update(1)
     else:
         report["skipped"]["kl"] = "needs `tokenizer` and `prompts`"
 
     if reward_fn is not None:
-        report["sparsity"] = {k: functional_sparsity(m, base_plain, taus, reward_fn) for k, m in plain.items()}
+        report["sparsity"] = {}
+        for k, m in plain.items():
+            bar.set_description(f"sparsity of model {k} ({len(taus)} thresholds)")
+            report["sparsity"][k] = functional_sparsity(m, base_plain, taus, reward_fn)
     else:
         report["skipped"]["sparsity"] = "needs `reward_fn`"
 
-    if loss_fn is None and tokenizer is not None and prompts:
-        loss_fn = lm_loss_fn(tokenizer, prompts)
     if reward_fn is not None or loss_fn is not None:
         a_name, b_name = ("a", "b") if "b" in plain else ("base", "a")
         end_a = plain["a"] if a_name == "a" else base_plain
         end_b = plain[b_name]
+        bar.set_description(f"mode connectivity {a_name} -> {b_name} ({len(ts)} points)")
         lmc = mode_connectivity(end_a, end_b, ts, reward_fn=reward_fn, loss_fn=loss_fn)
         lmc["endpoints"] = [a_name, b_name]
         report["mode_connectivity"] = lmc
@@ -235,12 +265,15 @@ def analyze(
         report["skipped"]["mode_connectivity"] = "needs `reward_fn`, `loss_fn`, or `tokenizer` and `prompts`"
 
     if "b" in plain:
+        bar.set_description("update cosine")
         try:
             report["update_cosine"] = update_cosine(plain["a"], plain["b"], base_plain)
         except ValueError as err:
             report["skipped"]["update_cosine"] = str(err)
+        bar.update(1)
     else:
         report["skipped"]["update_cosine"] = "needs `model_b`"
+    bar.close()
 
     if output_dir is not None:  # every process computed the same report: the main one writes it
         output_dir = os.fspath(output_dir)

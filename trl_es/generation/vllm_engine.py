@@ -164,6 +164,9 @@ class VLLMEngine(GenerationEngine):
         lora_rank (`int`, *optional*): Rank of the low-rank members (enables LoRA); ``None``: no adapters.
         max_loras (`int`): Adapters one ``generate`` call may mix (the members of a group).
         enable_prefix_caching (`bool`): vLLM's prefix caching (reset after every weight change).
+        model_impl (`str`): vLLM's ``model_impl`` (GRPO's ``vllm_model_impl``): ``"vllm"`` or ``"transformers"``.
+        structured_outputs_regex (`str`, *optional*): Constrain every completion to this regex (vLLM structured
+            outputs; GRPO's ``vllm_structured_outputs_regex``).
 
     Raises:
         ImportError: if vLLM is not installed (naming what to install).
@@ -184,6 +187,8 @@ class VLLMEngine(GenerationEngine):
         lora_rank: int | None = None,
         max_loras: int = 1,
         enable_prefix_caching: bool = True,
+        model_impl: str = "vllm",
+        structured_outputs_regex: str | None = None,
     ):
         require_vllm()
         # The engine core in this process: the worker then gets the trainer's tensors by reference (a separate
@@ -195,6 +200,7 @@ class VLLMEngine(GenerationEngine):
         on_cpu = not torch.cuda.is_available()
         self.processing_class = processing_class
         self.lora_rank = lora_rank
+        self.structured_outputs_regex = structured_outputs_regex
         self._directory = _model_directory(model, processing_class)
         self._adapter_dir = tempfile.mkdtemp(prefix="trl_es_lora_")
         # both folders go with this object (or at exit), also when the engine fails to start
@@ -220,7 +226,7 @@ class VLLMEngine(GenerationEngine):
             self._generation = _vllm_generation_class()(
                 model, accelerator, processing_class, mode="colocate",
                 tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                max_model_length=max_model_length, llm_kwargs=llm_kwargs,
+                max_model_length=max_model_length, model_impl=model_impl, llm_kwargs=llm_kwargs,
             )
         if on_cpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # vLLM's CPU worker rebinds the thread count of this process
@@ -337,7 +343,12 @@ class VLLMEngine(GenerationEngine):
         """
         from vllm import SamplingParams
 
-        return [SamplingParams(**kwargs)
+        extra = {}
+        if self.structured_outputs_regex is not None:  # GRPO's vllm_structured_outputs_regex
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+        return [SamplingParams(**kwargs, **extra)
                 for kwargs in sampling_kwargs(generation_config, num_rows, self.processing_class.eos_token_id)]
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):

@@ -321,7 +321,7 @@ def stated_result(text: str, a=None, b=None, op: str | None = None) -> int | flo
     With ``a``, ``b`` or ``op`` missing (``None``) the result is always the first number.
 
     For ``47 + 35``: ``"82"``, ``"82."``, ``"The answer is 82"``, ``"47 + 35 = 82"``, ``"35+47=82"``,
-    ``"47 + 35 = 82\n56 - 44 = 12"`` and ``"47 plus 35 equals 82, and ..."`` all state 82; ``"47 + 35 = 83 ...
+    ``"47 + 35 = 82\\n56 - 44 = 12"`` and ``"47 plus 35 equals 82, and ..."`` all state 82; ``"47 + 35 = 83 ...
     82"`` states 83, ``"83, no 82"`` states 83, ``"47 + 35"`` and ``"no idea"`` state nothing.
 
     The result depends only on the text up to and including its number: whatever follows a complete number (one
@@ -372,12 +372,12 @@ def arithmetic_reward(
     The rule ("first stated result", :func:`stated_result`): the answer is the first number of the completion,
     after skipping a leading restatement ``a op b`` of the problem (together with the ``=``/"is"/"equals" that
     follows it). So for ``47 + 35``, ``"82"``, ``"82."``, ``"The answer is 82"``, ``"47 + 35 = 82"``,
-    ``"47+35=82\n56 - 44 = 12"`` and ``"47 + 35 equals 82, and 56 - 44 = 12"`` score 1.0; ``"47 + 35 = 83\n...
+    ``"47+35=82\\n56 - 44 = 12"`` and ``"47 + 35 equals 82, and 56 - 44 = 12"`` score 1.0; ``"47 + 35 = 83\\n...
     82"``, ``"83, no 82"`` and a completion without a number score 0.0. Numbers compare with
     :func:`trl_es.rewards.numbers_close` (``"82.0"`` equals 82).
 
     Why: SmolLM2-135M-Instruct answers ``"47 + 35 = 82"`` despite "Reply with only the number", and once trained
-    it keeps going (``"47 + 35 = 82\n56 - 44 = 12"``): a last-number rule then grades where generation was cut
+    it keeps going (``"47 + 35 = 82\\n56 - 44 = 12"``): a last-number rule then grades where generation was cut
     (accuracy 0.63 at 10 new tokens, 0.36 at 64), while the first stated result does not change with the length.
 
     Without the ``a``, ``b`` and ``op`` columns (datasets other than :func:`make_arithmetic_dataset`'s), no

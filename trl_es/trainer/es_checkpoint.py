@@ -8,6 +8,12 @@ re-created by ``model_init`` (``hyperparameter_search``; see :meth:`ESCheckpoint
 is checked before anything is loaded (:meth:`ESCheckpointMixin._check_checkpoint`): every file it needs, a seed log
 of steps 1..N that ends where ``trainer_state.json`` does, and the settings the run continues with.
 
+Preemption: with ``ESConfig(resume_from_checkpoint="latest")`` a job relaunched by ``torchrun --max-restarts N`` (or
+any scheduler) resumes by itself from the newest *complete* checkpoint of ``output_dir``
+(:meth:`ESCheckpointMixin._latest_complete_checkpoint`): ``Trainer._save_checkpoint`` writes ``checkpoint-N`` in place
+and ``trainer_state.json`` last, so a kill mid-write leaves a folder that the completeness check
+(:meth:`ESCheckpointMixin._check_checkpoint_files`) refuses, and the one before is used.
+
 A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (it reads the trainer's ES state: ``es_params``, ``anchor``,
 ``seed_log``, ``population``); every file goes through :mod:`trl_es.files` (one writer, complete or absent).
 """
@@ -20,7 +26,7 @@ import os
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import logging
 
 from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
@@ -35,6 +41,11 @@ ANCHOR_WEIGHTS_NAME = "es_anchor.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 OPTIMIZER_NAME = "optimizer.pt"
+
+#: ``resume_from_checkpoint`` value (in ``ESConfig`` or passed to ``train``): resume from the newest complete
+#: checkpoint in ``output_dir`` if there is one, else start fresh
+#: (:meth:`ESCheckpointMixin._latest_complete_checkpoint`).
+AUTO_RESUME = "latest"
 
 #: Seed-log header keys that :func:`trl_es.replay` or a resumed run reads, with the settings that decide them (named
 #: in the error when a resumed run's value differs from the checkpoint's).
@@ -75,11 +86,23 @@ def run_settings(args, reward_func_names) -> dict:
 
 
 def _present_or_sharded(folder: str, name: str) -> bool:
-    """``name`` (``es_master.safetensors``), or ZeRO-3's per-process shards of it."""
+    """``name`` (``es_master.safetensors``), or ZeRO-3's per-process shards of it: every rank ``0..W-1`` of one
+    world size ``W``, each a non-empty file (a process killed before writing its shard leaves the set incomplete)."""
+    if is_present(folder, name):
+        return True
     stem = name[: -len(".safetensors")]
-    return is_present(folder, name) or any(
-        (m := SHARD_PATTERN.match(n)) and m["base"] == stem for n in os.listdir(folder)
-    )
+    shards = [(m, n) for n in os.listdir(folder) if (m := SHARD_PATTERN.match(n)) and m["base"] == stem]
+    worlds = {int(m["world"]) for m, _ in shards}
+    if len(worlds) != 1:
+        return False
+    ranks = {int(m["rank"]) for m, n in shards if is_present(folder, n)}
+    return ranks == set(range(worlds.pop()))
+
+
+def _checkpoint_step(name: str) -> int | None:
+    """``N`` of a ``checkpoint-N`` folder name, else ``None``."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    return int(name[len(prefix):]) if name.startswith(prefix) and name[len(prefix):].isdigit() else None
 
 
 class ESCheckpointMixin:
@@ -92,11 +115,21 @@ class ESCheckpointMixin:
         first, before anything is loaded (:meth:`_check_checkpoint`). Whatever the population backend installed in
         the model (the low-rank adapters' hooks) is removed at the end, also when training raises.
 
+        Called without ``resume_from_checkpoint`` (``None``; ``False`` starts fresh), the config's
+        ``resume_from_checkpoint`` is used: a checkpoint folder, or ``"latest"`` (:data:`AUTO_RESUME`): the newest
+        complete checkpoint of ``output_dir``, skipping (with a warning) newer ones a kill left incomplete, or a fresh
+        start if there is none (:meth:`_latest_complete_checkpoint`; every process resumes from the one the main
+        process chose). A job relaunched after preemption (``torchrun --max-restarts N``) thus resumes by itself.
+
         Raises:
             ValueError: if the checkpoint is incomplete, its seed log has missing steps or ends elsewhere than its
                 ``trainer_state.json``, or this run's settings differ from the checkpoint's where the run's
                 trajectory depends on them (:meth:`_check_checkpoint`).
         """
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = getattr(self.args, "resume_from_checkpoint", None) or None
+        if resume_from_checkpoint == AUTO_RESUME:
+            resume_from_checkpoint = self._latest_complete_checkpoint()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: Trainer says so
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
@@ -247,6 +280,19 @@ class ESCheckpointMixin:
             ValueError: naming the missing files, the missing or extra steps, or the setting whose value differs
                 (the checkpoint's value and this run's).
         """
+        saved = self._check_checkpoint_files(folder, resume)
+        if resume:
+            self._check_resume_settings(folder, saved.header)
+        return saved
+
+    def _check_checkpoint_files(self, folder: str, resume: bool = True) -> SeedLog:
+        """The completeness part of :meth:`_check_checkpoint` (everything but the settings): the folder holds every
+        file the run needs, its seed log holds steps 1..N and, to resume, ``trainer_state.json`` is readable and at
+        step N. What a kill during a checkpoint write leaves fails here (``trainer_state.json`` is written last).
+
+        Raises:
+            ValueError: naming the missing files or the steps that disagree.
+        """
         if not os.path.isdir(folder):
             raise ValueError(f"Cannot resume from {folder!r}: it is not a folder.")
         missing = self._missing_checkpoint_files(folder, resume)
@@ -257,14 +303,53 @@ class ESCheckpointMixin:
         saved = SeedLog.load(os.path.join(folder, SEED_LOG_NAME))
         if not resume:
             return saved
-        with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
-            global_step = int(json.load(f)["global_step"])
+        try:
+            with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
+                global_step = int(json.load(f)["global_step"])
+        except (ValueError, KeyError, TypeError) as error:  # e.g. truncated by a kill while it was written
+            raise ValueError(f"Cannot resume from {folder!r}: its {TRAINER_STATE_NAME} is unreadable ({error!r}); "
+                             "the checkpoint is incomplete.") from error
         if saved.global_step != global_step:
             raise ValueError(f"Cannot resume from {folder!r}: its {TRAINER_STATE_NAME} is at step {global_step} but "
                              f"its {SEED_LOG_NAME} ends at step {saved.global_step}: the seed log belongs to another "
                              "point of the run (or another run).")
-        self._check_resume_settings(folder, saved.header)
         return saved
+
+    def _latest_complete_checkpoint(self) -> str | None:
+        """``resume_from_checkpoint="latest"``: the newest ``checkpoint-N`` of ``output_dir`` that
+        :meth:`_check_checkpoint_files` accepts, or ``None`` (start fresh) if there is none.
+
+        A newer folder that is incomplete (a process killed while writing it) is skipped with a warning naming it and
+        why. The main process decides and broadcasts its choice, so every process resumes from the same checkpoint.
+        (Checkpoints whose *settings* differ from this run's are not skipped: :meth:`_check_checkpoint` refuses them
+        afterwards, naming the setting.)
+        """
+        choice = [None]
+        if self.accelerator.is_main_process:
+            output_dir = self.args.output_dir
+            names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+            folders = sorted(((step, os.path.join(output_dir, name)) for name in names
+                              if (step := _checkpoint_step(name)) is not None
+                              and os.path.isdir(os.path.join(output_dir, name))), reverse=True)
+            for _, folder in folders:
+                try:
+                    self._check_checkpoint_files(folder)
+                except (ValueError, OSError) as error:
+                    logger.warning("resume_from_checkpoint=%r: skipping %s, which is incomplete (killed while it was "
+                                   "written?): %s", AUTO_RESUME, folder, error)
+                    continue
+                choice[0] = folder
+                break
+            if choice[0] is not None:
+                logger.info("resume_from_checkpoint=%r: resuming from %s.", AUTO_RESUME, choice[0])
+            else:
+                logger.info("resume_from_checkpoint=%r: no complete checkpoint in %s, starting a new run.",
+                            AUTO_RESUME, output_dir)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(choice, from_process=0)
+        return choice[0]
 
     def _check_resume_settings(self, folder: str, saved: dict) -> None:
         """Compare a checkpoint's seed-log header with this run's (see :meth:`_check_checkpoint`).

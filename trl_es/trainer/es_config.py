@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..generation import GENERATION_ENGINES
 from .grpo_fields import answer_grpo_fields, check_grpo_fields
 
 ES_OPTIMIZERS = ("es", "torch")
+VLLM_MODEL_IMPLS = ("vllm",)
 
 
 def check_fp16_device(config) -> None:
@@ -48,6 +50,10 @@ class ESConfig(_BaseConfig):
     ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
     to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
     and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
+
+    Preemption: ``resume_from_checkpoint="latest"`` (with ``save_steps``) makes a relaunched job (``torchrun
+    --max-restarts N``) resume by itself from the newest complete checkpoint; a kill costs at most the iterations
+    since that checkpoint (docs/scaling.md, "Preemption and elastic restarts").
 
     Only the parameters specific to ES (or whose defaults ES changes) are listed here; see
     [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too,
@@ -80,6 +86,11 @@ class ESConfig(_BaseConfig):
             Pin dataloader memory. Default False: ES loads text rows, not tensors.
         remove_unused_columns (`bool` or `None`, *optional*, defaults to `False`):
             Keep every dataset column: extra columns reach the reward functions as keyword arguments.
+        resume_from_checkpoint (`str` or `None`, *optional*, defaults to `None`):
+            Checkpoint to resume from when train() is called without resume_from_checkpoint: a checkpoint folder,
+            or 'latest': the newest complete checkpoint-N of output_dir (a newer one left incomplete by a kill is
+            skipped with a warning), or a new run if there is none. With 'latest' a job relaunched after preemption
+            (torchrun --max-restarts N) resumes by itself; see docs/scaling.md. (TrainingArguments only stores it.)
 
         > Parameters that control the model
 
@@ -184,6 +195,11 @@ class ESConfig(_BaseConfig):
         vllm_kv_cache_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
             KV-cache bytes of each engine (vLLM's kv_cache_memory_bytes). None: 1 GiB on the CPU, vLLM's sizing
             from vllm_gpu_memory_utilization on GPUs.
+        vllm_model_impl (`str`, *optional*, defaults to `'vllm'`):
+            GRPO's option: the engine's model implementation: 'vllm' (vLLM's own). 'transformers' (vLLM's
+            transformers backend) is refused: it does not start as a generative model in ES's engine yet.
+        vllm_structured_outputs_regex (`str` or `None`, *optional*, defaults to `None`):
+            GRPO's option: every completion is constrained to match this regex (vLLM structured outputs); None: off.
 
         > Parameters that control Anchored Weight Decay (AWD)
 
@@ -232,6 +248,30 @@ class ESConfig(_BaseConfig):
         shuffle_dataset (`bool` or `None`, *optional*, defaults to `None`):
             GRPO's option: False reads the training prompts in dataset order (train_sampling_strategy='sequential');
             True shuffles them (train_sampling_strategy 'random', the default). None: as train_sampling_strategy.
+
+        > Parameters of evaluation and completion logs (GRPO's names and meanings)
+
+        num_generations_eval (`int` or `None`, *optional*, defaults to `None`):
+            Completions per prompt in evaluate() (None: num_generations). More than 1 needs sampling (temperature > 0).
+        mask_truncated_completions (`bool`, *optional*, defaults to `False`):
+            ES's reading of GRPO's option: a completion that did not end with an EOS id (cut at
+            max_completion_length) is left out of its member's fitness, as a completion whose rewards are all None.
+            A member whose completions were all cut has no fitness (ranked worst); when no member has one, the step
+            is exactly zero. The rewards/<name>/* metrics still count every completion; reward and fitness/* count
+            the ones left in. evaluate() scores every completion.
+        log_completions (`bool`, *optional*, defaults to `False`):
+            At every log, the last iteration's completions (every member's, gathered to the main process): printed
+            as a table with rich, written to `output_dir/completions/completions_{step:05d}.parquet`, and logged as
+            a table to wandb / trackio when they are in report_to. Columns: step, prompt, completion, one per
+            reward function, the reward functions' log_extra columns, advantage (the member's shaped fitness: its
+            coefficient in the update) and member.
+        num_completions_to_print (`int` or `None`, *optional*, defaults to `None`):
+            Completions printed with rich at each log (a fixed-seed sample; None: all).
+        log_unique_prompts (`bool`, *optional*, defaults to `False`):
+            Log one row per distinct prompt to wandb / trackio.
+        log_completions_hub_repo (`str` or `None`, *optional*, defaults to `None`):
+            Hub dataset repo to which the completion parquet files are pushed (every 2 minutes, as GRPO); needs
+            log_completions=True.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
@@ -273,6 +313,16 @@ class ESConfig(_BaseConfig):
         default=False, metadata={"help": "Pin dataloader memory. Default False: ES loads text rows, not tensors."}
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every X ES iterations (default 1)."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Checkpoint to resume from when train() is called without resume_from_checkpoint: a checkpoint "
+            "folder, or 'latest': the newest complete checkpoint-N of output_dir (a newer one left incomplete by a "
+            "kill is skipped with a warning), or a new run if there is none. With 'latest' a job relaunched after "
+            "preemption (torchrun --max-restarts N) resumes by itself; see docs/scaling.md. (TrainingArguments only "
+            "stores it.)"
+        },
+    )
     per_device_train_batch_size: int | None = field(
         default=None,
         metadata={
@@ -468,6 +518,20 @@ class ESConfig(_BaseConfig):
             "sizing from vllm_gpu_memory_utilization on GPUs."
         },
     )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={
+            "help": "GRPO's option: the engine's model implementation: 'vllm' (vLLM's own). 'transformers' (vLLM's "
+            "transformers backend) is refused: it does not start as a generative model in ES's engine yet."
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={
+            "help": "GRPO's option: every completion is constrained to match this regex (vLLM structured outputs); "
+            "None: off."
+        },
+    )
     anchor_storage: str = field(
         default="auto",
         metadata={
@@ -578,6 +642,44 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    # ------------------------------------------------------------------ evaluation and completion logs
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per prompt in evaluate() (None: num_generations). More than 1 needs sampling "
+            "(temperature > 0)."
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave completions that did not end with an EOS id (cut at max_completion_length) out of their "
+            "member's fitness, as completions whose rewards are all None. A member with only cut completions has no "
+            "fitness (ranked worst); with none left anywhere the step is exactly zero. Training only."
+        },
+    )
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "At every log, print the last iteration's completions (every member's) with rich, write them to "
+            "output_dir/completions/completions_{step:05d}.parquet and log them as a table to wandb / trackio."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={"help": "Completions printed with rich at each log (a fixed-seed sample; None: all)."},
+    )
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "Log one row per distinct prompt to wandb / trackio."}
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub dataset repo the completion parquet files are pushed to (every 2 minutes); needs "
+            "log_completions=True."
+        },
+    )
+
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
         check_grpo_fields(self)  # GRPOConfig fields ES refuses (beta, loss_type, ...), named with their counterpart
@@ -641,6 +743,13 @@ class ESConfig(_BaseConfig):
         for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("num_generations_eval", "num_completions_to_print"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        if self.log_completions_hub_repo is not None and not self.log_completions:
+            raise ValueError("log_completions_hub_repo is set, but log_completions is False: set log_completions=True "
+                             "to push the completion logs to the Hub, or unset log_completions_hub_repo.")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
@@ -689,10 +798,12 @@ class ESConfig(_BaseConfig):
                     raise ValueError(f"{name}={getattr(self, name)!r} filters tokens when sampling, but temperature=0 "
                                      f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default) to sample, or "
                                      f"leave {name} at {off!r}.")
-            if self.num_generations > 1:
-                raise ValueError(f"num_generations={self.num_generations} with greedy decoding (temperature=0) would "
-                                 f"score {self.num_generations} identical copies of each completion: set temperature > "
-                                 "0 (e.g. 1.0, GRPO's default) to sample different completions, or num_generations=1.")
+            for name in ("num_generations", "num_generations_eval"):
+                count = getattr(self, name)
+                if count is not None and count > 1:
+                    raise ValueError(f"{name}={count} with greedy decoding (temperature=0) would score {count} "
+                                     "identical copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's "
+                                     f"default) to sample different completions, or {name}=1.")
         neutral = (("top_k", 0), ("min_p", None), ("repetition_penalty", 1.0))
         merged = {name: getattr(self, name) for name, off in neutral if getattr(self, name) != off}
         if merged:
@@ -769,6 +880,21 @@ class ESConfig(_BaseConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        if self.vllm_model_impl == "transformers":
+            raise ValueError("vllm_model_impl='transformers' is not supported by ES yet: vLLM 0.32's transformers "
+                             "backend does not start as a generative model in ES's colocated engine ('LLM.generate() "
+                             "is only supported for generative models'). Use vllm_model_impl='vllm'.")
+        if self.vllm_model_impl not in VLLM_MODEL_IMPLS:
+            raise ValueError(f"vllm_model_impl must be one of {VLLM_MODEL_IMPLS}, got {self.vllm_model_impl!r}.")
+        if self.vllm_structured_outputs_regex is not None:
+            try:
+                re.compile(self.vllm_structured_outputs_regex)
+            except re.error as error:
+                raise ValueError(f"vllm_structured_outputs_regex={self.vllm_structured_outputs_regex!r} is not a "
+                                 f"regular expression: {error}.") from None
+            if not self.use_vllm:
+                raise ValueError("vllm_structured_outputs_regex constrains vLLM's sampler: set use_vllm=True (the "
+                                 "transformers engines take no regex), or unset it.")
         if self.use_vllm and self.generation_engine not in ("auto",):
             raise ValueError(f"use_vllm=True generates with vLLM: leave generation_engine at 'auto' (got "
                              f"{self.generation_engine!r}).")

@@ -6,6 +6,7 @@ generation settings and, under ZeRO-3, the DeepSpeed engine).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -42,7 +43,8 @@ class ESEvaluationMixin:
         """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
 
         Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
-        generate call (``num_generations`` completions each), with the trainer's generation engine and settings.
+        generate call (``num_generations_eval`` completions each, default ``num_generations``), with the trainer's
+        generation engine and settings.
         Invalid (non-finite) rewards are left out of the means and counted.
 
         Returns:
@@ -81,6 +83,8 @@ class ESEvaluationMixin:
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
         if self.args.temperature > 0:
             torch.manual_seed(self.args.seed)
+        num_generations = self.args.num_generations_eval or self.args.num_generations
+        rollout = dataclasses.replace(self.rollout, num_generations=num_generations)
         start = time.perf_counter()
         for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
             chunk = rows[first : first + batch]
@@ -89,7 +93,7 @@ class ESEvaluationMixin:
                 generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
                                      engine=self.generation_engine)
                 continue
-            out = self.rollout(unwrapped, chunk, reward_kwargs={
+            out = rollout(unwrapped, chunk, reward_kwargs={
                 "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             rewards = out["rewards"].double()
@@ -107,7 +111,7 @@ class ESEvaluationMixin:
         metrics = {
             f"{metric_key_prefix}_loss": -reward if reward is not None else None,
             f"{metric_key_prefix}_reward": reward,
-            f"{metric_key_prefix}_num_completions": int(len(dataset) * self.args.num_generations),
+            f"{metric_key_prefix}_num_completions": int(len(dataset) * num_generations),
             f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
             f"{metric_key_prefix}_runtime": time.perf_counter() - start,
         }

@@ -34,7 +34,9 @@ from ..es.shaping import shape_fitness
 from ..es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 from ..generation import make_engine
 from ..models import resolve_model_path
-from ..rollout import RewardScorer, Rollout, build_generation_config, split_row_groups, validate_dataset
+from ..rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
+                       split_row_groups, validate_dataset)
+from .completion_logs import CompletionLog
 from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
@@ -225,6 +227,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         self._init_es_state()
         self._metrics = defaultdict(list)
         self._warned_invalid: set[str] = set()
+        self.completion_log = None  # log_completions: the last iteration's completions (GRPO's trainer._logs)
+        if args.log_completions:
+            self.completion_log = CompletionLog(self.reward_func_names, args.output_dir, args.num_completions_to_print,
+                                                args.log_unique_prompts, args.report_to, args.log_completions_hub_repo)
+            if self.accelerator.is_main_process:
+                self.completion_log.start_hub_upload(args.hub_private_repo, args.hub_model_id)
 
     def _init_es_state(self) -> None:
         """The ES state of the current model and ``args``: population backend, trained parameters with their master
@@ -364,6 +372,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
             lora_rank=args.noise_rank if lowrank else None,
             max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
+            model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
         )
 
     def _sync_engine_weights(self) -> None:
@@ -391,6 +400,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         gathered as for a map-style dataset, so every process scores the same prompt rows in the same order. On resume,
         ``Trainer`` skips the batches already used by reading past them (unless ``ignore_data_skip``).
 
+        ``dataloader_num_workers`` is set to 0 (with a warning), as GRPOTrainer does: workers would read the stream's
+        shards in turn and interleave them.
+
         Raises:
             ValueError: if ``max_steps`` is not set, or ``accelerator_config.dispatch_batches`` is ``True``.
         """
@@ -401,6 +413,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             raise ValueError("accelerator_config.dispatch_batches=True cannot dispatch an iterable dataset's text rows "
                              "(accelerate broadcasts tensors only): leave it unset (None) or set it to False.")
         args.accelerator_config.dispatch_batches = False
+        if args.dataloader_num_workers != 0:  # as GRPOTrainer: workers would interleave the stream's shards
+            logger.warning(f"An iterable train dataset is read in stream order with dataloader_num_workers=0 "
+                           f"(several workers would interleave its shards); overriding {args.dataloader_num_workers}.")
+            args.dataloader_num_workers = 0
 
     def _set_signature_columns_if_needed(self):
         # Rows go to the reward functions as they are: keep every column.
@@ -499,6 +515,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
+        if self.completion_log is not None:
+            self.completion_log.finish_iteration(step + 1, coefficients, self._gather_objects_if_distributed(),
+                                                 self.accelerator.is_main_process)
 
         self._record_comm(self._forward_calls - forward_calls)
         metrics = iteration_metrics(scores, member_scores, self.reward_func_names, self.population.timings,
@@ -530,13 +549,21 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         per_prompt = args.num_generations if args.per_prompt_shaping != "none" else None
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
-        scores = {}
+        scores, log = {}, self.completion_log
         for group in self.population.groups(indices):
+            if log is not None:
+                reward_kwargs["log_extra"] = log.log_extra_for_call()
             with self.population.apply(self.es_params, self.noise, [members[i] for i in group], args.sigma, model):
                 self._seed_sampling(step, group)
                 self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            if args.mask_truncated_completions:
+                mask_truncated_rewards(out)
+            if log is not None:
+                repeated = [row for row in rows * len(group) for _ in range(args.num_generations)]
+                log.add_call(group, repeated, completions_for_rewards(out["completions"], repeated),
+                             out["rewards_per_func"])
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
                 scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
                                                           group_size=args.num_generations)
@@ -622,6 +649,21 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 
+    def _gather_objects_if_distributed(self):
+        """accelerate's ``gather_object`` on several processes (``None`` on one)."""
+        if self.accelerator.num_processes == 1:
+            return None
+        from accelerate.utils import gather_object
+
+        return gather_object
+
+    @property
+    def _logs(self) -> dict:
+        """GRPOTrainer's ``trainer._logs``: the completion table of the last iteration (``log_completions=True``;
+        filled on the main process): ``prompt``, ``completion``, ``rewards`` (per reward name), ``advantages``,
+        ``extra`` (``log_extra`` columns), and ES's ``member`` and ``step``. Empty when completions are not logged."""
+        return self.completion_log.logs if self.completion_log is not None else CompletionLog._empty()
+
     # ------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -633,6 +675,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
             if self.anchor is not None and self.args.log_parameter_drift:
                 logs.update(self._parameter_drift())
         super().log(logs, start_time)
+        if self.completion_log is not None and self.accelerator.is_main_process:
+            self.completion_log.write()  # once per iteration's table, after the metrics (as GRPOTrainer)
 
     def _parameter_drift(self) -> dict[str, float]:
         """``drift/l2`` and ``drift/relative`` of the trained parameters from theta_0, whole and per module type

@@ -44,9 +44,6 @@ _SHAPING = "fitness_shaping ('zscore', 'centered_rank', 'none') across the popul
 _VLLM_IS = "ES scores exactly the completions the member's vLLM engine generated: no training-side " \
            "log-probabilities, nothing off-policy to correct."
 _SERVER = "vllm_mode='server' (a separate `vllm serve` fleet) is not implemented yet."
-_COMPLETION_LOGS = "Completion logging (GRPO's table of prompts, completions and rewards) is not implemented yet."
-_COMPLETION_LOGS_ALT = "a reward function (it receives prompts, completions and completion_ids and can record them) " \
-                       "or a TrainerCallback"
 
 
 @dataclass(frozen=True)
@@ -125,9 +122,8 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              "load the model in float32 (model_init_kwargs={'dtype': 'float32'})", type="bool", accepted=(False,),
              not_yet=True),
     # ------------------------------------------------------------------ data and batching
-    _refused("num_generations_eval", "evaluate() scores num_generations completions per prompt, with the training "
-                                     "generation settings.",
-             "num_generations (evaluation uses it)", type="int", same_as="num_generations", not_yet=True),
+    _honoured("num_generations_eval", "evaluate() generates num_generations_eval completions per prompt (None: "
+                                      "num_generations); more than 1 needs temperature > 0."),
     _refused("ds3_gather_for_generation", "under DeepSpeed ZeRO-3 ES generates with DeepSpeed's per-layer gathering "
                                           "(as ds3_gather_for_generation=False); gathering the whole model for "
                                           "generation is not implemented.",
@@ -151,13 +147,15 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              "generation_engine ('compiled': static KV cache and a compiled decoding step; 'eager'), or "
              "generation_kwargs={'cache_implementation': ...} with generation_engine='eager'", not_yet=True),
     # ------------------------------------------------------------------ vLLM
-    _refused("vllm_model_impl", "the colocated engine uses vLLM's default model implementation.", not_yet=True),
+    _honoured("vllm_model_impl", "Passed to the colocated engine (vLLM's model_impl): 'vllm'; 'transformers' is "
+                                 "refused by name (vLLM's transformers backend does not start as a generative model "
+                                 "in ES's engine yet)."),
     _refused("vllm_enable_sleep_mode", "the colocated engine stays resident: ES scores members back to back, with no "
                                        "optimizer step to free memory for.",
              "vllm_gpu_memory_utilization (the engine's share of GPU memory)", type="bool", accepted=(False,),
              not_yet=True),
-    _refused("vllm_structured_outputs_regex", "structured (regex-constrained) outputs are not passed to vLLM.",
-             "a reward function that scores the format", not_yet=True),
+    _honoured("vllm_structured_outputs_regex", "Every completion of the colocated engine is constrained to "
+                                               "the regex (vLLM structured outputs); use_vllm=True only."),
     _refused("vllm_server_base_url", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
              not_yet=True),
     _refused("vllm_server_host", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
@@ -199,10 +197,10 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _refused("loss_type", _NO_LOSS,
              "es_optimizer ('es': the reference update; 'torch': the ES gradient estimate through a torch optimizer) "
              "and fitness_shaping"),
-    _refused("mask_truncated_completions", "ES scores every completion, truncated or not; leaving truncated ones out "
-                                           "of the fitness is not implemented.",
-             "a reward function that scores truncation itself (it receives completion_ids: a completion without an "
-             "EOS id ran to max_completion_length)", type="bool", accepted=(False,), not_yet=True),
+    _honoured("mask_truncated_completions", "A completion without an EOS id (cut at max_completion_length) is "
+                                            "left out of its member's fitness, as one whose rewards are all None "
+                                            "(GRPO leaves it out of the loss); a member with only cut completions "
+                                            "has no fitness. Training only."),
     _refused("sync_ref_model", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool",
              accepted=(False,)),
     _refused("ref_model_mixup_alpha", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="float"),
@@ -226,14 +224,15 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _refused("off_policy_mask_threshold", _NO_KL + " " + _VLLM_IS, type="float"),
     _refused("use_bias_correction_kl", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool"),
     # ------------------------------------------------------------------ completion logging
-    _refused("log_completions", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="bool", accepted=(False,),
-             not_yet=True),
-    _refused("log_multimodal", "only used with log_completions. " + _COMPLETION_LOGS, _COMPLETION_LOGS_ALT,
-             type="bool", accepted=(True, False), not_yet=True),
-    _refused("num_completions_to_print", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="int", not_yet=True),
-    _refused("log_unique_prompts", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, type="bool", accepted=(False,),
-             not_yet=True),
-    _refused("log_completions_hub_repo", _COMPLETION_LOGS, _COMPLETION_LOGS_ALT, not_yet=True),
+    _honoured("log_completions", "At every log: the last iteration's completions of every member, printed with "
+                                 "rich, written to output_dir/completions/*.parquet, logged as a table to wandb / "
+                                 "trackio; the advantage column is the member's shaped fitness."),
+    _refused("log_multimodal", "ES trains text-only models: completion logs hold no images or videos.",
+             type="bool", accepted=(True, False)),
+    _honoured("num_completions_to_print", "Completions printed with rich at each log (a fixed-seed sample)."),
+    _honoured("log_unique_prompts", "One row per distinct prompt in the wandb / trackio table."),
+    _honoured("log_completions_hub_repo", "The completion parquet files are pushed to this Hub dataset repo "
+                                          "(huggingface_hub CommitScheduler, every 2 minutes, as GRPO)."),
     # ------------------------------------------------------------------ transformers continuous batching
     _refused("use_transformers_continuous_batching", "transformers' continuous batching engine is not implemented.",
              "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True", type="bool",

@@ -1,0 +1,235 @@
+"""GRPO's completion logs for ES (``log_completions``): a table of the prompts, completions and rewards of the last
+iteration, printed with rich, written as parquet, logged to wandb / trackio and pushed to a Hub dataset repo.
+
+GRPOTrainer logs its latest generation batch; ES generates once per member per iteration, so the table holds every
+member's completions of the last iteration (``population_size x prompt_batch_size x num_generations`` rows, gathered
+to the main process; only when ``log_completions=True`` does any text travel between processes). The columns are
+GRPO's, with ES's meaning where it differs:
+
+* ``step``, ``prompt`` (as the dataset holds it: text or messages), ``completion`` (in the prompt's format, as the
+  reward functions receive it), one column per reward function (``None`` where it returned ``None``);
+* the columns reward functions add with ``log_extra(column, values)`` (one value per completion of the call);
+* ``advantage``: the member's shaped fitness, its coefficient ``z_i`` in the update (the same for all its
+  completions): the quantity that weighs a completion's member in the step, as GRPO's advantage weighs a completion;
+* ``member``: the population member's index (ES's own).
+
+The printing reuses TRL's :func:`trl.trainer.utils.print_prompt_completions_sample`; the Hub upload uses
+huggingface_hub's ``CommitScheduler`` with TRL's dataset card template, as GRPOTrainer does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["CompletionLog"]
+
+COMPLETIONS_FOLDER = "completions"
+
+
+def _value(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+class CompletionLog:
+    """The completion table of the last ES iteration, built member by member and written at each log.
+
+    Usage, per iteration: :meth:`log_extra_for_call` gives the ``log_extra`` callable of one rollout call;
+    :meth:`add_call` records the call's completions for its members; :meth:`finish_iteration` (after shaping) sets
+    the advantages, gathers every process's rows (main process) and makes them the table (:attr:`logs`, GRPO's
+    ``trainer._logs`` layout); :meth:`write` prints and stores the table at a log.
+
+    Args:
+        reward_names (`Sequence[str]`): The reward functions' names (one column each).
+        output_dir (`str`): The run's output folder; parquet files go to ``output_dir/completions``.
+        num_completions_to_print (`int` or `None`): Rows printed with rich (a sample seeded by the step; ``None``:
+            all).
+        log_unique_prompts (`bool`): One row per distinct prompt in the tracker tables.
+        report_to (`Sequence[str]`): The trackers; ``"wandb"`` (with an active run) and ``"trackio"`` get a table.
+        hub_repo (`str`, *optional*): Hub dataset repo the parquet files are pushed to.
+    """
+
+    def __init__(self, reward_names: Sequence[str], output_dir: str, num_completions_to_print: int | None = None,
+                 log_unique_prompts: bool = False, report_to: Sequence[str] = (), hub_repo: str | None = None):
+        self.reward_names = list(reward_names)
+        self.folder = os.path.join(output_dir, COMPLETIONS_FOLDER)
+        self.num_completions_to_print = num_completions_to_print
+        self.log_unique_prompts = log_unique_prompts
+        self.report_to = list(report_to or [])
+        self.hub_repo = hub_repo
+        self.commit_scheduler = None
+        self.logs: dict[str, Any] = self._empty()
+        self._rows: list[dict] = []  # this process's rows of the iteration in progress
+        self._pending: dict[str, list] = {}
+        self._written_step: int | None = None
+
+    @staticmethod
+    def _empty() -> dict[str, Any]:
+        return {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [], "member": [],
+                "extra": defaultdict(list), "step": None}
+
+    # ------------------------------------------------------------------ recording
+    def log_extra_for_call(self) -> Callable[[str, Sequence], None]:
+        """The ``log_extra(column, values)`` callable reward functions receive for one rollout call (GRPO's
+        signature): ``values`` holds one entry per completion of the call. Starts a new call's buffer."""
+        self._pending = {}
+
+        def log_extra(column: str, values: Sequence) -> None:
+            self._pending[str(column)] = list(values)
+
+        return log_extra
+
+    def add_call(self, members: Sequence[int], rows: Sequence[dict], completions: Sequence, rewards_per_func) -> None:
+        """Record one rollout call: ``len(members)`` equal consecutive blocks of completions, one per member.
+
+        Args:
+            members (`Sequence[int]`): The population indices of the call's members, in block order.
+            rows (`Sequence[dict]`): One dataset row per completion (the prompt's row, repeated per generation).
+            completions (`Sequence`): The completions as the reward functions received them (text or messages).
+            rewards_per_func (`torch.Tensor`): ``(len(completions), F)`` float32, NaN for ``None``.
+
+        Raises:
+            ValueError: if a ``log_extra`` column does not hold one value per completion of the call (naming it).
+        """
+        total = len(completions)
+        for column, values in self._pending.items():
+            if len(values) != total:
+                raise ValueError(f"log_extra({column!r}, values) got {len(values)} values; the call's reward "
+                                 f"functions scored {total} completions: give one value per completion.")
+        width = total // max(1, len(members))
+        rewards = rewards_per_func.tolist()
+        for k, member in enumerate(members):
+            for i in range(k * width, (k + 1) * width):
+                self._rows.append({
+                    "member": int(member), "prompt": rows[i]["prompt"], "completion": completions[i],
+                    "rewards": [_value(r) for r in rewards[i]],
+                    "extra": {column: values[i] for column, values in self._pending.items()},
+                })
+        self._pending = {}
+
+    def finish_iteration(self, step: int, coefficients: Sequence[float],
+                         gather: Callable[[list], list] | None = None, is_main_process: bool = True) -> None:
+        """Close an iteration: set each row's advantage (its member's coefficient), gather the rows of every
+        process (``gather``: e.g. accelerate's ``gather_object``; ``None`` on one process) and make them the table.
+
+        Rows are ordered by member (then as recorded), so the table is the same for any number of processes.
+        """
+        rows, self._rows = self._rows, []
+        if gather is not None:
+            rows = gather(rows)
+        if not is_main_process:
+            return
+        rows = sorted(rows, key=lambda row: row["member"])  # stable: each member's rows keep their order
+        logs = self._empty()
+        logs["step"] = int(step)
+        columns = sorted({column for row in rows for column in row["extra"]})
+        for row in rows:
+            logs["prompt"].append(row["prompt"])
+            logs["completion"].append(row["completion"])
+            for name, value in zip(self.reward_names, row["rewards"], strict=True):
+                logs["rewards"][name].append(value)
+            logs["advantages"].append(float(coefficients[row["member"]]))
+            logs["member"].append(row["member"])
+            for column in columns:
+                logs["extra"][column].append(row["extra"].get(column))
+        self.logs = logs
+
+    # ------------------------------------------------------------------ output
+    def table(self) -> dict[str, list]:
+        """The table's columns: ``step``, ``prompt``, ``completion``, the reward names, the extra columns,
+        ``advantage``, ``member``."""
+        logs = self.logs
+        n = len(logs["prompt"])
+        return {"step": [logs["step"]] * n, "prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
+                **{name: list(values) for name, values in logs["rewards"].items()},
+                **{column: list(values) for column, values in logs["extra"].items()},
+                "advantage": list(logs["advantages"]), "member": list(logs["member"])}
+
+    def start_hub_upload(self, hub_private_repo: bool | None = None, hub_model_id: str | None = None) -> None:
+        """Create the Hub dataset repo with TRL's completion-logs card and push ``output_dir/completions`` every
+        2 minutes (huggingface_hub ``CommitScheduler``), as GRPOTrainer. Main process only."""
+        if self.hub_repo is None:
+            return
+        import importlib.resources
+
+        from huggingface_hub import CommitScheduler, DatasetCard, DatasetCardData, create_repo
+
+        os.makedirs(self.folder, exist_ok=True)
+        create_repo(self.hub_repo, private=hub_private_repo, repo_type="dataset", exist_ok=True)
+        template = importlib.resources.files("trl").joinpath("templates/completions_dataset_card.md")
+        card = DatasetCard.from_template(
+            card_data=DatasetCardData(pretty_name="TRL Completion logs", tags=["trl", "trl-logs", "completions",
+                                                                              "trl-es"]),
+            template_path=str(template), repo_id=self.hub_repo, hub_model_id=hub_model_id,
+        )
+        card.push_to_hub(self.hub_repo)
+        self.commit_scheduler = CommitScheduler(repo_id=self.hub_repo, repo_type="dataset", folder_path=self.folder,
+                                                every=2, allow_patterns=["*.parquet"])
+
+    def write(self) -> str | None:
+        """At a log (main process): print the table with rich, write it to
+        ``output_dir/completions/completions_{step:05d}.parquet`` (to a temporary name, then renamed: a reader never
+        sees half a file) and log it to the trackers. Each iteration's table is written once.
+
+        Returns:
+            `str` or `None`: The parquet path, or ``None`` when there was nothing new to write.
+        """
+        logs = self.logs
+        if not logs["prompt"] or logs["step"] == self._written_step:
+            return None
+        self._print()
+        import pandas as pd
+
+        frame = pd.DataFrame(self.table())
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"completions_{logs['step']:05d}.parquet")
+        frame.to_parquet(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self._written_step = logs["step"]
+        for backend in self._trackers():
+            table = frame[~frame["prompt"].astype(str).duplicated()] if self.log_unique_prompts else frame
+            backend.log({"completions": backend.Table(dataframe=table)})
+        return path
+
+    def _print(self) -> None:
+        from transformers.utils import is_rich_available
+
+        if not is_rich_available():
+            return
+        from trl.trainer.utils import print_prompt_completions_sample
+
+        logs = self.logs
+        indices = list(range(len(logs["prompt"])))
+        if self.num_completions_to_print is not None and self.num_completions_to_print < len(indices):
+            # a sample of our own (seeded by the step): TRL's sampling would draw from Python's global RNG
+            indices = sorted(random.Random(logs["step"]).sample(indices, self.num_completions_to_print))
+        pick = lambda values: [values[i] for i in indices]  # noqa: E731
+        print_prompt_completions_sample(
+            pick(logs["prompt"]), pick(logs["completion"]),
+            {name: [math.nan if v is None else v for v in pick(values)] for name, values in logs["rewards"].items()},
+            pick(logs["advantages"]),
+            logs["step"], None, extra={"member": pick(logs["member"]),
+                                       **{c: pick(v) for c, v in logs["extra"].items()}},
+        )
+
+    def _trackers(self) -> list:
+        backends = []
+        if "wandb" in self.report_to:
+            try:
+                import wandb
+            except ImportError:
+                wandb = None
+            if wandb is not None and wandb.run is not None:
+                backends.append(wandb)
+        if "trackio" in self.report_to:
+            try:
+                import trackio
+            except ImportError:
+                trackio = None
+            if trackio is not None:
+                backends.append(trackio)
+        return backends
