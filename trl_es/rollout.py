@@ -310,6 +310,7 @@ class RewardScorer:
                 func.config.pad_token_id = cls.pad_token_id
                 func.eval()
             self.processing_classes.append(cls)
+        self._warned_all_none = False  # GRPO's all-None warning is shown once (_warn_all_none)
 
     def __call__(
         self, rows: Sequence[dict], completions: Sequence, completion_ids: Sequence[list[int]], **extra
@@ -384,7 +385,7 @@ class RewardScorer:
                        completions: Sequence) -> None:
         """GRPOTrainer's warning when every reward function returned ``None`` for a completion (its text; once per
         scorer here: ES scores every member on the same prompts, so it would repeat population_size times)."""
-        if getattr(self, "_warned_all_none", False):
+        if self._warned_all_none:
             return
         all_none = (torch.isnan(rewards) & ~invalid).all(dim=1)
         if not all_none.any():

@@ -26,13 +26,19 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["CompletionLog"]
+__all__ = ["CompletionLog", "empty_logs"]
 
 COMPLETIONS_FOLDER = "completions"
 
 
 def _value(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
+
+
+def empty_logs() -> dict[str, Any]:
+    """An empty table in GRPOTrainer's ``trainer._logs`` layout (plus ES's ``member`` and ``step``)."""
+    return {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [], "member": [],
+            "extra": defaultdict(list), "step": None}
 
 
 class CompletionLog:
@@ -62,15 +68,10 @@ class CompletionLog:
         self.report_to = list(report_to or [])
         self.hub_repo = hub_repo
         self.commit_scheduler = None
-        self.logs: dict[str, Any] = self._empty()
+        self.logs: dict[str, Any] = empty_logs()
         self._rows: list[dict] = []  # this process's rows of the iteration in progress
         self._pending: dict[str, list] = {}
         self._written_step: int | None = None
-
-    @staticmethod
-    def _empty() -> dict[str, Any]:
-        return {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [], "member": [],
-                "extra": defaultdict(list), "step": None}
 
     # ------------------------------------------------------------------ recording
     def log_extra_for_call(self) -> Callable[[str, Sequence], None]:
@@ -114,7 +115,8 @@ class CompletionLog:
     def finish_iteration(self, step: int, coefficients: Sequence[float],
                          gather: Callable[[list], list] | None = None, is_main_process: bool = True) -> None:
         """Close an iteration: set each row's advantage (its member's coefficient), gather the rows of every
-        process (``gather``: e.g. accelerate's ``gather_object``; ``None`` on one process) and make them the table.
+        process (``gather``: a list of this process's rows -> every process's rows in rank order; ``None`` on one
+        process) and make them the table.
 
         Rows are ordered by member (then as recorded), so the table is the same for any number of processes.
         """
@@ -124,7 +126,7 @@ class CompletionLog:
         if not is_main_process:
             return
         rows = sorted(rows, key=lambda row: row["member"])  # stable: each member's rows keep their order
-        logs = self._empty()
+        logs = empty_logs()
         logs["step"] = int(step)
         columns = sorted({column for row in rows for column in row["extra"]})
         for row in rows:

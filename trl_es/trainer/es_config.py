@@ -718,12 +718,7 @@ class ESConfig(_BaseConfig):
             )
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             raise ValueError(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
-        if self.member_chunk_size is not None and (
-            isinstance(self.member_chunk_size, bool)
-            or not isinstance(self.member_chunk_size, int)
-            or self.member_chunk_size < 1
-        ):
-            raise ValueError(f"member_chunk_size must be None or an integer >= 1, got {self.member_chunk_size!r}.")
+        self._check_optional_counts("member_chunk_size")
         if self.awd_penalty not in AWD_PENALTIES:
             raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
         if self.awd_lambda < 0:
@@ -743,10 +738,7 @@ class ESConfig(_BaseConfig):
         for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("num_generations_eval", "num_completions_to_print"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        self._check_optional_counts("num_generations_eval", "num_completions_to_print")
         if self.log_completions_hub_repo is not None and not self.log_completions:
             raise ValueError("log_completions_hub_repo is set, but log_completions is False: set log_completions=True "
                              "to push the completion logs to the Hub, or unset log_completions_hub_repo.")
@@ -860,6 +852,17 @@ class ESConfig(_BaseConfig):
             )
         return derived
 
+    def _check_optional_counts(self, *names: str) -> None:
+        """Each of ``names`` is ``None`` or an integer >= 1 (a bool is not a count).
+
+        Raises:
+            ValueError: naming the first field that is not, and its value.
+        """
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+
     def _check_vllm_settings(self) -> None:
         """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run).
 
@@ -876,10 +879,7 @@ class ESConfig(_BaseConfig):
         if isinstance(self.vllm_tensor_parallel_size, bool) or not isinstance(self.vllm_tensor_parallel_size, int) \
                 or self.vllm_tensor_parallel_size < 1:
             raise ValueError(f"vllm_tensor_parallel_size must be an integer >= 1, got {self.vllm_tensor_parallel_size!r}.")
-        for name in ("vllm_max_model_length", "vllm_kv_cache_memory_bytes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        self._check_optional_counts("vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         if self.vllm_model_impl == "transformers":
             raise ValueError("vllm_model_impl='transformers' is not supported by ES yet: vLLM 0.32's transformers "
                              "backend does not start as a generative model in ES's colocated engine ('LLM.generate() "

@@ -36,7 +36,7 @@ from ..generation import make_engine
 from ..models import resolve_model_path
 from ..rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
                        split_row_groups, validate_dataset)
-from .completion_logs import CompletionLog
+from .completion_logs import CompletionLog, empty_logs
 from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
@@ -427,11 +427,16 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         """Each process loaded its share of the prompt batch; with population parallelism every process needs all of
         it (``torch.distributed.all_gather_object``, counted in ``comm/bytes``). Sharded (ZeRO-3) processes keep their
         share: each generates for its own prompts."""
-        if self.accelerator.num_processes == 1 or self.sharded:
-            return list(rows)
-        parts, nbytes = all_gather_objects(list(rows))
+        return list(rows) if self.sharded else self._gather_objects(rows)
+
+    def _gather_objects(self, objects: list) -> list:
+        """Every process's ``objects``, concatenated in rank order (``torch.distributed.all_gather_object``, the
+        bytes it moves counted in ``comm/bytes``); on one process, ``objects`` itself."""
+        if self.accelerator.num_processes == 1:
+            return list(objects)
+        parts, nbytes = all_gather_objects(list(objects))
         self._comm_bytes += nbytes
-        return [row for part in parts for row in part]
+        return [obj for part in parts for obj in part]
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
@@ -516,7 +521,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
         if self.completion_log is not None:
-            self.completion_log.finish_iteration(step + 1, coefficients, self._gather_objects_if_distributed(),
+            self.completion_log.finish_iteration(step + 1, coefficients, self._gather_objects,
                                                  self.accelerator.is_main_process)
 
         self._record_comm(self._forward_calls - forward_calls)
@@ -649,20 +654,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
 
-    def _gather_objects_if_distributed(self):
-        """accelerate's ``gather_object`` on several processes (``None`` on one)."""
-        if self.accelerator.num_processes == 1:
-            return None
-        from accelerate.utils import gather_object
-
-        return gather_object
-
     @property
     def _logs(self) -> dict:
         """GRPOTrainer's ``trainer._logs``: the completion table of the last iteration (``log_completions=True``;
         filled on the main process): ``prompt``, ``completion``, ``rewards`` (per reward name), ``advantages``,
         ``extra`` (``log_extra`` columns), and ES's ``member`` and ``step``. Empty when completions are not logged."""
-        return self.completion_log.logs if self.completion_log is not None else CompletionLog._empty()
+        return self.completion_log.logs if self.completion_log is not None else empty_logs()
 
     # ------------------------------------------------------------------ logging
 
