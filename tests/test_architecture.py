@@ -32,30 +32,87 @@ def _module_files(room: str) -> list[str]:
     return [path + ".py"]
 
 
-def _trl_es_imports(file: str) -> set[str]:
-    """The first-level trl_es rooms a file imports (``trl_es.X`` or relative ``..X`` / ``.X`` from the top)."""
+def _imported_names(file: str) -> set[str]:
+    """The dotted names a file imports, relative imports resolved (``from ..X import y`` -> ``trl_es.<...>.X``)."""
     package = os.path.relpath(os.path.dirname(file), os.path.join(ROOT, "..")).split(os.sep)  # ["trl_es", ...]
-    rooms = set()
+    names = set()
     for node in ast.walk(ast.parse(open(file).read())):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
-                names = [".".join([*base, node.module] if node.module else base)]
-                if not node.module:
-                    names = [".".join([*base, alias.name]) for alias in node.names]
+                if node.module:
+                    names.add(".".join([*base, node.module]))
+                else:
+                    names.update(".".join([*base, alias.name]) for alias in node.names)
             else:
-                names = [node.module or ""]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "trl_es" and len(parts) > 1:
-                rooms.add(parts[1])
-            elif parts[0] == "trl_es":
-                rooms.add("<package top>")
+                names.add(node.module or "")
+    return names
+
+
+def _trl_es_imports(file: str) -> set[str]:
+    """The first-level trl_es rooms a file imports (``trl_es.X`` or relative ``..X`` / ``.X`` from the top)."""
+    rooms = set()
+    for name in _imported_names(file):
+        parts = name.split(".")
+        if parts[0] == "trl_es" and len(parts) > 1:
+            rooms.add(parts[1])
+        elif parts[0] == "trl_es":
+            rooms.add("<package top>")
     return rooms
+
+
+#: trainer family (a package or a shared module of trl_es.trainer) -> the trainer rooms it must not import: a family
+#: may build on the ES family (ES + SFT averaging subclasses ESTrainer) and on the shared modules, never on another
+#: family; the shared modules build on none.
+TRAINER_FORBIDDEN = {
+    "es": ("hyper_es", "averaging", "<trainer top>"),
+    "hyper_es": ("averaging", "<trainer top>"),
+    "averaging": ("hyper_es", "<trainer top>"),
+    "distributed": ("es", "hyper_es", "averaging", "time_budget", "<trainer top>"),
+    "time_budget": ("es", "hyper_es", "averaging", "distributed", "<trainer top>"),
+}
+
+
+def _trainer_imports(file: str) -> set[str]:
+    """The ``trl_es.trainer`` rooms a file imports (``<trainer top>``: the package ``trl_es.trainer`` itself)."""
+    rooms = set()
+    for name in _imported_names(file):
+        parts = name.split(".")
+        if parts[:2] == ["trl_es", "trainer"]:
+            rooms.add(parts[2] if len(parts) > 2 else "<trainer top>")
+    return rooms
+
+
+@pytest.mark.parametrize("family", sorted(TRAINER_FORBIDDEN))
+def test_trainer_families_import_only_the_es_family_and_the_shared_modules(family):
+    files = _module_files(os.path.join("trainer", family))
+    assert files and all(os.path.isfile(f) for f in files), family
+    offenders = {}
+    for file in files:
+        bad = _trainer_imports(file) & set(TRAINER_FORBIDDEN[family])
+        if bad:
+            offenders[os.path.relpath(file, ROOT)] = sorted(bad)
+    assert offenders == {}
+
+
+def test_every_trainer_module_is_in_a_family_or_shared():
+    """A new module at trl_es/trainer/ must be placed in a family (or named shared above), so the check covers it."""
+    top = os.path.join(ROOT, "trainer")
+    entries = {e[:-3] if e.endswith(".py") else e for e in os.listdir(top) if e != "__pycache__"}
+    assert entries - {"__init__"} == set(TRAINER_FORBIDDEN)
+
+
+def test_no_trainer_module_over_500_lines_but_configs():
+    """docs/architecture.md: a trainer module stays readable in one sitting; a ``*_config.py`` is as long as its
+    documented fields (as TRL's configs)."""
+    long = {}
+    for file in _module_files("trainer"):
+        lines = sum(1 for _ in open(file))
+        if lines > 500 and not file.endswith("_config.py"):
+            long[os.path.relpath(file, ROOT)] = lines
+    assert long == {}
 
 
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
@@ -72,5 +129,10 @@ def test_no_import_from_a_lower_room_into_a_higher_one(room):
 
 def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
     """The check above cannot pass vacuously: it finds an upward import where there is one."""
-    assert _trl_es_imports(os.path.join(ROOT, "trainer", "es_trainer.py")) >= {"es", "rollout", "generation"}
+    assert _trl_es_imports(os.path.join(ROOT, "trainer", "es", "es_trainer.py")) >= {"es", "rollout", "models"}
+    assert _trl_es_imports(os.path.join(ROOT, "trainer", "es", "es_engines.py")) >= {"es", "generation"}
     assert "trainer" in _trl_es_imports(os.path.join(ROOT, "cli", "train_command.py"))
+    averaging = os.path.join(ROOT, "trainer", "averaging", "es_parallel_averaging_trainer.py")
+    assert _trainer_imports(averaging) >= {"es"}  # ..es.es_trainer, resolved inside trl_es.trainer
+    assert _trl_es_imports(averaging) == {"trainer"}  # not the core trl_es.es: ``..es`` here is trl_es.trainer.es
+

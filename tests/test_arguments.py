@@ -11,7 +11,7 @@ from trl import ModelConfig, TrlParser
 from trl_es import ESConfig
 from trl_es.arguments import TrlESParser, dict_valued_fields, parse_json_dict
 from trl_es.cli import AnalyzeArguments, EvalArguments, TaskArguments
-from trl_es.trainer.hyper_es_config import HyperESConfig
+from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +219,8 @@ def test_configs_print_no_deprecation_warning(tmp_path):
         assert args.activation_checkpointing is expected and args.gradient_checkpointing is expected, cls.__name__
 
 
-@pytest.mark.parametrize("module, cls_name", [("trl_es.trainer.es_config", "ESConfig"),
-                                               ("trl_es.trainer.hyper_es_config", "HyperESConfig")])
+@pytest.mark.parametrize("module, cls_name", [("trl_es.trainer.es.es_config", "ESConfig"),
+                                               ("trl_es.trainer.hyper_es.hyper_es_config", "HyperESConfig")])
 def test_config_docstring_lists_every_own_field_in_grouped_parameters(module, cls_name):
     """TRL's convention: a ``Parameters:`` block with ``> ...`` groups naming every field the config declares."""
     import ast

@@ -738,7 +738,7 @@ def test_config_refuses_what_the_es_save_and_step_cannot_honour(tmp_path, kwargs
 def test_checkpoint_without_its_fp32_master_is_refused(tmp_path, tokenizer):
     """A bf16 model's checkpoint must hold its fp32 master (written before trainer_state.json marks the checkpoint):
     resuming from one without it raises instead of silently restarting the master from the bf16 weights."""
-    from trl_es.trainer.es_checkpoint import MASTER_WEIGHTS_NAME
+    from trl_es.trainer.es.es_checkpoint import MASTER_WEIGHTS_NAME
 
     args = es_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
     ESTrainer(build_llama(tokenizer, dtype=torch.bfloat16), mean_code, args=args, train_dataset=prompts(),

@@ -1,4 +1,4 @@
-"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/grpo_fields.py); greedy num_generations > 1 refused."""
+"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/es/grpo_fields.py); greedy num_generations > 1 refused."""
 
 import dataclasses
 import os
@@ -11,7 +11,7 @@ from trl import GRPOConfig
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.arguments import TrlESParser
-from trl_es.trainer.grpo_fields import (GRPO_FIELDS, HONOURED, REFUSED, grpo_fields_markdown, native_shared_fields,
+from trl_es.trainer.es.grpo_fields import (GRPO_FIELDS, HONOURED, REFUSED, grpo_fields_markdown, native_shared_fields,
                                         refused_fields)
 
 DOCS_PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "grpo_fields.md")
@@ -49,7 +49,7 @@ def test_docs_page_is_the_generated_table():
     with open(DOCS_PAGE, encoding="utf-8") as f:
         page = f.read()
     assert page == grpo_fields_markdown(), (
-        "docs/grpo_fields.md is stale: python -m trl_es.trainer.grpo_fields --markdown > docs/grpo_fields.md"
+        "docs/grpo_fields.md is stale: python -m trl_es.trainer.es.grpo_fields --markdown > docs/grpo_fields.md"
     )
     for entry in GRPO_FIELDS:
         assert f"| `{entry.name}`" in page

@@ -10,6 +10,7 @@ import numpy as np
 import peft.tuners.lora.model as peft_lora_model
 import pytest
 import torch
+import transformers
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -29,8 +30,8 @@ from trl_es.merging import (
     split_buckets,
 )
 from trl_es.merging.dare_ties import seeded_rng
-from trl_es.trainer.hyper_es_config import HyperESConfig
-from trl_es.trainer.hyper_es_trainer import HyperESTrainer
+from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
+from trl_es.trainer.hyper_es.hyper_es_trainer import HyperESTrainer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Q0 = "model.layers.0.self_attn.q_proj"
@@ -355,13 +356,32 @@ def test_cma_search_is_seeded_bounded_and_isolated():
     assert a.best_fitness == max(-float(np.sum((x - 0.2) ** 2)) for x in xa) and a.generation == 1
 
 
-def test_cma_search_lives_in_the_es_room_and_old_checkpoints_still_unpickle():
+def test_cma_search_lives_in_the_es_room_and_old_checkpoints_still_unpickle(tmp_path, monkeypatch):
+    """Checkpoints written before CMASearch moved pickled it as trl_es.trainer.hyper_es_trainer.CMASearch, a module
+    that no longer exists: load_search_checkpoint still reads them."""
+    import pickle
+    import sys
+    import types
+
     import trl_es.es
-    import trl_es.trainer.hyper_es_trainer as hyper_es_trainer
+    from trl_es.trainer.hyper_es.hyper_es_checkpoint import STATE_NAME, load_search_checkpoint, save_search_checkpoint
 
     assert CMASearch.__module__ == "trl_es.es.cma_search" and trl_es.es.CMASearch is CMASearch
-    # Checkpoints written before the move pickled the class as trl_es.trainer.hyper_es_trainer.CMASearch.
-    assert hyper_es_trainer.CMASearch is CMASearch
+    space = GenomeSpace.from_modules(["model.layers.0.self_attn.q_proj"], ["a", "b"], "global", density=1.0)
+    search = CMASearch(np.full(space.dim, 0.5), 0.3, popsize=4, seed=3)
+    old = "trl_es.trainer.hyper_es_trainer"
+    save_search_checkpoint(str(tmp_path), search, [{"generation": 0}], space, transformers.TrainerState())
+    with open(tmp_path / STATE_NAME, "rb") as f:
+        payload = pickle.load(f)
+    with monkeypatch.context() as m:  # pickle the search as the old module path names it
+        m.setitem(sys.modules, old, types.SimpleNamespace(CMASearch=CMASearch))
+        m.setattr(CMASearch, "__module__", old)
+        data = pickle.dumps(payload)
+    assert old.encode() in data and old not in sys.modules
+    (tmp_path / STATE_NAME).write_bytes(data)
+    loaded, history, _, _ = load_search_checkpoint(str(tmp_path), space)
+    assert type(loaded) is CMASearch and history == [{"generation": 0}]
+    assert np.array_equal(loaded.mean, search.mean)
 
 
 def test_stand_in_fitness_is_the_worst_finite_one():
@@ -763,7 +783,7 @@ def test_noise_handler_is_pycmas_and_resumes_exactly():
 def test_validation_final_genome_picks_the_best_validation_score(tiny_llama, delta_set, tokenizer, prompts, tmp_path):
     """The fitness rows reward closeness to adapter 1 and the validation rows penalize it (the two disagree):
     "validation" keeps the finalist with the best validation score, not the one with the best fitness."""
-    from trl_es.trainer.hyper_es_final import finalists
+    from trl_es.trainer.hyper_es.hyper_es_final import finalists
 
     base = {n: dict(tiny_llama.named_modules())[n].weight.detach().clone() for n in delta_set.module_names}
     fitness = _distance_fitness(base, {n: delta_set.delta(n, 1) for n in delta_set.module_names})
@@ -874,7 +894,7 @@ def test_a_tie_with_the_start_keeps_the_start():
     """'rescored': a candidate that only ties the uniform merge (the search's start) does not replace it."""
     from types import SimpleNamespace
 
-    from trl_es.trainer.hyper_es_final import choose_final_genome
+    from trl_es.trainer.hyper_es.hyper_es_final import choose_final_genome
 
     genomes = {"top1": "g-top1", "mean": "g-mean", "start": "g-start"}
     search = SimpleNamespace(top=[(0.9, np.zeros(2), (3, 1))], mean=np.ones(2), generation=4, num_told=8,

@@ -6,7 +6,7 @@ import pytest
 from example_script import example_script
 
 from trl_es.arguments import TrlESParser
-from trl_es.trainer.hyper_es_config import HyperESConfig
+from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

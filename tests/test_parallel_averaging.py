@@ -21,8 +21,8 @@ from trl_es import (
 from trl_es.es.perturbation import GaussianPerturbation, LowRankPerturbation
 from trl_es.es.update import Member, TrainedParameters, es_update_
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict, make_arithmetic_sft_dataset, worked_answer
-from trl_es.trainer.parallel_averaging_trainer import average_updates_
-from trl_es.trainer.sft_step import SFTStep, sft_config_from
+from trl_es.trainer.averaging.parallel_averaging_trainer import average_updates_
+from trl_es.trainer.averaging.sft_step import SFTStep, sft_config_from
 from tiny import content_reward
 
 pytestmark = pytest.mark.usefixtures("one_thread")

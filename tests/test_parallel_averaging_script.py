@@ -1,6 +1,7 @@
 """examples/scripts/parallel_averaging.py: every arm at equal steps, a tiny end-to-end run in-process."""
 
 import json
+import math
 import os
 
 import pytest
@@ -19,13 +20,15 @@ def pa():
 def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(pa, "task_reward_funcs", lambda: [content_reward])
     out = tmp_path / "pa"
+    texts = tmp_path / "general.json"
+    texts.write_text(json.dumps(["the red fox runs in the park", "a small cat sleeps at noon"]))
     argv = [
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
         "--arms", "base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft", "--max_steps", "4", "--es_max_steps", "1",
         "--num_train_prompts", "16", "--num_validation_prompts", "0", "--num_test_prompts", "3",
         "--max_completion_length", "6", "--num_generations", "4", "--prompts_per_step", "1", "--sft_batch_size", "4",
         "--learning_rate", "1e-3", "--sft_learning_rate", "1e-3", "--num_samples", "4", "--pass_k", "1", "4",
-        "--num_kl_prompts", "2", "--kl_max_new_tokens", "4",
+        "--num_kl_prompts", "2", "--kl_max_new_tokens", "4", "--lm_loss_texts", str(texts),
         "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576",
         "max_completion_length=6", "sigma=0.1",
     ]
@@ -40,11 +43,12 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
     for name, row in rows.items():
         assert 0.0 <= row["accuracy_greedy"] <= 1.0 and 0.0 <= row["pass@1"] <= row["pass@4"] <= 1.0
         assert row["off_task_kl"] is not None
+        assert math.isfinite(row["lm_loss"]) and row["lm_loss"] > 0
         if name != "base":
             assert row["drift_l2"] > 0, name
     markdown = (out / "results.md").read_text()
     for label in ("RL only (GRPO)", "SFT only", "SFT -> RL", "RL + SFT parallel averaging", "ES + SFT parallel",
-                  "Pass@4", "off-task KL"):
+                  "Pass@4", "off-task KL", "LM loss"):
         assert label in markdown
     assert "at temperature 0.6, top-p 0.95;" in markdown  # the papers' protocol, by default
     assert (out / "pass_at_k.png").stat().st_size > 0

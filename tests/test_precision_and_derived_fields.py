@@ -19,7 +19,7 @@ from datasets import Dataset
 from tiny import build_llama
 
 from trl_es import ESConfig, ESParallelAveragingConfig, ESParallelAveragingTrainer, ESTrainer
-from trl_es.trainer.hyper_es_config import HyperESConfig
+from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +150,7 @@ def test_hyper_es_fitness_and_evaluate_run_under_one_precision(tmp_path, tokeniz
     from peft import LoraConfig, get_peft_model
 
     from trl_es.merging.lora_delta import LoraDeltaSet
-    from trl_es.trainer.hyper_es_trainer import HyperESTrainer
+    from trl_es.trainer.hyper_es.hyper_es_trainer import HyperESTrainer
 
     model = build_llama(tokenizer)
     adapters = []

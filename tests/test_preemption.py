@@ -22,7 +22,7 @@ from tiny import build_llama
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_es import ESTrainer, replay
-from trl_es.trainer.es_checkpoint import AUTO_RESUME
+from trl_es.trainer.es.es_checkpoint import AUTO_RESUME
 
 
 def elastic(out, model_dir, *extra, nproc=2, limit=240):

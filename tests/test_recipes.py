@@ -10,7 +10,7 @@ from trl import ModelConfig, TrlParser
 from trl_es import ESConfig
 from trl_es.cli import TaskArguments, task_splits
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
-from trl_es.trainer.hyper_es_config import HyperESConfig
+from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "examples", "recipes")

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_es import ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME, SeedLog
-from trl_es.trainer.es_checkpoint import ANCHOR_WEIGHTS_NAME, MASTER_WEIGHTS_NAME
+from trl_es.trainer.es.es_checkpoint import ANCHOR_WEIGHTS_NAME, MASTER_WEIGHTS_NAME
 
 
 @pytest.fixture(autouse=True)

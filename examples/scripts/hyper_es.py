@@ -40,8 +40,7 @@ from trl_es.merging import build_direction_pool
 from trl_es.merging.direction_pool import POOL_NAME
 from trl_es.models import load_model_and_tokenizer
 from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
-from trl_es.trainer.hyper_es_config import HyperESConfig
-from trl_es.trainer.hyper_es_trainer import HyperESTrainer
+from trl_es import HyperESConfig, HyperESTrainer
 
 POOL_ROWS_NAME = "pool_rows.json"  # beside direction_pool.json: the rows and settings the pool was trained with
 

@@ -19,7 +19,10 @@ arm trains in this process, one after the other (ParallelAveragingTrainer runs i
 
 Evaluation on the **test** split (:func:`trl_es.analysis.evaluate_policy`): greedy Pass@1, Pass@K from
 ``--num_samples`` samples per prompt at temperature 1, and, as the general-ability proxy, the off-task KL to the base
-model on Countdown prompts (and the parameter drift). Arms are evaluated ``--eval_workers`` at a time.
+model on Countdown prompts (and the parameter drift); with ``--lm_loss_texts``, also the LM loss on held-out general
+text (the paper's measure). Arms are evaluated ``--eval_workers`` at a time. ``--task_low / --task_high / --task_ops
+/ --conversational`` choose the arithmetic task (plain-text prompts for a base model, e.g. a pre-training
+checkpoint of examples/scripts/pretraining_excursions.py).
 
 Writes to ``--output_dir``: ``results.md``, ``results.json``, ``pass_at_k.png``, and per arm ``<arm>/model`` and
 ``result.json``.
@@ -58,6 +61,11 @@ class ParallelRecipeArguments:
     max_steps: int = field(default=32, metadata={"help": "N: weight updates of every gradient arm."})
     sft_fraction: float = field(default=0.5, metadata={"help": "sft_rl: the share of the N steps spent on SFT."})
     task_seed: int = field(default=0, metadata={"help": "Seed of the arithmetic splits."})
+    task_low: int = field(default=1, metadata={"help": "Smallest operand of the arithmetic task."})
+    task_high: int = field(default=50, metadata={"help": "Largest operand of the arithmetic task."})
+    task_ops: list[str] = field(default_factory=lambda: ["+"], metadata={"help": "Operators of the arithmetic task."})
+    conversational: bool = field(default=True, metadata={
+        "help": "Chat-formatted prompts (an instruct model); False: plain-text prompts (a base model)."})
     num_train_prompts: int = field(default=400, metadata={"help": "Training prompts (RL prompts and SFT examples)."})
     num_validation_prompts: int = field(default=200, metadata={"help": "Validation prompts (unused here)."})
     num_test_prompts: int = field(default=200, metadata={"help": "Test prompts: every figure of the table."})
@@ -91,6 +99,9 @@ class ParallelRecipeArguments:
         "help": "Prompts per sampling generate call; None: trl_es.analysis.auto_sample_batch_size (about 128 rows a "
                 "call, one prompt a call from 64 samples on)."})
     num_kl_prompts: int = field(default=32, metadata={"help": "Off-task (Countdown) prompts for the KL."})
+    lm_loss_texts: str | None = field(default=None, metadata={
+        "help": "JSON file with a list of held-out general texts: each arm's mean token NLL on them is reported as "
+                "lm_loss (the general-ability measure of arXiv 2606.04272; trl_es.analysis.lm_loss_fn)."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
     eval_workers: int | None = field(default=None, metadata={
         "help": "Arms evaluated at once, one process each (default: GPUs, else physical cores)."})
@@ -122,7 +133,8 @@ def datasets_of(args: ParallelRecipeArguments):
     from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict, make_arithmetic_sft_dataset
 
     splits = make_arithmetic_dataset_dict(args.num_train_prompts, args.num_validation_prompts, args.num_test_prompts,
-                                          seed=args.task_seed)
+                                          seed=args.task_seed, low=args.task_low, high=args.task_high,
+                                          ops=args.task_ops, conversational=args.conversational)
     return splits["train"], make_arithmetic_sft_dataset(splits["train"]), splits["test"]
 
 
@@ -243,6 +255,14 @@ def evaluate_arm(spec: dict) -> dict:
     )
     if is_base:  # the base model against itself: zero by definition (not measured)
         report.update(drift_l2=0.0, drift_relative=0.0, off_task_kl=0.0 if prompts else None)
+    report["lm_loss"] = None
+    if args.lm_loss_texts:
+        from trl_es.analysis import lm_loss_fn
+
+        with open(args.lm_loss_texts) as f:
+            texts = json.load(f)
+        with torch.no_grad():
+            report["lm_loss"] = float(lm_loss_fn(tokenizer, texts, batch_size=args.eval_batch_size)(model.eval()))
     result = {"spec": spec, "arm": spec["arm"], **report}
     if is_main_process():
         write_json(spec["result"], result)
@@ -267,7 +287,7 @@ def _fmt(value, digits=3) -> str:
 def markdown_table(args: ParallelRecipeArguments, rows: list[dict]) -> str:
     ks = sorted(set(args.pass_k))
     header = (["arm", "updates", "training min", "greedy Pass@1"] + [f"Pass@{k}" for k in ks]
-              + ["off-task KL", "drift L2", "JS_succ", "token entropy"])
+              + ["off-task KL", "drift L2", "JS_succ", "token entropy"] + (["LM loss"] if args.lm_loss_texts else []))
     lines = [f"Test split: {args.num_test_prompts} prompts (task seed {args.task_seed}); Pass@K from "
              f"{args.num_samples} samples per prompt at temperature {args.sample_temperature:g}, top-p "
              f"{args.sample_top_p:g}; N = {args.max_steps} "
@@ -276,7 +296,9 @@ def markdown_table(args: ParallelRecipeArguments, rows: list[dict]) -> str:
     for r in rows:
         cells = [ARM_LABELS[r["arm"]], r["updates"], _fmt(r["training_minutes"], 1), _fmt(r["accuracy_greedy"])]
         cells += [_fmt(r[f"pass@{k}"]) for k in ks]
-        cells += [_fmt(r["off_task_kl"], 4), _fmt(r["drift_l2"], 2), _fmt(r["js_succ"], 4), _fmt(r["token_entropy"])]
+        cells += [_fmt(r.get("off_task_kl"), 4), _fmt(r.get("drift_l2"), 2), _fmt(r["js_succ"], 4),
+                  _fmt(r["token_entropy"])]
+        cells += [_fmt(r.get("lm_loss"))] if args.lm_loss_texts else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

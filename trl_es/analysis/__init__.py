@@ -32,7 +32,7 @@ from .pass_at_k import (
 from .policy_eval import SAMPLE_ROWS_PER_CALL, auto_sample_batch_size, evaluate_policy, greedy_accuracy, sample_policy
 from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtocol, check_sampling
 from .report import analyze
-from .sparsity import functional_sparsity, reset_small_updates
+from .sparsity import KEEP_MODES, functional_sparsity, keep_update_fraction, reset_small_updates, update_fraction_curve
 
 __all__ = [
     "PAPER_PROTOCOL",
@@ -50,6 +50,9 @@ __all__ = [
     "estimate_pass_at_k",
     "evaluate_policy",
     "functional_sparsity",
+    "keep_update_fraction",
+    "update_fraction_curve",
+    "KEEP_MODES",
     "greedy_accuracy",
     "interpolate_models",
     "lm_loss_fn",

@@ -1,8 +1,14 @@
-"""Functional sparsity: how much of a fine-tuning update can be reset to the base weights without losing reward."""
+"""Functional sparsity: how much of a fine-tuning update can be reset to the base weights without losing reward.
+
+Two views of arXiv 2608.27351's claim that ES's task gains come from a sparse subset of larger-magnitude updates:
+by a threshold on the update's magnitude (:func:`functional_sparsity`) and by keeping a fraction of its entries,
+largest first, against a random fraction as the control (:func:`keep_update_fraction`, :func:`update_fraction_curve`).
+"""
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -10,7 +16,10 @@ from torch import nn
 
 from ._common import ModelLike, check_taus_or_ts, eval_mode, load_model, merged_module, named_float_params, shared_names
 
-__all__ = ["functional_sparsity", "reset_small_updates"]
+__all__ = ["KEEP_MODES", "functional_sparsity", "keep_update_fraction", "reset_small_updates", "update_fraction_curve"]
+
+#: How :func:`keep_update_fraction` chooses the kept entries of an update.
+KEEP_MODES = ("global", "per_tensor", "random")
 
 
 def _prepare(model: ModelLike, base_model: ModelLike):
@@ -117,3 +126,154 @@ def functional_sparsity(
         "reward": rewards if reward_fn is not None else None,
         "num_coordinates": int(sum(cur[n].numel() for n in names)),
     }
+
+
+def _kept_count(fraction: float, numel: int) -> int:
+    """``round(fraction * numel)``, halves up: the number of entries a fraction keeps (exact, no float drift)."""
+    return min(numel, int(math.floor(fraction * numel + 0.5)))
+
+
+def _check_fractions(fractions, modes) -> tuple[list[float], list[str]]:
+    fractions = check_taus_or_ts(fractions, "fractions", lo=0.0, hi=1.0)
+    modes = list(modes)
+    if not modes or any(mode not in KEEP_MODES for mode in modes):
+        raise ValueError(f"mode must be one of {KEEP_MODES}; got {modes!r}.")
+    return fractions, modes
+
+
+class _UpdateOrder:
+    """The entries of the update ``theta - theta_0`` ranked for keeping, per mode (computed once, reused for every
+    fraction): ``global``, by ``|delta|`` over all compared entries, largest first, ties by position (a stable sort
+    of the entries concatenated in parameter order); ``per_tensor``, the same within each tensor; ``random``, a
+    permutation of all entries from ``torch.Generator().manual_seed(seed)``."""
+
+    def __init__(self, cur, base, names, seed: int):
+        self.names, self.cur, self.base, self.seed = names, cur, base, seed
+        self.numels = [cur[n].numel() for n in names]
+        self._orders: dict[str, object] = {}
+
+    def _abs_delta(self, n: str) -> torch.Tensor:
+        return (self.cur[n].detach().float().cpu() - self.base[n].detach().float().cpu()).abs().flatten()
+
+    def order(self, mode: str):
+        if mode not in self._orders:
+            if mode == "global":
+                flat = torch.cat([self._abs_delta(n) for n in self.names])
+                self._orders[mode] = torch.argsort(flat, descending=True, stable=True)
+            elif mode == "per_tensor":
+                self._orders[mode] = [torch.argsort(self._abs_delta(n), descending=True, stable=True)
+                                      for n in self.names]
+            else:
+                generator = torch.Generator().manual_seed(self.seed)
+                self._orders[mode] = torch.randperm(sum(self.numels), generator=generator)
+        return self._orders[mode]
+
+    def masks(self, fraction: float, mode: str) -> tuple[list[torch.Tensor], int]:
+        """One flat bool mask per compared tensor (``True``: keep the update there) and the number kept."""
+        order = self.order(mode)
+        if mode == "per_tensor":
+            masks = []
+            for tensor_order, numel in zip(order, self.numels, strict=True):
+                mask = torch.zeros(numel, dtype=torch.bool)
+                mask[tensor_order[: _kept_count(fraction, numel)]] = True
+                masks.append(mask)
+            return masks, sum(int(m.sum()) for m in masks)
+        total = sum(self.numels)
+        flat = torch.zeros(total, dtype=torch.bool)
+        flat[order[: _kept_count(fraction, total)]] = True
+        return list(flat.split(self.numels)), int(flat.sum())
+
+
+@torch.no_grad()
+def _keep_into(work_params, cur, base, names, masks) -> None:
+    for n, mask in zip(names, masks, strict=True):
+        p = cur[n]
+        work_params[n].copy_(torch.where(mask.view(p.shape).to(p.device), p, base[n].to(p.device, p.dtype)))
+
+
+def keep_update_fraction(
+    model: ModelLike, base_model: ModelLike, fraction: float, mode: str = "global", seed: int = 0
+) -> tuple[nn.Module, int]:
+    r"""A copy of ``model`` that keeps a fraction of its update :math:`\Delta = \theta - \theta_0` and resets the
+    rest to :math:`\theta_0` (arXiv 2608.27351, functional sparsity: "a sparse subset of larger-magnitude updates").
+
+    Entry :math:`j` of the copy is :math:`\theta_j` where it is kept and :math:`\theta_{0,j}` elsewhere (copied, not
+    recomputed: ``fraction = 1`` gives the model's weights bitwise, ``fraction = 0`` the base's). ``mode``:
+
+    - ``"global"``: the :math:`k = \mathrm{round}(f D)` entries of largest :math:`|\Delta_j|` over all :math:`D`
+      compared entries (ties by parameter order, then position);
+    - ``"per_tensor"``: in every tensor of :math:`n` entries, its :math:`\mathrm{round}(f n)` largest;
+    - ``"random"``: :math:`k` entries drawn uniformly without replacement (``seed``), the control.
+
+    :math:`\mathrm{round}` is half up. :math:`|\Delta|` is computed in float32. All floating-point parameters
+    shared by name are compared (tied weights once; PEFT models are merged into a plain copy first).
+
+    Args:
+        model (nn.Module | str): the fine-tuned model.
+        base_model (nn.Module | Mapping[str, Tensor] | str): the base weights theta_0 (same architecture).
+        fraction (float): the fraction of entries kept, in [0, 1].
+        mode (str): one of :data:`KEEP_MODES`.
+        seed (int): the random mode's permutation seed.
+
+    Returns:
+        tuple[nn.Module, int]: the copy (inputs untouched) and the number of entries kept.
+
+    Raises:
+        ValueError: if ``fraction`` is outside [0, 1] or not finite, ``mode`` is unknown, or the models share no
+            parameters / differ in shapes.
+    """
+    (fraction,), (mode,) = _check_fractions([fraction], [mode])
+    work, work_params, cur, base, names = _prepare(model, base_model)
+    masks, kept = _UpdateOrder(cur, base, names, seed).masks(fraction, mode)
+    _keep_into(work_params, cur, base, names, masks)
+    return work, kept
+
+
+def update_fraction_curve(
+    model: ModelLike,
+    base_model: ModelLike,
+    fractions: Sequence[float],
+    reward_fn: Callable[[nn.Module], float] | None,
+    modes: Sequence[str] = KEEP_MODES,
+    seed: int = 0,
+) -> dict:
+    r"""The reward of the model with only a fraction of its update kept, for every fraction and mode
+    (:func:`keep_update_fraction`; arXiv 2608.27351, functional sparsity, with a random fraction as the control).
+
+    The ranking of the update's entries is computed once per mode and reused for every fraction; all copies are
+    written into one working copy of ``model``.
+
+    Args:
+        model (nn.Module | str): the fine-tuned model.
+        base_model (nn.Module | Mapping[str, Tensor] | str): the base weights theta_0.
+        fractions (Sequence[float]): fractions of entries kept, each in [0, 1] (e.g. 0.001 ... 1.0).
+        reward_fn (Callable[[nn.Module], float] | None): scores a model; called once per (mode, fraction) on the
+            copy, in eval mode under ``torch.no_grad()``. ``None`` reports the counts only.
+        modes (Sequence[str]): some of :data:`KEEP_MODES`.
+        seed (int): the random mode's permutation seed.
+
+    Returns:
+        dict: ``{"fractions": list[float], "num_coordinates": int, "kept": {mode: list[int]},
+        "reward": {mode: list[float]} | None}``.
+
+    Raises:
+        ValueError: for a fraction outside [0, 1], an empty ``fractions`` or ``modes``, an unknown mode, or models
+            that share no parameters / differ in shapes.
+        TypeError: if ``reward_fn`` is neither callable nor ``None``.
+    """
+    fractions, modes = _check_fractions(fractions, modes)
+    if reward_fn is not None and not callable(reward_fn):
+        raise TypeError(f"`reward_fn` must be a callable model -> float or None, got {type(reward_fn).__name__}.")
+    work, work_params, cur, base, names = _prepare(model, base_model)
+    order = _UpdateOrder(cur, base, names, seed)
+    kept = {mode: [] for mode in modes}
+    rewards = {mode: [] for mode in modes} if reward_fn is not None else None
+    for mode in modes:
+        for fraction in fractions:
+            masks, count = order.masks(fraction, mode)
+            _keep_into(work_params, cur, base, names, masks)
+            kept[mode].append(count)
+            if reward_fn is not None:
+                with eval_mode(work), torch.no_grad():
+                    rewards[mode].append(float(reward_fn(work)))
+    return {"fractions": fractions, "num_coordinates": sum(order.numels), "kept": kept, "reward": rewards}

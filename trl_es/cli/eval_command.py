@@ -13,7 +13,7 @@ from trl import ModelConfig
 from ..analysis.protocol import PAPER_PROTOCOL
 from ..arguments import TrlESParser
 from ..files import write_json
-from ..trainer.es_config import ESConfig
+from ..trainer.es.es_config import ESConfig
 from .arguments import DEFAULT_MAX_NEW_TOKENS, EvalArguments, TaskArguments
 from .loading import load_model_and_tokenizer
 from .run_file import read_run_settings

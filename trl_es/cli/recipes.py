@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..trainer.es_config import ESConfig
+from ..trainer.es.es_config import ESConfig
 
 __all__ = ["es_config_kwargs", "load_recipe"]
 

@@ -8,7 +8,7 @@ from trl import ModelConfig, get_peft_config
 
 from ..arguments import TrlESParser
 from ..files import write_json
-from ..trainer.es_config import ESConfig
+from ..trainer.es.es_config import ESConfig
 from ..reward_names import reward_func_names
 from ..trainer.time_budget import TrainingClock
 from .arguments import TaskArguments
@@ -44,7 +44,7 @@ def train(argv: list[str]) -> dict:
     """
     from transformers.utils import logging as hf_logging
 
-    from ..trainer.es_trainer import ESTrainer
+    from ..trainer.es.es_trainer import ESTrainer
 
     parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
     task_args, es_args, model_args = parser.parse_args_and_config(argv)

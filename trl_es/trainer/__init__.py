@@ -1,13 +1,23 @@
-"""TRL glue: one config and one trainer a file, as TRL does."""
+"""TRL glue, one room per trainer family (one config and one trainer a file, as TRL does):
 
-from .es_config import ESConfig
-from .es_parallel_averaging_config import ESParallelAveragingConfig
-from .es_parallel_averaging_trainer import ESParallelAveragingTrainer
-from .es_trainer import ESTrainer
-from .hyper_es_config import HyperESConfig
-from .hyper_es_trainer import HyperESTrainer
-from .parallel_averaging_config import ParallelAveragingConfig
-from .parallel_averaging_trainer import ParallelAveragingTrainer
+- :mod:`.es`: ``ESConfig`` / ``ESTrainer`` and the modules of its iteration (checkpoints, distributed setup,
+  evaluation, metrics, completion logs, the GRPOConfig field table);
+- :mod:`.hyper_es`: ``HyperESConfig`` / ``HyperESTrainer`` (CMA-ES over DARE-TIES merges of LoRA deltas);
+- :mod:`.averaging`: the RL + SFT parallel-averaging trainers (GRPO + SFT, ES + SFT) and their shared SFT step;
+- :mod:`.distributed` and :mod:`.time_budget`: what every family shares.
+
+A family may import :mod:`.es` (ES + SFT averaging subclasses ``ESTrainer``) and the shared modules, never another
+family's trainer; ``tests/test_architecture.py`` checks it. Map of the rooms: ``docs/architecture.md``.
+"""
+
+from .averaging import (
+    ESParallelAveragingConfig,
+    ESParallelAveragingTrainer,
+    ParallelAveragingConfig,
+    ParallelAveragingTrainer,
+)
+from .es import ESConfig, ESTrainer
+from .hyper_es import HyperESConfig, HyperESTrainer
 
 __all__ = [
     "ESConfig",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .es_parallel_averaging_config import ESParallelAveragingConfig
-from .es_trainer import ESTrainer
+from ..es.es_trainer import ESTrainer
 from .sft_averaging import SFTAveragingTrainerMixin, restore_snapshot, snapshot
 
 __all__ = ["ESParallelAveragingTrainer"]
@@ -25,7 +25,7 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
     2. applies the ES step through ``ESTrainer._es_step`` with the learning rate :math:`w_{\mathrm{ES}}\alpha`
        (so :math:`\theta_{\mathrm{ES}}` is bitwise what :func:`trl_es.replay` computes from the seed log record, which
        stores :math:`w_{\mathrm{ES}}\alpha` as the learning rate; AWD, if on, is part of this step);
-    3. restores :math:`\bar\theta` and takes one SFT step from it (:class:`~trl_es.trainer.sft_step.SFTStep`:
+    3. restores :math:`\bar\theta` and takes one SFT step from it (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`:
        ``trl.SFTTrainer``'s data processing and loss, and a separate torch optimizer, AdamW by default, that owns the
        fp32 masters and receives the model's gradients), giving :math:`\theta_{\mathrm{SFT}}`;
     4. writes :math:`\theta_{\mathrm{ES}} + w_{\mathrm{SFT}}\,(\theta_{\mathrm{SFT}} - \bar\theta)` (float32, in that

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..arguments import check_finite_floats
-from ..merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
-from ..merging.genome import GRANULARITIES
-from .es_config import check_fp16_device
+from ...arguments import check_finite_floats
+from ...merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
+from ...merging.genome import GRANULARITIES
+from ..es.es_config import check_fp16_device
 
 FINAL_GENOMES = ("rescored", "best", "mean", "validation")
 
@@ -143,7 +143,7 @@ class HyperESConfig(_BaseConfig):
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
-    from ..arguments import DictValuedFields as _DictValuedFields
+    from ...arguments import DictValuedFields as _DictValuedFields
 
     _VALID_DICT_FIELDS = _DictValuedFields()
     del _DictValuedFields

@@ -1,7 +1,7 @@
 """ESTrainer's multi-process preparation: population parallelism without DDP, DeepSpeed without a DeepSpeed
 optimizer (ZeRO-3: sharded ES), identical replicas, and the exact count of what travels between processes.
 
-A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (see ``docs/scaling.md``).
+A mixin of :class:`~trl_es.trainer.es.es_trainer.ESTrainer` (see ``docs/scaling.md``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import warnings
 import torch
 from transformers.utils import logging
 
-from ..es.anchor import checkpoint_files, make_anchor
-from ..fingerprint import tensors_fingerprint
-from .distributed import (
+from ...es.anchor import checkpoint_files, make_anchor
+from ...fingerprint import tensors_fingerprint
+from ..distributed import (
     ES_DEEPSPEED_NOTE,
     broadcast_tensors_,
     es_deepspeed_config,

@@ -14,7 +14,7 @@ any scheduler) resumes by itself from the newest *complete* checkpoint of ``outp
 and ``trainer_state.json`` last, so a kill mid-write leaves a folder that the completeness check
 (:meth:`ESCheckpointMixin._check_checkpoint_files`) refuses, and the one before is used.
 
-A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (it reads the trainer's ES state: ``es_params``, ``anchor``,
+A mixin of :class:`~trl_es.trainer.es.es_trainer.ESTrainer` (it reads the trainer's ES state: ``es_params``, ``anchor``,
 ``seed_log``, ``population``); every file goes through :mod:`trl_es.files` (one writer, complete or absent).
 """
 
@@ -29,10 +29,10 @@ from safetensors.torch import save_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import logging
 
-from ..es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
-from ..es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
-from ..files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
-from .distributed import SHARD_PATTERN, read_flat_ranges
+from ...es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
+from ...es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
+from ...files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
+from ..distributed import SHARD_PATTERN, read_flat_ranges
 
 logger = logging.get_logger(__name__)
 

@@ -8,14 +8,14 @@ from typing import Any
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..arguments import DictValuedFields, check_finite_floats
-from ..es.anchor import ANCHOR_STORAGES
-from ..es.fitness import PER_PROMPT_SHAPINGS
-from ..es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
-from ..es.population import POPULATION_BACKENDS
-from ..es.shaping import FITNESS_SHAPINGS
-from ..es.update import AWD_PENALTIES
-from ..generation import GENERATION_ENGINES
+from ...arguments import DictValuedFields, check_finite_floats
+from ...es.anchor import ANCHOR_STORAGES
+from ...es.fitness import PER_PROMPT_SHAPINGS
+from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
+from ...es.population import POPULATION_BACKENDS
+from ...es.shaping import FITNESS_SHAPINGS
+from ...es.update import AWD_PENALTIES
+from ...generation import GENERATION_ENGINES
 from .grpo_fields import answer_grpo_fields, check_grpo_fields
 
 ES_OPTIMIZERS = ("es", "torch")

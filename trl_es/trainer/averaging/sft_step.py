@@ -5,9 +5,9 @@ pipeline (tokenization of prompt-completion rows with the chat template, complet
 its loss (``SFTTrainer.compute_loss``, through ``SFTTrainer.training_step``). It owns a **separate** torch optimizer
 (the SFTTrainer's optimizer class and keyword arguments, AdamW by default) and learning-rate scheduler, so its
 moment estimates never mix with the other trainer's. The other trainer decides when an SFT step happens
-(:class:`~trl_es.trainer.parallel_averaging_trainer.ParallelAveragingTrainer`,
-:class:`~trl_es.trainer.es_parallel_averaging_trainer.ESParallelAveragingTrainer`; what the two share, their
-``sft_*`` config fields included, is in :mod:`trl_es.trainer.sft_averaging`).
+(:class:`~trl_es.trainer.averaging.parallel_averaging_trainer.ParallelAveragingTrainer`,
+:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`; what the two share, their
+``sft_*`` config fields included, is in :mod:`trl_es.trainer.averaging.sft_averaging`).
 
 Both trainers patch ``model.forward`` with TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), each with
 its own settings (GRPO's temperature, the SFT metrics). :class:`SFTStep` keeps the SFT patch aside and installs it
@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
-from ..files import atomic_path
+from ...files import atomic_path
 
 __all__ = ["SFT_STATE_NAME", "SFTStep", "check_averaging_fields", "sft_config_from"]
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..analysis.diversity import success_diversity
-from ..analysis.drift import group_name
-from ..es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores
-from ..es.noise import NOISE_BLOCK_SIZE
+from ...analysis.diversity import success_diversity
+from ...analysis.drift import group_name
+from ...es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores
+from ...es.noise import NOISE_BLOCK_SIZE
 
 __all__ = ["completion_metrics", "drift_metrics", "drift_sums", "iteration_metrics", "warn_invalid_rewards"]
 

@@ -5,12 +5,12 @@ then one ES iteration top to bottom (:meth:`ESTrainer.training_step`): ask the p
 each group of members and roll out (the population restores the model on leaving the ``with``), sum the scores over
 processes, shape the fitness, tell the update (ES step or torch optimizer, AWD, render), append to the seed log,
 record the metrics. Checkpoint I/O (:mod:`.es_checkpoint`), multi-process preparation (:mod:`.es_distributed_setup`),
-held-out evaluation (:mod:`.es_evaluation`) and the metrics (:mod:`.es_metrics`) live beside it. Map of the rooms: ``docs/architecture.md``.
+held-out evaluation (:mod:`.es_evaluation`), the metrics (:mod:`.es_metrics`), the generation engine
+(:mod:`.es_engines`), the prompt data (:mod:`.es_data`) and the optimizer hooks (:mod:`.es_optimizer`) live beside it. Map of the rooms: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import textwrap
@@ -24,74 +24,33 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
-from ..es.anchor import checkpoint_files, make_anchor
-from ..es.fitness import MemberScores, PopulationScores
-from ..es.noise import make_noise_source
-from ..es.perturbation import LowRankPerturbation, linear_weight_names
-from ..es.population import make_population_backend, member_indices, member_seed, on_engine
-from ..es.seedlog import SeedLog
-from ..es.shaping import shape_fitness
-from ..es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
-from ..generation import make_engine
-from ..models import resolve_model_path
-from ..rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
+from ...es.anchor import checkpoint_files, make_anchor
+from ...es.fitness import MemberScores, PopulationScores
+from ...es.noise import make_noise_source
+from ...es.perturbation import LowRankPerturbation, linear_weight_names
+from ...es.population import make_population_backend, member_indices, member_seed, on_engine
+from ...es.seedlog import SeedLog
+from ...es.shaping import shape_fitness
+from ...es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
+from ...models import resolve_model_path
+from ...rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
                        split_row_groups, validate_dataset)
 from .completion_logs import CompletionLog, empty_logs
-from .distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
+from ..distributed import es_parameter_entries, is_zero3_param, tensor_bytes
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
+from .es_data import ESDataMixin, SharedStream, identity
 from .es_distributed_setup import ESDistributedMixin
+from .es_engines import ESEngineMixin
 from .es_evaluation import ESEvaluationMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
+from .es_optimizer import ESOptimizerMixin
 
 logger = logging.get_logger(__name__)
 
 
-def identity(features):
-    """Data collator that keeps the rows as they are (a list of dicts)."""
-    return features
-
-
-class SharedStream(torch.utils.data.IterableDataset):
-    """An iterable (streaming) dataset that every process reads whole, in the same order.
-
-    ``accelerate`` splits a ``datasets.IterableDataset`` with at least as many shards (data files) as processes *by
-    shard*: each process would read other files, so the gathered prompt batch would differ from one process's and
-    shards of unequal length would end the epoch on different processes. Behind this plain ``torch`` iterable,
-    ``accelerate`` keeps each process's slice of every batch instead (``IterableDatasetShard``), as for a single-shard
-    stream.
-
-    The passes over the stream are chained into one endless sequence of rows (a batch may span the end of one pass
-    and the start of the next), pass ``p`` read after ``dataset.set_epoch(epoch + p)`` (``datasets`` reshuffles a
-    shuffled stream with it; ``epoch`` is what ``Trainer`` set, 0 at the start). ``Trainer`` sees one epoch that
-    ends at ``max_steps``, so the batches it reads past when resuming are exactly those of the uninterrupted run, in
-    every pass (with an epoch per pass, it would skip only within the first pass and restart a later one from its
-    beginning). A pass that yields no row ends the sequence.
-
-    Args:
-        dataset (`Iterable[dict]`): The stream of rows.
-    """
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self.epoch = 0
-
-    def __iter__(self):
-        for passes in itertools.count():
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(self.epoch + passes)
-            empty = True
-            for row in self.dataset:
-                empty = False
-                yield row
-            if empty:
-                return
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-
-class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseTrainer):
+class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngineMixin, ESDataMixin, ESOptimizerMixin,
+                _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     Each training step is one ES iteration: every process takes its share of ``prompt_batch_size`` prompts and the
@@ -322,150 +281,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
                     anchor = None
             self.anchor = anchor
 
-    def _make_generation_engine(self):
-        """The generation engine: vLLM with ``use_vllm`` (:meth:`_make_vllm_engine`), else that of
-        ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
-        otherwise and under ZeRO-3)."""
-        if self.args.use_vllm:
-            return self._make_vllm_engine()
-        name = self.args.generation_engine
-        if name == "auto" and self.sharded:
-            name = "eager"
-        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix)
-
-    def _make_vllm_engine(self):
-        """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA
-        slots for a group of low-rank members; the current weights are loaded at the first iteration.
-
-        Raises:
-            ImportError: if vLLM is not installed (naming what to install).
-            ValueError: under DeepSpeed ZeRO-3 or with a PEFT model (not supported with use_vllm yet).
-        """
-        from ..generation.vllm_engine import VLLMEngine
-
-        args = self.args
-        if args.vllm_tensor_parallel_size > 1:
-            raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
-                             "would have to score the same member together (docs/generation.md). Use 1.")
-        if self.sharded:
-            raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
-                             "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if hasattr(unwrapped, "peft_config"):
-            raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
-                             "which the engine does not hold. Use use_vllm=False.")
-        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
-        output_embeddings = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
-        head = getattr(output_embeddings, "weight", None)
-        if lowrank and head is not None and any(e.param.data_ptr() == head.data_ptr() for e in self.es_params.entries):
-            raise ValueError("use_vllm=True with population_backend='batched_lowrank' cannot perturb the output "
-                             "embeddings (lm_head) as a LoRA adapter (vLLM's LoRA covers the Linear projections): "
-                             "set include_parameters, e.g. r'proj\\.weight$'.")
-        VLLMEngine.check_generation_config(self.generation_config)  # before minutes of engine start-up
-        members_here = len(member_indices(args.population_size, self.accelerator.process_index,
-                                          self.accelerator.num_processes))
-        return VLLMEngine(
-            unwrapped, self.processing_class, self.accelerator,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            max_model_length=args.vllm_max_model_length,
-            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
-            lora_rank=args.noise_rank if lowrank else None,
-            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
-            model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
-        )
-
-    def _sync_engine_weights(self) -> None:
-        """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES
-        update produced: when the engine is built, after every iteration's update (a subclass's ``_es_step``
-        included), after a checkpoint is loaded, and before an evaluation."""
-        if self.args.use_vllm:
-            self.generation_engine.sync_weights(self.accelerator.unwrap_model(self.model), self.es_params, self.noise)
-
-    def _population_backend_kwargs(self) -> dict:
-        """Backend-specific settings from the config."""
-        if self.args.population_backend == "sequential":
-            return {}
-        return {"noise_rank": self.args.noise_rank, "member_chunk_size": self.args.member_chunk_size}
-
-    # ------------------------------------------------------------------ data
-    @staticmethod
-    def _check_iterable_train_dataset(args: ESConfig) -> None:
-        """An iterable (streaming) train dataset, as TRL's trainers take it: ``max_steps`` must say how long to train,
-        and every process reads the stream itself.
-
-        ``accelerate`` would otherwise *dispatch* an iterable dataset's batches: process 0 reads them and broadcasts
-        them as tensors, which text rows are not. With ``dispatch_batches=False`` every process iterates the same
-        stream and keeps its slice of each ``prompt_batch_size`` batch (``IterableDatasetShard``); the slices are then
-        gathered as for a map-style dataset, so every process scores the same prompt rows in the same order. On resume,
-        ``Trainer`` skips the batches already used by reading past them (unless ``ignore_data_skip``).
-
-        ``dataloader_num_workers`` is set to 0 (with a warning), as GRPOTrainer does: workers would read the stream's
-        shards in turn and interleave them.
-
-        Raises:
-            ValueError: if ``max_steps`` is not set, or ``accelerator_config.dispatch_batches`` is ``True``.
-        """
-        if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError("train_dataset is an iterable (streaming) dataset, which has no length: set max_steps "
-                             "(the number of ES iterations) to a positive value, or pass a map-style datasets.Dataset.")
-        if args.accelerator_config.dispatch_batches:
-            raise ValueError("accelerator_config.dispatch_batches=True cannot dispatch an iterable dataset's text rows "
-                             "(accelerate broadcasts tensors only): leave it unset (None) or set it to False.")
-        args.accelerator_config.dispatch_batches = False
-        if args.dataloader_num_workers != 0:  # as GRPOTrainer: workers would interleave the stream's shards
-            logger.warning(f"An iterable train dataset is read in stream order with dataloader_num_workers=0 "
-                           f"(several workers would interleave its shards); overriding {args.dataloader_num_workers}.")
-            args.dataloader_num_workers = 0
-
-    def _set_signature_columns_if_needed(self):
-        # Rows go to the reward functions as they are: keep every column.
-        if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
-
-    def _gather_prompt_rows(self, rows: list[dict]) -> list[dict]:
-        """Each process loaded its share of the prompt batch; with population parallelism every process needs all of
-        it (``torch.distributed.all_gather_object``, counted in ``comm/bytes``). Sharded (ZeRO-3) processes keep their
-        share: each generates for its own prompts."""
-        return list(rows) if self.sharded else self._gather_objects(rows)
-
-    def _gather_objects(self, objects: list) -> list:
-        """Every process's ``objects``, concatenated in rank order (``torch.distributed.all_gather_object``, the
-        bytes it moves counted in ``comm/bytes``); on one process, ``objects`` itself."""
-        if self.accelerator.num_processes == 1:
-            return list(objects)
-        parts, nbytes = all_gather_objects(list(objects))
-        self._comm_bytes += nbytes
-        return [obj for part in parts for obj in part]
-
-    # ------------------------------------------------------------------ optimizer
-    def create_optimizer(self, model=None):
-        """The Trainer's optimizer class and kwargs, owning the fp32 master tensors (not the 16-bit parameters).
-
-        With ``es_optimizer='es'`` it never receives a gradient, so ``step()`` is a no-op and allocates no state.
-        """
-        if self.optimizer is None:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
-            groups = [{"params": self.es_params.master_parameters(), "weight_decay": self.args.weight_decay}]
-            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        return self.optimizer
-
-    def _clip_es_gradient(self) -> torch.Tensor:
-        """Clip the ES gradient estimate in ``master.grad`` to ``max_grad_norm`` (when ``> 0``) and return its norm
-        (before clipping, as ``Trainer`` logs it)."""
-        masters = self.es_params.master_parameters()
-        if self.args.max_grad_norm <= 0:
-            return torch.nn.utils.get_total_norm([m.grad for m in masters if m.grad is not None])
-        if not (self.sharded and self.accelerator.num_processes > 1):
-            return torch.nn.utils.clip_grad_norm_(masters, self.args.max_grad_norm)
-        # ZeRO-3: the masters are partitions; the norm is over the whole gradient estimate.
-        grads = [m.grad for m in masters if m.grad is not None]
-        square = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
-        square = self.accelerator.reduce(square.reshape(1).to(self.accelerator.device), reduction="sum").cpu()
-        total = square.sqrt()[0]
-        torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)
-        return total
-
     @property
     def reward_processing_classes(self) -> list:
         """One entry per reward function, as GRPOTrainer's attribute: the tokenizer of a reward model (given, or
@@ -483,18 +298,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
         the trainer's current tokenizer, reward scorer, generation config and engine."""
         return Rollout(self.processing_class, self.reward_scorer, self.generation_config, self.args.num_generations,
                        self.args.chat_template_kwargs, self.generation_engine)
-
-    def _clip_grad_norm(self, model):
-        # The ES gradient was clipped and stepped within the iteration (see _es_step): Trainer's clip is a no-op.
-        # (es_optimizer="es" has no gradient: its norm is 0, as torch's clip of no gradient says.)
-        return self._es_grad_norm if self._es_grad_norm is not None else torch.zeros(())
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        norm = grad_norm if grad_norm is not None else self._es_grad_norm
-        return norm.item() if hasattr(norm, "item") else norm
-
-    def _current_learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -677,7 +480,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, _BaseT
 
     def _parameter_drift(self) -> dict[str, float]:
         """``drift/l2`` and ``drift/relative`` of the trained parameters from theta_0, whole and per module type
-        (:func:`~trl_es.trainer.es_metrics.drift_sums`; summed over processes under ZeRO-3, where each holds a
+        (:func:`~trl_es.trainer.es.es_metrics.drift_sums`; summed over processes under ZeRO-3, where each holds a
         partition)."""
         groups, sums = drift_sums(self.es_params.master_state_dict(), self.anchor)
         if self.sharded and self.accelerator.num_processes > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .es_config import ESConfig
+from ..es.es_config import ESConfig
 from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
 
@@ -33,7 +33,7 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
 
     Every [`ESConfig`] field configures ES as in ``ESTrainer``. The SFT optimizer is ``optim`` with its keyword
     arguments (AdamW by default), the ``lr_scheduler_type`` schedule, at ``sft_learning_rate``. It needs
-    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.sft_averaging.SFTAveragingFields`, with
+    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`, with
     ES's own defaults of ``sft_learning_rate`` and ``sft_max_grad_norm`` (``None`` in them is passed on as it is: no
     fallback to ES's ``learning_rate`` or ``max_grad_norm``).
     """

@@ -1,6 +1,6 @@
 """ESTrainer's held-out evaluation: the unperturbed model scored on a dataset with the training's rollout.
 
-A mixin of :class:`~trl_es.trainer.es_trainer.ESTrainer` (it reads ``rollout``, ``reward_func_names``, the
+A mixin of :class:`~trl_es.trainer.es.es_trainer.ESTrainer` (it reads ``rollout``, ``reward_func_names``, the
 generation settings and, under ZeRO-3, the DeepSpeed engine).
 """
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ..generation import generate_completions
-from ..rollout import prompt_texts, validate_dataset
+from ...generation import generate_completions
+from ...rollout import prompt_texts, validate_dataset
 from .es_metrics import warn_invalid_rewards
 
 

@@ -14,12 +14,17 @@ import os
 import pickle
 
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import logging
 
-from ..es.cma_search import CMASearch
-from ..files import atomic_path
-from ..merging.genome import Genome, GenomeSpace
+from ...es.cma_search import CMASearch
+from ...files import atomic_path
+from ...merging.genome import Genome, GenomeSpace
 
-__all__ = ["GENOME_NAME", "STATE_NAME", "TRAINER_STATE_NAME", "load_search_checkpoint", "save_search_checkpoint"]
+__all__ = ["GENOME_NAME", "STATE_NAME", "TRAINER_STATE_NAME", "HyperESCheckpointMixin", "load_search_checkpoint",
+           "save_search_checkpoint"]
+
+logger = logging.get_logger(__name__)
 
 STATE_NAME = "hyper_es_state.pkl"
 GENOME_NAME = "best_genome.json"
@@ -79,7 +84,7 @@ def load_search_checkpoint(
         ValueError: If the checkpoint was made for another genome space (size or adapters).
     """
     with open(os.path.join(folder, STATE_NAME), "rb") as f:
-        payload = pickle.load(f)  # our own checkpoint format (pycma's state pickles)
+        payload = _MovedModulesUnpickler(f).load()  # our own checkpoint format (pycma's state pickles)
     if payload["space_dim"] != space.dim or payload["adapter_names"] != space.adapter_names:
         raise ValueError(
             f"Checkpoint {folder!r} was made for {payload['space_dim']} coefficients over adapters "
@@ -88,3 +93,39 @@ def load_search_checkpoint(
     state_file = os.path.join(folder, TRAINER_STATE_NAME)
     trainer_state = TrainerState.load_from_json(state_file) if os.path.exists(state_file) else None
     return payload["search"], payload["history"], trainer_state, payload.get("rows_drawn")
+
+
+#: (module, name) that checkpoints pickled before a class moved -> where it is now
+MOVED = {("trl_es.trainer.hyper_es_trainer", "CMASearch"): ("trl_es.es.cma_search", "CMASearch")}
+
+
+class _MovedModulesUnpickler(pickle.Unpickler):
+    """Reads checkpoints written before a pickled class moved (:data:`MOVED`)."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(*MOVED.get((module, name), (module, name)))
+
+
+class HyperESCheckpointMixin:
+    """Checkpoint save and load of :class:`~trl_es.trainer.hyper_es.hyper_es_trainer.HyperESTrainer` (it reads
+    ``args``, ``search``, ``history``, ``space``, ``state``, ``rows_drawn`` and ``candidate_genome``)."""
+
+    def _save_checkpoint_state(self) -> str:
+        search = self.search
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{search.generation}")
+        if self.args.should_save:
+            best = self.candidate_genome(search.best_x, *search.best_tag) if search.best_x is not None else None
+            save_search_checkpoint(
+                folder, search, self.history, self.space, self.state, best_genome=best, rows_drawn=self.rows_drawn
+            )
+            rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
+        return folder
+
+    def _load_checkpoint(self, folder: str) -> None:
+        self.search, self.history, state, rows_drawn = load_search_checkpoint(folder, self.space)
+        per_generation = self.args.prompt_batch_size or 0  # checkpoints from before the row cursor: one batch each
+        self.rows_drawn = rows_drawn if rows_drawn is not None else self.search.generation * per_generation
+        if state is not None:
+            self.state = state
+        self.state.global_step = self.search.generation
+        logger.info(f"Resumed Hyper-ES from {folder} at generation {self.search.generation}.")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 
-from ..es.cma_search import CMASearch
-from ..merging.genome import Genome
+from ...es.cma_search import CMASearch
+from ...merging.genome import Genome, GenomeSpace
 
 __all__ = ["choose_final_genome", "finalists"]
 
@@ -99,3 +99,34 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
     best = max(finite, key=lambda i: (scores[i], record[i]["candidate"] == "start", -i))
     logger.info(f"Re-scored {len(genomes)} genomes on {where}: {record}; kept {record[best]}.")
     return genomes[best], float(scores[best]), record
+
+
+def resolve_genome(genome, space: GenomeSpace, initial_weight: float, best_genome: Genome | None):
+    """What :meth:`HyperESTrainer.evaluate` and ``merged`` apply for their ``genome`` argument.
+
+    Args:
+        genome: `None` (the model as it is), ``"base"``, ``"uniform"`` (every coefficient ``initial_weight``),
+            ``"best"`` (``best_genome``), an adapter index ``k`` or a [`Genome`].
+        space (`GenomeSpace`): The trainer's genome space.
+        initial_weight (`float`): The uniform merge's weight.
+        best_genome (`Genome` or `None`): The best genome after ``train`` (`None` before).
+
+    Returns:
+        `None`, ``"base"``, an adapter index or a [`Genome`] (what ``MergeApplier.applied`` takes).
+
+    Raises:
+        ValueError: for an unknown ``genome``, or ``"best"`` before training.
+    """
+    if genome is None:
+        return None
+    if isinstance(genome, Genome) or isinstance(genome, int) and not isinstance(genome, bool):
+        return genome
+    if genome == "base":
+        return "base"
+    if genome == "uniform":
+        return space.uniform(initial_weight)
+    if genome == "best":
+        if best_genome is None:
+            raise ValueError("genome='best' needs a trained genome: call train() first.")
+        return best_genome
+    raise ValueError(f"genome must be a Genome, an adapter index, 'base', 'uniform' or 'best'; got {genome!r}.")

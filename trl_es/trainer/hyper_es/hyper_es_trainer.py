@@ -20,27 +20,27 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from trl.trainer.base_trainer import _BaseTrainer
 
-# CMASearch is also imported so that checkpoints pickled as trl_es.trainer.hyper_es_trainer.CMASearch still load.
-from ..es.cma_search import CMASearch, stand_in_fitness
-from ..es.population import member_indices, member_seed
-from ..files import SAVED_MODEL_FILES, require_files
-from ..merging.dare_ties import MergeApplier
-from ..merging.genome import Genome, GenomeSpace
-from ..merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
-from .hyper_es_checkpoint import GENOME_NAME, load_search_checkpoint, save_search_checkpoint
+# CMASearch is also imported so that checkpoints pickled as trl_es.trainer.hyper_es.hyper_es_trainer.CMASearch still load.
+from ...es.cma_search import CMASearch, stand_in_fitness
+from ...es.population import member_indices, member_seed
+from ...files import SAVED_MODEL_FILES, require_files
+from ...merging.dare_ties import MergeApplier
+from ...merging.genome import Genome, GenomeSpace
+from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
+from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
-from .hyper_es_final import choose_final_genome
-from ..rollout import RewardScorer, build_generation_config, score_model, validate_dataset
+from .hyper_es_final import choose_final_genome, resolve_genome
+from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 
 logger = logging.getLogger(__name__)
 
 FitnessFn = Callable[[nn.Module, Genome], float]
 
 
-class HyperESTrainer(_BaseTrainer):
+class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
     """Hyper-ES: CMA-ES over the DARE-TIES coefficients that merge K LoRA adapters into a base model.
 
     The trainer subclasses TRL's ``_BaseTrainer`` (hence ``transformers.Trainer``) and overrides ``train`` and
@@ -417,28 +417,6 @@ class HyperESTrainer(_BaseTrainer):
         every = int(every) if every >= 1 else 1
         return step % every == 0
 
-    # ---- Checkpoints ----
-
-    def _save_checkpoint_state(self) -> str:
-        search = self.search
-        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{search.generation}")
-        if self.args.should_save:
-            best = self.candidate_genome(search.best_x, *search.best_tag) if search.best_x is not None else None
-            save_search_checkpoint(
-                folder, search, self.history, self.space, self.state, best_genome=best, rows_drawn=self.rows_drawn
-            )
-            rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
-        return folder
-
-    def _load_checkpoint(self, folder: str) -> None:
-        self.search, self.history, state, rows_drawn = load_search_checkpoint(folder, self.space)
-        per_generation = self.args.prompt_batch_size or 0  # checkpoints from before the row cursor: one batch each
-        self.rows_drawn = rows_drawn if rows_drawn is not None else self.search.generation * per_generation
-        if state is not None:
-            self.state = state
-        self.state.global_step = self.search.generation
-        logger.info(f"Resumed Hyper-ES from {folder} at generation {self.search.generation}.")
-
     # ---- Evaluation and saving ----
 
     def merged(self, genome: Genome | int | str | None):
@@ -448,23 +426,8 @@ class HyperESTrainer(_BaseTrainer):
         Raises:
             ValueError: for an unknown ``genome``, or ``"best"`` before :meth:`train`.
         """
-        state = self._resolve_state(genome)
+        state = resolve_genome(genome, self.space, self.args.initial_weight, self.best_genome)
         return self.applier.applied(state) if state is not None else contextlib.nullcontext()
-
-    def _resolve_state(self, genome):
-        if genome is None:
-            return None
-        if isinstance(genome, Genome) or isinstance(genome, int) and not isinstance(genome, bool):
-            return genome
-        if genome == "base":
-            return "base"
-        if genome == "uniform":
-            return self.space.uniform(self.args.initial_weight)
-        if genome == "best":
-            if self.best_genome is None:
-                raise ValueError("genome='best' needs a trained genome: call train() first.")
-            return self.best_genome
-        raise ValueError(f"genome must be a Genome, an adapter index, 'base', 'uniform' or 'best'; got {genome!r}.")
 
     def evaluate(
         self,

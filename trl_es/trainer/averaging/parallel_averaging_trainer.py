@@ -76,7 +76,7 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
     1. snapshots :math:`\bar\theta` (the weights the RL gradient was computed at) just before the step;
     2. after it, takes :math:`\theta_{\mathrm{RL}} = \bar\theta + \Delta_{\mathrm{RL}}` and restores
        :math:`\bar\theta`;
-    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.sft_step.SFTStep`: ``trl.SFTTrainer``'s
+    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`: ``trl.SFTTrainer``'s
        data processing and loss on an SFT batch, through a **separate** optimizer of the same class and keyword
        arguments, with its own moment estimates): :math:`\theta_{\mathrm{SFT}} = \bar\theta + \Delta_{\mathrm{SFT}}`;
     4. writes the average (:func:`average_updates_`).

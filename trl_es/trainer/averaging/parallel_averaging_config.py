@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..arguments import check_finite_floats
+from ...arguments import check_finite_floats
 from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
 
@@ -34,8 +34,8 @@ class ParallelAveragingConfig(SFTAveragingFields, _RLWeightField, GRPOConfig):
 
     Every [`~trl.GRPOConfig`] field configures the RL side exactly as in ``GRPOTrainer`` (its optimizer, learning
     rate, schedule, generation, loss). The SFT side copies the optimizer class and its keyword arguments, the schedule
-    type, precision and seed from these fields (see :func:`trl_es.trainer.sft_step.sft_config_from`), and takes the
-    ``sft_*`` fields (:class:`~trl_es.trainer.sft_averaging.SFTAveragingFields`: ``sft_weight``,
+    type, precision and seed from these fields (see :func:`trl_es.trainer.averaging.sft_step.sft_config_from`), and takes the
+    ``sft_*`` fields (:class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`: ``sft_weight``,
     ``sft_learning_rate`` (default ``None``: ``learning_rate``), ``sft_per_device_train_batch_size``,
     ``sft_max_length``, ``sft_completion_only_loss``, ``sft_max_grad_norm`` (default ``None``: ``max_grad_norm``)).
     """

@@ -1,12 +1,12 @@
 """What the two parallel-averaging trainers share: the SFT side's config fields and its trainer-side plumbing.
 
 :class:`SFTAveragingFields` declares the ``sft_*`` fields once, for
-:class:`~trl_es.trainer.parallel_averaging_config.ParallelAveragingConfig` (GRPO + SFT) and
-:class:`~trl_es.trainer.es_parallel_averaging_config.ESParallelAveragingConfig` (ES + SFT).
-:class:`SFTAveragingTrainerMixin` holds the constructor (its checks, the :class:`~trl_es.trainer.sft_step.SFTStep`),
+:class:`~trl_es.trainer.averaging.parallel_averaging_config.ParallelAveragingConfig` (GRPO + SFT) and
+:class:`~trl_es.trainer.averaging.es_parallel_averaging_config.ESParallelAveragingConfig` (ES + SFT).
+:class:`SFTAveragingTrainerMixin` holds the constructor (its checks, the :class:`~trl_es.trainer.averaging.sft_step.SFTStep`),
 the SFT step with its metrics and update norms, and the SFT state in checkpoints, for
-:class:`~trl_es.trainer.parallel_averaging_trainer.ParallelAveragingTrainer` and
-:class:`~trl_es.trainer.es_parallel_averaging_trainer.ESParallelAveragingTrainer`. Each trainer keeps its own rule of
+:class:`~trl_es.trainer.averaging.parallel_averaging_trainer.ParallelAveragingTrainer` and
+:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`. Each trainer keeps its own rule of
 when the SFT step happens and how the two updates are combined.
 """
 
@@ -31,10 +31,10 @@ SFT_METRICS = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "ent
 class SFTAveragingFields:
     """The SFT side's fields of a parallel-averaging config (a mixin listed before the host config class).
 
-    The defaults are :class:`~trl_es.trainer.parallel_averaging_config.ParallelAveragingConfig`'s;
-    :class:`~trl_es.trainer.es_parallel_averaging_config.ESParallelAveragingConfig` re-declares
+    The defaults are :class:`~trl_es.trainer.averaging.parallel_averaging_config.ParallelAveragingConfig`'s;
+    :class:`~trl_es.trainer.averaging.es_parallel_averaging_config.ESParallelAveragingConfig` re-declares
     ``sft_learning_rate`` and ``sft_max_grad_norm`` with its own defaults. The host config validates them with
-    :func:`~trl_es.trainer.sft_step.check_averaging_fields` in its ``__post_init__``.
+    :func:`~trl_es.trainer.averaging.sft_step.check_averaging_fields` in its ``__post_init__``.
     """
 
     #: ``sft_<name>`` fields that take the host config's ``<name>`` when they are ``None`` (a class attribute).
@@ -67,7 +67,7 @@ class SFTAveragingFields:
     )
 
     def sft_config(self) -> SFTConfig:
-        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.sft_step.sft_config_from`): these ``sft_*``
+        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`): these ``sft_*``
         fields, the ones named in ``_sft_host_defaults`` replaced by the host's field when ``None``."""
 
         def value(name: str):
@@ -126,7 +126,7 @@ def update_norm(after: list[torch.Tensor], before: list[torch.Tensor], *, float3
 
 class SFTAveragingTrainerMixin:
     """The shared half of a parallel-averaging trainer (listed before its host trainer class, ``GRPOTrainer`` or
-    :class:`~trl_es.trainer.es_trainer.ESTrainer`, whose constructor arguments it takes, plus ``sft_dataset``).
+    :class:`~trl_es.trainer.es.es_trainer.ESTrainer`, whose constructor arguments it takes, plus ``sft_dataset``).
 
     The trainer sets ``_averaging_config_class`` (its config class), ``_averaging_output_suffix`` (of the default
     ``output_dir``, after the model's name) and ``_averaging_update`` (``"rl"`` or ``"es"``: the

@@ -1,0 +1,50 @@
+"""examples/scripts/diversity_pass_at_k.py: JS_succ vs Pass@K across ES runs, a tiny end-to-end run in-process."""
+
+import json
+import math
+
+import pytest
+from example_script import example_script
+from tiny import content_reward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def div():
+    with example_script("diversity_pass_at_k.py", "diversity_pass_at_k") as module:
+        yield module
+
+
+def test_spearman_is_the_rank_correlation(div):
+    assert div.spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 25.0, 100.0]) == pytest.approx(1.0)
+    assert div.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert div.spearman([1.0, 2.0], [1.0, 2.0]) is None  # fewer than 3 runs
+    assert div.spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # a constant series has no rank correlation
+
+
+def test_tiny_end_to_end(div, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(div, "reward_funcs", lambda: [content_reward])
+    out = tmp_path / "div"
+    argv = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--population_sizes", "2", "4",
+            "--seeds", "0", "1", "--es_max_steps", "2", "--num_train_prompts", "8", "--num_test_prompts", "3",
+            "--max_completion_length", "5", "--num_samples", "4", "--pass_k", "1", "4", "--eval_batch_size", "3",
+            "--es_overrides", "prompt_batch_size=2", "noise_table_size=1048576", "sigma=0.1"]
+    results = div.main(argv)
+    runs = results["runs"]
+    assert [(r["population_size"], r["seed"]) for r in runs] == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    for r in runs:
+        assert len(r["js_succ_per_iteration"]) == 2  # one logged value per iteration
+        assert all(0.0 <= v <= math.log(2) + 1e-12 for v in r["js_succ_per_iteration"])
+        assert r["js_succ_mean"] == pytest.approx(sum(r["js_succ_per_iteration"]) / 2)
+        assert 0.0 <= r["pass@1"] <= r["pass@4"] <= 1.0
+    summary = results["summary"]
+    assert summary["runs"] == 4 and summary["per_population_size"][2]["pass@4"]["n"] == 2
+    for value in summary["spearman_js_succ_vs"].values():
+        assert value is None or -1.0 <= value <= 1.0
+    markdown = (out / "results.md").read_text()
+    assert "Spearman correlation of mean JS_succ with pass@4 over 4 runs" in markdown
+    assert (out / "js_succ_vs_pass_at_k.png").stat().st_size > 0
+    monkeypatch.setattr(div, "run_one", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    again = div.main(argv)
+    assert json.loads(json.dumps(again["runs"])) == json.loads(json.dumps(runs))

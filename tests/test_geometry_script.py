@@ -1,0 +1,79 @@
+"""examples/scripts/geometry.py: ES vs GRPO at matched accuracy, a tiny end-to-end run in-process (two seeds)."""
+
+import json
+import math
+
+import pytest
+from example_script import example_script
+from tiny import content_reward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def geo():
+    with example_script("geometry.py", "geometry") as module:
+        yield module
+
+
+def test_match_picks_the_earliest_checkpoint_at_the_lower_best():
+    with example_script("geometry.py", "geometry_match") as geo:
+        es = [{"step": 1, "validation_accuracy": 0.2}, {"step": 2, "validation_accuracy": 0.5},
+              {"step": 3, "validation_accuracy": 0.4}]
+        grpo = [{"step": 5, "validation_accuracy": 0.3}, {"step": 10, "validation_accuracy": 0.45}]
+        chosen = geo.match(0.1, es, grpo)
+        assert chosen["target"] == 0.45 and chosen["es"]["step"] == 2 and chosen["grpo"]["step"] == 10
+        assert chosen["matched"]
+        assert not geo.match(0.45, es, grpo)["matched"]  # no gain over the base: nothing to match
+
+
+def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(geo, "reward_funcs", lambda: [content_reward])
+    real_match = geo.match
+    # a random tiny model may not beat its own base on validation: analyse the pair the rule picks anyway
+    monkeypatch.setattr(geo, "match", lambda base, es, grpo: {**real_match(base, es, grpo), "matched": True})
+    out = tmp_path / "geometry"
+    argv = [
+        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--seeds", "0", "1",
+        "--es_max_steps", "2", "--grpo_max_steps", "2", "--eval_every", "1", "--lmc_points", "3",
+        "--num_train_prompts", "8", "--num_validation_prompts", "3", "--num_test_prompts", "4",
+        "--analysis_prompts", "3", "--max_completion_length", "5", "--num_generations", "4", "--prompts_per_step", "1",
+        "--learning_rate", "1e-2", "--keep_fractions", "0.1", "1.0", "--num_kl_prompts", "2",
+        "--kl_max_new_tokens", "4", "--eval_batch_size", "4",
+        "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576", "sigma=0.1",
+        "learning_rate=0.05",
+    ]
+    results = geo.main(argv)
+    assert [s["seed"] for s in results["seeds"]] == [0, 1]
+    for s in results["seeds"]:
+        assert [c["step"] for c in s["checkpoints"]["es"]] == [1, 2]
+        assert [c["step"] for c in s["checkpoints"]["grpo"]] == [1, 2]
+        a = s["analysis"]
+        lmc, sparsity = a["lmc"], a["sparsity"]
+        assert lmc["ts"] == [0.0, 0.5, 1.0] and len(lmc["reward"]) == len(lmc["loss"]) == 3
+        # the path's ends are the two models: the same accuracy as the full updates (fraction 1 keeps all of them)
+        assert lmc["reward"][0] == sparsity["es"]["reward"]["global"][-1]
+        assert lmc["reward"][-1] == sparsity["grpo"]["reward"]["global"][-1]
+        assert lmc["loss"][0] == a["lm_loss"]["es"] and lmc["loss"][-1] == a["lm_loss"]["grpo"]
+        assert a["lm_loss"]["base"] != a["lm_loss"]["es"]
+        total = sparsity["es"]["num_coordinates"]
+        assert sparsity["es"]["kept"]["global"] == [round(0.1 * total), total]
+        assert sparsity["es"]["kept"]["random"] == sparsity["es"]["kept"]["global"]
+        assert a["update_norm"]["es"] > 0 and a["update_norm"]["grpo"] > 0
+        assert a["update_norm_ratio_es_over_grpo"] == pytest.approx(a["update_norm"]["es"] / a["update_norm"]["grpo"])
+        assert -1.0 <= a["update_cosine"] <= 1.0
+        assert set(a["test_accuracy"]) == {"base", "es", "grpo"} == set(a["held_out_accuracy"])
+        assert set(a["off_task_kl"]) == {"es", "grpo"}  # a Monte-Carlo estimate: it may dip below 0 on 2 prompts
+        assert all(math.isfinite(v) for v in a["off_task_kl"].values())
+    summary = results["summary"]
+    assert summary["matched_seeds"] == 2 and summary["update_cosine"]["n"] == 2
+    markdown = (out / "results.md").read_text()
+    for label in ("ES / GRPO update norm", "cosine of the two updates", "LMC barrier", "kept fraction", "es random"):
+        assert label in markdown
+    assert (out / "lmc.png").stat().st_size > 0 and (out / "sparsity.png").stat().st_size > 0
+    assert json.loads((out / "results.json").read_text())["summary"] == json.loads(json.dumps(summary))
+
+    # a finished seed is reused: nothing is trained again
+    monkeypatch.setattr(geo, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
+    again = geo.main(argv)
+    assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
