@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 from example_script import example_script
@@ -77,3 +78,20 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(geo, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
     again = geo.main(argv)
     assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
+
+
+def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
+    from trl_es import ESConfig
+    from trl_es.cli import es_config_kwargs, load_recipe
+    from trl_es.tasks.pretraining_corpus import pretraining_arithmetic_splits
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    args = geo.parse_args(["--config", os.path.join(root, "geometry_tiny.yaml")])
+    assert args.seeds == [0, 1, 2, 3, 4] and args.held_out_ops == [] and args.conversational is False
+    assert (args.es_max_steps, args.grpo_max_steps, args.learning_rate, args.prompts_per_step) == (30, 60, 1e-4, 4)
+    es = ESConfig(**{**es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides), "output_dir": "x"})
+    assert (es.population_backend, es.sigma, es.learning_rate, es.population_size) == ("sequential", 0.01, 0.01, 24)
+    splits = geo.splits_of(args)
+    held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
+    key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
+    assert key(splits["test"]) == key(held["test"]) and key(splits["validation"]) == key(held["validation"])

@@ -60,7 +60,8 @@ def test_sft_dataset_is_prompt_completion_with_the_worked_answer(data):
     assert row["completion"] == [{"role": "assistant", "content": answer}]
     assert worked_answer(47, "+", 35) == "47 + 35 = 82" and worked_answer(6, "*", 7) == "6 * 7 = 42"
     plain = make_arithmetic_sft_dataset(make_arithmetic_dataset_dict(2, 0, 0, conversational=False)["train"])
-    assert plain[0]["completion"] == worked_answer(plain[0]["a"], plain[0]["op"], plain[0]["b"])
+    # a plain prompt and its completion are joined as they are: the space before the answer is the completion's
+    assert plain[0]["completion"] == " " + worked_answer(plain[0]["a"], plain[0]["op"], plain[0]["b"])
     with pytest.raises(ValueError, match="completion"):
         make_arithmetic_sft_dataset(sft)
 

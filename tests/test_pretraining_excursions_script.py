@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 from example_script import example_script
@@ -50,3 +51,17 @@ def test_tiny_end_to_end(exc, tmp_path):
     markdown = (out / "results.md").read_text()
     assert "RL only (GRPO)" in markdown and "LM loss (general text)" in markdown
     assert (out / "excursions.png").stat().st_size > 0
+
+
+def test_recipe_parses_into_parallel_averaging_arguments(exc):
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    args = exc.parse_args(["--config", os.path.join(root, "excursions_tiny.yaml")])
+    assert args.checkpoints == [500, 1500, 3000] and args.seeds == [0, 1, 2]
+    pretraining = {"arithmetic_splits": {"kwargs": {"seed": 0, "low": 0, "high": 20, "ops": ["+", "-"],
+                                                    "num_validation": 100, "num_test": 200}}}
+    argv = exc.parallel_argv(args, pretraining, {"step": 500, "path": "ckpt"}, 1, "texts.json")
+    parallel = exc._script("parallel_averaging").parse_args(argv)
+    assert (parallel.max_steps, parallel.learning_rate, parallel.es_max_steps, parallel.pass_k) == (32, 1e-4, 30,
+                                                                                                   [1, 2, 4, 8])
+    assert parallel.es_overrides[:2] == ["population_backend=sequential", "sigma=0.01"]
+    assert (parallel.task_ops, parallel.conversational, parallel.seed) == (["+", "-"], False, 1)

@@ -184,6 +184,7 @@ def plot(args: DiversityArguments, runs: list[dict], path: str) -> None:
     ax.set_ylabel(f"test Pass@{k}")
     ax.legend(fontsize=8)
     ax.set_title("JS_succ vs Pass@K, one point per run")
+    fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 

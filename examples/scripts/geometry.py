@@ -366,6 +366,7 @@ def plots(summary: dict, folder: str) -> None:
         axis.set_xlabel("t (0: ES, 1: GRPO)")
         axis.set_ylabel(label)
     fig.suptitle("Linear path ES -> GRPO (mean ± std over seeds)")
+    fig.tight_layout()
     save_figure(fig, os.path.join(folder, "lmc.png"))
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -379,6 +380,7 @@ def plots(summary: dict, folder: str) -> None:
     ax.set_ylabel("test accuracy")
     ax.legend(fontsize=8)
     ax.set_title("Functional sparsity: top-|delta| entries vs random")
+    fig.tight_layout()
     save_figure(fig, os.path.join(folder, "sparsity.png"))
     plt.close(fig)
 

@@ -188,6 +188,7 @@ def plot(rows: list[dict], pass_k: list[int], labels: dict, path: str) -> None:
         ax.set_xlabel("pre-training step of the starting checkpoint")
         ax.set_title(title)
     axes[0].legend(fontsize=7)
+    fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 

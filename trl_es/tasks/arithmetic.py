@@ -278,8 +278,11 @@ def make_arithmetic_sft_dataset(dataset):
 
     The result is a *prompt-completion* dataset in TRL's format, as ``trl.SFTTrainer`` takes it: a conversational
     prompt (``[{"role": "user", ...}]``) gets the completion ``[{"role": "assistant", "content": "47 + 35 =
-    82"}]``, a plain-text prompt gets the string ``"47 + 35 = 82"`` (:func:`worked_answer`). The other columns
-    (``a``, ``b``, ``op``, ``answer``) are kept, so :func:`arithmetic_reward` still grades the rows.
+    82"}]``, a plain-text prompt gets the string ``" 47 + 35 = 82"`` (:func:`worked_answer` after one space:
+    ``SFTTrainer`` joins a plain prompt and its completion as they are, so the space between the prompt's last word
+    and the answer must be the completion's, as in the text ``"...the number. 47 + 35 = 82"`` a base model reads and
+    a sampled completion starts). The other columns (``a``, ``b``, ``op``, ``answer``) are kept, so
+    :func:`arithmetic_reward` still grades the rows.
 
     Args:
         dataset (`datasets.Dataset`): Rows of :func:`make_arithmetic_dataset` / :func:`make_arithmetic_dataset_dict`
@@ -301,7 +304,7 @@ def make_arithmetic_sft_dataset(dataset):
     def add_completion(row):
         text = worked_answer(row["a"], row["op"], row["b"])
         conversational = isinstance(row["prompt"], list)
-        return {"completion": [{"role": "assistant", "content": text}] if conversational else text}
+        return {"completion": [{"role": "assistant", "content": text}] if conversational else " " + text}
 
     return dataset.map(add_completion)
 
