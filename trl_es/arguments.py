@@ -27,6 +27,7 @@ __all__ = [
     "DictValuedFields",
     "TrlESParser",
     "check_finite_floats",
+    "check_int",
     "decode_dict_fields",
     "dict_valued_fields",
     "parse_json_dict",
@@ -111,6 +112,16 @@ def check_finite_floats(config: Any) -> None:
             for i, item in enumerate(value):
                 if isinstance(item, float) and not math.isfinite(item):
                     raise ValueError(f"{f.name}[{i}] must be a finite number (not NaN or +-inf), got {item}.")
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Reject a value that is not an integer ``>= minimum`` (a ``bool`` is not an integer here).
+
+    Raises:
+        ValueError: naming the field and the value, e.g. ``max_steps must be an integer >= 1, got 0``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> Any:

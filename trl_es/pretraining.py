@@ -181,11 +181,6 @@ def _tokenize(dataset, tokenizer, max_length: int):
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def _last_logged(history: list[dict], key: str, step: int) -> float | None:
     """The last ``key`` logged at or before ``step`` (``None`` if none)."""
     value = None
@@ -269,16 +264,16 @@ def pretrain_from_scratch(
     from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from .analysis import lm_loss_fn
+    from .arguments import check_int
 
-    _check_positive_int("max_steps", max_steps)
-    _check_positive_int("save_steps", save_steps)
-    _check_positive_int("per_device_train_batch_size", per_device_train_batch_size)
-    _check_positive_int("eval_batch_size", eval_batch_size)
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+    check_int("max_steps", max_steps, 1)
+    check_int("save_steps", save_steps, 1)
+    check_int("per_device_train_batch_size", per_device_train_batch_size, 1)
+    check_int("eval_batch_size", eval_batch_size, 1)
+    check_int("max_length", max_length, 2)
     if logging_steps is None:
         logging_steps = max(1, save_steps // 5)
-    _check_positive_int("logging_steps", logging_steps)
+    check_int("logging_steps", logging_steps, 1)
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
         math.isfinite(learning_rate) and learning_rate > 0
     ):

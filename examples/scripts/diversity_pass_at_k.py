@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from trl_es.analysis.protocol import PAPER_PROTOCOL
+from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 DEFAULT_RECIPE = os.path.normpath(
@@ -130,25 +131,13 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
 
 
-def _stat(values: list[float]) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
-
-
 def summarize(args: DiversityArguments, runs: list[dict]) -> dict:
     keys = ["js_succ_mean", "accuracy_greedy", *(f"pass@{k}" for k in args.pass_k)]
-    per_size = {n: {key: _stat([r[key] for r in runs if r["population_size"] == n]) for key in keys}
+    per_size = {n: {key: mean_std([r[key] for r in runs if r["population_size"] == n]) for key in keys}
                 for n in args.population_sizes}
     correlation = {f"pass@{k}": spearman([r["js_succ_mean"] for r in runs], [r[f"pass@{k}"] for r in runs])
                    for k in args.pass_k}
     return {"per_population_size": per_size, "spearman_js_succ_vs": correlation, "runs": len(runs)}
-
-
-def _fmt(stat: dict, digits: int = 3) -> str:
-    return "n/a" if stat["mean"] is None else f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
 def markdown(args: DiversityArguments, summary: dict) -> str:
@@ -159,8 +148,8 @@ def markdown(args: DiversityArguments, summary: dict) -> str:
              f"samples at temperature {args.sample_temperature:g}, top-p {args.sample_top_p:g}.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for n, stats in summary["per_population_size"].items():
-        lines.append("| " + " | ".join([str(n), _fmt(stats["js_succ_mean"], 4), _fmt(stats["accuracy_greedy"]),
-                                        *(_fmt(stats[f"pass@{k}"]) for k in ks)]) + " |")
+        lines.append("| " + " | ".join([str(n), format_mean_std(stats["js_succ_mean"], 4), format_mean_std(stats["accuracy_greedy"]),
+                                        *(format_mean_std(stats[f"pass@{k}"]) for k in ks)]) + " |")
     lines.append("")
     for key, value in summary["spearman_js_succ_vs"].items():
         shown = "n/a" if value is None else f"{value:+.3f}"

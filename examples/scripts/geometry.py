@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
+from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 METHODS = ("es", "grpo")
@@ -212,16 +211,16 @@ def off_task_prompts(args: GeometryArguments) -> list:
     return [r["prompt"] for r in get_task("countdown").build_dataset(args.num_kl_prompts, seed=1)]
 
 
-def lm_texts(args: GeometryArguments, tokenizer) -> list:
+def lm_texts(args: GeometryArguments, off_task: list) -> list:
+    """The texts of the LM loss: ``--lm_loss_texts``, else the off-task prompts."""
     if args.lm_loss_texts:
         with open(args.lm_loss_texts) as f:
             return list(json.load(f))
-    return off_task_prompts(args)
+    return off_task
 
 
 def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict) -> dict:
     """Everything of step 3 (module docstring) for one matched pair."""
-    import torch
     from tqdm.auto import tqdm
 
     from trl_es.analysis import (
@@ -232,9 +231,9 @@ def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict)
         update_cosine,
         update_fraction_curve,
     )
+    from trl_es.analysis.report import count_calls
     from trl_es.models import load_model_and_tokenizer
 
-    torch.manual_seed(seed)
     base, tokenizer = load_model_and_tokenizer(args.model_name_or_path)
     models = {"base": base, "es": load_model_and_tokenizer(chosen["es"]["path"])[0],
               "grpo": load_model_and_tokenizer(chosen["grpo"]["path"])[0]}
@@ -245,25 +244,21 @@ def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict)
     num_evaluations = 3 + 3 * bool(splits["held_out"]) + 3 + 2 * args.lmc_points + 2 * 3 * len(args.keep_fractions)
     out = {"seed": seed, "matched_steps": {m: chosen[m]["step"] for m in METHODS},
            "matched_validation_accuracy": {m: chosen[m]["validation_accuracy"] for m in METHODS}}
+    prompts = off_task_prompts(args)
     with tqdm(total=num_evaluations, desc=f"seed {seed} analysis", unit="eval") as bar:
         def counted(fn):
-            def run(model):
-                value = fn(model)
-                bar.update(1)
-                return value
-            return run
+            return count_calls(fn, bar)
 
         out["test_accuracy"] = {name: counted(test)(m) for name, m in models.items()}
         out["held_out_accuracy"] = ({name: counted(held_out)(m) for name, m in models.items()} if splits["held_out"]
                                     else None)
-        loss = lm_loss_fn(tokenizer, lm_texts(args, tokenizer))
+        loss = lm_loss_fn(tokenizer, lm_texts(args, prompts))
         out["lm_loss"] = {name: counted(loss)(m) for name, m in models.items()}
         drift = {m: parameter_drift(models[m], base) for m in METHODS}
         out["update_norm"] = {m: drift[m]["l2"] for m in METHODS}
         out["update_norm_ratio_es_over_grpo"] = out["update_norm"]["es"] / out["update_norm"]["grpo"]
         out["update_norm_per_module"] = {m: {g: v["l2"] for g, v in drift[m]["per_group"].items()} for m in METHODS}
         out["update_cosine"] = update_cosine(models["es"], models["grpo"], base)
-        prompts = off_task_prompts(args)
         out["off_task_kl"] = {m: off_task_kl(models[m], base, tokenizer, prompts,
                                              max_new_tokens=args.kl_max_new_tokens, seed=seed)["kl"] for m in METHODS}
         lmc = mode_connectivity(models["es"], models["grpo"], ts, reward_fn=counted(subset), loss_fn=counted(loss))
@@ -271,14 +266,6 @@ def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict)
         out["sparsity"] = {m: update_fraction_curve(models[m], base, args.keep_fractions, counted(subset))
                            for m in METHODS}
     return out
-
-
-def mean_std(values: list[float]) -> dict:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    if not values:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
 
 
 def summarize(seeds: list[dict]) -> dict:
@@ -309,12 +296,6 @@ def summarize(seeds: list[dict]) -> dict:
     return summary
 
 
-def _fmt(stat: dict | None, digits: int = 3) -> str:
-    if not stat or stat.get("mean") is None:
-        return "n/a"
-    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
-
-
 def markdown(args: GeometryArguments, seeds: list[dict], summary: dict) -> str:
     lines = [f"Base `{args.model_name_or_path}`; arithmetic {'/'.join(args.task_ops)} with operands "
              f"{args.task_low}..{args.task_high} (task seed {args.task_seed}); held-out task: "
@@ -333,17 +314,17 @@ def markdown(args: GeometryArguments, seeds: list[dict], summary: dict) -> str:
                        ("lm_loss", "LM loss, held-out text (nats/token)")):
         if key not in summary:
             continue
-        lines.append(f"| {label} | " + " | ".join(_fmt(summary[key][m]) for m in ("base", *METHODS)) + " |")
+        lines.append(f"| {label} | " + " | ".join(format_mean_std(summary[key][m]) for m in ("base", *METHODS)) + " |")
     for key, label, digits in (("update_norm", "update L2 norm", 3), ("off_task_kl", "off-task KL (nats/token)", 4)):
-        lines.append(f"| {label} | | " + " | ".join(_fmt(summary[key][m], digits) for m in METHODS) + " |")
-    lines += ["", f"- ES / GRPO update norm: {_fmt(summary['update_norm_ratio_es_over_grpo'], 2)}",
-              f"- cosine of the two updates: {_fmt(summary['update_cosine'], 4)}",
-              f"- LMC barrier, test accuracy: {_fmt(summary['lmc_reward_barrier'])}; LM loss: "
-              f"{_fmt(summary['lmc_loss_barrier'])} nats", ""]
+        lines.append(f"| {label} | | " + " | ".join(format_mean_std(summary[key][m], digits) for m in METHODS) + " |")
+    lines += ["", f"- ES / GRPO update norm: {format_mean_std(summary['update_norm_ratio_es_over_grpo'], 2)}",
+              f"- cosine of the two updates: {format_mean_std(summary['update_cosine'], 4)}",
+              f"- LMC barrier, test accuracy: {format_mean_std(summary['lmc_reward_barrier'])}; LM loss: "
+              f"{format_mean_std(summary['lmc_loss_barrier'])} nats", ""]
     header = ["kept fraction"] + [f"{m} {mode}" for m in METHODS for mode in summary["sparsity"][m]]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, fraction in enumerate(summary["keep_fractions"]):
-        cells = [f"{fraction:g}"] + [_fmt(summary["sparsity"][m][mode][i]) for m in METHODS
+        cells = [f"{fraction:g}"] + [format_mean_std(summary["sparsity"][m][mode][i]) for m in METHODS
                                      for mode in summary["sparsity"][m]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

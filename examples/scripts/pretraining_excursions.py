@@ -32,16 +32,28 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass, field
 
+from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARM_ORDER = ("base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft")
+
+
+def _script(name: str):
+    """An example script imported as a module (examples/scripts is not a package)."""
+    module_name = f"_excursion_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, os.path.join(HERE, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+ARM_ORDER = _script("parallel_averaging").ARMS  # the arms parallel_averaging.py runs, in its table order
 
 
 @dataclass
@@ -88,17 +100,6 @@ def as_argv(items: list[str], field_name: str) -> list[str]:
     return argv
 
 
-def _script(name: str):
-    """An example script imported as a module (examples/scripts is not a package)."""
-    module_name = f"_excursion_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, os.path.join(HERE, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
 def pretrained(args: ExcursionArguments) -> dict:
     """pretraining.json of ``--pretrain_dir``, pre-training first when it is missing."""
     path = os.path.join(args.pretrain_dir, "pretraining.json")
@@ -130,14 +131,6 @@ def parallel_argv(args: ExcursionArguments, pretraining: dict, checkpoint: dict,
             "--lm_loss_texts", texts, *as_argv(args.parallel_args, "parallel_args")]
 
 
-def _stat(values) -> dict:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not values:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
-
-
 def summarize(runs: list[dict], pass_k: list[int]) -> list[dict]:
     """One row per (checkpoint step, arm): mean ± std over seeds of the test figures and the LM loss."""
     keys = ["accuracy_greedy", *(f"pass@{k}" for k in pass_k), "lm_loss", "drift_l2"]
@@ -147,12 +140,8 @@ def summarize(runs: list[dict], pass_k: list[int]) -> list[dict]:
         for arm in arms:
             picked = [r for r in runs if r["step"] == step and r["arm"] == arm]
             rows.append({"step": step, "arm": arm, "seeds": len(picked),
-                         **{key: _stat([r.get(key) for r in picked]) for key in keys}})
+                         **{key: mean_std([r.get(key) for r in picked]) for key in keys}})
     return rows
-
-
-def _fmt(stat: dict, digits: int = 3) -> str:
-    return "n/a" if stat["mean"] is None else f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
 def markdown(rows: list[dict], pass_k: list[int], labels: dict, pretraining: dict) -> str:
@@ -162,8 +151,8 @@ def markdown(rows: list[dict], pass_k: list[int], labels: dict, pretraining: dic
              f"{pretraining['arithmetic_splits']['kwargs']['num_test']} problems never in its corpus; mean ± sample "
              "std over seeds.", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        lines.append("| " + " | ".join([str(r["step"]), labels.get(r["arm"], r["arm"]), _fmt(r["accuracy_greedy"]),
-                                        _fmt(r["pass@1"]), _fmt(r[f"pass@{k}"]), _fmt(r["lm_loss"])]) + " |")
+        lines.append("| " + " | ".join([str(r["step"]), labels.get(r["arm"], r["arm"]), format_mean_std(r["accuracy_greedy"]),
+                                        format_mean_std(r["pass@1"]), format_mean_std(r[f"pass@{k}"]), format_mean_std(r["lm_loss"])]) + " |")
     return "\n".join(lines) + "\n"
 
 

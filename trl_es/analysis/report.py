@@ -111,8 +111,9 @@ def _plot_lmc(lmc: dict, path: str) -> None:
     save_figure(fig, path, dpi=100)
 
 
-def _counted(fn: Callable[[nn.Module], float] | None, bar) -> Callable[[nn.Module], float] | None:
-    """``fn``, advancing ``bar`` by one after each call (``None`` stays ``None``)."""
+def count_calls(fn: Callable[[nn.Module], float] | None, bar) -> Callable[[nn.Module], float] | None:
+    """``fn``, advancing the progress bar ``bar`` (``tqdm``) by one after each call (``None`` stays ``None``): the
+    evaluations a diagnostic makes (a reward per threshold, per point of a path) show as progress."""
     if fn is None:
         return None
 
@@ -227,7 +228,7 @@ def analyze(
     steps = len(plain) * (1 + with_kl + (len(taus) if reward_fn is not None else 0))
     steps += len(ts) * ((reward_fn is not None) + (loss_fn is not None)) + ("b" in plain)
     bar = tqdm(total=steps, desc="analyze", unit="eval", disable=not is_main_process())
-    reward_fn, loss_fn = _counted(reward_fn, bar), _counted(loss_fn, bar)
+    reward_fn, loss_fn = count_calls(reward_fn, bar), count_calls(loss_fn, bar)
 
     report["drift"] = {}
     for k, m in plain.items():

@@ -151,18 +151,23 @@ class _UpdateOrder:
         self.names, self.cur, self.base, self.seed = names, cur, base, seed
         self.numels = [cur[n].numel() for n in names]
         self._orders: dict[str, object] = {}
+        self._abs_deltas: list[torch.Tensor] | None = None
 
-    def _abs_delta(self, n: str) -> torch.Tensor:
-        return (self.cur[n].detach().float().cpu() - self.base[n].detach().float().cpu()).abs().flatten()
+    def abs_deltas(self) -> list[torch.Tensor]:
+        """``|theta - theta_0|`` of every compared tensor, flat, in float32 on the CPU (computed once, for every
+        magnitude mode)."""
+        if self._abs_deltas is None:
+            self._abs_deltas = [(self.cur[n].detach().float().cpu() - self.base[n].detach().float().cpu()).abs()
+                                .flatten() for n in self.names]
+        return self._abs_deltas
 
     def order(self, mode: str):
         if mode not in self._orders:
             if mode == "global":
-                flat = torch.cat([self._abs_delta(n) for n in self.names])
+                flat = torch.cat(self.abs_deltas())
                 self._orders[mode] = torch.argsort(flat, descending=True, stable=True)
             elif mode == "per_tensor":
-                self._orders[mode] = [torch.argsort(self._abs_delta(n), descending=True, stable=True)
-                                      for n in self.names]
+                self._orders[mode] = [torch.argsort(d, descending=True, stable=True) for d in self.abs_deltas()]
             else:
                 generator = torch.Generator().manual_seed(self.seed)
                 self._orders[mode] = torch.randperm(sum(self.numels), generator=generator)

@@ -31,6 +31,7 @@ import math
 import random
 from collections.abc import Sequence
 
+from ..arguments import check_int
 from .arithmetic import _check_args, arithmetic_question, worked_answer
 
 __all__ = [
@@ -441,15 +442,9 @@ def arithmetic_document(a: int, op: str, b: int, answer_format: str = "worked") 
 
 
 def _check_sentences(min_sentences: int, max_sentences: int) -> None:
-    if isinstance(min_sentences, bool) or not isinstance(min_sentences, int) or min_sentences < 1:
-        raise ValueError(f"min_sentences must be an integer >= 1, got {min_sentences!r}")
+    check_int("min_sentences", min_sentences, 1)
     if isinstance(max_sentences, bool) or not isinstance(max_sentences, int) or max_sentences < min_sentences:
         raise ValueError(f"max_sentences must be an integer >= min_sentences ({min_sentences}), got {max_sentences!r}")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _problem_key(problem) -> tuple[int, str, int]:
@@ -527,8 +522,8 @@ def pretraining_arithmetic_splits(
     """
     from .arithmetic import make_arithmetic_dataset_dict
 
-    _check_int("num_validation", num_validation, 0)
-    _check_int("num_test", num_test, 0)
+    check_int("num_validation", num_validation, 0)
+    check_int("num_test", num_test, 0)
     ops = _check_args(low, high, ops)
     size = len(ops) * (high - low + 1) ** 2
     num_train = size - num_validation - num_test
@@ -596,12 +591,12 @@ def make_pretraining_corpus(
     """
     from datasets import Dataset, DatasetDict
 
-    _check_int("num_documents", num_documents, 1)
+    check_int("num_documents", num_documents, 1)
     if isinstance(task_fraction, bool) or not isinstance(task_fraction, (int, float)) or not (
         math.isfinite(task_fraction) and 0.0 <= task_fraction <= 1.0
     ):
         raise ValueError(f"task_fraction must be a number in [0, 1], got {task_fraction!r}")
-    _check_int("num_general_eval", num_general_eval, 0)
+    check_int("num_general_eval", num_general_eval, 0)
     ops = _check_args(low, high, ops)
     _check_sentences(min_sentences, max_sentences)
     if answer_format not in ANSWER_FORMATS:
