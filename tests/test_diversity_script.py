@@ -56,3 +56,10 @@ def test_recipe_parses(div):
     args = div.parse_args(["--config", os.path.join(root, "diversity_tiny.yaml")])
     assert args.population_sizes == [4, 8, 24] and args.seeds == [0, 1, 2] and args.pass_k == [1, 4, 8]
     assert args.model_name_or_path == "runs/pretrain_from_scratch/checkpoint-2000" and args.conversational is False
+
+
+def test_bad_arguments_name_the_field(div):
+    with pytest.raises(ValueError, match="population_sizes must be integers >= 2"):
+        div.parse_args(["--population_sizes", "1", "4"])
+    with pytest.raises(ValueError, match="pass_k values must be in"):
+        div.parse_args(["--num_samples", "4", "--pass_k", "8"])

@@ -95,3 +95,12 @@ def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
     held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
     key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
     assert key(splits["test"]) == key(held["test"]) and key(splits["validation"]) == key(held["validation"])
+
+
+def test_bad_arguments_name_the_field(geo):
+    with pytest.raises(ValueError, match="held_out_ops"):
+        geo.parse_args(["--task_ops", "+", "--held_out_ops", "+", "-"])
+    with pytest.raises(ValueError, match="analysis_prompts must be in"):
+        geo.parse_args(["--num_test_prompts", "10", "--analysis_prompts", "11"])
+    with pytest.raises(ValueError, match="lmc_points must be >= 2"):
+        geo.parse_args(["--lmc_points", "1"])
