@@ -37,7 +37,7 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
     argv = [
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--seeds", "0", "1",
         "--es_max_steps", "2", "--grpo_max_steps", "2", "--eval_every", "1", "--lmc_points", "3",
-        "--num_train_prompts", "8", "--num_validation_prompts", "3", "--num_test_prompts", "4",
+        "--num_train_prompts", "8", "--num_validation_prompts", "6", "--num_test_prompts", "8",
         "--analysis_prompts", "3", "--max_completion_length", "5", "--num_generations", "4", "--prompts_per_step", "1",
         "--learning_rate", "1e-2", "--keep_fractions", "0.1", "1.0", "--num_kl_prompts", "2",
         "--kl_max_new_tokens", "4", "--eval_batch_size", "4",
@@ -75,9 +75,19 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text())["summary"] == json.loads(json.dumps(summary))
 
     # a finished seed is reused: nothing is trained again
+    real_train = geo.train_method
     monkeypatch.setattr(geo, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
     again = geo.main(argv)
     assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
+
+    # the sparsity curves of each run's last checkpoint: its full update at fraction 1, scored on the same prompts
+    monkeypatch.setattr(geo, "train_method", real_train)
+    last = geo.main([*argv, "--seeds", "0", "--sparsity_checkpoint", "last", "--output_dir", str(tmp_path / "last")])
+    a = last["seeds"][0]["analysis"]
+    assert a["sparsity_steps"] == {"es": 2, "grpo": 2}
+    assert results["seeds"][0]["analysis"]["sparsity_steps"] == {m: results["seeds"][0]["match"][m]["step"]
+                                                                for m in ("es", "grpo")}
+    assert "Sparsity curves of the last checkpoints" in (tmp_path / "last" / "results.md").read_text()
 
 
 def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
@@ -97,10 +107,29 @@ def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
     assert key(splits["test"]) == key(held["test"]) and key(splits["validation"]) == key(held["validation"])
 
 
+def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(geo):
+    from trl_es.tasks.pretraining_corpus import pretraining_arithmetic_splits
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    args = geo.parse_args(["--config", os.path.join(root, "geometry_addition_tiny.yaml")])
+    assert (args.task_ops, args.held_out_ops, args.es_max_steps, args.grpo_max_steps) == (["+"], ["-"], 90, 60)
+    assert args.sparsity_checkpoint == "last"
+    assert args.model_name_or_path.endswith("checkpoint-1500")
+    splits = geo.splits_of(args)
+    held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
+    key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
+    assert {op for _, op, _ in key(splits["test"])} == {"+"} and {op for _, op, _ in key(splits["held_out"])} == {"-"}
+    # the trained and the held-out test problems are exactly pre-training's held-out test problems
+    assert sorted(key(splits["test"]) + key(splits["held_out"])) == sorted(key(held["test"]))
+    assert {r["op"] for r in splits["train_dataset"]} == {"+"} and {r["op"] for r in splits["validation"]} == {"+"}
+
+
 def test_bad_arguments_name_the_field(geo):
     with pytest.raises(ValueError, match="held_out_ops"):
         geo.parse_args(["--task_ops", "+", "--held_out_ops", "+", "-"])
     with pytest.raises(ValueError, match="analysis_prompts must be in"):
         geo.parse_args(["--num_test_prompts", "10", "--analysis_prompts", "11"])
+    with pytest.raises(ValueError, match="sparsity_checkpoint must be 'matched' or 'last'"):
+        geo.GeometryArguments(sparsity_checkpoint="best")
     with pytest.raises(ValueError, match="lmc_points must be >= 2"):
         geo.parse_args(["--lmc_points", "1"])

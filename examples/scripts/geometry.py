@@ -66,9 +66,12 @@ class GeometryArguments:
         "help": "Operators of the held-out task (forgetting check); empty: none (the LM loss on held-out text is "
                 "the forgetting check then)."})
     conversational: bool = field(default=True, metadata={"help": "Chat-formatted prompts (an instruct model)."})
-    num_train_prompts: int = field(default=400, metadata={"help": "Training prompts."})
-    num_validation_prompts: int = field(default=100, metadata={"help": "Validation prompts (matching)."})
-    num_test_prompts: int = field(default=200, metadata={"help": "Test prompts (every reported accuracy)."})
+    num_train_prompts: int = field(default=400, metadata={
+        "help": "Training problems drawn (with the held-out operators' ones, which are not trained on)."})
+    num_validation_prompts: int = field(default=100, metadata={
+        "help": "Validation problems (matching) drawn, held-out operators included."})
+    num_test_prompts: int = field(default=200, metadata={
+        "help": "Test problems drawn (every reported accuracy), held-out operators included."})
     max_completion_length: int = field(default=12, metadata={"help": "Completion tokens (training and evaluation)."})
     # ES
     es_recipe: str = field(default=DEFAULT_RECIPE, metadata={"help": "YAML recipe whose ESConfig keys configure ES."})
@@ -89,6 +92,9 @@ class GeometryArguments:
         "help": "Test prompts scored at every point of the LMC path and the sparsity curves (the first ones)."})
     keep_fractions: list[float] = field(default_factory=lambda: [0.001, 0.01, 0.1, 0.3, 1.0],
                                         metadata={"help": "Fractions of an update's entries kept (sparsity)."})
+    sparsity_checkpoint: str = field(default="matched", metadata={
+        "help": "Whose updates the sparsity curves take: the matched checkpoints, or each run's last one (its whole "
+                "budget's gain).", "choices": ["matched", "last"]})
     num_kl_prompts: int = field(default=32, metadata={"help": "Off-task (Countdown) prompts for the KL."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
     lm_loss_texts: str | None = field(default=None, metadata={
@@ -108,24 +114,51 @@ class GeometryArguments:
         if not 1 <= self.analysis_prompts <= self.num_test_prompts:
             raise ValueError(f"analysis_prompts must be in [1, num_test_prompts={self.num_test_prompts}], got "
                              f"{self.analysis_prompts}.")
+        if self.sparsity_checkpoint not in ("matched", "last"):
+            raise ValueError(f"sparsity_checkpoint must be 'matched' or 'last', got {self.sparsity_checkpoint!r}.")
         if set(self.held_out_ops or []) & set(self.task_ops):
             raise ValueError(f"held_out_ops {self.held_out_ops} must not share an operator with task_ops "
                              f"{self.task_ops}.")
 
 
-def splits_of(args: GeometryArguments) -> dict:
-    """train / validation / test of the trained task, and ``held_out`` (the other operators' test split)."""
+def operator_splits(args, groups: dict[str, list[str]]) -> dict:
+    """One train / validation / test split of the arithmetic grid of every group's operators
+    (``make_arithmetic_dataset_dict`` with ``args``' task seed, operand range and prompt format), divided by group.
+
+    Drawing one split of the union keeps the problems each split held out: with ``+`` and ``-`` and the task seed of a
+    :mod:`trl_es.pretraining` run it is that run's split, so no validation or test problem of any group was in its
+    corpus, whichever group is trained.
+
+    Returns:
+        dict: ``{group: DatasetDict}`` with ``train``, ``validation`` and ``test`` rows of that group's operators.
+
+    Raises:
+        ValueError: if a group has an empty split (naming the group and the sizes).
+    """
     from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
 
-    task = dict(seed=args.task_seed, low=args.task_low, high=args.task_high, conversational=args.conversational)
-    splits = make_arithmetic_dataset_dict(args.num_train_prompts, args.num_validation_prompts, args.num_test_prompts,
-                                          ops=args.task_ops, **task)
-    rows = {name: [split[i] for i in range(len(split))] for name, split in splits.items()}
-    held_out = []
-    if args.held_out_ops:
-        split = make_arithmetic_dataset_dict(0, 0, args.num_test_prompts, ops=args.held_out_ops, **task)["test"]
-        held_out = [split[i] for i in range(len(split))]
-    return {**rows, "held_out": held_out, "train_dataset": splits["train"]}
+    grid = make_arithmetic_dataset_dict(args.num_train_prompts, args.num_validation_prompts, args.num_test_prompts,
+                                        seed=args.task_seed, low=args.task_low, high=args.task_high,
+                                        ops=[op for ops in groups.values() for op in ops],
+                                        conversational=args.conversational)
+    out = {}
+    for group, ops in groups.items():
+        out[group] = grid.filter(lambda row, ops=frozenset(ops): row["op"] in ops)
+        sizes = {name: len(split) for name, split in out[group].items()}
+        if min(sizes.values()) == 0:
+            raise ValueError(f"{group} ({'/'.join(ops)}) has an empty split {sizes}: raise num_train_prompts, "
+                             "num_validation_prompts or num_test_prompts.")
+    return out
+
+
+def splits_of(args: GeometryArguments) -> dict:
+    """train / validation / test of the trained task, and ``held_out`` (the held-out operators' test split), from
+    one split of the grid of both (:func:`operator_splits`)."""
+    groups = {"task": args.task_ops, **({"held_out": args.held_out_ops} if args.held_out_ops else {})}
+    splits = operator_splits(args, groups)
+    rows = {name: list(split) for name, split in splits["task"].items()}
+    held_out = list(splits["held_out"]["test"]) if args.held_out_ops else []
+    return {**rows, "held_out": held_out, "train_dataset": splits["task"]["train"]}
 
 
 def reward_funcs() -> list:
@@ -219,8 +252,9 @@ def lm_texts(args: GeometryArguments, off_task: list) -> list:
     return off_task
 
 
-def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict) -> dict:
-    """Everything of step 3 (module docstring) for one matched pair."""
+def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict, last: dict | None = None) -> dict:
+    """Everything of step 3 (module docstring) for one matched pair; the sparsity curves of the checkpoints ``last``
+    (``{method: {"step", "path"}}``) instead when ``--sparsity_checkpoint last``."""
     from tqdm.auto import tqdm
 
     from trl_es.analysis import (
@@ -263,7 +297,13 @@ def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict)
                                              max_new_tokens=args.kl_max_new_tokens, seed=seed)["kl"] for m in METHODS}
         lmc = mode_connectivity(models["es"], models["grpo"], ts, reward_fn=counted(subset), loss_fn=counted(loss))
         out["lmc"] = lmc
-        out["sparsity"] = {m: update_fraction_curve(models[m], base, args.keep_fractions, counted(subset))
+        sparse = dict(models)
+        out["sparsity_steps"] = {m: chosen[m]["step"] for m in METHODS}
+        if args.sparsity_checkpoint == "last":
+            out["sparsity_steps"] = {m: last[m]["step"] for m in METHODS}
+            sparse.update({m: load_model_and_tokenizer(last[m]["path"])[0] for m in METHODS
+                           if last[m]["path"] != chosen[m]["path"]})
+        out["sparsity"] = {m: update_fraction_curve(sparse[m], base, args.keep_fractions, counted(subset))
                            for m in METHODS}
     return out
 
@@ -296,12 +336,14 @@ def summarize(seeds: list[dict]) -> dict:
     return summary
 
 
-def markdown(args: GeometryArguments, seeds: list[dict], summary: dict) -> str:
+def markdown(args: GeometryArguments, seeds: list[dict], summary: dict, splits: dict) -> str:
+    num_test, num_held_out = len(splits["test"]), len(splits["held_out"])
     lines = [f"Base `{args.model_name_or_path}`; arithmetic {'/'.join(args.task_ops)} with operands "
              f"{args.task_low}..{args.task_high} (task seed {args.task_seed}); held-out task: "
              f"{'/'.join(args.held_out_ops) or 'none'}. Training seeds {args.seeds}; matched seeds {summary['matched_seeds']} "
-             "(mean ± sample std over them). Test split: "
-             f"{args.num_test_prompts} prompts; path and sparsity curves on its first {args.analysis_prompts}.", "",
+             f"(mean ± sample std over them). Test split: {num_test} problems of the task"
+             + (f" and {num_held_out} of the held-out task" if num_held_out else "")
+             + f"; path and sparsity curves on the first {min(args.analysis_prompts, num_test)} of the task's.", "",
              "| seed | ES step | GRPO step | target (val) | matched |", "|---|---|---|---|---|"]
     for s in seeds:
         m = s["match"]
@@ -321,6 +363,7 @@ def markdown(args: GeometryArguments, seeds: list[dict], summary: dict) -> str:
               f"- cosine of the two updates: {format_mean_std(summary['update_cosine'], 4)}",
               f"- LMC barrier, test accuracy: {format_mean_std(summary['lmc_reward_barrier'])}; LM loss: "
               f"{format_mean_std(summary['lmc_loss_barrier'])} nats", ""]
+    lines += [f"Sparsity curves of the {args.sparsity_checkpoint} checkpoints:", ""]
     header = ["kept fraction"] + [f"{m} {mode}" for m in METHODS for mode in summary["sparsity"][m]]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, fraction in enumerate(summary["keep_fractions"]):
@@ -393,7 +436,7 @@ def run_seed(args: GeometryArguments, seed: int, splits: dict) -> dict:
     if chosen["matched"]:
         print(f"[geometry] seed {seed}: matched at validation accuracy {chosen['target']:.3f} (ES step "
               f"{chosen['es']['step']}, GRPO step {chosen['grpo']['step']}); analysing", flush=True)
-        result["analysis"] = analyse_seed(args, seed, splits, chosen)
+        result["analysis"] = analyse_seed(args, seed, splits, chosen, {m: runs[m][-1] for m in METHODS})
     else:
         print(f"[geometry] seed {seed}: the weaker run's best validation accuracy ({chosen['target']:.3f}) does not "
               f"beat the base's ({base_validation:.3f}): nothing to match", flush=True)
@@ -420,9 +463,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"args": dataclasses.asdict(args), "seeds": seeds, "summary": summary}
     if is_main_process():
         write_json(os.path.join(args.output_dir, "results.json"), results)
-        write_text(os.path.join(args.output_dir, "results.md"), markdown(args, seeds, summary))
+        write_text(os.path.join(args.output_dir, "results.md"), markdown(args, seeds, summary, splits))
         plots(summary, args.output_dir)
-    print(markdown(args, seeds, summary), flush=True)
+    print(markdown(args, seeds, summary, splits), flush=True)
     return results
 
 
