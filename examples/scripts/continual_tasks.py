@@ -139,12 +139,11 @@ def stage_arguments(args: ContinualArguments, start: str, updates: int, ops: lis
         es_max_steps=updates, grpo_max_steps=updates, analysis_prompts=1)
 
 
-def measure(args: ContinualArguments, model, base, tokenizer, splits: dict, loss) -> dict:
-    """Test accuracy on A and B, LM loss, update norm from the base."""
+def measure(model, base, accuracy: dict, loss) -> dict:
+    """Test accuracy on A and B (``accuracy``: ``{"A": fn, "B": fn}``), LM loss, update norm from the base."""
     from trl_es.analysis import parameter_drift
 
-    geo_args = stage_arguments(args, args.model_name_or_path, 1, args.task_a_ops)
-    out = {f"accuracy_{t}": _geometry().accuracy_fn(geo_args, tokenizer, splits[t]["test"])(model) for t in "AB"}
+    out = {f"accuracy_{t}": fn(model) for t, fn in accuracy.items()}
     out["lm_loss"] = loss(model)
     out["update_norm"] = parameter_drift(model, base, per_group=False)["l2"]
     return out
@@ -168,7 +167,8 @@ def run_seed(args: ContinualArguments, seed: int, splits: dict) -> dict:
     base, tokenizer = load_model_and_tokenizer(args.model_name_or_path)
     eval_args = stage_arguments(args, args.model_name_or_path, 1, args.task_a_ops)
     loss = lm_loss_fn(tokenizer, geo.lm_texts(eval_args, [] if args.lm_loss_texts else geo.off_task_prompts(eval_args)))
-    result = {"seed": seed, "settings": settings, "base": measure(args, base, base, tokenizer, splits, loss),
+    accuracy = {t: geo.accuracy_fn(eval_args, tokenizer, splits[t]["test"]) for t in "AB"}
+    result = {"seed": seed, "settings": settings, "base": measure(base, base, accuracy, loss),
               "arms": {}}
     print(f"[continual] seed {seed}: base accuracy A {result['base']['accuracy_A']:.3f}, "
           f"B {result['base']['accuracy_B']:.3f}", flush=True)
@@ -183,7 +183,7 @@ def run_seed(args: ContinualArguments, seed: int, splits: dict) -> dict:
             minutes = (time.monotonic() - began) / 60.0
             start = record[-1]["path"]
             model = load_model_and_tokenizer(start)[0]
-            stages[stage] = {**measure(args, model, base, tokenizer, splits, loss), "path": start,
+            stages[stage] = {**measure(model, base, accuracy, loss), "path": start,
                              "train_minutes": minutes, "validation_accuracy": record[-1]["validation_accuracy"]}
             del model
             print(f"[continual] seed {seed}: {arm} after {stage}: accuracy A {stages[stage]['accuracy_A']:.3f}, "

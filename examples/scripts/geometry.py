@@ -297,12 +297,10 @@ def analyse_seed(args: GeometryArguments, seed: int, splits: dict, chosen: dict,
                                              max_new_tokens=args.kl_max_new_tokens, seed=seed)["kl"] for m in METHODS}
         lmc = mode_connectivity(models["es"], models["grpo"], ts, reward_fn=counted(subset), loss_fn=counted(loss))
         out["lmc"] = lmc
-        sparse = dict(models)
-        out["sparsity_steps"] = {m: chosen[m]["step"] for m in METHODS}
-        if args.sparsity_checkpoint == "last":
-            out["sparsity_steps"] = {m: last[m]["step"] for m in METHODS}
-            sparse.update({m: load_model_and_tokenizer(last[m]["path"])[0] for m in METHODS
-                           if last[m]["path"] != chosen[m]["path"]})
+        pick = last if args.sparsity_checkpoint == "last" else chosen
+        out["sparsity_steps"] = {m: pick[m]["step"] for m in METHODS}
+        sparse = {m: models[m] if pick[m]["path"] == chosen[m]["path"]
+                  else load_model_and_tokenizer(pick[m]["path"])[0] for m in METHODS}
         out["sparsity"] = {m: update_fraction_curve(sparse[m], base, args.keep_fractions, counted(subset))
                            for m in METHODS}
     return out
