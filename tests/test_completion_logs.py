@@ -177,9 +177,10 @@ def test_num_generations_eval(tmp_path, tokenizer, one_thread):
 
 
 @pytest.mark.parametrize("field, kwargs, match", [
-    ("num_generations_eval", dict(num_generations_eval=2), r"num_generations_eval=2 with greedy decoding"),
+    ("num_generations_eval", dict(num_generations_eval=2, temperature=0.0),
+     r"num_generations_eval=2 with greedy decoding"),
     ("num_generations_eval", dict(num_generations_eval=0, temperature=1.0), r"num_generations_eval must be None or"),
-    ("num_completions_to_print", dict(num_completions_to_print=0), r"num_completions_to_print must be None or"),
+    ("num_completions_to_print", dict(num_completions_to_print=-1), r"num_completions_to_print must be None"),
     ("log_completions_hub_repo", dict(log_completions_hub_repo="me/x"), r"log_completions is False"),
 ])
 def test_bad_logging_and_eval_settings_are_refused_by_name(tmp_path, field, kwargs, match):

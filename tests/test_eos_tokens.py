@@ -295,15 +295,18 @@ def test_vllm_sampling_arguments_stop_at_every_eos_id(eos_tokenizer):
 
 
 def test_vllm_takes_the_settings_generate_fills_from_the_model(eos_tokenizer):
-    """transformers' generate fills unset settings from the model's generation_config (e.g. a repetition penalty,
-    or the EOS list when the config leaves it unset); the vLLM engine is given the same."""
+    """transformers' generate fills unset settings from the model's generation_config (e.g. a min-p, or the EOS list
+    when the config leaves it unset); the vLLM engine is given the same. The repetition penalty is explicit (1.0, as
+    GRPO sets it; issue 42), so the model's own does not apply in either."""
     model = scripted_llama(eos_tokenizer, ("<|im_end|>", EOT), EOT)
     model.generation_config.repetition_penalty = 1.3
+    model.generation_config.min_p = 0.05
     config = build_generation_config(eos_tokenizer, 8, generation_kwargs={"eos_token_id": None})
     filled = with_model_defaults(config, model.generation_config)
-    assert filled.repetition_penalty == 1.3 and filled.eos_token_id == ids_of(eos_tokenizer, "<|im_end|>", EOT)
-    assert config.repetition_penalty is None and config.eos_token_id is None  # the input is unchanged
-    assert sampling_kwargs(filled, 1, eos_tokenizer.eos_token_id)[0]["repetition_penalty"] == 1.3
+    assert filled.min_p == 0.05 and filled.eos_token_id == ids_of(eos_tokenizer, "<|im_end|>", EOT)
+    assert config.min_p is None and config.eos_token_id is None  # the input is unchanged
+    assert filled.repetition_penalty == config.repetition_penalty == 1.0
+    assert sampling_kwargs(filled, 1, eos_tokenizer.eos_token_id)[0]["repetition_penalty"] == 1.0
     explicit = build_generation_config(eos_tokenizer, 8, generation_kwargs={"repetition_penalty": 1.1})
     assert with_model_defaults(explicit, model.generation_config).repetition_penalty == 1.1  # the user's wins
 

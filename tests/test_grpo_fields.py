@@ -1,4 +1,5 @@
-"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/es/grpo_fields.py); greedy num_generations > 1 refused."""
+"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/es/grpo_fields.py); num_generations > 1 with an explicit
+greedy temperature refused."""
 
 import dataclasses
 import os
@@ -53,7 +54,8 @@ def test_docs_page_is_the_generated_table():
     )
     for entry in GRPO_FIELDS:
         assert f"| `{entry.name}`" in page
-    assert "| `temperature` | `1.0` | `0.0` |" in page and "| `num_generations` | `8` | `1` |" in page
+    assert "| `temperature` | `1.0` | `None`, resolved to `0.0` (greedy" in page
+    assert "| `num_generations` | `8` | `1` |" in page
 
 
 @pytest.mark.parametrize("name, value, counterpart", [
@@ -123,11 +125,12 @@ def test_honoured_generation_fields_reach_the_trainers_generation_config(tmp_pat
     args = ESConfig(output_dir=str(tmp_path), temperature=1.0, top_k=7, generation_kwargs={"top_k": 3})
     assert args.generation_kwargs == {"top_k": 3}
     assert ESConfig(output_dir=str(tmp_path), top_k=0, repetition_penalty=1.0).generation_kwargs is None
-    # repetition_penalty works with greedy decoding; the sampling filters are refused there
+    # repetition_penalty works with greedy decoding; the sampling filters are refused with an explicit greedy
+    # temperature (unset, they sample at GRPO's 1.0: tests/test_grpo_config_parity.py)
     assert ESConfig(output_dir=str(tmp_path), repetition_penalty=1.2).generation_kwargs == {"repetition_penalty": 1.2}
     for name, value in (("top_k", 5), ("min_p", 0.1)):
         with pytest.raises(ValueError, match=f"^{name}={value} filters tokens when sampling.*temperature > 0"):
-            ESConfig(output_dir=str(tmp_path), **{name: value})
+            ESConfig(output_dir=str(tmp_path), temperature=0.0, **{name: value})
 
 
 def test_honoured_model_and_data_fields(tmp_path):
@@ -148,16 +151,18 @@ def test_honoured_model_and_data_fields(tmp_path):
 
 
 def test_num_generations_above_one_with_greedy_decoding_is_refused_by_name(tmp_path):
+    """An explicit temperature=0 (left unset, num_generations > 1 samples at GRPO's 1.0: test_grpo_config_parity)."""
     with pytest.raises(ValueError, match=r"^num_generations=8 with greedy decoding \(temperature=0\) would score 8 "
-                                         r"identical copies.*set temperature > 0 \(e.g. 1.0, GRPO's default\).*"
+                                         r"identical copies.*set temperature > 0 \(e.g. 1.0, GRPO's default.*\).*"
                                          r"or num_generations=1"):
-        ESConfig(output_dir=str(tmp_path), num_generations=8)
+        ESConfig(output_dir=str(tmp_path), num_generations=8, temperature=0.0)
     assert ESConfig(output_dir=str(tmp_path), num_generations=8, temperature=1.0).num_generations == 8
     assert ESConfig(output_dir=str(tmp_path), num_generations=1).temperature == 0.0  # the ES reference's default
     # sampling switched on through generation_kwargs counts as sampling
     ESConfig(output_dir=str(tmp_path), num_generations=2, generation_kwargs={"do_sample": True, "temperature": 0.7})
     with pytest.raises(ValueError, match="^num_generations=2 with greedy decoding"):
-        TrlESParser((ESConfig,)).parse_args_and_config(["--output_dir", str(tmp_path), "--num_generations", "2"])
+        TrlESParser((ESConfig,)).parse_args_and_config(["--output_dir", str(tmp_path), "--num_generations", "2",
+                                                        "--temperature", "0"])
 
 
 def test_trust_remote_code_reaches_the_tokenizer_and_reward_model_loads(tmp_path, tiny_model_dir, monkeypatch):

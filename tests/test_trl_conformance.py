@@ -15,8 +15,9 @@ How the TRL tests translate:
 * TRL's common ``GRPOConfig(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
   max_completion_length=8)`` is :func:`grpo_args`: ``prompt_batch_size=3`` (``per_device_train_batch_size=3`` is kept:
   ESConfig accepts it when it equals the derived ``prompt_batch_size / processes``), ``num_generations=3`` with
-  ``temperature=1.0`` (ES's default is greedy decoding, and ``num_generations > 1`` with greedy decoding is refused by
-  name), a population of 4, ES's ``sigma`` / ``learning_rate``, and ``max_steps`` (TRL trains 3 epochs).
+  ``temperature=1.0`` (what an unset temperature resolves to with ``num_generations > 1``, GRPO's default; kept
+  explicit so the cases that override ``num_generations`` still sample), a population of 4, ES's ``sigma`` /
+  ``learning_rate``, and ``max_steps`` (TRL trains 3 epochs).
 * TRL's "every parameter changed" assertion holds for ES too (full-rank noise moves every trained parameter when the
   members' fitness differs); where TRL expects no change, ES's step is bitwise zero.
 """
@@ -139,8 +140,6 @@ NOT_PORTED = {
                                       "awd_lambda).",
     "test_train_beta_non_zero": "beta > 0 (KL to a reference model): ES has no KL term; ESConfig accepts only 0.0 "
                                 "(counterpart: awd_lambda).",
-    "test_train_with_pad_to_multiple_of": "pad_to_multiple_of: ES pads each batch to its longest prompt; padding to a "
-                                          "multiple is not supported yet (refused by name).",
     "test_get_off_policy_mask": _OFF_POLICY,
     "test_get_off_policy_mask_padding": _OFF_POLICY,
     "test_train_with_off_policy_mask": _OFF_POLICY,
@@ -226,7 +225,7 @@ def test_every_trl_case_is_ported_or_listed():
     assert all(reason.strip() for reason in NOT_PORTED.values())
     for name in ported:  # each port names its TRL test first thing in its docstring
         assert (module[name].__doc__ or "").startswith(f"TRL: TestGRPOTrainer.{name}."), name
-    assert len(ported) == 44 and len(listed) == 72
+    assert len(ported) == 45 and len(listed) == 71
 
 
 # ---------------------------------------------------------------------------------------------- tiny stand-ins
@@ -1295,6 +1294,25 @@ def test_train_with_mask_truncated_completions_all_masked(tmp_path, qwen2_dir, r
     assert log["completions/clipped_ratio"] == 1.0
     assert log["num_nan_members"] == trainer.args.population_size
     assert_unchanged(previous, trainer.model)
+
+
+def test_train_with_pad_to_multiple_of(tmp_path, qwen2_dir, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_pad_to_multiple_of. Prompt batches are left-padded to a multiple of 8
+    (checked on every generate call) and the model trains. Changed: ES pads prompts only (it has no completion
+    tensors of a loss to pad)."""
+    trainer = ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=grpo_args(tmp_path, pad_to_multiple_of=8),
+                        train_dataset=zen(split="train"))
+    widths, generate = [], trainer.model.generate
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return generate(*args, **kwargs)
+
+    trainer.model.generate = spy
+    previous = params(trainer.model)
+    trainer.train()
+    assert widths and all(width % 8 == 0 for width in widths)
+    assert_trained(trainer, previous, [QWEN2_RM])
 
 
 # ---------------------------------------------------------------------------------------------- missing pieces

@@ -426,3 +426,35 @@ def test_trainer_with_vllm_model_impl_ends_bitwise_as_without(tokenizer, tmp_pat
     for name in with_vllm:
         assert torch.equal(with_vllm[name], without[name]), name
     assert [h["reward"] for h in history] == [h["reward"] for h in history_hf]
+
+
+def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings():
+    """Issue 42 (classes 2 and 3) in the engine: plain-text prompts go in with the tokenizer's BOS (GRPO's
+    ``processing_class(text=prompts)``), and a model whose generation config holds ``repetition_penalty=3.0`` decodes
+    with ES's explicit 1.0: the engine's greedy completions equal the HF eager engine's, and those of the same model
+    with a default generation config."""
+    from test_grpo_generation_parity import PLAIN, Recorder, bos_tokenizer
+
+    from trl_es.rollout import RewardScorer, score_model
+
+    tokenizer = bos_tokenizer()
+    model = build_vllm_llama(tokenizer)
+    reference = score_model(model, tokenizer, [{"prompt": p} for p in PLAIN], RewardScorer(Recorder()),
+                            build_generation_config(tokenizer, 10, model_generation_config=model.generation_config))
+    model.generation_config.update(repetition_penalty=3.0)
+    engine = make_engine(model, tokenizer)
+    params = TrainedParameters(list(model.named_parameters()), None, share_params=True)
+    engine.sync_weights(model, params, make_noise_source(1 << 20, "gaussian", torch.device("cpu")))
+    config = build_generation_config(tokenizer, 10, model_generation_config=model.generation_config)
+    seen, generate = [], engine.llm.generate
+
+    def spy(prompts, **kwargs):
+        seen.extend(p["prompt_token_ids"] for p in prompts)
+        return generate(prompts, **kwargs)
+
+    engine.llm.generate = spy
+    out = score_model(model, tokenizer, [{"prompt": p} for p in PLAIN], RewardScorer(Recorder()), config,
+                      engine=engine)
+    assert seen == tokenizer(text=PLAIN)["input_ids"] and all(ids[0] == tokenizer.bos_token_id for ids in seen)
+    assert out["completion_ids"] == reference["completion_ids"]
+    engine.close()

@@ -45,7 +45,12 @@ __all__ = [
     "embedded_gguf_location",
     "embedded_model_path",
     "load_model_and_tokenizer",
+    "load_policy",
+    "policy_init_kwargs",
+    "refuse_quantization",
     "resolve_model_path",
+    "warn_unused_init_kwargs",
+    "wrap_peft",
 ]
 
 #: Alias of the embedded default model, accepted wherever a model name or path is.
@@ -293,6 +298,110 @@ def load_model_and_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def refuse_quantization(quantization_config) -> None:
+    """Refuse a real quantization config (``None`` passes): TRL's GRPO scripts always hand one over, ``None`` unless
+    ``--load_in_4bit`` / ``--load_in_8bit``.
+
+    Raises:
+        ValueError: naming ``quantization_config`` and why ES does not load quantized models.
+    """
+    if quantization_config is None:
+        return
+    raise ValueError(
+        f"quantization_config={type(quantization_config).__name__}(...) is not supported by ESTrainer: ES perturbs "
+        "the trained weights in place and restores them bitwise, and quantized weights (bitsandbytes 4/8-bit, which "
+        "also needs CUDA) can be neither perturbed nor restored exactly; a quantized base under a LoRA adapter "
+        "(QLoRA) is not implemented either. Load the model unquantized (model_init_kwargs={'dtype': 'bfloat16'} "
+        "halves its memory) and leave load_in_4bit / load_in_8bit unset."
+    )
+
+
+def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None) -> dict:
+    """The ``from_pretrained`` keyword arguments of a policy given by name, as GRPOTrainer (TRL 1.16) builds them.
+
+    A copy of ``model_init_kwargs``; ``dtype`` defaults to ``float32`` when unset (GRPOTrainer's documented default,
+    TRL's ``create_model_from_path``: not transformers' ``"auto"``), and ``"bfloat16"`` / ``"float16"`` /
+    ``"float32"`` become torch dtypes (``"auto"``, ``None`` and torch dtypes pass). A ``quantization_config`` (the
+    trainer argument, or the ``model_init_kwargs`` entry TRL's ``examples/scripts/gspo.py`` sets) that is ``None``
+    is dropped; a real one is refused (:func:`refuse_quantization`).
+
+    Raises:
+        ValueError: ``quantization_config`` set both as the trainer argument and in ``model_init_kwargs`` (GRPO's
+            message), a real quantization config, or an invalid ``dtype`` (GRPO's message).
+    """
+    kwargs = dict(model_init_kwargs or {})
+    if quantization_config is not None and "quantization_config" in kwargs:
+        raise ValueError("You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`. "
+                         "Please set it in only one place, preferably as a trainer argument.")
+    refuse_quantization(quantization_config)
+    refuse_quantization(kwargs.pop("quantization_config", None))
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
+        dtype = getattr(torch, dtype)
+    elif not (isinstance(dtype, torch.dtype) or dtype == "auto" or dtype is None):
+        raise ValueError("Invalid `dtype` passed to the config. Expected either 'auto' or a string representing "
+                         f"a valid `torch.dtype` (e.g., 'float32'), but got {dtype}.")
+    kwargs["dtype"] = dtype
+    return kwargs
+
+
+def load_policy(name_or_path: str | os.PathLike | None, model_init_kwargs: dict | None = None,
+                quantization_config=None):
+    """Load the causal LM a trainer was given by name, as GRPOTrainer does (:func:`policy_init_kwargs`: ``float32``
+    unless ``model_init_kwargs`` sets a ``dtype``; set ``"auto"`` for the checkpoint's own dtype).
+
+    Args:
+        name_or_path: A hub id, a folder, or the embedded model (:func:`resolve_model_path`).
+        model_init_kwargs (`dict`, *optional*): ``from_pretrained`` keyword arguments (``ESConfig.model_init_kwargs``).
+        quantization_config (*optional*): GRPOTrainer's argument; only ``None`` is accepted.
+
+    Returns:
+        `transformers.PreTrainedModel`
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = policy_init_kwargs(model_init_kwargs, quantization_config)
+    if "dtype" not in (model_init_kwargs or {}):
+        logger.info("Loading %s in float32, GRPOTrainer's default when model_init_kwargs sets no dtype (set "
+                    "model_init_kwargs={'dtype': 'auto'} for the checkpoint's own dtype).", name_or_path)
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+
+
+def warn_unused_init_kwargs(model_init_kwargs: dict | None, quantization_config=None) -> None:
+    """GRPOTrainer's warnings for a model given as an instance: ``model_init_kwargs`` (beyond the
+    ``trust_remote_code`` that ``ESConfig(trust_remote_code=True)`` adds) and ``quantization_config`` are ignored."""
+    if set(model_init_kwargs or {}) - {"trust_remote_code"}:
+        logger.warning("You passed `model_init_kwargs` to the `ESConfig`, but your model is already instantiated. "
+                       "The `model_init_kwargs` will be ignored.")
+    if quantization_config is not None:
+        logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated. The "
+                       "`quantization_config` will be ignored.")
+
+
+def wrap_peft(model, peft_config):
+    """``get_peft_model(model, peft_config)`` with GRPOTrainer's checks; ``peft_config=None`` returns ``model``.
+
+    Raises:
+        TypeError: ``peft_config`` that is not a ``peft.PeftConfig`` (GRPO's message).
+        ValueError: a ``PeftModel`` together with a ``peft_config`` (GRPO's message; wrapping it again would train two
+            adapters, and the saved result would not reload).
+    """
+    if peft_config is None:
+        return model
+    from peft import PeftConfig, PeftModel, get_peft_model
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"`peft_config` must be a `peft.PeftConfig` instance (e.g. `peft.LoraConfig`), "
+                        f"got {type(peft_config).__name__}.")
+    if isinstance(model, PeftModel):
+        raise ValueError(
+            "You passed a `PeftModel` instance together with a `peft_config` to the trainer. Please first merge "
+            "and unload the existing adapter, save the resulting base model, and then pass that base model along "
+            "with the new `peft_config` to the trainer."
+        )
+    return get_peft_model(model, peft_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
-from trl.data_utils import is_conversational, maybe_apply_chat_template
+from trl.data_utils import apply_chat_template, is_conversational, maybe_apply_chat_template
 
-from .generation import GenerationEngine, eos_token_ids, generate_completions, stop_token_ids
+from .generation import (GenerationEngine, eos_token_ids, generate_completions, prompt_add_special_tokens,
+                         stop_token_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +98,21 @@ def build_generation_config(
     Completions end at every id of :func:`trl_es.generation.eos_token_ids`: the tokenizer's ``eos_token_id`` and
     the model's ``generation_config.eos_token_id`` (an int or a list, e.g. Gemma-3-it's ``<end_of_turn>``), as in
     TRL's ``GRPOTrainer``; one id stays an int. The pad id is the tokenizer's (it pads the prompts), else the
-    model's, else the first EOS id. Settings left unset here are filled by ``generate`` from the model's
-    ``generation_config``, as transformers does; ``generation_kwargs`` (``eos_token_id`` too) win over all.
+    model's, else the first EOS id. ``generation_kwargs`` (``eos_token_id`` too) win over all.
+
+    The decoding values are set explicitly, as GRPOTrainer sets them (``generate`` fills every setting left unset
+    from the model's ``generation_config``: a model shipped with ``repetition_penalty=3.0`` or ``do_sample=True``
+    would otherwise decode with it): ``do_sample`` and ``repetition_penalty=1.0`` always; when the config samples
+    (``temperature > 0``, or ``generation_kwargs={"do_sample": True}``) also ``temperature`` (``1.0``, GRPO's
+    default, when ``temperature`` is 0), ``top_p`` and ``top_k=0``. ``min_p`` stays unset unless
+    ``generation_kwargs`` give it, as GRPO leaves its ``min_p=None``. Settings GRPO does not set either (e.g.
+    ``no_repeat_ngram_size``) are still filled from the model's ``generation_config``, as in GRPO.
 
     Args:
         processing_class (`PreTrainedTokenizerBase`): The tokenizer.
         max_completion_length (`int`): ``max_new_tokens``.
-        temperature (`float`): ``0``: greedy; ``> 0``: sampling at this temperature, with ``top_p`` and
-            ``top_k=0``.
+        temperature (`float`): ``0``: greedy (unless ``generation_kwargs`` set ``do_sample=True``: then sampling
+            at temperature 1.0); ``> 0``: sampling at this temperature, with ``top_p`` and ``top_k=0``.
         top_p (`float`): Nucleus mass when sampling.
         generation_kwargs (`dict`, *optional*): Any ``GenerationConfig`` field, applied last.
         model_generation_config (`GenerationConfig`, *optional*): The model's ``model.generation_config``;
@@ -127,9 +135,10 @@ def build_generation_config(
         "pad_token_id": pad,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "do_sample": temperature > 0,
+        "repetition_penalty": 1.0,  # GRPO's default, explicit: a model's own penalty must not apply
     }
-    if temperature > 0:
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+    if bool((generation_kwargs or {}).get("do_sample", temperature > 0)):  # sampling values only when sampling
+        kwargs.update(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=0)
     kwargs.update(generation_kwargs or {})
     return GenerationConfig(**kwargs)
 
@@ -261,23 +270,30 @@ class RewardScorer:
             (``PreTrainedModel`` for sequence classification, or its id/path), or a list of them.
         reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
         reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded from the model path when ``None``).
-        model_init_kwargs (`dict`, *optional*): For reward models given by id/path.
+        model_init_kwargs (`dict`, *optional*): For reward models given by id/path, passed whole as GRPOTrainer passes
+            ``args.model_init_kwargs`` (so without a ``dtype`` transformers' ``"auto"``); its ``revision`` also loads
+            their tokenizers.
         trust_remote_code (`bool`): Passed to the reward models' and their tokenizers' loads (GRPO's option).
+        chat_template_kwargs (`dict`, *optional*): Passed to the reward tokenizers' chat templates for conversational
+            prompts (GRPO's ``args.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
 
     Raises:
         ValueError: if ``reward_weights`` has the wrong length, or no reward function is given.
     """
 
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, chat_template_kwargs: dict | None = None):
         if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
             raise ValueError("reward_funcs must be a callable, a reward model, or a non-empty list of them.")
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         self.reward_funcs: list = []
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        loaded = set()  # the reward models loaded here by id/path: their tokenizers take model_init_kwargs' revision
         for func in funcs:
             if isinstance(func, str):
                 func = AutoModelForSequenceClassification.from_pretrained(
                     func, num_labels=1, **{"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})})
+                loaded.add(id(func))
             if not (callable(func) or isinstance(func, nn.Module)):
                 raise TypeError(f"reward_funcs entries must be callables or reward models, got {type(func).__name__}.")
             self.reward_funcs.append(func)
@@ -303,7 +319,9 @@ class RewardScorer:
         self.processing_classes = []
         for func, cls in zip(self.reward_funcs, classes, strict=True):
             if isinstance(func, PreTrainedModel) and cls is None:
-                cls = AutoTokenizer.from_pretrained(func.config._name_or_path, trust_remote_code=trust_remote_code)
+                revision = (model_init_kwargs or {}).get("revision") if id(func) in loaded else None
+                cls = AutoTokenizer.from_pretrained(func.config._name_or_path, revision=revision,
+                                                    trust_remote_code=trust_remote_code)
             if cls is not None and cls.pad_token_id is None:
                 cls.pad_token = cls.eos_token
             if isinstance(func, PreTrainedModel):
@@ -400,9 +418,11 @@ class RewardScorer:
 
     @torch.no_grad()
     def _score_with_model(self, model, tokenizer, prompts, completions) -> torch.Tensor:
-        # As GRPOTrainer: a reward model scores the prompt + completion pair (it judges the answer in context).
+        # As GRPOTrainer: a reward model scores the prompt + completion pair (it judges the answer in context), a
+        # conversation rendered by its template with chat_template_kwargs.
         if is_conversational({"prompt": prompts[0]}):
-            texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions, strict=True)]
+            texts = [apply_chat_template({"messages": p + c}, tokenizer, **self.chat_template_kwargs)["text"]
+                     for p, c in zip(prompts, completions, strict=True)]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
@@ -473,11 +493,14 @@ def score_model(
         length), ``completions`` (texts), ``completion_ids``, ``num_tokens`` (completion tokens generated),
         ``terminated`` (`list[bool]`, one per completion: it ended with a stop id (EOS) or the pad id, as
         GRPOTrainer tells a terminated completion from a clipped one) and ``prompt_lengths`` (`list[int]`, one per
-        completion: its prompt's tokens, without special tokens, as the engines tokenize it).
+        completion: its prompt's tokens as the engines tokenize it: with the tokenizer's special tokens for
+        plain-text prompts, without for chat-templated ones, as GRPOTrainer; no padding).
     """
     prompts = prompt_texts(rows, processing_class, chat_template_kwargs)
+    special = prompt_add_special_tokens([row["prompt"] for row in rows[:1]])  # plain text: BOS as in GRPO
     texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations,
-                                      engine=engine, num_row_groups=num_row_groups, **generate_kwargs)
+                                      engine=engine, num_row_groups=num_row_groups, add_special_tokens=special,
+                                      **generate_kwargs)
     repeated_rows = [row for row in rows for _ in range(num_generations)]
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
@@ -485,7 +508,7 @@ def score_model(
     pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else processing_class.pad_token_id
     if pad is not None:
         ends.add(int(pad))
-    lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=False)["input_ids"]]
+    lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=special)["input_ids"]]
     return {
         "rewards_per_func": per_func,
         "invalid": invalid,

@@ -70,6 +70,9 @@ def parse_args():
     parser.add_argument("--kill_rank", type=int, default=0, help="The process that --kill_* kills.")
     parser.add_argument("--auto_resume", action="store_true",
                         help='resume_from_checkpoint="latest" in ESConfig: resume from the newest complete checkpoint.')
+    parser.add_argument("--plain_config", action="store_true",
+                        help="Several processes without use_cpu=True: ESConfig must find the launcher's world itself "
+                             "(tests/test_launch_world.py).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -143,7 +146,7 @@ def mean_code(completions, prompts=None, **kwargs):
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
-        vllm: bool = False, sigma: float = 0.02, log_completions: bool = False) -> dict:
+        vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -164,7 +167,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
             },
             "accelerator_config": {"use_configured_state": True},
         }
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not plain_config:
         extra = {"use_cpu": True}  # accelerate: several CPU processes (gloo)
 
     from datasets import Dataset
@@ -259,6 +262,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     if trainer.accelerator.is_main_process:
         result = {
             "world_size": trainer.accelerator.num_processes,
+            "args_world_size": config.world_size,
+            "use_cpu": config.use_cpu,
             "sharded": trainer.sharded,
             "model_wrapped": type(trainer.model_wrapped).__name__,
             "replicas_identical": checks,
@@ -283,7 +288,7 @@ def main():
                       kill_rank=args.kill_rank, auto_resume=args.auto_resume)
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
-        args.vllm, args.sigma, args.log_completions)
+        args.vllm, args.sigma, args.log_completions, args.plain_config)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

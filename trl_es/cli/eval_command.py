@@ -155,6 +155,7 @@ def evaluate(argv: list[str]) -> dict:
     Raises:
         ValueError: On bad arguments, ``pass_k`` above the number of samples, or an empty split.
     """
+    import torch
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
@@ -191,7 +192,9 @@ def evaluate(argv: list[str]) -> dict:
         shown = state.is_main_process
         greedy_rows = []
         bar = tqdm(total=len(mine), unit="completion", disable=not shown, desc=f"{eval_args.split}: greedy completions")
-        with bar:
+        with bar, torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else []):
+            if greedy.do_sample:  # generation_kwargs={"do_sample": True}: seeded as the sampled pass
+                torch.manual_seed(task_args.task_seed + state.process_index)
             for first in range(0, len(mine), eval_args.batch_size):
                 batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
                 out = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs,

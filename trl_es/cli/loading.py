@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from trl import ModelConfig
+from trl import ModelConfig, get_quantization_config
 
 
 def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_code: bool = False):
-    """The causal LM and its tokenizer (pad token = eos token when it has none), in ``float32`` unless a dtype is set.
+    """The causal LM and its tokenizer (pad token = eos token when it has none), in ``float32`` unless a dtype is set
+    (``"auto"``: the checkpoint's own dtype, as in TRL's ``ModelConfig``).
 
     Args:
         model_args (`ModelConfig`): ``model_name_or_path`` (a folder, hub id or ``embedded:`` name),
@@ -17,11 +18,15 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
 
     Returns:
         (`tuple[PreTrainedModel, PreTrainedTokenizer]`): The model and the tokenizer.
+
+    Raises:
+        ValueError: for ``load_in_4bit`` / ``load_in_8bit`` (ES does not load quantized models).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import resolve_model_path
+    from ..models import refuse_quantization, resolve_model_path
 
+    refuse_quantization(get_quantization_config(model_args))  # --load_in_4bit / --load_in_8bit: refused by name
     path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
                                               trust_remote_code=trust_remote_code)
@@ -30,7 +35,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
     dtype = dtype or model_args.dtype
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=model_args.model_revision, trust_remote_code=trust_remote_code,
-        dtype="float32" if dtype in (None, "auto") else dtype,
+        dtype="float32" if dtype is None else dtype,  # "auto": the checkpoint's dtype, as TRL's grpo.py loads it
         attn_implementation=model_args.attn_implementation,
     )
     return model, tokenizer

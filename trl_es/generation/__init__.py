@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Completions, GenerationEngine, eos_token_ids, model_device, stop_token_ids
+from .base import (Completions, GenerationEngine, eos_token_ids, model_device, prompt_add_special_tokens,
+                   resolve_pad_to_multiple_of, stop_token_ids)
 from .compiled import CompiledEngine, supports_static_cache
 from .eager import EagerEngine, common_prefix_length
 
@@ -33,13 +34,15 @@ def resolve_engine_name(name: str, model: nn.Module | None = None) -> str:
     return "eager"
 
 
-def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt_prefix: bool = False) -> GenerationEngine:
+def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt_prefix: bool = False,
+                pad_to_multiple_of: int | None = None) -> GenerationEngine:
     """Build an engine by name (``ESConfig.generation_engine``); ``"auto"`` is resolved against ``model``.
 
     Args:
         name (`str`): ``"auto"``, ``"eager"`` or ``"compiled"``.
         model (`nn.Module` or `None`): The model the engine will run (for ``"auto"``).
         share_prompt_prefix (`bool`): For the eager engine: compute the shared prompt prefix once per row group.
+        pad_to_multiple_of (`int`, *optional*): GRPO's: pad each prompt batch to a multiple of it.
 
     Raises:
         ValueError: for an unknown name, or ``"compiled"`` with a model that has no static-cache support.
@@ -49,8 +52,8 @@ def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt
         if model is not None and not supports_static_cache(model):
             raise ValueError(f"generation_engine='compiled' needs a model with static-cache support "
                              f"(_can_compile_fullgraph); {type(model).__name__} has none: use 'eager' or 'auto'.")
-        return CompiledEngine()
-    return EagerEngine(share_prompt_prefix=share_prompt_prefix)
+        return CompiledEngine(pad_to_multiple_of=pad_to_multiple_of)
+    return EagerEngine(share_prompt_prefix=share_prompt_prefix, pad_to_multiple_of=pad_to_multiple_of)
 
 
 @torch.no_grad()
@@ -83,6 +86,8 @@ __all__ = [
     "eos_token_ids",
     "generate_completions",
     "make_engine",
+    "prompt_add_special_tokens",
+    "resolve_pad_to_multiple_of",
     "resolve_engine_name",
     "stop_token_ids",
     "supports_static_cache",

@@ -47,9 +47,10 @@ class GenerationEngine(ABC):
     @abstractmethod
     def _generate_ids(
         self, model: nn.Module, processing_class, texts: list[str], generation_config: GenerationConfig,
-        num_row_groups: int, **generate_kwargs,
+        num_row_groups: int, add_special_tokens: bool = False, **generate_kwargs,
     ) -> list[list[int]]:
-        """Completion ids (before the EOS cut) for each row, in row order."""
+        """Completion ids (before the EOS cut) for each row, in row order; the texts are tokenized with
+        ``add_special_tokens`` (see :meth:`generate`)."""
 
     @torch.no_grad()
     def generate(
@@ -60,6 +61,7 @@ class GenerationEngine(ABC):
         generation_config: GenerationConfig,
         num_generations: int = 1,
         num_row_groups: int = 1,
+        add_special_tokens: bool = False,
         **generate_kwargs,
     ) -> Completions:
         """Generate ``num_generations`` completions for each prompt.
@@ -72,6 +74,11 @@ class GenerationEngine(ABC):
             num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
             num_row_groups (`int`): ``M``: the rows form ``M`` equal consecutive blocks (see the class doc); must
                 divide the number of rows.
+            add_special_tokens (`bool`): Tokenize the prompts with the tokenizer's special tokens (its
+                post-processor's BOS, as Llama-2 and Gemma tokenizers add): ``True`` for plain-text prompts, as
+                GRPOTrainer tokenizes them (``processing_class(text=prompts)``); ``False`` (default) for prompts
+                rendered by a chat template, which holds its own BOS (GRPO's ``apply_chat_template(tokenize=True)``
+                adds none either). See :func:`prompt_add_special_tokens`.
             **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True`` under ZeRO-3).
 
         Returns:
@@ -87,7 +94,7 @@ class GenerationEngine(ABC):
         model.eval()
         try:
             completion = self._generate_ids(model, processing_class, texts, generation_config, num_row_groups,
-                                            **generate_kwargs)
+                                            add_special_tokens=add_special_tokens, **generate_kwargs)
         finally:
             model.train(was_training)
         stop = set(stop_token_ids(generation_config, model, processing_class))
@@ -145,8 +152,49 @@ def model_device(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
-def tokenize_left_padded(processing_class, texts: list[str], device) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``texts``, left-padded, without special tokens, on ``device``."""
+def tokenize_left_padded(processing_class, texts: list[str], device, add_special_tokens: bool = False,
+                         pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``texts``, left-padded (to a multiple of ``pad_to_multiple_of`` when
+    set, as GRPOTrainer pads its prompt batches), with or without the tokenizer's special tokens, on ``device``."""
     inputs = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="left",
-                              add_special_tokens=False)
+                              add_special_tokens=add_special_tokens, pad_to_multiple_of=pad_to_multiple_of)
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+def prompt_add_special_tokens(prompts: Sequence) -> bool:
+    """Whether the prompt strings of these dataset prompts are tokenized with the tokenizer's special tokens, as
+    GRPOTrainer's ``_tokenize_prompts`` does: plain-text prompts with them (``processing_class(text=prompts)``: a
+    post-processor's BOS), conversational ones without (the chat template renders its own BOS;
+    ``apply_chat_template(tokenize=True)`` adds no other). Decided on the first prompt, as GRPO does.
+
+    Args:
+        prompts (`Sequence`): The dataset prompts (strings, or lists of messages), before the chat template.
+
+    Returns:
+        `bool`: ``True`` for plain-text prompts (and for an empty sequence).
+    """
+    from trl.data_utils import is_conversational
+
+    return not prompts or not is_conversational({"prompt": prompts[0]})
+
+
+def resolve_pad_to_multiple_of(value) -> int | None:
+    """GRPO's ``pad_to_multiple_of`` as an int or ``None``: ``"auto"`` is ``None`` (GRPO pads only on AWS Neuron,
+    which ES does not run on), ``"none"``/``"null"`` (any case) are ``None``, digit strings their int (as GRPOConfig
+    parses them).
+
+    Raises:
+        ValueError: for anything else than ``None``, ``"auto"`` or a positive integer.
+    """
+    original = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto" or text.lower() in ("none", "null"):
+            return None
+        value = int(text) if text.isdigit() else text
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pad_to_multiple_of must be None, 'auto' or an integer >= 1 (prompt batches are left-padded "
+                         f"to a multiple of it, as in GRPO), got {original!r}.")
+    return value

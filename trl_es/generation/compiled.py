@@ -51,13 +51,17 @@ class CompiledEngine(GenerationEngine):
         fullgraph (`bool`): Ask ``torch.compile`` for one graph (fails loudly on graph breaks).
         length_bucket (`int`): Granularity of the cache length.
         batch_buckets (`tuple[int, ...]`): Allowed rows per row group.
+        pad_to_multiple_of (`int`, *optional*): GRPO's ``pad_to_multiple_of``: the left-padded prompt batch is padded
+            to a multiple of it, masked out.
     """
 
     name = "compiled"
 
     def __init__(self, compile: bool = True, mode: str | None = None, fullgraph: bool = False,
-                 length_bucket: int = DEFAULT_LENGTH_BUCKET, batch_buckets=DEFAULT_BATCH_BUCKETS):
+                 length_bucket: int = DEFAULT_LENGTH_BUCKET, batch_buckets=DEFAULT_BATCH_BUCKETS,
+                 pad_to_multiple_of: int | None = None):
         self.compile = bool(compile)
+        self.pad_to_multiple_of = pad_to_multiple_of  # GRPO's: the padded prompt length is a multiple of it
         self.mode = mode
         self.fullgraph = bool(fullgraph)
         self.length_bucket = int(length_bucket)
@@ -82,7 +86,8 @@ class CompiledEngine(GenerationEngine):
             config.disable_compile = True
         return config
 
-    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups,
+                      add_special_tokens=False, **generate_kwargs):
         device = model_device(model)
         per_group = len(texts) // num_row_groups
         padded_group = bucket(per_group, self.batch_buckets)
@@ -90,7 +95,7 @@ class CompiledEngine(GenerationEngine):
         for g in range(num_row_groups):
             group = texts[g * per_group : (g + 1) * per_group]
             padded += group + [group[-1]] * (padded_group - per_group)
-        inputs = tokenize_left_padded(processing_class, padded, device)
+        inputs = tokenize_left_padded(processing_class, padded, device, add_special_tokens, self.pad_to_multiple_of)
         config = self._config(generation_config, device, inputs["input_ids"].shape[1])
         self.shapes_seen.add((len(padded), config.max_cache_len))
         output = model.generate(**inputs, generation_config=config, **generate_kwargs)

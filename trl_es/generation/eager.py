@@ -72,18 +72,24 @@ class EagerEngine(GenerationEngine):
         min_shared_prefix (`int`): Shortest shared prefix (tokens) worth a separate forward.
         candidate_sampling (`bool`): Draw sampled tokens with :func:`trl_es.generation.sampling.use_candidate_sampler`
             where it applies (the evaluation's setting; training keeps transformers' draws).
+        pad_to_multiple_of (`int`, *optional*): GRPO's ``pad_to_multiple_of``: the left-padded prompt batch (with a
+            shared prefix: prefix, padding and suffix together) is padded to a multiple of it, masked out.
     """
 
     name = "eager"
 
-    def __init__(self, share_prompt_prefix: bool = False, min_shared_prefix: int = 8, candidate_sampling: bool = False):
+    def __init__(self, share_prompt_prefix: bool = False, min_shared_prefix: int = 8, candidate_sampling: bool = False,
+                 pad_to_multiple_of: int | None = None):
         self.share_prompt_prefix = bool(share_prompt_prefix)
+        self.pad_to_multiple_of = pad_to_multiple_of  # GRPO's: the padded prompt length is a multiple of it
         self.min_shared_prefix = int(min_shared_prefix)
         self.candidate_sampling = bool(candidate_sampling)
         self.last_shared_prefix = 0  # tokens shared in the last call (0: plain path), for logging and tests
 
     def describe(self) -> dict:
         facts = {"name": self.name, "share_prompt_prefix": self.share_prompt_prefix}
+        if self.pad_to_multiple_of is not None:
+            facts["pad_to_multiple_of"] = self.pad_to_multiple_of
         return {**facts, "candidate_sampling": True} if self.candidate_sampling else facts
 
     def can_share(self, model, generation_config, generate_kwargs) -> bool:
@@ -105,20 +111,21 @@ class EagerEngine(GenerationEngine):
             and generation_config.cache_implementation in (None, "dynamic")
         )
 
-    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups,
+                      add_special_tokens=False, **generate_kwargs):
         self.last_shared_prefix = 0
         if self.candidate_sampling:
             generation_config, generate_kwargs = use_candidate_sampler(generation_config, generate_kwargs, model=model)
         generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
-            encoded = processing_class(text=texts, add_special_tokens=False)["input_ids"]
+            encoded = processing_class(text=texts, add_special_tokens=add_special_tokens)["input_ids"]
             shared = common_prefix_length(encoded)
             if shared >= self.min_shared_prefix:
                 self.last_shared_prefix = shared
                 return self._generate_shared(model, processing_class, encoded, shared, generation_config,
                                              num_row_groups, device, **generate_kwargs)
-        inputs = tokenize_left_padded(processing_class, texts, device)
+        inputs = tokenize_left_padded(processing_class, texts, device, add_special_tokens, self.pad_to_multiple_of)
         output = model.generate(**inputs, generation_config=generation_config, **generate_kwargs)
         return output[:, inputs["input_ids"].shape[1] :].tolist()
 
@@ -134,6 +141,8 @@ class EagerEngine(GenerationEngine):
         cache.batch_repeat_interleave(len(encoded) // num_row_groups)
         suffixes = [row[shared:] for row in encoded]
         width = max(len(s) for s in suffixes)
+        if self.pad_to_multiple_of:  # GRPO's padding: the whole row (prefix | padding | suffix) to a multiple
+            width = -(-(shared + width) // self.pad_to_multiple_of) * self.pad_to_multiple_of - shared
         input_ids = torch.tensor([prefix + [pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long,
                                  device=device)
         attention_mask = torch.tensor([[1] * shared + [0] * (width - len(s)) + [1] * len(s) for s in suffixes],

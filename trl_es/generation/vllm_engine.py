@@ -351,10 +351,12 @@ class VLLMEngine(GenerationEngine):
         return [SamplingParams(**kwargs, **extra)
                 for kwargs in sampling_kwargs(generation_config, num_rows, self.processing_class.eos_token_id)]
 
-    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups, **generate_kwargs):
+    def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups,
+                      add_special_tokens=False, **generate_kwargs):
         if generate_kwargs:
             raise ValueError(f"use_vllm=True takes no model.generate arguments, got {sorted(generate_kwargs)}.")
-        prompt_ids = processing_class(text=list(texts), add_special_tokens=False)["input_ids"]
+        # plain-text prompts with the tokenizer's special tokens (a BOS), chat-templated ones without, as GRPO
+        prompt_ids = processing_class(text=list(texts), add_special_tokens=add_special_tokens)["input_ids"]
         config = with_model_defaults(generation_config, getattr(model, "generation_config", None))
         params = self.sampling_params(config, len(prompt_ids))
         lora = None

@@ -33,6 +33,133 @@ ES_DEEPSPEED_NOTE = (
 )
 
 
+# ---------------------------------------------------------------------------------------------- the launcher's world
+#: The environment variables a launcher sets to the number of processes (accelerate's list, in its order).
+WORLD_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+_CPU_WORLD_LOGGED = False
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE`` of torchrun / ``accelerate launch`` /
+    ``deepspeed``, or an MPI launcher's), 1 when none is set."""
+    for name in WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 1
+
+
+def accelerator_process_group_backend() -> str | None:
+    """The process-group backend accelerate picks for this machine's accelerator (``"nccl"`` for CUDA, ...), or
+    ``None`` when there is none (a CPU, or an accelerator without one, such as MPS): accelerate then sets up no
+    process group at all unless ``use_cpu=True``."""
+    try:
+        from accelerate.utils import is_torch_xla_available
+
+        if is_torch_xla_available():
+            return "xla"
+        from accelerate.utils.imports import get_distributed_backend, get_torch_accelerator_backend
+    except ImportError:  # accelerate < 1.12
+        return "nccl" if torch.cuda.is_available() else None
+    device_type, _ = get_torch_accelerator_backend()
+    return get_distributed_backend(device_type) if device_type is not None else None
+
+
+def _uses_configured_state(accelerator_config) -> bool:
+    """``accelerator_config``'s ``use_configured_state`` in any form ``TrainingArguments`` takes (before its
+    ``__post_init__``): ``None``, a dict, an ``AcceleratorConfig`` or a JSON file path."""
+    if accelerator_config is None:
+        return False
+    if isinstance(accelerator_config, dict):
+        return bool(accelerator_config.get("use_configured_state", False))
+    if isinstance(accelerator_config, str):
+        import json
+
+        try:
+            with open(accelerator_config) as f:
+                return bool(json.load(f).get("use_configured_state", False))
+        except (OSError, ValueError, AttributeError):
+            return False
+    return bool(getattr(accelerator_config, "use_configured_state", False))
+
+
+def _accelerate_simple_launcher_asked_for_several() -> bool:
+    """Whether this process was started by accelerate's one-process ("simple") launcher that was asked for several
+    processes: it sets ``ACCELERATE_USE_CPU`` and ``ACCELERATE_MIXED_PRECISION`` always, and ``MASTER_PORT`` only for
+    ``--num_processes > 1`` (or several machines), but starts one process without ``WORLD_SIZE`` (accelerate 1.16,
+    ``prepare_simple_launcher_cmd_env``)."""
+    env = os.environ
+    return (all(name in env for name in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "MASTER_PORT"))
+            and not any(name in env for name in (*WORLD_SIZE_VARIABLES, "LOCAL_RANK", "RANK")))
+
+
+def resolve_cpu_world(args) -> None:
+    """Make a job launched with several processes on a machine without GPU run as those processes.
+
+    ``torchrun --nproc_per_node N`` (or ``accelerate launch --multi_gpu``, ``deepspeed``) sets ``WORLD_SIZE=N``, but
+    on a CPU accelerate only builds a process group with ``use_cpu=True`` (``ACCELERATE_USE_CPU=1``): otherwise every
+    process sees ``world_size 1``, trains the whole population alone and writes the same files as the others. Called
+    by ``ESConfig.__post_init__`` before ``TrainingArguments`` sets up the devices:
+
+    - with several launched processes, no accelerator with a process-group backend, no ``use_cpu`` and no
+      pre-built state (``accelerator_config={"use_configured_state": True}``), set ``args.use_cpu = True``: the
+      processes join one gloo process group (population parallelism), logged once;
+    - DeepSpeed there (``deepspeed=...`` or accelerate's DeepSpeed launcher), or a GPU-only ``ddp_backend``, cannot
+      run so: raise before any work;
+    - one process started by ``accelerate launch --num_processes N`` without ``--multi_gpu`` (accelerate's one-process
+      launcher, which a CPU gets): warn once, naming the launch lines that start N processes.
+
+    Raises:
+        ValueError: naming ``use_cpu`` (and what to do instead) for a setting that cannot run several CPU processes.
+    """
+    global _CPU_WORLD_LOGGED
+    world = launched_world_size()
+    if world <= 1 and not _CPU_WORLD_LOGGED and _accelerate_simple_launcher_asked_for_several():
+        _CPU_WORLD_LOGGED = True
+        from transformers.utils import logging
+
+        logging.get_logger(__name__).warning(
+            "accelerate launch started this one process although it was asked for several (it set MASTER_PORT and "
+            "no WORLD_SIZE): on fewer than 2 GPUs and without --multi_gpu (or a MULTI_GPU config), accelerate's "
+            "launcher runs one process (--cpu needs an MPI --mpirun_hostfile for more). Use `accelerate launch "
+            "--multi_gpu --num_processes N train.py` or `torchrun --nproc_per_node N train.py` (docs/scaling.md)."
+        )
+    if world <= 1 or args.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes", "on"):
+        return
+    if _uses_configured_state(getattr(args, "accelerator_config", None)):
+        return  # the script built the process group and accelerate's state itself (tests/distributed/run_es.py)
+    if accelerator_process_group_backend() is not None:
+        return  # GPUs (or another accelerator with a backend): accelerate sets up the process group
+    deepspeed_launch = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # accelerate's launcher
+    if getattr(args, "deepspeed", None) or deepspeed_launch:
+        raise ValueError(
+            f"{world} processes were launched (WORLD_SIZE={world}) with DeepSpeed on a machine without GPU: accelerate "
+            "picks no process-group backend for DeepSpeed on CPU, so every process would run the whole job alone. "
+            "Either drop DeepSpeed and pass use_cpu=True (population parallelism over gloo), or build the process "
+            "group first (deepspeed.init_distributed(dist_backend='gloo'), then "
+            "accelerate.PartialState(backend='gloo') with ACCELERATE_USE_DEEPSPEED=true) and pass "
+            "accelerator_config={'use_configured_state': True}, as tests/distributed/run_es.py does (docs/scaling.md)."
+        )
+    backend = getattr(args, "ddp_backend", None)
+    if backend not in (None, "gloo", "mpi"):
+        raise ValueError(
+            f"{world} processes were launched (WORLD_SIZE={world}) on a machine without GPU, but ddp_backend="
+            f"{backend!r} needs an accelerator: pass use_cpu=True with ddp_backend='gloo' (or unset) to run the "
+            "processes on CPU, or launch on GPUs."
+        )
+    args.use_cpu = True
+    if not _CPU_WORLD_LOGGED:
+        _CPU_WORLD_LOGGED = True
+        if os.environ.get("RANK", "0") == "0":
+            from transformers.utils import logging
+
+            logging.get_logger(__name__).warning(
+                f"{world} processes were launched (WORLD_SIZE={world}) and no GPU is available: ESConfig runs them "
+                "as use_cpu=True (one gloo process group, population parallelism; docs/scaling.md). Pass "
+                "use_cpu=True to silence this."
+            )
+
+
 # ---------------------------------------------------------------------------------------------- ZeRO-3 partitions
 def is_zero3_param(param: torch.Tensor) -> bool:
     """Whether ``param`` is a DeepSpeed ZeRO-3 partitioned parameter (it has ``ds_tensor`` and ``ds_numel``)."""

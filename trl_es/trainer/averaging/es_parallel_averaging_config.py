@@ -39,6 +39,7 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
     """
 
     _sft_host_defaults = ()  # ES's learning_rate is alpha, its max_grad_norm that of the ES gradient estimate
+    _optimizer_fields_read_elsewhere = ("weight_decay", "adam_beta1", "adam_beta2")  # the SFT optimizer's (no warning)
 
     sft_learning_rate: float = field(
         default=1e-5,

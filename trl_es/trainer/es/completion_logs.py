@@ -53,7 +53,7 @@ class CompletionLog:
         reward_names (`Sequence[str]`): The reward functions' names (one column each).
         output_dir (`str`): The run's output folder; parquet files go to ``output_dir/completions``.
         num_completions_to_print (`int` or `None`): Rows printed with rich (a sample seeded by the step; ``None``:
-            all).
+            all; ``0``: none, as in GRPO).
         log_unique_prompts (`bool`): One row per distinct prompt in the tracker tables.
         report_to (`Sequence[str]`): The trackers; ``"wandb"`` (with an active run) and ``"trackio"`` get a table.
         hub_repo (`str`, *optional*): Hub dataset repo the parquet files are pushed to.
@@ -204,6 +204,8 @@ class CompletionLog:
             return
         from trl.trainer.utils import print_prompt_completions_sample
 
+        if self.num_completions_to_print == 0:
+            return  # GRPO's meaning (print_prompt_completions_sample with num_samples=0): print none
         logs = self.logs
         indices = list(range(len(logs["prompt"])))
         if self.num_completions_to_print is not None and self.num_completions_to_print < len(indices):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +18,18 @@ from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
 from ...es.population import POPULATION_BACKENDS
 from ...es.shaping import FITNESS_SHAPINGS
 from ...es.update import AWD_PENALTIES
-from ...generation import GENERATION_ENGINES
-from .grpo_fields import answer_grpo_fields, check_grpo_fields
+from ...generation import GENERATION_ENGINES, resolve_pad_to_multiple_of
+from .grpo_fields import answer_grpo_fields, grpo_field_errors, raise_field_errors
 
 ES_OPTIMIZERS = ("es", "torch")
 VLLM_MODEL_IMPLS = ("vllm",)
+
+#: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
+GRPO_TEMPERATURE = 1.0
+#: Below this, ``learning_rate`` under ``es_optimizer="es"`` is an AdamW-scale value, warned about at start.
+ES_STEP_SIZE_WARNING_BELOW = 1e-4
+
+logger = logging.getLogger(__name__)
 
 
 def check_fp16_device(config) -> None:
@@ -33,6 +43,14 @@ def check_fp16_device(config) -> None:
         raise ValueError("fp16=True is not applied on the CPU (accelerate runs fp16 mixed precision on GPUs only, so "
                          "every forward would stay in the model's dtype): use bf16=True (bf16 autocast on the CPU), or "
                          "fp16=False and load the model in float16 with model_init_kwargs={'dtype': 'float16'}.")
+
+
+def _collect(errors: list[str], check, *args) -> None:
+    """Run ``check(*args)``; append the message of a ``ValueError`` it raises to ``errors``."""
+    try:
+        check(*args)
+    except ValueError as error:
+        errors.append(str(error))
 
 
 @dataclass
@@ -219,12 +237,15 @@ class ESConfig(_BaseConfig):
         > Parameters that control generation (GRPO's names and meanings)
 
         num_generations (`int`, *optional*, defaults to `1`):
-            Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 needs
-            sampling (temperature > 0): greedy copies of a prompt would be identical, so they are refused.
+            Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 samples:
+            with temperature unset it samples at GRPO's 1.0; an explicit temperature=0 is refused (greedy copies of
+            a prompt would be identical).
         max_completion_length (`int`, *optional*, defaults to `256`):
             Maximum new tokens per completion.
-        temperature (`float`, *optional*, defaults to `0.0`):
-            Sampling temperature. 0 (default) = greedy decoding, as in the ES reference.
+        temperature (`float` or `None`, *optional*, defaults to `None`):
+            Sampling temperature; 0 = greedy decoding. Unset (None) resolves to 0.0 (greedy, as in the ES
+            reference), or to GRPO's 1.0 (logged) when the config asks for sampling: num_generations > 1,
+            num_generations_eval > 1, top_k or min_p set.
         top_p (`float`, *optional*, defaults to `1.0`):
             Nucleus sampling threshold (temperature > 0 only).
         generation_kwargs (`dict` or `None`, *optional*, defaults to `None`):
@@ -235,10 +256,10 @@ class ESConfig(_BaseConfig):
             Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO.
         top_k (`int`, *optional*, defaults to `0`):
             GRPO's top-k filtering when sampling (0 = off). Merged into generation_kwargs (whose own top_k wins).
-            Sampling only: a value other than 0 with greedy decoding (temperature=0) is refused.
+            Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit temperature=0.
         min_p (`float` or `None`, *optional*, defaults to `None`):
             GRPO's min-p filtering when sampling, in [0, 1]. Merged into generation_kwargs (whose own min_p wins).
-            Sampling only: refused with greedy decoding (temperature=0).
+            Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit temperature=0.
         repetition_penalty (`float`, *optional*, defaults to `1.0`):
             GRPO's repetition penalty (> 0; 1.0 = off, > 1 discourages repeats), greedy or sampling. Merged into
             generation_kwargs (whose own repetition_penalty wins).
@@ -248,11 +269,15 @@ class ESConfig(_BaseConfig):
         shuffle_dataset (`bool` or `None`, *optional*, defaults to `None`):
             GRPO's option: False reads the training prompts in dataset order (train_sampling_strategy='sequential');
             True shuffles them (train_sampling_strategy 'random', the default). None: as train_sampling_strategy.
+        pad_to_multiple_of (`int`, `str` or `None`, *optional*, defaults to `"auto"`):
+            GRPO's option: each prompt batch is left-padded (masked) to a multiple of this many tokens. `"auto"`
+            (GRPO's default: a multiple of 128 on AWS Neuron only) and `None` pad to the longest prompt.
 
         > Parameters of evaluation and completion logs (GRPO's names and meanings)
 
         num_generations_eval (`int` or `None`, *optional*, defaults to `None`):
-            Completions per prompt in evaluate() (None: num_generations). More than 1 needs sampling (temperature > 0).
+            Completions per prompt in evaluate() (None: num_generations). More than 1 samples (temperature unset:
+            GRPO's 1.0; an explicit temperature=0 is refused).
         mask_truncated_completions (`bool`, *optional*, defaults to `False`):
             ES's reading of GRPO's option: a completion that did not end with an EOS id (cut at
             max_completion_length) is left out of its member's fitness, as a completion whose rewards are all None.
@@ -266,7 +291,7 @@ class ESConfig(_BaseConfig):
             reward function, the reward functions' log_extra columns, advantage (the member's shaped fitness: its
             coefficient in the update) and member.
         num_completions_to_print (`int` or `None`, *optional*, defaults to `None`):
-            Completions printed with rich at each log (a fixed-seed sample; None: all).
+            Completions printed with rich at each log (a fixed-seed sample; None: all; 0: none, as in GRPO).
         log_unique_prompts (`bool`, *optional*, defaults to `False`):
             Log one row per distinct prompt to wandb / trackio.
         log_completions_hub_repo (`str` or `None`, *optional*, defaults to `None`):
@@ -591,13 +616,18 @@ class ESConfig(_BaseConfig):
         default=1,
         metadata={
             "help": "Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 "
-            "needs sampling (temperature > 0): greedy copies of a prompt would be identical, so they are refused."
+            "samples: with temperature unset it samples at GRPO's 1.0; an explicit temperature=0 is refused (greedy "
+            "copies of a prompt would be identical)."
         },
     )
     max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
-    temperature: float = field(
-        default=0.0,
-        metadata={"help": "Sampling temperature. 0 (default) = greedy decoding, as in the ES reference."},
+    temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling temperature; 0 = greedy decoding. Unset (None) resolves to 0.0 (greedy, as in the ES "
+            "reference), or to GRPO's 1.0 (logged) when the config asks for sampling: num_generations > 1, "
+            "num_generations_eval > 1, top_k or min_p set."
+        },
     )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (temperature > 0 only)."})
     generation_kwargs: dict[str, Any] | str | None = field(
@@ -614,14 +644,16 @@ class ESConfig(_BaseConfig):
         default=0,
         metadata={
             "help": "GRPO's top-k filtering when sampling (0 = off). Merged into generation_kwargs (whose own top_k "
-            "wins). Sampling only: a value other than 0 with greedy decoding (temperature=0) is refused."
+            "wins). Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit "
+            "temperature=0."
         },
     )
     min_p: float | None = field(
         default=None,
         metadata={
             "help": "GRPO's min-p filtering when sampling, in [0, 1]. Merged into generation_kwargs (whose own min_p "
-            "wins). Sampling only: refused with greedy decoding (temperature=0)."
+            "wins). Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit "
+            "temperature=0."
         },
     )
     repetition_penalty: float = field(
@@ -641,13 +673,21 @@ class ESConfig(_BaseConfig):
             "train_sampling_strategy."
         },
     )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "GRPO's option: each prompt batch is left-padded (masked) to a multiple of this many tokens. "
+            "'auto' (GRPO's default: a multiple of 128 on AWS Neuron only, which ES does not run on) and None pad to "
+            "the longest prompt."
+        },
+    )
 
     # ------------------------------------------------------------------ evaluation and completion logs
     num_generations_eval: int | None = field(
         default=None,
         metadata={
-            "help": "Completions per prompt in evaluate() (None: num_generations). More than 1 needs sampling "
-            "(temperature > 0)."
+            "help": "Completions per prompt in evaluate() (None: num_generations). More than 1 samples (temperature "
+            "unset: GRPO's 1.0; an explicit temperature=0 is refused)."
         },
     )
     mask_truncated_completions: bool = field(
@@ -667,7 +707,8 @@ class ESConfig(_BaseConfig):
     )
     num_completions_to_print: int | None = field(
         default=None,
-        metadata={"help": "Completions printed with rich at each log (a fixed-seed sample; None: all)."},
+        metadata={"help": "Completions printed with rich at each log (a fixed-seed sample; None: all; 0: none, as in "
+                          "GRPO)."},
     )
     log_unique_prompts: bool = field(
         default=False, metadata={"help": "Log one row per distinct prompt to wandb / trackio."}
@@ -680,126 +721,248 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    #: TrainingArguments fields of a torch optimizer that the es_optimizer='es' update never reads, and what ES has
+    #: instead: set to another value than ESConfig's default, they are warned about at start. A subclass whose other
+    #: optimizer reads some of them (ES + SFT parallel averaging) names those in _optimizer_fields_read_elsewhere.
+    _es_inert_optimizer_fields = {
+        "weight_decay": "ES counterpart: awd_lambda (Anchored Weight Decay toward the initial weights theta_0)",
+        "adam_beta1": "the ES update keeps no Adam moments",
+        "adam_beta2": "the ES update keeps no Adam moments",
+        "max_grad_norm": "the ES step is not clipped (learning_rate and sigma set its size)",
+    }
+    _optimizer_fields_read_elsewhere = ()
+
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
-        check_grpo_fields(self)  # GRPOConfig fields ES refuses (beta, loss_type, ...), named with their counterpart
-        if self.es_optimizer == "torch":
-            if self.fp16:
-                raise ValueError("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
-                                 "loss to scale (the GradScaler would unscale an unscaled gradient). Load the model in "
-                                 "float16 with model_init_kwargs={'dtype': 'float16'} instead, with fp16=False.")
-            optim = getattr(self.optim, "value", self.optim)
-            if "schedule_free" in str(optim):
-                raise ValueError(f"optim={optim!r} cannot go with es_optimizer='torch': ES steps the optimizer within the "
-                                 "iteration and Trainer's own step then finds no gradient, which a schedule-free "
-                                 "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
-                                 "'sgd'.")
+        # Every field error is collected and raised at the end in one ValueError (raise_field_errors): a GRPO command
+        # line with several refused fields is fixed in one run, not one rerun per field.
+        errors = self._grpo_user_errors()
         explicit_batch_size = self.per_device_train_batch_size  # None unless the user set it (derived below)
         self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
-        super().__post_init__()
+        from ..distributed import resolve_cpu_world
+
+        resolve_cpu_world(self)  # several launched processes without GPU: use_cpu=True, before the devices are set up
+        try:
+            super().__post_init__()
+        except ValueError as error:
+            if not errors:
+                raise
+            raise_field_errors(errors + [str(error)])
+        self._temperature_unset = self.temperature is None  # resolved in _check_and_derive (again in check_fields)
+        self._check_and_derive(errors, explicit_batch_size)
+        self._warn_about_grpo_scale_values()
+
+    def check_fields(self) -> None:
+        """Check the config again, as at construction, for fields set on a built config (TRL's
+        ``grpo_continuous_batching.py`` sets ``training_args.use_transformers_continuous_batching = True`` after
+        ``parse_args``); ``ESTrainer`` calls it when it is built. The derivations of ``__post_init__`` are redone
+        idempotently: ``per_device_train_batch_size`` still at its derived value counts as unset (it follows a
+        changed ``prompt_batch_size``), a ``temperature`` left unset at construction (and not assigned since) is
+        resolved again, and ``generation_kwargs`` gets the GRPO fields it took from them replaced, not merged twice.
+        ``TrainingArguments.__post_init__`` is not run again.
+
+        Raises:
+            ValueError: naming every refused or invalid field, in one message as ``__post_init__``.
+        """
+        check_finite_floats(self)
+        errors = self._grpo_user_errors()
+        batch_size = self.per_device_train_batch_size
+        explicit = None if batch_size == getattr(self, "_derived_per_device_batch_size", None) else batch_size
+        self._check_and_derive(errors, explicit)
+
+    def _grpo_user_errors(self) -> list[str]:
+        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field (beta,
+        loss_type, ...: named with their ES counterpart), the ``TrainingArguments`` field ES fixes
+        (``gradient_accumulation_steps``) and what ``es_optimizer='torch'`` cannot go with."""
+        errors = grpo_field_errors(self)
+        if self.gradient_accumulation_steps != 1:
+            errors.append(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not an ES setting: ES "
+                          "fixes it at 1 (one step is one ES iteration, scored on prompt_batch_size prompts). Leave "
+                          "it at 1 and set prompt_batch_size to score more prompts per iteration.")
+        if self.es_optimizer == "torch":
+            if self.fp16:
+                errors.append("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
+                              "loss to scale (the GradScaler would unscale an unscaled gradient). Load the model in "
+                              "float16 with model_init_kwargs={'dtype': 'float16'} instead, with fp16=False.")
+            optim = getattr(self.optim, "value", self.optim)
+            if "schedule_free" in str(optim):
+                errors.append(f"optim={optim!r} cannot go with es_optimizer='torch': ES steps the optimizer within the "
+                              "iteration and Trainer's own step then finds no gradient, which a schedule-free "
+                              "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
+                              "'sgd'.")
+        return errors
+
+    def _check_and_derive(self, errors: list[str], explicit_batch_size: int | None) -> None:
+        """The checks and derivations after ``TrainingArguments.__post_init__`` (and in :meth:`check_fields`): each
+        error is appended to ``errors``, then all of them are raised in one ``ValueError``."""
+        self._resolve_temperature()
         if self.population_size < 2:
-            raise ValueError(f"population_size must be >= 2, got {self.population_size}.")
-        if self.antithetic and self.population_size % 2:
-            raise ValueError(f"antithetic=True needs an even population_size, got {self.population_size}.")
+            errors.append(f"population_size must be >= 2, got {self.population_size}.")
+        elif self.antithetic and self.population_size % 2:
+            errors.append(f"antithetic=True needs an even population_size, got {self.population_size}.")
         if not self.sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {self.sigma}.")
+            errors.append(f"sigma must be > 0, got {self.sigma}.")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+            errors.append(f"learning_rate must be > 0, got {self.learning_rate}.")
         if self.fitness_shaping not in FITNESS_SHAPINGS:
-            raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {self.fitness_shaping!r}.")
+            errors.append(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {self.fitness_shaping!r}.")
         if self.per_prompt_shaping not in PER_PROMPT_SHAPINGS:
-            raise ValueError(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got "
-                             f"{self.per_prompt_shaping!r}.")
+            errors.append(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got "
+                          f"{self.per_prompt_shaping!r}.")
         if self.es_optimizer not in ES_OPTIMIZERS:
-            raise ValueError(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
+            errors.append(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
         if self.population_backend not in POPULATION_BACKENDS:
-            raise ValueError(
+            errors.append(
                 f"population_backend must be one of {tuple(POPULATION_BACKENDS)}, got {self.population_backend!r}."
             )
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
-            raise ValueError(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
-        self._check_optional_counts("member_chunk_size")
+            errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
+        _collect(errors, self._check_optional_counts, "member_chunk_size")
         if self.awd_penalty not in AWD_PENALTIES:
-            raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
+            errors.append(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
         if self.awd_lambda < 0:
-            raise ValueError(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
-        if self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
-            raise ValueError(
+            errors.append(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
+        elif self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
+            errors.append(
                 f"awd_penalty='l2' needs learning_rate * awd_lambda < 1 (got {self.learning_rate * self.awd_lambda}): "
                 "the drift would flip sign."
             )
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
-            raise ValueError(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
-        self._check_vllm_settings()
+            errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
+        _collect(errors, self._check_vllm_settings)
         for name, allowed in (("noise_source", NOISE_SOURCES), ("generation_engine", GENERATION_ENGINES),
                               ("anchor_storage", ANCHOR_STORAGES)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+                errors.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        self._check_optional_counts("num_generations_eval", "num_completions_to_print")
+                errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
+        _collect(errors, self._check_optional_counts, "num_generations_eval")
+        count = self.num_completions_to_print
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            errors.append(f"num_completions_to_print must be None (print all) or an integer >= 0 (0 prints none, as "
+                          f"in GRPO), got {count!r}.")
         if self.log_completions_hub_repo is not None and not self.log_completions:
-            raise ValueError("log_completions_hub_repo is set, but log_completions is False: set log_completions=True "
-                             "to push the completion logs to the Hub, or unset log_completions_hub_repo.")
+            errors.append("log_completions_hub_repo is set, but log_completions is False: set log_completions=True "
+                          "to push the completion logs to the Hub, or unset log_completions_hub_repo.")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+            errors.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        self._apply_grpo_generation_fields()
-        self._apply_grpo_model_and_data_fields()
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}.")
+        self._apply_grpo_generation_fields(errors)
+        try:  # GRPO's pad_to_multiple_of, resolved as GRPOConfig does: "auto" -> None (no Neuron), "64" -> 64
+            self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        except ValueError as error:
+            errors.append(str(error))
+        _collect(errors, self._apply_grpo_model_and_data_fields)
         world_size = self.world_size
         if self.prompt_batch_size % world_size:
-            raise ValueError(
+            errors.append(
                 f"prompt_batch_size ({self.prompt_batch_size}) must be divisible by the number of processes "
                 f"({world_size}): each process loads prompt_batch_size / {world_size} prompts, then all share them."
             )
-        # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
-        self.per_device_train_batch_size = self._derived_batch_size(explicit_batch_size, world_size)
+        else:
+            # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
+            try:
+                self.per_device_train_batch_size = self._derived_batch_size(explicit_batch_size, world_size)
+                self._derived_per_device_batch_size = self.per_device_train_batch_size
+            except ValueError as error:
+                errors.append(str(error))
         if self.save_on_each_node:
-            raise ValueError("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
-                             "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
-                             "to a shared filesystem from the main process (save_on_each_node=False).")
-        check_fp16_device(self)
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not an ES setting: ES "
-                             "fixes it at 1 (one step is one ES iteration, scored on prompt_batch_size prompts). Leave "
-                             "it at 1 and set prompt_batch_size to score more prompts per iteration.")
+            errors.append("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
+                          "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
+                          "to a shared filesystem from the main process (save_on_each_node=False).")
+        _collect(errors, check_fp16_device, self)
+        raise_field_errors(errors)
 
-    def _apply_grpo_generation_fields(self) -> None:
+    def _resolve_temperature(self) -> None:
+        """``temperature`` left unset (``None``): GRPO's 1.0 when the config asks for sampling (``num_generations >
+        1``, ``num_generations_eval > 1``, ``top_k`` or ``min_p`` set; logged once), else 0.0, the ES reference's
+        greedy decoding (so ``num_generations=1`` stays greedy, bit for bit). ``generation_kwargs`` that switch
+        sampling on themselves (``do_sample=True``) keep 0.0: they set the sampling, as before. An explicit
+        ``temperature`` is kept as it is."""
+        if not getattr(self, "_temperature_unset", False):
+            return
+        if self.temperature is not None and self.temperature != getattr(self, "_resolved_temperature", None):
+            self._temperature_unset = False  # assigned after construction: explicit from now on
+            return
+        asks = []
+        for name in ("num_generations", "num_generations_eval"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                asks.append(f"{name}={value}")
+        asks += [f"{name}={getattr(self, name)!r}" for name, off in (("top_k", 0), ("min_p", None))
+                 if getattr(self, name) != off]
+        kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        sample = bool(asks) and not kwargs.get("do_sample")
+        resolved = GRPO_TEMPERATURE if sample else 0.0
+        if sample and getattr(self, "_resolved_temperature", None) != resolved:
+            logger.warning(f"temperature is unset and {', '.join(asks)} asks for sampling: sampling at GRPO's default "
+                           f"temperature={GRPO_TEMPERATURE} (ES's own default, for one greedy completion per prompt, "
+                           "is 0.0). Set temperature to choose another.")
+        self.temperature = resolved
+        self._resolved_temperature = resolved
+
+    def _warn_about_grpo_scale_values(self) -> None:
+        """Warn once, at construction, about values a GRPO recipe brings that mean something else, or nothing, under
+        ``es_optimizer='es'``: an AdamW-scale ``learning_rate`` (it is ES's step size alpha) and the torch-optimizer
+        settings the ES update never reads (:attr:`_es_inert_optimizer_fields`), each set to another value than its
+        ``ESConfig`` default. Nothing with ``es_optimizer='torch'``, where they configure the torch optimizer."""
+        if self.es_optimizer != "es":
+            return
+        if 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
+            warnings.warn(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "
+                          "z_i * eps_i; ES's default 5e-4), not an AdamW learning rate: an AdamW-scale value "
+                          "(GRPO's default 1e-6, a GRPO recipe's 5e-7 .. 5e-5) moves the weights by next to nothing. "
+                          "Use an ES step size (5e-4 .. 1e-2), or es_optimizer='torch' to hand the ES gradient "
+                          "estimate to AdamW at this learning rate.", UserWarning, stacklevel=4)
+        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}
+        for name, instead in self._es_inert_optimizer_fields.items():
+            value = getattr(self, name)
+            if name in self._optimizer_fields_read_elsewhere or value == defaults.get(name):
+                continue
+            warnings.warn(f"{name}={value} has no effect with es_optimizer='es' (the ES update uses no torch "
+                          f"optimizer): {instead}. With es_optimizer='torch' it configures the torch optimizer that "
+                          f"receives the ES gradient estimate.", UserWarning, stacklevel=4)
+
+    def _apply_grpo_generation_fields(self, errors: list[str]) -> None:
         """GRPO's ``top_k``, ``min_p`` and ``repetition_penalty``, merged into ``generation_kwargs`` (what the trainer
         builds its ``GenerationConfig`` from; a key ``generation_kwargs`` already holds wins, as in GRPO); values that
-        change nothing (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``) are not added. Then
-        ``num_generations > 1`` with greedy decoding is refused: the copies of a prompt would be identical.
+        change nothing (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``) are not added. The keys this adds
+        are remembered, so a second call (:meth:`check_fields`) replaces them instead of letting the old values win.
+        Then ``num_generations > 1`` with greedy decoding is refused: the copies of a prompt would be identical.
 
-        Raises:
-            ValueError: naming the field: a sampling-only setting, or ``num_generations > 1``, with greedy decoding;
-                a value out of range.
+        Appends to ``errors``: naming the field: a sampling-only setting, or ``num_generations > 1``, with greedy
+        decoding (an explicit ``temperature=0``); a value out of range.
         """
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off, as in GRPO), got {self.top_k!r}.")
+            errors.append(f"top_k must be an integer >= 0 (0 = off, as in GRPO), got {self.top_k!r}.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be None or in [0, 1], got {self.min_p}.")
+            errors.append(f"min_p must be None or in [0, 1], got {self.min_p}.")
         if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
+            errors.append(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
         kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        added = getattr(self, "_generation_kwargs_added", ())
+        kwargs = {key: value for key, value in kwargs.items() if key not in added}
         sampling = self.temperature > 0 or bool(kwargs.get("do_sample"))
         if not sampling:
             for name, off in (("top_k", 0), ("min_p", None)):
                 if getattr(self, name) != off:
-                    raise ValueError(f"{name}={getattr(self, name)!r} filters tokens when sampling, but temperature=0 "
-                                     f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default) to sample, or "
-                                     f"leave {name} at {off!r}.")
+                    errors.append(f"{name}={getattr(self, name)!r} filters tokens when sampling, but temperature=0 "
+                                  f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default, which an unset "
+                                  f"temperature resolves to) to sample, or leave {name} at {off!r}.")
             for name in ("num_generations", "num_generations_eval"):
                 count = getattr(self, name)
                 if count is not None and count > 1:
-                    raise ValueError(f"{name}={count} with greedy decoding (temperature=0) would score {count} "
-                                     "identical copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's "
-                                     f"default) to sample different completions, or {name}=1.")
+                    errors.append(f"{name}={count} with greedy decoding (temperature=0) would score {count} "
+                                  "identical copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's "
+                                  "default, which an unset temperature resolves to) to sample different completions, "
+                                  f"or {name}=1.")
         neutral = (("top_k", 0), ("min_p", None), ("repetition_penalty", 1.0))
         merged = {name: getattr(self, name) for name, off in neutral if getattr(self, name) != off}
-        if merged:
-            self.generation_kwargs = {**merged, **kwargs}
+        self._generation_kwargs_added = tuple(key for key in merged if key not in kwargs)
+        if merged or added:
+            self.generation_kwargs = {**merged, **kwargs} or None
 
     def _apply_grpo_model_and_data_fields(self) -> None:
         """GRPO's ``trust_remote_code`` (into ``model_init_kwargs``) and ``shuffle_dataset`` (as
@@ -845,11 +1008,20 @@ class ESConfig(_BaseConfig):
         """
         derived = self.prompt_batch_size // world_size
         if explicit is not None and explicit != derived:
-            raise ValueError(
-                f"per_device_train_batch_size={explicit} is not an ES setting: ES derives it from prompt_batch_size "
-                f"({self.prompt_batch_size}) / number of processes ({world_size}) = {derived}. Leave it unset (or "
-                f"{derived}) and set prompt_batch_size={explicit * world_size} for {explicit} prompts per process."
-            )
+            lead = (f"per_device_train_batch_size={explicit} is not an ES setting: ES derives it from "
+                    f"prompt_batch_size ({self.prompt_batch_size}) / number of processes ({world_size}) = {derived}. "
+                    f"Leave it unset (or {derived}) and set ")
+            generations = self.num_generations if isinstance(self.num_generations, int) else 1
+            if generations <= 1:
+                raise ValueError(lead + f"prompt_batch_size={explicit * world_size} for {explicit} prompts per "
+                                 "process.")
+            # GRPO's per_device_train_batch_size counts completions: num_generations of each prompt
+            prompts = max(1, explicit * world_size // generations)
+            processes = f" x {world_size} processes" if world_size > 1 else ""
+            raise ValueError(lead + f"prompt_batch_size={prompts}, GRPO's prompts per step: its "
+                             f"per_device_train_batch_size counts completions, {explicit} per process{processes} / "
+                             f"num_generations={generations} = {prompts} prompts (each member generates "
+                             f"num_generations completions of each of ES's prompt_batch_size prompts).")
         return derived
 
     def _check_optional_counts(self, *names: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...es.perturbation import LowRankPerturbation
 from ...es.population import member_indices
-from ...generation import make_engine
+from ...generation import make_engine, resolve_pad_to_multiple_of
 
 
 class ESEngineMixin:
@@ -24,7 +24,8 @@ class ESEngineMixin:
         name = self.args.generation_engine
         if name == "auto" and self.sharded:
             name = "eager"
-        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix)
+        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix,
+                           resolve_pad_to_multiple_of(getattr(self.args, "pad_to_multiple_of", None)))
 
     def _make_vllm_engine(self):
         """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ...generation import generate_completions
+from ...generation import generate_completions, prompt_add_special_tokens
 from ...rollout import prompt_texts, validate_dataset
 from .es_metrics import warn_invalid_rewards
 
@@ -81,7 +81,7 @@ class ESEvaluationMixin:
         num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
         sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
-        if self.args.temperature > 0:
+        if self.generation_config.do_sample:  # however sampling is on (temperature > 0, generation_kwargs)
             torch.manual_seed(self.args.seed)
         num_generations = self.args.num_generations_eval or self.args.num_generations
         rollout = dataclasses.replace(self.rollout, num_generations=num_generations)
@@ -91,7 +91,8 @@ class ESEvaluationMixin:
             if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
                 placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
                 generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
-                                     engine=self.generation_engine)
+                                     engine=self.generation_engine,
+                                     add_special_tokens=prompt_add_special_tokens([dataset[0]["prompt"]]))
                 continue
             out = rollout(unwrapped, chunk, reward_kwargs={
                 "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})

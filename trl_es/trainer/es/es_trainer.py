@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
@@ -32,7 +32,7 @@ from ...es.population import make_population_backend, member_indices, member_see
 from ...es.seedlog import SeedLog
 from ...es.shaping import shape_fitness
 from ...es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
-from ...models import resolve_model_path
+from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
                        split_row_groups, validate_dataset)
 from .completion_logs import CompletionLog, empty_logs
@@ -67,7 +67,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
     partition of the parameters. Either way the weights end bitwise as with one process, given the same completions.
 
     Args:
-        model (`str` or `PreTrainedModel`): A causal LM or its id/path (loaded with ``args.model_init_kwargs``).
+        model (`str` or `PreTrainedModel`): A causal LM or its id/path (loaded with ``args.model_init_kwargs``; in
+            float32 unless they set a ``dtype``, as GRPOTrainer: ``{"dtype": "auto"}`` keeps the checkpoint's).
         reward_funcs (`Callable | PreTrainedModel | str | list`): A reward function with TRL's signature
             ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, a sequence-classification
             reward model (or its id/path), or a list of them.
@@ -83,11 +84,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         callbacks (`list[TrainerCallback]`, *optional*): Extra Trainer callbacks.
         optimizers (*optional*): ``(optimizer, scheduler)`` as in ``Trainer``; with ``es_optimizer='torch'`` a given
             optimizer must own ``trainer.es_params.master_parameters()``.
+        quantization_config (*optional*): GRPOTrainer's argument (TRL's ``grpo.py`` always passes one): ``None``;
+            a real config is refused (quantized weights cannot be perturbed and restored exactly).
         peft_config (`peft.PeftConfig`, *optional*): Wrap the model with PEFT; ES then perturbs the adapter only.
 
     Raises:
         ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
-            ``max_steps``, reward weights of the wrong length.
+            ``max_steps``, reward weights of the wrong length, a real ``quantization_config``, a ``PeftModel``
+            together with a ``peft_config``.
     """
 
     _tag_names = ["trl", "trl-es", "evolution-strategies"]
@@ -115,6 +119,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
     ):
         # Args
@@ -123,28 +128,28 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
             args = ESConfig(f"{model_name.split('/')[-1]}-ES")
         if not isinstance(args, ESConfig):
             raise TypeError(f"args must be an ESConfig, got {type(args).__name__}.")
+        args.check_fields()  # fields set after construction (TRL's scripts set some after parse_args), all in one error
+        set_seed(args.seed)  # as GRPOTrainer: PEFT's random adapter init (and a new reward head's) is seeded
 
-        # Model
+        # Model: by name as GRPOTrainer loads it (float32 unless model_init_kwargs sets a dtype; the embedded alias
+        # -> its local copy); a real quantization_config is refused, a PeftModel with a peft_config too
+        revision = (args.model_init_kwargs or {}).get("revision") if isinstance(model, str) else None
         if isinstance(model, str):
-            model = resolve_model_path(model)  # "embedded:SmolLM2-135M-Instruct" -> its local copy; others unchanged
-            init_kwargs = dict(args.model_init_kwargs or {})
-            init_kwargs.setdefault("dtype", "auto")
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
-        if peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft_config)
+            model = load_policy(model, args.model_init_kwargs, quantization_config)
+        else:
+            warn_unused_init_kwargs(args.model_init_kwargs, quantization_config)
+        model = wrap_peft(model, peft_config)
 
         # Processing class
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, revision=revision,
                                                              trust_remote_code=args.trust_remote_code)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
         # Rewards
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          trust_remote_code=args.trust_remote_code)
+                                          args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs)
         self.reward_func_names = self.reward_scorer.names
 
         # Data
@@ -378,7 +383,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         return scores
 
     def _seed_sampling(self, step: int, group: list[int]) -> None:
-        """With sampling (``temperature > 0``), seed the generator of a group's rollout.
+        """With sampling (``generation_config.do_sample``: ``temperature > 0`` or ``generation_kwargs={"do_sample":
+        True}``), seed the generator of a group's rollout.
 
         One member a group: the member's samples do not depend on which process scores it (sharded, each process
         samples its own prompts, so each has its own stream). Stacked members: one stream per generate call, keyed by
@@ -386,7 +392,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         call (chunking, number of processes): with sampling, the batched backend is not invariant to either (greedy
         decoding is).
         """
-        if self.args.temperature <= 0:
+        if not self.generation_config.do_sample:
             return
         if self.population.stacked:
             torch.manual_seed(member_seed(self.args.seed + 1, step, -1 - int(group[0])))

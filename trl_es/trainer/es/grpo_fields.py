@@ -26,8 +26,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GRPO_FIELDS", "GRPOField", "answer_grpo_fields", "check_grpo_fields", "grpo_fields_markdown",
-           "native_shared_fields", "refused_fields"]
+__all__ = ["GRPO_FIELDS", "GRPOField", "answer_grpo_fields", "check_grpo_fields", "field_errors_message",
+           "grpo_field_errors", "grpo_fields_markdown", "native_shared_fields", "raise_field_errors", "refused_fields"]
 
 HONOURED = "honoured"
 REFUSED = "refused"
@@ -123,16 +123,17 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              not_yet=True),
     # ------------------------------------------------------------------ data and batching
     _honoured("num_generations_eval", "evaluate() generates num_generations_eval completions per prompt (None: "
-                                      "num_generations); more than 1 needs temperature > 0."),
+                                      "num_generations); more than 1 samples (temperature unset: GRPO's 1.0)."),
     _refused("ds3_gather_for_generation", "under DeepSpeed ZeRO-3 ES generates with DeepSpeed's per-layer gathering "
                                           "(as ds3_gather_for_generation=False); gathering the whole model for "
                                           "generation is not implemented.",
              type="bool", accepted=(False,), not_yet=True),
     _honoured("shuffle_dataset", "False sets train_sampling_strategy='sequential' (prompts in dataset order); True "
                                  "keeps the default 'random'."),
-    _refused("pad_to_multiple_of", "ES pads each prompt batch to its longest prompt; padding to a multiple is not "
-                                   "implemented ('auto' pads only on AWS Neuron, which ES does not run on).",
-             type="str", accepted=("auto",), not_yet=True),
+    _honoured("pad_to_multiple_of", "Each prompt batch is left-padded (masked) to a multiple of it, in the eager "
+                                    "(shared prefix included) and compiled engines; 'auto' pads only on AWS Neuron "
+                                    "in GRPO, which ES does not run on, so it is None. vLLM takes unpadded prompts "
+                                    "(as GRPO's vLLM path)."),
     _refused("generation_batch_size", "ES generates once per member per iteration, on the prompt batch every member "
                                       "shares; there are no generation batches reused over several optimizer steps.",
              "prompt_batch_size (prompts per iteration) and, with population_backend='batched_lowrank', "
@@ -140,8 +141,10 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _refused("steps_per_generation", "one ES step is one iteration over freshly generated completions.",
              "prompt_batch_size (prompts per iteration)", type="int", accepted=(1,)),
     # ------------------------------------------------------------------ generation
-    _honoured("top_k", "Merged into generation_kwargs (GRPO's meaning: 0 = off); with temperature > 0 only."),
-    _honoured("min_p", "Merged into generation_kwargs; with temperature > 0 only."),
+    _honoured("top_k", "Merged into generation_kwargs (GRPO's meaning: 0 = off); sampling only (temperature unset: "
+                       "GRPO's 1.0; refused with an explicit temperature=0)."),
+    _honoured("min_p", "Merged into generation_kwargs; sampling only (temperature unset: GRPO's 1.0; refused with an "
+                       "explicit temperature=0)."),
     _honoured("repetition_penalty", "Merged into generation_kwargs (1.0 = off); applies to greedy decoding too."),
     _refused("cache_implementation", "the KV cache is chosen by ES's generation engine.",
              "generation_engine ('compiled': static KV cache and a compiled decoding step; 'eager'), or "
@@ -229,7 +232,8 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
                                  "trackio; the advantage column is the member's shaped fitness."),
     _refused("log_multimodal", "ES trains text-only models: completion logs hold no images or videos.",
              type="bool", accepted=(True, False)),
-    _honoured("num_completions_to_print", "Completions printed with rich at each log (a fixed-seed sample)."),
+    _honoured("num_completions_to_print", "Completions printed with rich at each log (a fixed-seed sample; None: "
+                                          "all; 0: none, as in GRPO)."),
     _honoured("log_unique_prompts", "One row per distinct prompt in the wandb / trackio table."),
     _honoured("log_completions_hub_repo", "The completion parquet files are pushed to this Hub dataset repo "
                                           "(huggingface_hub CommitScheduler, every 2 minutes, as GRPO)."),
@@ -285,17 +289,43 @@ def answer_grpo_fields(cls: type) -> type:
     return cls
 
 
-def check_grpo_fields(config: Any) -> None:
-    """Refuse every refused ``GRPOConfig`` field set to a value ES does not accept (see :meth:`GRPOField.accepts`).
-
-    Raises:
-        ValueError: naming the field and the value, why ES has no such thing, the ES counterpart and the accepted
-            values.
-    """
+def grpo_field_errors(config: Any) -> list[str]:
+    """The error message of every refused ``GRPOConfig`` field set to a value ES does not accept (see
+    :meth:`GRPOField.accepts`), in ``GRPO_FIELDS`` order; empty when there is none."""
+    errors = []
     for entry in refused_fields():
         value = getattr(config, entry.name, None)
         if not entry.accepts(value, config):
-            raise ValueError(entry.error(value))
+            errors.append(entry.error(value))
+    return errors
+
+
+def field_errors_message(errors: list[str]) -> str:
+    """One message for several field errors: a single error as it is; several as a numbered list under a line that
+    says how many, so a config (a GRPO command line, a YAML recipe) with several refused or invalid fields is fixed
+    in one run, not one rerun per field."""
+    if len(errors) == 1:
+        return errors[0]
+    lines = [f"{len(errors)} fields of this config are refused or invalid (all of them are listed):"]
+    lines += [f"  {i}. {error}" for i, error in enumerate(errors, 1)]
+    return "\n".join(lines)
+
+
+def raise_field_errors(errors: list[str]) -> None:
+    """Raise one ``ValueError`` for all of ``errors`` (:func:`field_errors_message`); nothing when it is empty."""
+    if errors:
+        raise ValueError(field_errors_message(errors))
+
+
+def check_grpo_fields(config: Any) -> None:
+    """Refuse every refused ``GRPOConfig`` field set to a value ES does not accept (see :meth:`GRPOField.accepts`),
+    all of them in one error.
+
+    Raises:
+        ValueError: naming each such field and its value, why ES has no such thing, the ES counterpart and the
+            accepted values (one field: its message alone; several: a numbered list of them).
+    """
+    raise_field_errors(grpo_field_errors(config))
 
 
 def native_shared_fields(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> list[str]:
@@ -328,6 +358,19 @@ def _default(f: dataclasses.Field) -> Any:
 def _code(value: Any) -> str:
     text = "(required)" if value is dataclasses.MISSING else repr(getattr(value, "value", value))
     return "`" + text.replace("|", "\\|") + "`"
+
+
+#: ESConfig fields whose dataclass default (``None``: unset) is resolved in ``__post_init__``: the docs show both.
+RESOLVED_DEFAULTS = {
+    "temperature": "`0.0` (greedy, the ES reference), or `1.0` (GRPO's) when sampling is asked for: "
+                   "`num_generations > 1`, `num_generations_eval > 1`, `top_k` or `min_p` set",
+}
+
+
+def _es_default(name: str, f: dataclasses.Field) -> str:
+    """The ES default of field ``name`` as a docs cell (a resolved ``None`` with what it resolves to)."""
+    text = _code(_default(f))
+    return f"{text}, resolved to {RESOLVED_DEFAULTS[name]}" if name in RESOLVED_DEFAULTS else text
 
 
 def _cell(text: str) -> str:
@@ -382,7 +425,7 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
         "|---|---|---|",
     ]
     for name in native:
-        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_code(_default(es_fields[name]))} |")
+        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_es_default(name, es_fields[name])} |")
     out += ["", "## Honoured", "", "| GRPOConfig field | GRPO default | ES default | How ES applies it |",
             "|---|---|---|---|"]
     for e in honoured:
@@ -396,9 +439,12 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
                    f"{_cell(e.accepted_text())} |")
     out += ["", "## Defaults that differ", "",
             "ES keeps the ES reference's defaults (Qiu et al. 2025) where they differ from GRPO's: greedy decoding "
-            "(`temperature=0`) and one completion per prompt (`num_generations=1`; several greedy completions of a "
-            "prompt would be identical copies, so `num_generations > 1` needs `temperature > 0`). Set GRPO's values "
-            "explicitly for GRPO's behaviour (`temperature=1.0, num_generations=8`). Two `TrainingArguments` "
+            "and one completion per prompt (`num_generations=1`). `temperature` left unset resolves to `0.0` "
+            "(greedy), or to GRPO's `1.0` (logged once) when the config asks for sampling: `num_generations > 1` "
+            "(several greedy completions of a prompt would be identical copies), `num_generations_eval > 1`, `top_k` "
+            "or `min_p`; so a GRPO config that sets `num_generations` samples as in GRPO. An explicit "
+            "`temperature=0` with `num_generations > 1` is refused by name. Set `num_generations=8` for GRPO's "
+            "group size. Two `TrainingArguments` "
             "fields are not settings in ES: `per_device_train_batch_size` is derived (`prompt_batch_size` / number of "
             "processes; set `prompt_batch_size`) and `gradient_accumulation_steps` is fixed at 1 (one step is one ES "
             "iteration). Every field both configs hold whose dataclass default differs:",
@@ -413,7 +459,8 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
             continue
         help_text = es_fields[name].metadata.get("help", "") if name in es_cls.__dict__.get("__annotations__", {}) \
             else "(TrainingArguments' own)"
-        out.append(f"| `{name}` | {_code(grpo_default)} | {_code(es_default)} | {_cell(help_text)} |")
+        out.append(f"| `{name}` | {_code(grpo_default)} | {_es_default(name, es_fields[name])} | "
+                   f"{_cell(help_text)} |")
     return "\n".join(out) + "\n"
 
 

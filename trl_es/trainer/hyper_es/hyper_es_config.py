@@ -139,7 +139,8 @@ class HyperESConfig(_BaseConfig):
         chat_template_kwargs (`dict` or `None`, *optional*, defaults to `None`):
             Extra arguments of ``apply_chat_template`` for conversational prompts.
         model_init_kwargs (`dict` or `None`, *optional*, defaults to `None`):
-            Arguments of ``AutoModelForCausalLM.from_pretrained`` when ``model`` is a path.
+            Arguments of ``AutoModelForCausalLM.from_pretrained`` when ``model`` is a path (``dtype`` float32 unless
+            set, as in GRPO) and of reward models given by path.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.

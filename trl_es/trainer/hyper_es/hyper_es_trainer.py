@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
+from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from trl.trainer.base_trainer import _BaseTrainer
 
@@ -30,6 +30,7 @@ from ...files import SAVED_MODEL_FILES, require_files
 from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
 from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
+from ...models import load_policy
 from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
 from .hyper_es_final import choose_final_genome, resolve_genome
@@ -98,7 +99,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = HyperESConfig(f"{os.path.basename(str(name).rstrip('/')) or 'model'}-Hyper-ES")
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+            model = load_policy(model, args.model_init_kwargs)  # as ESTrainer / GRPOTrainer: float32 unless a dtype
         if processing_class is None and fitness_fn is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if fitness_fn is None:
@@ -136,11 +137,9 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
             callbacks=callbacks,
         )
         self.fitness_fn = fitness_fn
-        self.scorer = (
-            RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes)
-            if reward_funcs is not None
-            else None
-        )
+        self.scorer = None if reward_funcs is None else RewardScorer(
+            reward_funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs)
         self.generation_config = (
             build_generation_config(
                 processing_class, args.max_completion_length, args.temperature, args.top_p, args.generation_kwargs,
