@@ -1,5 +1,6 @@
-"""The ES algorithm on any ``nn.Module``: noise, perturbations, fitness shaping, the update, population evaluation,
-the seed log; and CMA-ES in the unit box (:mod:`.cma_search`, Hyper-ES's search over merge coefficients).
+"""The ES algorithm on any ``nn.Module``: the strategy object (:class:`EvolutionStrategy`, ask/tell), noise,
+perturbations, fitness shaping, the update, population backends, the seed log; and CMA-ES in the unit box
+(:mod:`.cma_search`, Hyper-ES's search over merge coefficients).
 
 Nothing here imports TRL or ``transformers.Trainer``.
 """
@@ -37,6 +38,7 @@ from .population import (
 )
 from .seedlog import SEED_LOG_NAME, SeedLog, replay
 from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
+from .strategy import EvolutionStrategy, Told
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "BatchedLowRankPopulation",
     "CMASearch",
     "DeviceGaussianNoise",
+    "EvolutionStrategy",
     "GaussianNoise",
     "GaussianPerturbation",
     "LowRankAdapters",
@@ -61,6 +64,7 @@ __all__ = [
     "SEED_LOG_NAME",
     "SeedLog",
     "SequentialPopulation",
+    "Told",
     "TrainedParameters",
     "centered_ranks",
     "es_gradient_",

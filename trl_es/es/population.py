@@ -1,5 +1,6 @@
-"""The population of an ES iteration, ask/tell style: the population *gives* members and *applies* them; the loop
-that owns it scores them (pycma's ``ask()``/``tell()``: the strategy never evaluates).
+"""Population backends: how the members of an ES iteration are drawn and put into the model; the strategy object
+(:class:`~trl_es.es.strategy.EvolutionStrategy`) holds one, and the loop that owns it scores the members (pycma's
+``ask()``/``tell()``: the strategy never evaluates).
 
 - :meth:`PopulationBackend.ask` draws the iteration's members (seeds and signs: :func:`sample_population`);
 - :meth:`PopulationBackend.groups` says which members are applied together;
@@ -14,8 +15,8 @@ Two backends, each also inside a generation engine with its own weights (:func:`
   forward: member ``group[k]`` owns the ``k``-th of ``len(group)`` equal blocks of rows (EGGROLL, arXiv
   2511.16652); the weights are never written.
 
-The update (``tell``) is :func:`trl_es.es.update.es_update_` / :func:`~trl_es.es.update.es_gradient_`, one function
-for every perturbation.
+The update (:meth:`EvolutionStrategy.tell <trl_es.es.strategy.EvolutionStrategy.tell>`) is
+:func:`trl_es.es.update.es_update_` / :func:`~trl_es.es.update.es_gradient_`, one function for every perturbation.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
         \theta \leftarrow \underbrace{\bar\theta + w_{\mathrm{ES}}\,\Delta_{\mathrm{ES}}}_{\theta_{\mathrm{ES}}}
         + w_{\mathrm{SFT}}\,(\theta_{\mathrm{SFT}} - \bar\theta).
 
-    Each iteration scores the population exactly as ``ESTrainer`` does; then ``_es_step``
+    Each iteration scores the population exactly as ``ESTrainer`` does; then ``_tell``
 
     1. snapshots the fp32 master :math:`\bar\theta`;
-    2. applies the ES step through ``ESTrainer._es_step`` with the learning rate :math:`w_{\mathrm{ES}}\alpha`
+    2. applies the ES step through ``ESTrainer._tell`` with the learning rate :math:`w_{\mathrm{ES}}\alpha`
        (so :math:`\theta_{\mathrm{ES}}` is bitwise what :func:`trl_es.replay` computes from the seed log record, which
        stores :math:`w_{\mathrm{ES}}\alpha` as the learning rate; AWD, if on, is part of this step);
     3. restores :math:`\bar\theta` and takes one SFT step from it (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`:
@@ -89,21 +89,22 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
         master, which the SFT optimizer owns."""
         return list(zip(self._es_model_params, self.es_params.master_parameters()))
 
-    def _es_step(self, members, coefficients: list[float], learning_rate: float) -> tuple[float, float]:
-        """The ES share (``ESTrainer._es_step`` at ``es_weight * learning_rate``), then the SFT step from the same
-        snapshot, then the average; returns what the seed log records (the ES share's learning rate and AWD shrink).
+    def _tell(self, members, fitness: torch.Tensor, learning_rate: float):
+        """The ES share (``ESTrainer._tell`` at ``es_weight * learning_rate``), then the SFT step from the same
+        snapshot, then the average; returns the ES share's ``Told`` (what the seed log records: its coefficients,
+        learning rate and AWD shrink).
         """
         args = self.args
         masters = self.es_params.master_parameters()
         theta_bar = snapshot(masters)
-        recorded = super()._es_step(members, coefficients, args.es_weight * learning_rate)
+        told = super()._tell(members, fitness, args.es_weight * learning_rate)
         theta_es = restore_snapshot(masters, theta_bar)
         self.es_params.render_()
         self.sft_step.create_scheduler(self.state.max_steps)
         self.sft_step.targets = self._sft_targets()
         self._sft_step_and_log(theta_es, masters, theta_bar, float32=False)
         with torch.no_grad():
-            for m, bar, es in zip(masters, theta_bar, theta_es):
+            for m, bar, es in zip(masters, theta_bar, theta_es, strict=True):
                 m.copy_(es + args.sft_weight * (m - bar))
         self.es_params.render_()
-        return recorded
+        return told

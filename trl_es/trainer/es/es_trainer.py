@@ -1,16 +1,17 @@
 """ESTrainer: Evolution Strategies fine-tuning as a TRL trainer (a drop-in for GRPOTrainer).
 
-The file reads as the setup story (constructor: model, processing class, rewards, data, generation, ES state) and
-then one ES iteration top to bottom (:meth:`ESTrainer.training_step`): ask the population for its members, apply
-each group of members and roll out (the population restores the model on leaving the ``with``), sum the scores over
-processes, shape the fitness, tell the update (ES step or torch optimizer, AWD, render), append to the seed log,
-record the metrics. Checkpoint I/O (:mod:`.es_checkpoint`), multi-process preparation (:mod:`.es_distributed_setup`),
-held-out evaluation (:mod:`.es_evaluation`), the metrics (:mod:`.es_metrics`), the generation engine
-(:mod:`.es_engines`), the prompt data (:mod:`.es_data`) and the optimizer hooks (:mod:`.es_optimizer`) live beside it. Map of the rooms: ``docs/architecture.md``.
+The constructor reads as the setup story (model, processing class, rewards, data, generation, ES state); then one ES
+iteration top to bottom (:meth:`ESTrainer.training_step`), written against the strategy object
+(:class:`~trl_es.es.strategy.EvolutionStrategy`: ask, groups, apply, tell); then the Trainer hooks it overrides
+(optimizer, generation engine, data, evaluation, logging). Checkpoints (:mod:`.es_checkpoint`) and multi-process
+setup (:mod:`.es_distributed_setup`) are the two mixins; the per-iteration metrics (:mod:`.es_metrics`) and the
+completion table (:mod:`.completion_logs`) are plain helpers. Map of the house: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import re
 import textwrap
@@ -28,29 +29,69 @@ from ...es.anchor import checkpoint_files, make_anchor
 from ...es.fitness import MemberScores, PopulationScores
 from ...es.noise import make_noise_source
 from ...es.perturbation import LowRankPerturbation, linear_weight_names
-from ...es.population import make_population_backend, member_indices, member_seed, on_engine
+from ...es.population import PopulationBackend, make_population_backend, member_indices, member_seed, on_engine
 from ...es.seedlog import SeedLog
-from ...es.shaping import shape_fitness
-from ...es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
+from ...es.strategy import EvolutionStrategy, Told
+from ...es.update import Member, TrainedParameters, select_parameters
+from ...generation import generate_completions, make_engine, prompt_add_special_tokens, resolve_pad_to_multiple_of
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
-                       split_row_groups, validate_dataset)
+                       prompt_texts, split_row_groups, validate_dataset)
+from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
-from ..distributed import es_parameter_entries, is_zero3_param, tensor_bytes
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
-from .es_data import ESDataMixin, SharedStream, identity
 from .es_distributed_setup import ESDistributedMixin
-from .es_engines import ESEngineMixin
-from .es_evaluation import ESEvaluationMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
-from .es_optimizer import ESOptimizerMixin
 
 logger = logging.get_logger(__name__)
 
 
-class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngineMixin, ESDataMixin, ESOptimizerMixin,
-                _BaseTrainer):
+def identity(features):
+    """Data collator that keeps the rows as they are (a list of dicts)."""
+    return features
+
+
+class SharedStream(torch.utils.data.IterableDataset):
+    """An iterable (streaming) dataset that every process reads whole, in the same order.
+
+    ``accelerate`` splits a ``datasets.IterableDataset`` with at least as many shards (data files) as processes *by
+    shard*: each process would read other files, so the gathered prompt batch would differ from one process's and
+    shards of unequal length would end the epoch on different processes. Behind this plain ``torch`` iterable,
+    ``accelerate`` keeps each process's slice of every batch instead (``IterableDatasetShard``), as for a single-shard
+    stream.
+
+    The passes over the stream are chained into one endless sequence of rows (a batch may span the end of one pass
+    and the start of the next), pass ``p`` read after ``dataset.set_epoch(epoch + p)`` (``datasets`` reshuffles a
+    shuffled stream with it; ``epoch`` is what ``Trainer`` set, 0 at the start). ``Trainer`` sees one epoch that
+    ends at ``max_steps``, so the batches it reads past when resuming are exactly those of the uninterrupted run, in
+    every pass (with an epoch per pass, it would skip only within the first pass and restart a later one from its
+    beginning). A pass that yields no row ends the sequence.
+
+    Args:
+        dataset (`Iterable[dict]`): The stream of rows.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.epoch = 0
+
+    def __iter__(self):
+        for passes in itertools.count():
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(self.epoch + passes)
+            empty = True
+            for row in self.dataset:
+                empty = False
+                yield row
+            if empty:
+                return
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     Each training step is one ES iteration: every process takes its share of ``prompt_batch_size`` prompts and the
@@ -200,10 +241,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
 
     def _init_es_state(self) -> None:
         """The ES state of the current model and ``args``: population backend, trained parameters with their master
-        and anchor, noise source, generation engine and an empty seed log. Built by the constructor, and again for a
+        and anchor, noise source, generation engine and an empty seed log, held by :attr:`strategy`. Built by the constructor, and again for a
         model that ``model_init`` re-created (``hyperparameter_search``)."""
         args = self.args
-        self.population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
+        population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
+        self.strategy = EvolutionStrategy(None, None, population, args.sigma, args.population_size, args.seed,
+                                          args.antithetic, args.fitness_shaping, args.awd_lambda, args.awd_penalty)
         self._build_es_state()
         lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
         device = self.es_params.entries[0].param.device
@@ -286,6 +329,43 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
                     anchor = None
             self.anchor = anchor
 
+    # The ES state lives in the strategy; these are its parts under the names the Trainer hooks use.
+    @property
+    def es_params(self) -> TrainedParameters:
+        """The trained tensors and their master copy (``strategy.params``)."""
+        return self.strategy.params
+
+    @es_params.setter
+    def es_params(self, value: TrainedParameters) -> None:
+        self.strategy.params = value
+
+    @property
+    def population(self) -> PopulationBackend:
+        """How members are put into the model or engine (``strategy.population``)."""
+        return self.strategy.population
+
+    @population.setter
+    def population(self, value: PopulationBackend) -> None:
+        self.strategy.population = value
+
+    @property
+    def noise(self):
+        """The noise source (``strategy.noise``)."""
+        return self.strategy.noise
+
+    @noise.setter
+    def noise(self, value) -> None:
+        self.strategy.noise = value
+
+    @property
+    def anchor(self):
+        """theta_0 of the trained tensors (for AWD and drift logging), or ``None`` (``strategy.anchor``)."""
+        return self.strategy.anchor
+
+    @anchor.setter
+    def anchor(self, value) -> None:
+        self.strategy.anchor = value
+
     @property
     def reward_processing_classes(self) -> list:
         """One entry per reward function, as GRPOTrainer's attribute: the tokenizer of a reward model (given, or
@@ -306,7 +386,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """One ES iteration: ask the population for its members, score them, shape the fitness, tell the update.
+        """One ES iteration: ask the strategy for its members, score them, tell it their fitness.
 
         Returns:
             `torch.Tensor`: ``-mean(population fitness)``, logged as the "loss".
@@ -314,22 +394,21 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         args = self.args
         step = self.state.global_step  # iterations done so far; this one becomes step + 1
         rows = self._gather_prompt_rows(inputs)
-        members = self.population.ask(args.seed, step, args.population_size, args.antithetic)
+        members = self.strategy.ask(step)
 
         start, forward_calls = time.perf_counter(), self._forward_calls
         member_scores = self._score_members(members, rows, step)
         evaluate_seconds = time.perf_counter() - start
         scores = self._population_scores(member_scores, len(rows))
-        coefficients = shape_fitness(scores.per_prompt_fitness(args.per_prompt_shaping), args.fitness_shaping).tolist()
 
         start = time.perf_counter()
-        learning_rate, shrink = self._es_step(members, coefficients, self._current_learning_rate())
-        self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _es_step may move the weights again)
+        told = self._tell(members, scores.per_prompt_fitness(args.per_prompt_shaping), self._current_learning_rate())
+        self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
         self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
         update_seconds = time.perf_counter() - start
-        self.seed_log.append(step + 1, members, coefficients, learning_rate, shrink)
+        self.seed_log.append(step + 1, members, told.coefficients, told.learning_rate, told.shrink)
         if self.completion_log is not None:
-            self.completion_log.finish_iteration(step + 1, coefficients, self._gather_objects,
+            self.completion_log.finish_iteration(step + 1, told.coefficients, self._gather_objects,
                                                  self.accelerator.is_main_process)
 
         self._record_comm(self._forward_calls - forward_calls)
@@ -363,10 +442,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
         scores, log = {}, self.completion_log
-        for group in self.population.groups(indices):
+        for group in self.strategy.groups(indices):
             if log is not None:
                 reward_kwargs["log_extra"] = log.log_extra_for_call()
-            with self.population.apply(self.es_params, self.noise, [members[i] for i in group], args.sigma, model):
+            with self.strategy.apply([members[i] for i in group], model):
                 self._seed_sampling(step, group)
                 self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
@@ -424,41 +503,11 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
             self._comm_bytes += scores.nbytes()
         return scores
 
-    def _es_step(self, members, coefficients: list[float], learning_rate: float) -> tuple[float, float]:
-        """The tell: move the weights for one iteration, for both ``es_optimizer`` values, then AWD, then render.
-
-        ``"es"``: the ES step ``theta <- theta + alpha / N * sum_i z_i eps_i`` into the fp32 master
-        (:func:`~trl_es.es.update.es_update_`). ``"torch"``: the ES gradient ``-(1/N) sum_i z_i eps_i``
-        (:func:`~trl_es.es.update.es_gradient_`), clipped to ``max_grad_norm``, and one step of the Trainer's
-        optimizer (its scheduler steps after the iteration, as in ``Trainer``). Then Anchored Weight Decay
-        (``awd_lambda > 0``) and the render of the master into the model. Subclasses that combine ES with other
-        updates (ES + SFT parallel averaging) override this.
-
-        Returns:
-            `(learning_rate, awd_shrink)`: what the seed log records for this iteration (the effective ``alpha`` of
-            the ES step and ``alpha * lambda``), so that :func:`trl_es.replay` reproduces it.
-        """
-        perturbation = self.population.perturbation
-        if self.args.es_optimizer == "es":
-            es_update_(self.es_params, perturbation, self.noise, members, coefficients, learning_rate)  # renders
-        else:
-            es_gradient_(self.es_params, perturbation, self.noise, members, coefficients)
-            self._es_grad_norm = self._clip_es_gradient()
-            self.optimizer.step()
-            for master in self.es_params.master_parameters():
-                master.grad = None  # stepped: Trainer's own optimizer.step() after the iteration finds nothing to do
-        shrink = self._apply_awd(learning_rate)  # renders when it decays
-        if self.args.es_optimizer == "torch" and shrink == 0.0:
-            self.es_params.render_()
-        return learning_rate, shrink
-
-    def _apply_awd(self, learning_rate: float) -> float:
-        """Anchored Weight Decay after the ES step (arXiv 2605.30148, Algorithm 1). Returns ``alpha * lambda``."""
-        if self.args.awd_lambda <= 0:
-            return 0.0
-        shrink = learning_rate * self.args.awd_lambda
-        self.es_params.anchored_weight_decay_(self.anchor, shrink, self.args.awd_penalty)
-        return shrink
+    def _tell(self, members: list[Member], fitness: torch.Tensor, learning_rate: float) -> Told:
+        """The strategy's tell (shaping, ES step or a step of the Trainer's optimizer, AWD, render); a seam for
+        trainers that combine ES with another update (ES + SFT parallel averaging)."""
+        optimizer_step = self._optimizer_step if self.args.es_optimizer == "torch" else None
+        return self.strategy.tell(members, fitness, learning_rate, optimizer_step)
 
     def _log_metric(self, name: str, value: float) -> None:
         self._metrics[name].append(float(value))
@@ -494,5 +543,270 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, ESEvaluationMixin, ESEngi
             self._comm_bytes += tensor_bytes(sums)
         return drift_metrics(groups, sums)
 
+    # ------------------------------------------------------------------ optimizer hooks (es_optimizer="torch")
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer class and kwargs, owning the fp32 master tensors (not the 16-bit parameters).
+
+        With ``es_optimizer='es'`` it never receives a gradient, so ``step()`` is a no-op and allocates no state.
+        """
+        if self.optimizer is None:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = [{"params": self.es_params.master_parameters(), "weight_decay": self.args.weight_decay}]
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+    def _optimizer_step(self) -> None:
+        """``es_optimizer="torch"``: clip the ES gradient in ``master.grad``, step the Trainer's optimizer (its
+        scheduler steps after the iteration, as in ``Trainer``)."""
+        self._es_grad_norm = self._clip_es_gradient()
+        self.optimizer.step()
+
+    def _clip_es_gradient(self) -> torch.Tensor:
+        """Clip the ES gradient estimate in ``master.grad`` to ``max_grad_norm`` (when ``> 0``) and return its norm
+        (before clipping, as ``Trainer`` logs it)."""
+        masters = self.es_params.master_parameters()
+        if self.args.max_grad_norm <= 0:
+            return torch.nn.utils.get_total_norm([m.grad for m in masters if m.grad is not None])
+        if not (self.sharded and self.accelerator.num_processes > 1):
+            return torch.nn.utils.clip_grad_norm_(masters, self.args.max_grad_norm)
+        # ZeRO-3: the masters are partitions; the norm is over the whole gradient estimate.
+        grads = [m.grad for m in masters if m.grad is not None]
+        square = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+        square = self.accelerator.reduce(square.reshape(1).to(self.accelerator.device), reduction="sum").cpu()
+        total = square.sqrt()[0]
+        torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)
+        return total
+
+    def _clip_grad_norm(self, model):
+        # The ES gradient was clipped and stepped within the iteration (see _tell): Trainer's clip is a no-op.
+        # (es_optimizer="es" has no gradient: its norm is 0, as torch's clip of no gradient says.)
+        return self._es_grad_norm if self._es_grad_norm is not None else torch.zeros(())
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        norm = grad_norm if grad_norm is not None else self._es_grad_norm
+        return norm.item() if hasattr(norm, "item") else norm
+
+    def _current_learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
+
+    # ------------------------------------------------------------------ generation engine
+    def _make_generation_engine(self):
+        """The generation engine: vLLM with ``use_vllm`` (:meth:`_make_vllm_engine`), else that of
+        ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
+        otherwise and under ZeRO-3)."""
+        if self.args.use_vllm:
+            return self._make_vllm_engine()
+        name = self.args.generation_engine
+        if name == "auto" and self.sharded:
+            name = "eager"
+        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix,
+                           resolve_pad_to_multiple_of(getattr(self.args, "pad_to_multiple_of", None)))
+
+    def _make_vllm_engine(self):
+        """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA
+        slots for a group of low-rank members; the current weights are loaded at the first iteration.
+
+        Raises:
+            ImportError: if vLLM is not installed (naming what to install).
+            ValueError: under DeepSpeed ZeRO-3 or with a PEFT model (not supported with use_vllm yet).
+        """
+        from ...generation.vllm_engine import VLLMEngine
+
+        args = self.args
+        if args.vllm_tensor_parallel_size > 1:
+            raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
+                             "would have to score the same member together (docs/generation.md). Use 1.")
+        if self.sharded:
+            raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
+                             "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if hasattr(unwrapped, "peft_config"):
+            raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
+                             "which the engine does not hold. Use use_vllm=False.")
+        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        output_embeddings = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
+        head = getattr(output_embeddings, "weight", None)
+        if lowrank and head is not None and any(e.param.data_ptr() == head.data_ptr() for e in self.es_params.entries):
+            raise ValueError("use_vllm=True with population_backend='batched_lowrank' cannot perturb the output "
+                             "embeddings (lm_head) as a LoRA adapter (vLLM's LoRA covers the Linear projections): "
+                             "set include_parameters, e.g. r'proj\\.weight$'.")
+        VLLMEngine.check_generation_config(self.generation_config)  # before minutes of engine start-up
+        members_here = len(member_indices(args.population_size, self.accelerator.process_index,
+                                          self.accelerator.num_processes))
+        return VLLMEngine(
+            unwrapped, self.processing_class, self.accelerator,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            max_model_length=args.vllm_max_model_length,
+            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
+            lora_rank=args.noise_rank if lowrank else None,
+            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
+            model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
+        )
+
+    def _sync_engine_weights(self) -> None:
+        """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES
+        update produced: when the engine is built, after every iteration's update (a subclass's ``_tell``
+        included), after a checkpoint is loaded, and before an evaluation."""
+        if self.args.use_vllm:
+            self.generation_engine.sync_weights(self.accelerator.unwrap_model(self.model), self.es_params, self.noise)
+
+    def _population_backend_kwargs(self) -> dict:
+        """Backend-specific settings from the config."""
+        if self.args.population_backend == "sequential":
+            return {}
+        return {"noise_rank": self.args.noise_rank, "member_chunk_size": self.args.member_chunk_size}
+
+    # ------------------------------------------------------------------ data
+    @staticmethod
+    def _check_iterable_train_dataset(args: ESConfig) -> None:
+        """An iterable (streaming) train dataset, as TRL's trainers take it: ``max_steps`` must say how long to train,
+        and every process reads the stream itself.
+
+        ``accelerate`` would otherwise *dispatch* an iterable dataset's batches: process 0 reads them and broadcasts
+        them as tensors, which text rows are not. With ``dispatch_batches=False`` every process iterates the same
+        stream and keeps its slice of each ``prompt_batch_size`` batch (``IterableDatasetShard``); the slices are then
+        gathered as for a map-style dataset, so every process scores the same prompt rows in the same order. On resume,
+        ``Trainer`` skips the batches already used by reading past them (unless ``ignore_data_skip``).
+
+        ``dataloader_num_workers`` is set to 0 (with a warning), as GRPOTrainer does: workers would read the stream's
+        shards in turn and interleave them.
+
+        Raises:
+            ValueError: if ``max_steps`` is not set, or ``accelerator_config.dispatch_batches`` is ``True``.
+        """
+        if args.max_steps is None or args.max_steps <= 0:
+            raise ValueError("train_dataset is an iterable (streaming) dataset, which has no length: set max_steps "
+                             "(the number of ES iterations) to a positive value, or pass a map-style datasets.Dataset.")
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError("accelerator_config.dispatch_batches=True cannot dispatch an iterable dataset's text rows "
+                             "(accelerate broadcasts tensors only): leave it unset (None) or set it to False.")
+        args.accelerator_config.dispatch_batches = False
+        if args.dataloader_num_workers != 0:  # as GRPOTrainer: workers would interleave the stream's shards
+            logger.warning(f"An iterable train dataset is read in stream order with dataloader_num_workers=0 "
+                           f"(several workers would interleave its shards); overriding {args.dataloader_num_workers}.")
+            args.dataloader_num_workers = 0
+
+    def _set_signature_columns_if_needed(self):
+        # Rows go to the reward functions as they are: keep every column.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def _gather_prompt_rows(self, rows: list[dict]) -> list[dict]:
+        """Each process loaded its share of the prompt batch; with population parallelism every process needs all of
+        it (``torch.distributed.all_gather_object``, counted in ``comm/bytes``). Sharded (ZeRO-3) processes keep their
+        share: each generates for its own prompts."""
+        return list(rows) if self.sharded else self._gather_objects(rows)
+
+    def _gather_objects(self, objects: list) -> list:
+        """Every process's ``objects``, concatenated in rank order (``torch.distributed.all_gather_object``, the
+        bytes it moves counted in ``comm/bytes``); on one process, ``objects`` itself."""
+        if self.accelerator.num_processes == 1:
+            return list(objects)
+        parts, nbytes = all_gather_objects(list(objects))
+        self._comm_bytes += nbytes
+        return [obj for part in parts for obj in part]
 
     # ------------------------------------------------------------------ evaluation
+    def _prepare_forward_precision(self) -> None:
+        """Give the model the precision of training before any forward: every ES forward (``evaluate`` before,
+        during and after ``train``, the members' rollouts) then runs the same computation.
+
+        accelerate applies mixed precision (``bf16``/``fp16``) by wrapping the model's ``forward`` in its autocast
+        (outputs cast back to fp32) when the model is prepared; ``Trainer`` prepares it when training starts, and
+        before its own first evaluation. ES prepares it the same way (``evaluation_mode=True``: no DDP wrapper) at
+        its first forward, whichever comes first. Without mixed precision, or under DeepSpeed (which casts the
+        weights instead), nothing changes. Called by ``evaluate`` and by the member loop (``_score_members``).
+        """
+        if not self.accelerator.native_amp or self.is_deepspeed_enabled:
+            return
+        if any(getattr(m, "_is_accelerate_prepared", False) for m in (self.model, self.model_wrapped)):
+            return
+        prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        if prepared is not self.model:  # as Trainer's evaluation_loop (e.g. torch_compile's wrapper)
+            self.model_wrapped = prepared
+        self._rebind_es_params()  # preparing may move the weights to new storage (as in _prepare_for_training)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
+
+        Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
+        generate call (``num_generations_eval`` completions each, default ``num_generations``), with the trainer's
+        generation engine and settings.
+        Invalid (non-finite) rewards are left out of the means and counted.
+
+        Returns:
+            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_loss`` (``-{prefix}_reward``, as the training "loss"
+            is the negated mean reward: so ``load_best_model_at_end=True`` with Trainer's default
+            ``metric_for_best_model="loss"`` keeps the checkpoint of the highest eval reward; ``None`` when nothing
+            was scored), ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
+            ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
+        """
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (given to ESTrainer or to evaluate).")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for key, subset in dataset.items():
+                metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
+            return metrics
+        validate_dataset(dataset, "eval_dataset")
+        if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
+            dataset = list(dataset)
+        if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
+            self._prepare_deepspeed_engine()  # ZeRO-3 partitioned at load time: generation needs the engine's hooks
+        self._prepare_forward_precision()
+        self._sync_model_view()
+        self._sync_engine_weights()
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = [dataset[i] for i in range(rank, len(dataset), world)]
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        batch = self.args.per_device_eval_batch_size
+        # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
+        # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
+        num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
+        sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
+        counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
+        if self.generation_config.do_sample:  # however sampling is on (temperature > 0, generation_kwargs)
+            torch.manual_seed(self.args.seed)
+        num_generations = self.args.num_generations_eval or self.args.num_generations
+        rollout = dataclasses.replace(self.rollout, num_generations=num_generations)
+        start = time.perf_counter()
+        for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
+            chunk = rows[first : first + batch]
+            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
+                placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
+                generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
+                                     engine=self.generation_engine,
+                                     add_special_tokens=prompt_add_special_tokens([dataset[0]["prompt"]]))
+                continue
+            out = rollout(unwrapped, chunk, reward_kwargs={
+                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
+            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            rewards = out["rewards"].double()
+            valid_rows = ~out["invalid"].any(dim=1)
+            sums[0] += rewards[valid_rows].nansum()
+            sums[1] += (~torch.isnan(rewards[valid_rows])).sum()
+            sums[2] += out["invalid"].sum()
+            per_func = out["rewards_per_func"].double()
+            sums[3:] += per_func.nansum(dim=0)
+            counts += (~torch.isnan(per_func)).sum(dim=0)
+        if world > 1:
+            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
+            counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
+        reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
+        metrics = {
+            f"{metric_key_prefix}_loss": -reward if reward is not None else None,
+            f"{metric_key_prefix}_reward": reward,
+            f"{metric_key_prefix}_num_completions": int(len(dataset) * num_generations),
+            f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
+            f"{metric_key_prefix}_runtime": time.perf_counter() - start,
+        }
+        for j, name in enumerate(self.reward_func_names):
+            if counts[j] > 0:
+                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
