@@ -19,8 +19,8 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
-from tiny import CHATML_TEMPLATE, build_llama, build_tokenizer
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForSequenceClassification
+from tiny import CHATML_TEMPLATE, build_llama, build_reward_model, build_tokenizer
+from transformers import BitsAndBytesConfig
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.models import load_policy, policy_init_kwargs
@@ -43,14 +43,6 @@ def length_reward(completions, **kwargs):
 
 def chat_prompts(n=2):
     return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say {i}"}]} for i in range(n)])
-
-
-def tiny_reward_model(tokenizer, dtype=torch.float32):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return LlamaForSequenceClassification(config).to(dtype)
 
 
 def record_inputs(reward_model, tokenizer) -> list[str]:
@@ -85,7 +77,7 @@ def reward_tokenizer(template):
 ])
 def test_scorer_renders_the_reward_model_input_with_chat_template_kwargs(template, kwargs, marker):
     tokenizer = reward_tokenizer(template)
-    model = tiny_reward_model(tokenizer)
+    model = build_reward_model(tokenizer)
     seen = record_inputs(model, tokenizer)
     rows = [{"prompt": [{"role": "user", "content": "Say 1"}]}] * 2
     completions = [[{"role": "assistant", "content": "one"}], [{"role": "assistant", "content": "1"}]]
@@ -106,7 +98,7 @@ def test_scorer_renders_the_reward_model_input_with_chat_template_kwargs(templat
 ])
 def test_train_passes_chat_template_kwargs_to_the_reward_model(tmp_path, tokenizer, template, kwargs, marker):
     reward_tok = reward_tokenizer(template)
-    model = tiny_reward_model(reward_tok)
+    model = build_reward_model(reward_tok)
     seen = record_inputs(model, reward_tok)
     trainer = ESTrainer(build_llama(tokenizer), [model, length_reward],
                         args=es_args(tmp_path, chat_template_kwargs=kwargs), train_dataset=chat_prompts(),
@@ -133,7 +125,7 @@ def reward_model_dir(tmp_path_factory):
     """A tiny sequence-classification reward model stored in bfloat16, with its tokenizer."""
     tokenizer = build_tokenizer()
     path = tmp_path_factory.mktemp("bf16-reward-model")
-    tiny_reward_model(tokenizer, torch.bfloat16).save_pretrained(path)
+    build_reward_model(tokenizer, torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_resume_trust import ScriptedEval
-from tiny import build_llama
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from tiny import build_llama, build_reward_model
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.rollout import RewardScorer, is_async_reward_func
@@ -210,18 +209,10 @@ def test_async_exception_propagates_and_cancels_the_others():
 
 
 # ---------------------------------------------------------------------------------------------- reward_processing_classes
-def tiny_reward_model(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return LlamaForSequenceClassification(config)
-
-
 def test_reward_processing_classes_as_grpo(tmp_path, tokenizer):
     from trl import GRPOConfig, GRPOTrainer
 
-    reward_model = tiny_reward_model(tokenizer)
+    reward_model = build_reward_model(tokenizer)
     funcs = [length_reward, reward_model, async_mean_code]
     given = [None, tokenizer, None]
     trainer = ESTrainer(build_llama(tokenizer), funcs, args=es_args(tmp_path), train_dataset=prompts(),

@@ -296,7 +296,7 @@ def tiny_model(model_id, tokenizer, seed=0):
     return getattr(transformers, model_name)(config).float()
 
 
-def tiny_reward_model(tokenizer, config_name="Qwen2Config", model_name="Qwen2ForSequenceClassification", seed=1):
+def hub_reward_model(tokenizer, config_name="Qwen2Config", model_name="Qwen2ForSequenceClassification", seed=1):
     """A tiny sequence-classification reward model (one label) for ``tokenizer``."""
     import transformers
 
@@ -330,7 +330,7 @@ def qwen2_dir(tmp_path_factory, policy_tokenizer):
 def reward_model_dir(tmp_path_factory, policy_tokenizer):
     """trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5 (same tokenizer as the policy), as a folder."""
     path = tmp_path_factory.mktemp("reward-models") / QWEN2_RM
-    return save(tiny_reward_model(policy_tokenizer), policy_tokenizer, path)
+    return save(hub_reward_model(policy_tokenizer), policy_tokenizer, path)
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +338,7 @@ def qwen3_reward_model_dir(tmp_path_factory):
     """trl-internal-testing/tiny-Qwen3ForSequenceClassification, with a tokenizer of its own, as a folder."""
     tokenizer = build_tokenizer(template=QWEN3_TEMPLATE, reverse=True)
     path = tmp_path_factory.mktemp("reward-models") / QWEN3_RM
-    return save(tiny_reward_model(tokenizer, "Qwen3Config", "Qwen3ForSequenceClassification", seed=2), tokenizer, path)
+    return save(hub_reward_model(tokenizer, "Qwen3Config", "Qwen3ForSequenceClassification", seed=2), tokenizer, path)
 
 
 ZEN = [
@@ -772,7 +772,7 @@ def test_train_different_reward_model(tmp_path, qwen2_dir):
                  "+ '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}",
         pad="<|eot_id|>", eos="<|eot_id|>", bos="<|begin_of_text|>", reverse=True)
     reward_tokenizer.pad_token = "<|finetune_right_pad_id|>"  # as TRL: not the eos, which the template uses
-    reward_model = tiny_reward_model(reward_tokenizer, "LlamaConfig", "LlamaForSequenceClassification")
+    reward_model = hub_reward_model(reward_tokenizer, "LlamaConfig", "LlamaForSequenceClassification")
     seen = []
     reward_model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"]),
                                            with_kwargs=True)

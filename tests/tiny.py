@@ -4,7 +4,14 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -59,6 +66,15 @@ def build_llama(tokenizer, seed: int = 0, dtype=torch.float32) -> LlamaForCausal
 
 def build_qwen2(tokenizer, seed: int = 0, dtype=torch.float32) -> Qwen2ForCausalLM:
     return _tiny(Qwen2Config, Qwen2ForCausalLM, tokenizer, seed, dtype, TINY_SIZES, tie_word_embeddings=True)
+
+
+def build_reward_model(tokenizer, dtype=torch.float32) -> LlamaForSequenceClassification:
+    """A one-layer Llama sequence classifier (one label, seed 0): a reward model for ``reward_funcs``."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return LlamaForSequenceClassification(config).to(dtype)
 
 
 def content_reward(completions, **kwargs) -> list[float]:
