@@ -18,14 +18,17 @@ from .trainer import (
 )
 
 __all__ = [
+    # the ES trainer path: GRPOTrainer's constructor, an ES iteration a step
     "ESConfig",
-    "ESParallelAveragingConfig",
-    "ESParallelAveragingTrainer",
     "ESTrainer",
+    "replay",  # rebuild trained weights from a seed log
+    # Hyper-ES: CMA-ES over DARE-TIES merges of LoRA deltas (arXiv 2608.05541)
     "HyperESConfig",
     "HyperESTrainer",
+    # RL + SFT parallel averaging (arXiv 2606.04272): GRPO + SFT, ES + SFT
     "ParallelAveragingConfig",
     "ParallelAveragingTrainer",
-    "replay",
+    "ESParallelAveragingConfig",
+    "ESParallelAveragingTrainer",
     "__version__",
 ]

@@ -53,38 +53,29 @@ def identity(features):
 
 
 class SharedStream(torch.utils.data.IterableDataset):
-    """An iterable (streaming) dataset that every process reads whole, in the same order.
-
-    ``accelerate`` splits a ``datasets.IterableDataset`` with at least as many shards (data files) as processes *by
-    shard*: each process would read other files, so the gathered prompt batch would differ from one process's and
-    shards of unequal length would end the epoch on different processes. Behind this plain ``torch`` iterable,
-    ``accelerate`` keeps each process's slice of every batch instead (``IterableDatasetShard``), as for a single-shard
-    stream.
-
-    The passes over the stream are chained into one endless sequence of rows (a batch may span the end of one pass
-    and the start of the next), pass ``p`` read after ``dataset.set_epoch(epoch + p)`` (``datasets`` reshuffles a
-    shuffled stream with it; ``epoch`` is what ``Trainer`` set, 0 at the start). ``Trainer`` sees one epoch that
-    ends at ``max_steps``, so the batches it reads past when resuming are exactly those of the uninterrupted run, in
-    every pass (with an epoch per pass, it would skip only within the first pass and restart a later one from its
-    beginning). A pass that yields no row ends the sequence.
+    """A streaming dataset that every process reads whole, in the same order (the passes chained into one stream).
 
     Args:
         dataset (`Iterable[dict]`): The stream of rows.
     """
+    # accelerate splits a datasets.IterableDataset with >= num_processes shards *by shard* (each process would read
+    # other files); behind a plain torch iterable it slices every batch instead (IterableDatasetShard).
 
     def __init__(self, dataset):
         self.dataset = dataset
-        self.epoch = 0
+        self.epoch = 0  # set by Trainer, 0 at the start
 
     def __iter__(self):
+        # One endless sequence over the passes (a batch may span two), so Trainer sees one epoch ending at max_steps
+        # and a resume skips exactly the batches of the uninterrupted run, in every pass.
         for passes in itertools.count():
             if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(self.epoch + passes)
+                self.dataset.set_epoch(self.epoch + passes)  # datasets reshuffles a shuffled stream per epoch
             empty = True
             for row in self.dataset:
                 empty = False
                 yield row
-            if empty:
+            if empty:  # a pass with no row ends the stream
                 return
 
     def set_epoch(self, epoch: int) -> None:
