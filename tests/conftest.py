@@ -5,6 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the study scripts' helper package _study, found as `python examples/studies/<script>.py` finds it (appended: a
+# script's name never shadows an installed module)
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "studies"))
 
 from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
 

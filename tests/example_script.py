@@ -1,17 +1,24 @@
-"""Load a script of examples/scripts/ as a module, for tests of its functions and dataclasses."""
+"""Load a script of examples/ (``scripts/<name>.py`` or ``studies/<name>.py``) as a module, for tests of its functions
+and dataclasses."""
 
 import importlib.util
 import os
 import sys
 from contextlib import contextmanager
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "scripts")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+SCRIPTS = os.path.join(EXAMPLES, "scripts")  # the product's example scripts
+STUDIES = os.path.join(EXAMPLES, "studies")  # the study harnesses and their helper package _study
 
 
 @contextmanager
-def example_script(filename: str, module_name: str):
-    """Import ``examples/scripts/<filename>`` as ``module_name`` for the duration of the block."""
-    spec = importlib.util.spec_from_file_location(module_name, os.path.join(SCRIPTS, filename))
+def example_script(path: str, module_name: str):
+    """Import ``examples/<path>`` (e.g. ``"studies/geometry.py"``) as ``module_name`` for the duration of the block.
+
+    A study script imports its helpers as ``_study``: ``python examples/studies/x.py`` has ``examples/studies`` on
+    ``sys.path``, and so do the tests (conftest.py).
+    """
+    spec = importlib.util.spec_from_file_location(module_name, os.path.join(EXAMPLES, path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses resolve string annotations through sys.modules
     try:

@@ -16,7 +16,7 @@ from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
 
 @pytest.fixture(scope="module")
 def hyper_es_script():
-    with example_script("hyper_es.py", "hyper_es_script_args") as module:
+    with example_script("scripts/hyper_es.py", "hyper_es_script_args") as module:
         yield module
 
 

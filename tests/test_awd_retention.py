@@ -1,4 +1,4 @@
-"""examples/scripts/awd_retention.py: AWD against no AWD and a larger population, a tiny end-to-end run in-process."""
+"""examples/studies/awd_retention.py: AWD against no AWD and a larger population, a tiny end-to-end run in-process."""
 
 import json
 import os
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def awd():
-    with example_script("awd_retention.py", "awd_retention") as module:
+    with example_script("studies/awd_retention.py", "awd_retention") as module:
         yield module
 
 

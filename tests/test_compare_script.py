@@ -1,4 +1,4 @@
-"""examples/scripts/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
+"""examples/studies/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
 
 import json
 import time
@@ -10,7 +10,7 @@ from example_script import example_script
 
 @pytest.fixture(scope="module")
 def race():
-    with example_script("compare_es_grpo.py", "compare_es_grpo") as module:
+    with example_script("studies/compare_es_grpo.py", "compare_es_grpo") as module:
         yield module
 
 

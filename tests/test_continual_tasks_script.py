@@ -1,4 +1,4 @@
-"""examples/scripts/continual_tasks.py: task A then task B, ES at two budgets vs GRPO, a tiny run in-process."""
+"""examples/studies/continual_tasks.py: task A then task B, ES at two budgets vs GRPO, a tiny run in-process."""
 
 import json
 import os
@@ -12,12 +12,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def cont():
-    with example_script("continual_tasks.py", "continual_tasks") as module:
+    with example_script("studies/continual_tasks.py", "continual_tasks") as module:
         yield module
 
 
 def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
-    geo = cont._geometry()
+    geo = cont.load_script("geometry")
     monkeypatch.setattr(geo, "reward_funcs", lambda: [content_reward])
     out = tmp_path / "continual"
     argv = [
@@ -69,7 +69,7 @@ def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_tasks_split_one_grid_by_operator(cont):
-    from trl_es.tasks.pretraining_corpus import pretraining_arithmetic_splits
+    from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
     args = cont.parse_args(["--config", os.path.join(root, "continual_tiny.yaml")])

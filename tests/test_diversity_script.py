@@ -1,4 +1,4 @@
-"""examples/scripts/diversity_pass_at_k.py: JS_succ vs Pass@K across ES runs, a tiny end-to-end run in-process."""
+"""examples/studies/diversity_pass_at_k.py: JS_succ vs Pass@K across ES runs, a tiny end-to-end run in-process."""
 
 import json
 import math
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def div():
-    with example_script("diversity_pass_at_k.py", "diversity_pass_at_k") as module:
+    with example_script("studies/diversity_pass_at_k.py", "diversity_pass_at_k") as module:
         yield module
 
 

@@ -183,13 +183,13 @@ def test_save_trainer_model_passes_on_a_real_save(tiny_llama, tmp_path):
 # ---------------------------------------------------------------------------------------------- worker paths
 @pytest.fixture(scope="module")
 def seq():
-    with example_script("sequential_recipes.py", "sequential_recipes_files") as module:
+    with example_script("studies/sequential_recipes.py", "sequential_recipes_files") as module:
         yield module
 
 
 @pytest.fixture(scope="module")
 def levers():
-    with example_script("tune_es_levers.py", "tune_es_levers_files") as module:
+    with example_script("studies/tune_es_levers.py", "tune_es_levers_files") as module:
         yield module
 
 

@@ -1,4 +1,4 @@
-"""examples/scripts/geometry.py: ES vs GRPO at matched accuracy, a tiny end-to-end run in-process (two seeds)."""
+"""examples/studies/geometry.py: ES vs GRPO at matched accuracy, a tiny end-to-end run in-process (two seeds)."""
 
 import json
 import math
@@ -13,12 +13,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def geo():
-    with example_script("geometry.py", "geometry") as module:
+    with example_script("studies/geometry.py", "geometry") as module:
         yield module
 
 
 def test_match_picks_the_earliest_checkpoint_at_the_lower_best():
-    with example_script("geometry.py", "geometry_match") as geo:
+    with example_script("studies/geometry.py", "geometry_match") as geo:
         es = [{"step": 1, "validation_accuracy": 0.2}, {"step": 2, "validation_accuracy": 0.5},
               {"step": 3, "validation_accuracy": 0.4}]
         grpo = [{"step": 5, "validation_accuracy": 0.3}, {"step": 10, "validation_accuracy": 0.45}]
@@ -93,7 +93,7 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
 def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
     from trl_es import ESConfig
     from trl_es.cli import es_config_kwargs, load_recipe
-    from trl_es.tasks.pretraining_corpus import pretraining_arithmetic_splits
+    from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
     args = geo.parse_args(["--config", os.path.join(root, "geometry_tiny.yaml")])
@@ -108,7 +108,7 @@ def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
 
 
 def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(geo):
-    from trl_es.tasks.pretraining_corpus import pretraining_arithmetic_splits
+    from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
     args = geo.parse_args(["--config", os.path.join(root, "geometry_addition_tiny.yaml")])

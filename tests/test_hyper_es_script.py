@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def script():
-    with example_script("hyper_es.py", "hyper_es_script_e2e") as module:
+    with example_script("scripts/hyper_es.py", "hyper_es_script_e2e") as module:
         yield module
 
 
@@ -78,7 +78,7 @@ def test_comparison_with_grpo_lora_baselines_pass_at_k_and_costs(script, tiny_mo
 
 
 def test_table_over_seeds(tmp_path):
-    with example_script("hyper_es_table.py", "hyper_es_table") as table:
+    with example_script("studies/hyper_es_table.py", "hyper_es_table") as table:
         def seed(base, uniform, hyper, grpo, p1):
             costs = {"gradient_updates": 72, "generated_tokens": 1000, "wall_seconds": 600.0}
             return {"base": base, "best_single_adapter": {"name": "adapter_0", "reward": 0.5},
@@ -112,7 +112,7 @@ def test_table_over_seeds(tmp_path):
 
 
 def test_table_plots_every_seeds_search_curve(tmp_path):
-    with example_script("hyper_es_table.py", "hyper_es_table_plot") as table:
+    with example_script("studies/hyper_es_table.py", "hyper_es_table_plot") as table:
         files = []
         for i in range(2):
             run = {"base": 0.3, "best_single_adapter": {"name": "adapter_0", "reward": 0.5}, "uniform_merge": 0.5,

@@ -1,4 +1,4 @@
-"""examples/scripts/parallel_averaging.py: every arm at equal steps, a tiny end-to-end run in-process."""
+"""examples/studies/parallel_averaging.py: every arm at equal steps, a tiny end-to-end run in-process."""
 
 import json
 import math
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def pa():
-    with example_script("parallel_averaging.py", "parallel_averaging") as module:
+    with example_script("studies/parallel_averaging.py", "parallel_averaging") as module:
         yield module
 
 

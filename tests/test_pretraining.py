@@ -1,4 +1,5 @@
-"""From-scratch pre-training (RL Excursions, arXiv 2606.04272): the synthetic corpus, the run and its checkpoints."""
+"""examples/studies/_study: from-scratch pre-training (RL Excursions, arXiv 2606.04272): the synthetic corpus, the run
+and its checkpoints."""
 
 import math
 import os
@@ -10,15 +11,16 @@ import torch
 from example_script import example_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_es.pretraining import (
+from trl_es.tasks.arithmetic import arithmetic_question, arithmetic_reward, make_arithmetic_dataset_dict
+
+from _study.pretraining import (
     build_tiny_llama,
     checkpoint_steps,
     pretrain_from_scratch,
     pretraining_tokenizer,
     train_corpus_tokenizer,
 )
-from trl_es.tasks.arithmetic import arithmetic_question, arithmetic_reward, make_arithmetic_dataset_dict
-from trl_es.tasks.pretraining_corpus import (
+from _study.pretraining_corpus import (
     GENERAL_VOCABULARY,
     arithmetic_document,
     general_document,
@@ -282,7 +284,7 @@ def test_bad_pretraining_fields_raise_naming_the_field(tiny_run, tmp_path, kwarg
 def test_script_end_to_end(tmp_path):
     import json
 
-    with example_script("pretrain_from_scratch.py", "pretrain_from_scratch") as script:
+    with example_script("studies/pretrain_from_scratch.py", "pretrain_from_scratch") as script:
         out = tmp_path / "run"
         result = script.main([
             "--output_dir", str(out), "--high", "6", "--num_validation_problems", "10", "--num_test_problems", "12",

@@ -1,4 +1,4 @@
-"""examples/scripts/pretraining_excursions.py: pre-train from scratch, then every arm from every checkpoint (tiny)."""
+"""examples/studies/pretraining_excursions.py: pre-train from scratch, then every arm from every checkpoint (tiny)."""
 
 import json
 import math
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def exc():
-    with example_script("pretraining_excursions.py", "pretraining_excursions") as module:
+    with example_script("studies/pretraining_excursions.py", "pretraining_excursions") as module:
         yield module
 
 
@@ -60,7 +60,7 @@ def test_recipe_parses_into_parallel_averaging_arguments(exc):
     pretraining = {"arithmetic_splits": {"kwargs": {"seed": 0, "low": 0, "high": 20, "ops": ["+", "-"],
                                                     "num_validation": 100, "num_test": 200}}}
     argv = exc.parallel_argv(args, pretraining, {"step": 500, "path": "ckpt"}, 1, "texts.json")
-    parallel = exc._script("parallel_averaging").parse_args(argv)
+    parallel = exc.load_script("parallel_averaging").parse_args(argv)
     assert (parallel.max_steps, parallel.learning_rate, parallel.es_max_steps, parallel.pass_k) == (32, 1e-4, 30,
                                                                                                    [1, 2, 4, 8])
     assert parallel.es_overrides[:2] == ["population_backend=sequential", "sigma=0.01"]

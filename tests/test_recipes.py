@@ -18,7 +18,7 @@ RECIPES = os.path.join(ROOT, "examples", "recipes")
 
 @pytest.fixture(scope="module")
 def hyper_es_script():
-    with example_script("hyper_es.py", "hyper_es_script") as module:
+    with example_script("scripts/hyper_es.py", "hyper_es_script") as module:
         yield module
 
 

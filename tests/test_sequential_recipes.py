@@ -1,4 +1,4 @@
-"""examples/scripts/sequential_recipes.py: GRPO -> ES and ES -> GRPO, a tiny end-to-end run in-process."""
+"""examples/studies/sequential_recipes.py: GRPO -> ES and ES -> GRPO, a tiny end-to-end run in-process."""
 
 import json
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def seq():
-    with example_script("sequential_recipes.py", "sequential_recipes") as module:
+    with example_script("studies/sequential_recipes.py", "sequential_recipes") as module:
         yield module
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "OPERATOR_SPELLINGS",
     "arithmetic_question",
     "arithmetic_reward",
+    "check_arithmetic_args",
     "make_arithmetic_dataset",
     "make_arithmetic_dataset_dict",
     "make_arithmetic_sft_dataset",
@@ -63,7 +64,21 @@ def arithmetic_question(a: int, op: str, b: int) -> str:
     return f"What is {a} {op} {b}? Reply with only the number."
 
 
-def _check_args(low: int, high: int, ops: Sequence[str]) -> tuple[str, ...]:
+def check_arithmetic_args(low: int, high: int, ops: Sequence[str]) -> tuple[str, ...]:
+    """Check the operand range and operators of an arithmetic grid, as every function of this module does.
+
+    Args:
+        low (`int`): Smallest operand.
+        high (`int`): Largest operand, ``>= low``.
+        ops (`Sequence[str] | str`): Distinct operators of :data:`ALLOWED_OPS` (a single string is one operator).
+
+    Returns:
+        `tuple[str, ...]`: ``ops`` as a tuple.
+
+    Raises:
+        ValueError: If ``low``/``high`` are not integers with ``low <= high``, or ``ops`` is empty, repeats an
+            operator or names one outside :data:`ALLOWED_OPS`.
+    """
     if not (isinstance(low, int) and isinstance(high, int) and low <= high):
         raise ValueError(f"low and high must be integers with low <= high, got low={low!r}, high={high!r}")
     if isinstance(ops, str):
@@ -116,7 +131,7 @@ def make_arithmetic_dataset(
 
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    ops = _check_args(low, high, ops)
+    ops = check_arithmetic_args(low, high, ops)
     rng = random.Random(seed)
     size = len(ops) * (high - low + 1) ** 2
     return Dataset.from_list(_rows([rng.randrange(size) for _ in range(n)], low, high, ops, conversational))
@@ -161,7 +176,7 @@ def make_arithmetic_splits(
     for name, value in (("n_train", n_train), ("n_eval", n_eval)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    ops = _check_args(low, high, ops)
+    ops = check_arithmetic_args(low, high, ops)
     size = len(ops) * (high - low + 1) ** 2
     if n_train + n_eval > size:
         raise ValueError(
@@ -232,7 +247,7 @@ def make_arithmetic_dataset_dict(
     total = num_train + num_validation + num_test
     if total == 0:
         raise ValueError("num_train, num_validation and num_test are all 0: nothing to generate")
-    ops = _check_args(low, high, ops)
+    ops = check_arithmetic_args(low, high, ops)
     size = len(ops) * (high - low + 1) ** 2
     if total > size:
         raise ValueError(

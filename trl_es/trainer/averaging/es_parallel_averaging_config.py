@@ -44,7 +44,7 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
     sft_learning_rate: float = field(
         default=1e-5,
         metadata={"help": "Learning rate of the SFT optimizer (learning_rate is ES's alpha). Default 1e-5, the GRPO "
-                  "learning rate of examples/scripts/compare_es_grpo.py."},
+                  "learning rate of examples/studies/compare_es_grpo.py."},
     )
     sft_max_grad_norm: float = field(
         default=1.0,

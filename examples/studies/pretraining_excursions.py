@@ -8,11 +8,11 @@ method.
 
 This script runs that study on this machine:
 
-1. **Pre-training** (``examples/scripts/pretrain_from_scratch.py``, skipped when ``--pretrain_dir`` already holds
+1. **Pre-training** (``examples/studies/pretrain_from_scratch.py``, skipped when ``--pretrain_dir`` already holds
    its ``pretraining.json``): a tiny Llama trained from random weights on arithmetic + general text, with
    checkpoints every few hundred steps; the held-out arithmetic problems never appear in its corpus.
 2. **Excursions**: from each checkpoint in ``--checkpoints`` (default: every one) and for each seed in ``--seeds``,
-   ``examples/scripts/parallel_averaging.py`` trains every arm of ``--arms`` at an equal number of updates (RL =
+   ``examples/studies/parallel_averaging.py`` trains every arm of ``--arms`` at an equal number of updates (RL =
    GRPO, SFT, SFT -> RL, RL + SFT parallel averaging, ES) on the problems seen in pre-training, with plain-text
    prompts, and evaluates it on the held-out **test** problems: greedy Pass@1, Pass@K from samples, and the general
    ability as the LM loss on the pre-training run's held-out general text (``lm_loss``).
@@ -24,36 +24,23 @@ learning_rate=1e-4``), ``--pretrain_args`` to pretrain_from_scratch.py.
 Writes ``--output_dir``/``results.json``, ``results.md``, ``excursions.png``; per checkpoint and seed the arm folders
 of parallel_averaging.py (reused when rerun with the same settings).
 
-    python examples/scripts/pretraining_excursions.py --pretrain_dir runs/pretrain_from_scratch --seeds 0 1 2
+    python examples/studies/pretraining_excursions.py --pretrain_dir runs/pretrain_from_scratch --seeds 0 1 2
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 
-from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _study import load_script
+from _study.spread import format_mean_std, mean_std
 
-
-def _script(name: str):
-    """An example script imported as a module (examples/scripts is not a package)."""
-    module_name = f"_excursion_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, os.path.join(HERE, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-ARM_ORDER = _script("parallel_averaging").ARMS  # the arms parallel_averaging.py runs, in its table order
+ARM_ORDER = load_script("parallel_averaging").ARMS  # the arms parallel_averaging.py runs, in its table order
 
 
 @dataclass
@@ -105,8 +92,8 @@ def pretrained(args: ExcursionArguments) -> dict:
     path = os.path.join(args.pretrain_dir, "pretraining.json")
     if not os.path.exists(path):
         print(f"[excursions] pre-training into {args.pretrain_dir}", flush=True)
-        _script("pretrain_from_scratch").main(["--output_dir", args.pretrain_dir,
-                                              *as_argv(args.pretrain_args, "pretrain_args")])
+        load_script("pretrain_from_scratch").main(["--output_dir", args.pretrain_dir,
+                                                   *as_argv(args.pretrain_args, "pretrain_args")])
     with open(path) as f:
         return json.load(f)
 
@@ -200,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"checkpoints {sorted(missing)} are not in {args.pretrain_dir}; it has "
                          f"{[c['step'] for c in pretraining['checkpoints']]}.")
     texts = general_texts(pretraining)
-    parallel = _script("parallel_averaging")
+    parallel = load_script("parallel_averaging")
     runs, pass_k = [], None
     grid = [(c, s) for c in checkpoints for s in args.seeds]
     for i, (checkpoint, seed) in enumerate(grid):

@@ -29,7 +29,7 @@ Writes ``--output_dir``/``results.json`` (every seed and the mean / std), ``resu
 and ``sparsity.png``; per seed the checkpoints under ``seed<k>/<method>/step-<n>``. An interrupted run resumes:
 a finished seed's ``seed<k>/result.json`` with the same settings is reused.
 
-    python examples/scripts/geometry.py --model_name_or_path runs/pretrain/checkpoint-3000 --seeds 0 1 2
+    python examples/studies/geometry.py --model_name_or_path runs/pretrain/checkpoint-3000 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
+
+from _study.spread import format_mean_std, mean_std
 
 METHODS = ("es", "grpo")
 DEFAULT_RECIPE = os.path.normpath(
@@ -126,7 +127,7 @@ def operator_splits(args, groups: dict[str, list[str]]) -> dict:
     (``make_arithmetic_dataset_dict`` with ``args``' task seed, operand range and prompt format), divided by group.
 
     Drawing one split of the union keeps the problems each split held out: with ``+`` and ``-`` and the task seed of a
-    :mod:`trl_es.pretraining` run it is that run's split, so no validation or test problem of any group was in its
+    :mod:`_study.pretraining` run it is that run's split, so no validation or test problem of any group was in its
     corpus, whichever group is trained.
 
     Returns:

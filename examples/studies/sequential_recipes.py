@@ -21,7 +21,7 @@ records a SHA-256 fingerprint of the weights at its first and last step, and the
 ES: the ESConfig keys of ``--es_recipe`` (default ``examples/recipes/arithmetic_smollm2.yaml``, the main job's),
 then ``--es_overrides key=value``; its step schedule is replaced by a schedule laid out over each ES phase's budget
 in wall-clock time (constant, then a cosine decay to 0 over its last ``--decay_fraction``), or a constant one
-(``--es_schedule constant``). GRPO: the settings of examples/scripts/compare_es_grpo.py (learning rate 1e-5,
+(``--es_schedule constant``). GRPO: the settings of examples/studies/compare_es_grpo.py (learning rate 1e-5,
 constant; 8 generations x 2 prompts per step; temperature 1; beta 0; completion length = the ES recipe's
 ``max_completion_length``).
 
@@ -35,8 +35,8 @@ Arms are evaluated ``--eval_workers`` at a time, each in its own process.
 Writes to ``--output_dir``: ``results.md`` (the table), ``results.json`` (table, arguments, every phase's record),
 ``pass_at_k.png`` (Pass@K curves of all arms), and per arm and phase ``<arm>/<phase>/model`` and ``result.json``.
 
-    python examples/scripts/sequential_recipes.py --config examples/recipes/sequential_arithmetic_cpu.yaml
-    python examples/scripts/sequential_recipes.py --config examples/recipes/sequential_arithmetic_gpu.yaml
+    python examples/studies/sequential_recipes.py --config examples/recipes/sequential_arithmetic_cpu.yaml
+    python examples/studies/sequential_recipes.py --config examples/recipes/sequential_arithmetic_gpu.yaml
 """
 
 from __future__ import annotations

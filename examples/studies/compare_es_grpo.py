@@ -17,8 +17,8 @@ ES by default with one single-threaded process per physical core (population par
 ``--grpo_num_processes`` (default 1 process with every core's threads: its fastest configuration here, see
 docs/es_vs_grpo.md). Processes agree on the clock (the maximum over processes), and share the evaluation.
 
-    python examples/scripts/compare_es_grpo.py --output_dir runs/race                 # 3 task seeds x 4/8/16 min
-    python examples/scripts/compare_es_grpo.py --methods es --split validation --budgets_minutes 8 \\
+    python examples/studies/compare_es_grpo.py --output_dir runs/race                 # 3 task seeds x 4/8/16 min
+    python examples/studies/compare_es_grpo.py --methods es --split validation --budgets_minutes 8 \\
         --task_seeds 1 --es_overrides population_size=24 prompt_batch_size=12          # a tuning arm
 
 ES uses ``--es_recipe`` (default ``examples/recipes/arithmetic_smollm2.yaml``): its ESConfig keys, then
@@ -47,6 +47,8 @@ from transformers import HfArgumentParser, TrainerCallback
 
 from trl_es.cli import es_config_kwargs, load_recipe
 from trl_es.files import is_main_process, save_figure, write_json, write_text
+
+from _study.spread import mean_and_std
 
 DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml")
@@ -548,18 +550,12 @@ def summarize(race: RaceArguments, results: list[dict]) -> list[dict]:
                     per_seed[seed] = accuracy_at(max(mine, key=lambda r: r["budget_minutes"]), budget)
             if not per_seed:
                 continue
-            mean, std = _mean_std(list(per_seed.values()))
+            mean, std = mean_and_std(list(per_seed.values()))
             row = {"method": method, "budget_minutes": budget, "per_seed": per_seed, "mean": mean, "std": std}
             for key, values in extra.items():
-                row[key], row[f"{key}_std"] = _mean_std(values)
+                row[key], row[f"{key}_std"] = mean_and_std(values)
             rows.append(row)
     return rows
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    mean = sum(values) / len(values)
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
 
 
 NAMES = {"es": "ES (ESTrainer)", "grpo": "GRPO (TRL GRPOTrainer)"}

@@ -6,7 +6,7 @@ import math
 import statistics
 from collections.abc import Iterable
 
-__all__ = ["format_mean_std", "mean_std"]
+__all__ = ["format_mean_std", "mean_and_std", "mean_std"]
 
 
 def mean_std(values: Iterable[float | None]) -> dict:
@@ -30,3 +30,23 @@ def format_mean_std(stat: dict | None, digits: int = 3) -> str:
     if not stat or stat.get("mean") is None:
         return "n/a"
     return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def mean_and_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of ``values`` as a pair, in plain float arithmetic (``sum / n``).
+
+    The race (compare_es_grpo.py) and Hyper-ES (hyper_es_table.py) tables use this arithmetic; it may differ from
+    :func:`mean_std` (``statistics``) in the last bits, so each table keeps its own to re-summarize its stored runs
+    bit for bit.
+
+    Args:
+        values (`list[float]`): One figure per seed, at least one.
+
+    Returns:
+        `tuple[float, float]`: ``(mean, std)``; ``std`` is 0.0 for one value.
+
+    Raises:
+        ZeroDivisionError: If ``values`` is empty.
+    """
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0

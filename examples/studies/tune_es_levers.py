@@ -7,9 +7,9 @@ iterations of equal cost, as the arms file says), so the comparison does not dep
 machine. Writes ``<output_dir>/<seed>/<arm>/results.json`` per arm and ``<output_dir>/levers.md`` / ``levers.json``
 (validation accuracy at every evaluation, per arm and task seed).
 
-    python examples/scripts/tune_es_levers.py --arms examples/tuning/es_levers.yaml --task_seeds 1 \\
+    python examples/studies/tune_es_levers.py --arms examples/tuning/es_levers.yaml --task_seeds 1 \\
         --output_dir runs/levers --parallel 2
-    python examples/scripts/tune_es_levers.py --arms examples/tuning/es_levers.yaml --only base lowrank_r1 ...
+    python examples/studies/tune_es_levers.py --arms examples/tuning/es_levers.yaml --only base lowrank_r1 ...
 """
 
 from __future__ import annotations

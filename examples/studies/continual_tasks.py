@@ -19,42 +19,32 @@ From these: the **forgetting of A**, ``acc_A(after A) - acc_A(after A -> B)``, a
 ``acc_A(after A -> B) - acc_A(base)``.
 
 The problems of both tasks come from one split of the grid ``(task_a_ops + task_b_ops) x [low, high]^2``, split by
-operator. With ``+`` and ``-`` and the task seed of a :mod:`trl_es.pretraining` run it is that run's split, so no test
+operator. With ``+`` and ``-`` and the task seed of a :mod:`_study.pretraining` run it is that run's split, so no test
 problem was in its corpus.
 
 Writes ``--output_dir``/``results.json`` (every seed and the mean / std), ``results.md`` (the table) and
 ``accuracy.png``; per seed the stage checkpoints under ``seed<k>/<arm>/<A|AB>/step-<n>``. A finished seed's
 ``seed<k>/result.json`` with the same settings is reused.
 
-    OMP_NUM_THREADS=1 python examples/scripts/continual_tasks.py --config examples/recipes/continual_tiny.yaml
+    OMP_NUM_THREADS=1 python examples/studies/continual_tasks.py --config examples/recipes/continual_tiny.yaml
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 
-from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
+
+from _study import load_script
+from _study.spread import format_mean_std, mean_std
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = ("base", "A", "AB")  # the base model, after task A, after task A then task B
-
-
-def _geometry():
-    """examples/scripts/geometry.py imported as a module (examples/scripts is not a package)."""
-    name = "_continual_geometry"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "geometry.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @dataclass
@@ -122,7 +112,7 @@ def task_splits(args: ContinualArguments) -> dict:
     """``{"A": splits, "B": splits}``, each ``{"train_dataset", "validation", "test"}``: one split of the grid of
     both tasks' operators divided by operator (:func:`geometry.operator_splits`), ``validation`` and ``test`` as
     lists of rows."""
-    splits = _geometry().operator_splits(args, {"A": args.task_a_ops, "B": args.task_b_ops})
+    splits = load_script("geometry").operator_splits(args, {"A": args.task_a_ops, "B": args.task_b_ops})
     return {task: {"train_dataset": s["train"], "validation": list(s["validation"]), "test": list(s["test"])}
             for task, s in splits.items()}
 
@@ -130,7 +120,7 @@ def task_splits(args: ContinualArguments) -> dict:
 def stage_arguments(args: ContinualArguments, start: str, updates: int, ops: list[str]):
     """The :class:`geometry.GeometryArguments` of one stage: train from ``start`` on ``ops`` for ``updates`` updates
     (ES iterations or GRPO steps), one checkpoint at the end."""
-    geo = _geometry()
+    geo = load_script("geometry")
     own = ("seeds", "model_name_or_path", "output_dir", "grpo_max_steps")
     shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(geo.GeometryArguments)
               if hasattr(args, f.name) and f.name not in own}
@@ -154,7 +144,7 @@ def run_seed(args: ContinualArguments, seed: int, splits: dict) -> dict:
     from trl_es.analysis import lm_loss_fn
     from trl_es.models import load_model_and_tokenizer
 
-    geo = _geometry()
+    geo = load_script("geometry")
     folder = os.path.join(args.output_dir, f"seed{seed}")
     result_path = os.path.join(folder, "result.json")
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("seeds", "reuse", "output_dir")}

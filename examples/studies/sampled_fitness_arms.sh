@@ -2,7 +2,7 @@
 # Issue 22: the main job's recipe with greedy fitness (the reference) against sampled fitness, on the validation
 # split, scored with the papers' protocol (T = 0.6, top-p 0.95). Same completions per iteration in every arm
 # (24 members x 12 prompts x 1 greedy completion, or x 6 prompts x 2 samples).
-#   bash examples/scripts/sampled_fitness_arms.sh [arm ...]     # arms: greedy sampled sampled_per_prompt
+#   bash examples/studies/sampled_fitness_arms.sh [arm ...]     # arms: greedy sampled sampled_per_prompt
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}

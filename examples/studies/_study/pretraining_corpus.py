@@ -31,8 +31,8 @@ import math
 import random
 from collections.abc import Sequence
 
-from ..arguments import check_int
-from .arithmetic import _check_args, arithmetic_question, worked_answer
+from trl_es.arguments import check_int
+from trl_es.tasks.arithmetic import arithmetic_question, check_arithmetic_args, worked_answer
 
 __all__ = [
     "ANSWER_FORMATS",
@@ -520,11 +520,11 @@ def pretraining_arithmetic_splits(
         ValueError: If a size is negative, the grid is invalid, or ``num_validation + num_test`` leaves no training
             problem (the message names the field).
     """
-    from .arithmetic import make_arithmetic_dataset_dict
+    from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
 
     check_int("num_validation", num_validation, 0)
     check_int("num_test", num_test, 0)
-    ops = _check_args(low, high, ops)
+    ops = check_arithmetic_args(low, high, ops)
     size = len(ops) * (high - low + 1) ** 2
     num_train = size - num_validation - num_test
     if num_train < 1:
@@ -597,7 +597,7 @@ def make_pretraining_corpus(
     ):
         raise ValueError(f"task_fraction must be a number in [0, 1], got {task_fraction!r}")
     check_int("num_general_eval", num_general_eval, 0)
-    ops = _check_args(low, high, ops)
+    ops = check_arithmetic_args(low, high, ops)
     _check_sentences(min_sentences, max_sentences)
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")

@@ -13,7 +13,7 @@ Pass@K (Pearson's correlation of ``pandas``' average ranks) and the table per po
 Writes ``--output_dir``/``results.json``, ``results.md`` and ``js_succ_vs_pass_at_k.png``; a finished run's
 ``runs/pop<N>_seed<s>.json`` with the same settings is reused.
 
-    python examples/scripts/diversity_pass_at_k.py --model_name_or_path runs/pretrain/checkpoint-3000 \\
+    python examples/studies/diversity_pass_at_k.py --model_name_or_path runs/pretrain/checkpoint-3000 \\
         --population_sizes 4 8 16 32 --seeds 0 1 2
 """
 
@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 from trl_es.analysis.protocol import PAPER_PROTOCOL
-from trl_es.analysis.spread import format_mean_std, mean_std
 from trl_es.files import is_main_process, save_figure, write_json, write_text
+
+from _study.spread import format_mean_std, mean_std
 
 DEFAULT_RECIPE = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "arithmetic_smollm2.yaml"))

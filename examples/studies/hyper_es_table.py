@@ -8,7 +8,7 @@ targets (uniform merge + 0.02; GRPO-LoRA at equal gradient updates). With ``--pl
 search curve (``search_curve`` of ``comparison.json``, written with ``--track_validation``): the fitness of each
 generation's best candidate and the candidates' mean, and the validation accuracy of the CMA-ES mean genome.
 
-    python examples/scripts/hyper_es_table.py runs/hyper_es_cpu/seed*/comparison.json --output_file table.md \
+    python examples/studies/hyper_es_table.py runs/hyper_es_cpu/seed*/comparison.json --output_file table.md \
         --plot_file search_curves.png
 """
 
@@ -21,14 +21,9 @@ import sys
 
 from trl_es.files import save_figure, write_text
 
+from _study.spread import mean_and_std
+
 ARMS = ("base", "best_single_adapter", "uniform_merge", "hyper_es")
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
 def greedy(result: dict, arm: str) -> float:
@@ -54,11 +49,11 @@ def summarize(results: list[dict]) -> dict:
     for arm in arms_of(results):
         values = [greedy(r, arm) for r in results]
         row = {"greedy": values}
-        row["greedy_mean"], row["greedy_std"] = _mean_std(values)
+        row["greedy_mean"], row["greedy_std"] = mean_and_std(values)
         sampled = [r.get("sampled", {}).get(arm) for r in results]
         if all(sampled):
             for key in sampled[0]:
-                row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([s[key] for s in sampled])
+                row[f"{key}_mean"], row[f"{key}_std"] = mean_and_std([s[key] for s in sampled])
         for key in ("gradient_updates", "generated_tokens", "wall_seconds"):
             costs = [r.get("costs", {}).get(arm, {}).get(key) for r in results]
             row[key] = None if any(c is None for c in costs) else sum(costs) / len(costs)

@@ -35,7 +35,7 @@ Writes to ``--output_dir``: ``results.md`` (selection table and report table), `
 every tracked point), ``awd_retention.png`` (target accuracy, mean prior-task accuracy, off-task KL and drift
 against the iteration), per run ``<run>/es_seed_log.jsonl`` and ``result.json``.
 
-    python examples/scripts/awd_retention.py --config examples/recipes/awd_retention_cpu.yaml
+    python examples/studies/awd_retention.py --config examples/recipes/awd_retention_cpu.yaml
 """
 
 from __future__ import annotations

@@ -4,18 +4,18 @@ The pre-training stage of the "RL Excursions during Pre-Training" study (arXiv 2
 SFT to each intermediate checkpoint written here.
 
 1. Problems: the arithmetic grid ``ops x [low, high]^2`` is split by
-   :func:`trl_es.tasks.pretraining_corpus.pretraining_arithmetic_splits` (``--task_seed``): ``test``
+   :func:`_study.pretraining_corpus.pretraining_arithmetic_splits` (``--task_seed``): ``test``
    (``--num_test_problems``) and ``validation`` (``--num_validation_problems``) are held out of pre-training; every
    other problem may appear in it. RL / SFT on the checkpoints should use the same call (same arguments, recorded in
    ``pretraining.json``) and its plain-text (non-conversational) prompts.
-2. Corpus: :func:`~trl_es.tasks.pretraining_corpus.make_pretraining_corpus`, ``--num_documents`` documents of which
+2. Corpus: :func:`~_study.pretraining_corpus.make_pretraining_corpus`, ``--num_documents`` documents of which
    ``--task_fraction`` are task documents (question + worked answer, ``"What is 13 - 17? Reply with only the number.
    13 - 17 = -4"``), the rest English-like general text; plus held-out general text (``--num_general_eval``).
 3. Tokenizer: ``--tokenizer corpus`` (default) trains a byte-level BPE of ``--vocab_size`` tokens on the corpus
-   (:func:`trl_es.pretraining.train_corpus_tokenizer`, SmolLM2-like: digits are single tokens); any other value is
+   (:func:`_study.pretraining.train_corpus_tokenizer`, SmolLM2-like: digits are single tokens); any other value is
    loaded with ``AutoTokenizer`` (``embedded:SmolLM2-135M-Instruct`` for the embedded model's 49,152-token
    tokenizer: about 6x slower per step on a CPU, its output layer dominates).
-4. Pre-training: :func:`trl_es.pretraining.pretrain_from_scratch` (transformers' ``Trainer``, causal-LM loss), a
+4. Pre-training: :func:`_study.pretraining.pretrain_from_scratch` (transformers' ``Trainer``, causal-LM loss), a
    checkpoint ``checkpoint-<step>/`` every ``--save_steps`` and at ``--max_steps``.
 5. Evaluation of every checkpoint: general-eval LM loss (nats per token) and greedy accuracy
    (:func:`trl_es.analysis.greedy_accuracy`, graded by :func:`trl_es.tasks.arithmetic.arithmetic_reward`) on the
@@ -26,7 +26,7 @@ general-text documents, a JSON list of strings: the LM-loss texts of later stage
 arguments, the problem split and corpus calls with their arguments, and per checkpoint: ``step``, ``path``,
 ``train_loss``, ``eval_loss``, ``general_eval_loss``, ``test_accuracy``, ``seen_accuracy``).
 
-    python examples/scripts/pretrain_from_scratch.py --output_dir runs/pretrain_from_scratch
+    python examples/studies/pretrain_from_scratch.py --output_dir runs/pretrain_from_scratch
 
 The defaults, measured once on the shared 2-core CPU (one thread, other jobs running): 7.4 min in all (428 s of
 training); a 984,192-parameter Llama (4 layers, width 128, 1,024-token vocabulary); 40,000 documents, 12,000 of them
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainArguments:
 def load_tokenizer(args: PretrainArguments, texts):
     """The tokenizer of the run: a BPE trained on ``texts`` (``--tokenizer corpus``) or a loaded one."""
     if args.tokenizer == "corpus":
-        from trl_es.pretraining import train_corpus_tokenizer
+        from _study.pretraining import train_corpus_tokenizer
 
         return train_corpus_tokenizer(texts, vocab_size=args.vocab_size)
     from transformers import AutoTokenizer
@@ -145,8 +145,8 @@ def score_checkpoint(path: str, rows: dict, args: PretrainArguments) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Generate the corpus, pre-train, score every checkpoint and write ``pretraining.json``."""
-    from trl_es.pretraining import pretrain_from_scratch
-    from trl_es.tasks.pretraining_corpus import make_pretraining_corpus, pretraining_arithmetic_splits
+    from _study.pretraining import pretrain_from_scratch
+    from _study.pretraining_corpus import make_pretraining_corpus, pretraining_arithmetic_splits
 
     args = parse_args(argv)
     if args.num_threads:
@@ -188,10 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
     corpus_kinds = corpus["train"]["kind"]
     result = {
         "args": dataclasses.asdict(args),
-        "arithmetic_splits": {"function": "trl_es.tasks.pretraining_corpus.pretraining_arithmetic_splits",
+        "arithmetic_splits": {"function": "_study.pretraining_corpus.pretraining_arithmetic_splits",
                               "kwargs": {**split_kwargs, "ops": list(args.ops)},
                               "held_out_of_pretraining": ["validation", "test"]},
-        "corpus": {"function": "trl_es.tasks.pretraining_corpus.make_pretraining_corpus",
+        "corpus": {"function": "_study.pretraining_corpus.make_pretraining_corpus",
                    "kwargs": {**corpus_kwargs, "ops": list(args.ops)},
                    "exclude_problems": "the validation and test splits of arithmetic_splits",
                    "num_documents": len(corpus_kinds), "num_task_documents": sum(k == "task" for k in corpus_kinds),

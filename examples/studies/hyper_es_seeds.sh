@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 23: the Hyper-ES comparison of examples/recipes/hyper_es_arithmetic_cpu.yaml over seeds (task seed N and
-# training seed 42 + N), then the mean +- std table and every seed's search curve (examples/scripts/hyper_es_table.py).
+# training seed 42 + N), then the mean +- std table and every seed's search curve (examples/studies/hyper_es_table.py).
 # A seed whose comparison.json exists is skipped; pools and GRPO-LoRA baselines already trained are reused, so the
 # command can be stopped and run again.
-#   bash examples/scripts/hyper_es_seeds.sh [seed ...]        # default: 0 1 2
+#   bash examples/studies/hyper_es_seeds.sh [seed ...]        # default: 0 1 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -21,4 +21,4 @@ for seed in "${seeds[@]}"; do
 done
 files=()
 for seed in "${seeds[@]}"; do files+=("$OUT/seed$seed/comparison.json"); done
-$PY examples/scripts/hyper_es_table.py "${files[@]}" --output_file "$OUT/table.md" --plot_file "$OUT/search_curves.png"
+$PY examples/studies/hyper_es_table.py "${files[@]}" --output_file "$OUT/table.md" --plot_file "$OUT/search_curves.png"

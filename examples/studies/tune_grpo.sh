@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 22: GRPO's levers on the validation split (task seed 0, one budget), TRL's defaults otherwise: the
 # learning rate at num_generations 8, then num_generations at the best learning rate (chosen by validation greedy
-# accuracy at the end of the budget, then sampled pass@1). Each arm: examples/scripts/compare_es_grpo.py.
-#   bash examples/scripts/tune_grpo.sh                       # BUDGET=4 LRS="3e-6 1e-5 3e-5" GENS="4 16"
+# accuracy at the end of the budget, then sampled pass@1). Each arm: examples/studies/compare_es_grpo.py.
+#   bash examples/studies/tune_grpo.sh                       # BUDGET=4 LRS="3e-6 1e-5 3e-5" GENS="4 16"
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -13,7 +13,7 @@ GENS=${GENS-"4 16"}  # GENS="" skips the num_generations sweep
 arm() {  # arm LR GENERATIONS
   local dir="$OUT/lr$1_g$2"
   [ -f "$dir/results.json" ] && return 0
-  $PY examples/scripts/compare_es_grpo.py --methods grpo --split validation --task_seeds 0 \
+  $PY examples/studies/compare_es_grpo.py --methods grpo --split validation --task_seeds 0 \
     --budgets_minutes "$BUDGET" --grpo_learning_rate "$1" --grpo_num_generations "$2" --sampled_samples 8 \
     --output_dir "$dir"
 }

@@ -11,7 +11,7 @@ Arms, each from the same base model on the arithmetic task ("What is a + b? Repl
     es       ESTrainer, --es_max_steps iterations (optional arm)
     es_sft   ESParallelAveragingTrainer: ES + SFT parallel averaging, --es_max_steps iterations (optional arm)
 
-RL is GRPO with the settings of examples/scripts/compare_es_grpo.py (learning rate 1e-5, 8 generations x 2 prompts
+RL is GRPO with the settings of examples/studies/compare_es_grpo.py (learning rate 1e-5, 8 generations x 2 prompts
 per step, temperature 1, beta 0, ``--max_completion_length`` tokens); SFT uses the same optimizer (AdamW) with its own
 state, ``--sft_learning_rate``, ``--sft_batch_size`` examples per step; the SFT data are the training prompts with
 their correct answers in the model's own format (:func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`). Every
@@ -22,12 +22,12 @@ Evaluation on the **test** split (:func:`trl_es.analysis.evaluate_policy`): gree
 model on Countdown prompts (and the parameter drift); with ``--lm_loss_texts``, also the LM loss on held-out general
 text (the paper's measure). Arms are evaluated ``--eval_workers`` at a time. ``--task_low / --task_high / --task_ops
 / --conversational`` choose the arithmetic task (plain-text prompts for a base model, e.g. a pre-training
-checkpoint of examples/scripts/pretraining_excursions.py).
+checkpoint of examples/studies/pretraining_excursions.py).
 
 Writes to ``--output_dir``: ``results.md``, ``results.json``, ``pass_at_k.png``, and per arm ``<arm>/model`` and
 ``result.json``.
 
-    python examples/scripts/parallel_averaging.py --config examples/recipes/parallel_averaging_arithmetic_cpu.yaml
+    python examples/studies/parallel_averaging.py --config examples/recipes/parallel_averaging_arithmetic_cpu.yaml
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The pre-training study of "RL Excursions during Pre-Training" applies RL / SFT t
 pre-training run. :func:`pretrain_from_scratch` makes such a run on a CPU: a randomly initialised tiny Llama
 (:func:`build_tiny_llama`, the tokenizer's vocabulary, tied embeddings) trained with transformers' ``Trainer`` on the
 causal-LM objective (``DataCollatorForLanguageModeling(mlm=False)``), one document per sequence, on a corpus of
-:func:`trl_es.tasks.pretraining_corpus.make_pretraining_corpus`. ``save_steps`` gives the checkpoints
+:func:`_study.pretraining_corpus.make_pretraining_corpus`. ``save_steps`` gives the checkpoints
 ``output_dir/checkpoint-<step>/`` (model, generation config and tokenizer; ``AutoModelForCausalLM.from_pretrained``
 and ``AutoTokenizer.from_pretrained`` load them). The mean token cross-entropy of held-out general text
 (:func:`trl_es.analysis.lm_loss_fn`) is measured for the initial model and for every checkpoint.
@@ -229,7 +229,7 @@ def pretrain_from_scratch(
         output_dir (`str | os.PathLike`): Where ``checkpoint-<step>/`` folders go (created; existing checkpoints of
             the same steps are overwritten).
         corpus (`datasets.DatasetDict | dict`): With ``"train"`` and ``"general_eval"`` splits holding a ``text``
-            column (:func:`~trl_es.tasks.pretraining_corpus.make_pretraining_corpus`); ``general_eval`` non-empty.
+            column (:func:`~_study.pretraining_corpus.make_pretraining_corpus`); ``general_eval`` non-empty.
         tokenizer (`PreTrainedTokenizerBase`): The tokenizer (with an EOS token); e.g. the embedded SmolLM2's,
             ``AutoTokenizer.from_pretrained(resolve_model_path("embedded:SmolLM2-135M-Instruct"))``.
         max_steps (`int`): Optimizer steps, ``>= 1``.
@@ -263,8 +263,8 @@ def pretrain_from_scratch(
     """
     from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    from .analysis import lm_loss_fn
-    from .arguments import check_int
+    from trl_es.analysis import lm_loss_fn
+    from trl_es.arguments import check_int
 
     check_int("max_steps", max_steps, 1)
     check_int("save_steps", save_steps, 1)
