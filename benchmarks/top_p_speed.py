@@ -7,7 +7,7 @@ of ``--rows x --vocab`` float32.
 
 Scores: random logits scaled so that the T = 0.6 softmax is peaked like a trained LM's (``--scale``), so the nucleus
 sits inside the candidates (no fallback; the count of fallback rows is printed). Each variant runs once untimed, then
-the median of ``--repeats`` is reported. The figure in docs/generation.md ("Top-p without a vocabulary sort"):
+the median of ``--repeats`` is reported. The table in docs/benchmarks.md ("Sampling per decoding step"):
 
     python benchmarks/top_p_speed.py --threads 1 --output_file runs/top_p_speed.json
 """

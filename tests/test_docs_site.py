@@ -46,3 +46,21 @@ def test_api_reference_renders_docstring_sections_and_no_raw_roles(site):
     assert not re.search(r":(class|func|meth|data|attr|mod|exc):", text)
     assert not re.search(r"<p>(Args|Returns|Raises|Attributes):\s", html)  # a section left as a paragraph
     assert "learning_rate" in text and "population_size" in text  # ESConfig's fields, as a parameter table
+
+
+def test_the_config_entries_list_their_generated_parameters(site):
+    """mkdocstrings reads the source, which has no ``Parameters:`` for a config: ``document_parameters`` writes it
+    from the fields' help at import time, and scripts/griffe_generated_docstrings.py puts it in the API reference."""
+    from trl_es import ESConfig, ESParallelAveragingConfig, HyperESConfig, ParallelAveragingConfig
+
+    html = (site / "api" / "index.html").read_text()
+    for cls in (ESConfig, HyperESConfig, ParallelAveragingConfig, ESParallelAveragingConfig):
+        start = html.index(f'id="trl_es.{cls.__name__}"')
+        following = re.compile(r'id="trl_es\.[\w.]+"').search(html, start + 1)
+        entry = html[start:following.start() if following else len(html)]
+        documented = re.findall(r"^        (\w+) \(", cls.__doc__, flags=re.M)
+        assert len(documented) >= 7, cls.__name__
+        missing = [name for name in documented if not re.search(rf"<code>{name}</code>\s*</td>", entry)]
+        assert missing == [], (cls.__name__, missing)
+    text = " ".join(re.sub(r"<[^>]+>", "", html).split())
+    assert "Training only: evaluate() scores every completion." in text  # a help text, rendered

@@ -1,4 +1,4 @@
-"""Dict-valued options on the command line and in YAML recipes: JSON objects, decoded the same way everywhere.
+"""The configs' fields, written once: dict-valued options as JSON, ``Literal`` choices, the generated ``Parameters:``.
 
 transformers' ``TrainingArguments`` decodes a JSON string for the fields listed in its ``_VALID_DICT_FIELDS``
 (``'{"key": "value"}'`` on the command line becomes a dict in ``__post_init__``); TRL's configs extend that list by
@@ -9,6 +9,11 @@ reports malformed JSON as a ``ValueError`` that names the flag::
 
     trl-es train --generation_kwargs '{"repetition_penalty": 1.1}'     # -> {"repetition_penalty": 1.1}
     trl-es train --generation_kwargs '{repetition_penalty: 1.1}'       # ValueError: argument --generation_kwargs: ...
+
+A field typed ``Literal[...]`` is a choice: ``HfArgumentParser`` gives its flag argparse ``choices`` and
+:func:`literal_field_errors` checks a value set any other way (keyword argument, YAML, assignment).
+:func:`document_parameters` writes a config's ``Parameters:`` docstring from its fields' ``metadata["help"]``, so
+each field's text lives in one place.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import dataclasses
 import functools
 import json
 import math
+import textwrap
 import types
 import typing
-from typing import Any, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union
 
 from trl import TrlParser
 
@@ -28,8 +35,12 @@ __all__ = [
     "TrlESParser",
     "check_finite_floats",
     "check_int",
+    "check_literal_fields",
     "decode_dict_fields",
     "dict_valued_fields",
+    "document_parameters",
+    "literal_choices",
+    "literal_field_errors",
     "parse_json_dict",
 ]
 
@@ -122,6 +133,133 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _literal_args(tp: Any) -> tuple | None:
+    """The values of a ``Literal[...]`` hint (with ``None`` for ``Literal[...] | None``); ``None`` if it is none."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        literals = [_literal_args(arg) for arg in args if arg is not type(None)]
+        if len(literals) == 1 and literals[0] is not None:
+            return literals[0] + ((None,) if type(None) in args else ())
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def literal_choices(cls: type) -> dict[str, tuple]:
+    """The ``Literal``-typed fields of a dataclass and their allowed values, from its resolved type hints.
+
+    Args:
+        cls (`type`): A dataclass type.
+
+    Returns:
+        `dict[str, tuple]`: Field name -> allowed values (in the ``Literal``'s order), in field order.
+    """
+    hints = typing.get_type_hints(cls)
+    choices = {f.name: _literal_args(hints.get(f.name)) for f in dataclasses.fields(cls)}
+    return {name: values for name, values in choices.items() if values is not None}
+
+
+def literal_field_errors(config: Any, skip: Sequence[str] = ()) -> list[str]:
+    """The error of every ``Literal``-typed field whose value is not one of its choices (the one check of the enum
+    fields: ``HfArgumentParser`` refuses a bad flag by itself, this catches keyword arguments, YAML values and
+    fields assigned after construction).
+
+    Args:
+        config: A dataclass instance.
+        skip (`Sequence[str]`): Fields whose value another check refuses with its own reason.
+
+    Returns:
+        `list[str]`: One message per bad field, in field order, e.g. ``"awd_penalty must be one of ('l2', 'l1'), got
+        'l3'."``; empty when all are allowed.
+    """
+    errors = []
+    for name, allowed in literal_choices(type(config)).items():
+        value = getattr(config, name)
+        if name not in skip and not any(value == a and isinstance(value, type(a)) for a in allowed):
+            errors.append(f"{name} must be one of {allowed}, got {value!r}.")
+    return errors
+
+
+def check_literal_fields(config: Any) -> None:
+    """Refuse the first ``Literal``-typed field whose value is not one of its choices (for configs that report one
+    error at a time).
+
+    Raises:
+        ValueError: naming the field and its allowed values (:func:`literal_field_errors`).
+    """
+    errors = literal_field_errors(config)
+    if errors:
+        raise ValueError(errors[0])
+
+
+def _type_text(annotation: Any) -> str:
+    """A field's annotation in TRL's docstring style: ``int | str | None`` -> ```int`, `str` or `None```."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text + "|"):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "|" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    names = ["str" if p.startswith("Literal[") else "dict" if p.startswith("dict[") else p for p in parts]
+    names = [f"`{n}`" for n in dict.fromkeys(names)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def document_parameters(groups: Mapping[str, Sequence[str]]):
+    """Class decorator (above ``@dataclass``): append the ``Parameters:`` section of TRL's config docstrings,
+    generated from the fields' ``metadata["help"]``, so each field's text is written once (``--help`` and the docs
+    show the same words).
+
+    Each group is a ``> Parameters that ...`` line, then one entry per field: ``name (`type`, *optional*, defaults
+    to `value`):`` and its help, wrapped at 120 columns.
+
+    Args:
+        groups (`Mapping[str, Sequence[str]]`): Group heading (without the ``> ``) -> the fields listed under it, in
+            order. Every field the class body declares must be in a group; fields of its bases may be.
+
+    Returns:
+        `Callable[[type], type]`: The decorator; it returns the class with ``__doc__`` extended.
+
+    Raises:
+        TypeError: naming the fields that are in no group, in two, not fields of the class, or without a help.
+    """
+
+    def decorate(cls: type) -> type:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        listed = [name for names in groups.values() for name in names]
+        problems = {
+            "not fields": [n for n in listed if n not in fields],
+            "in two groups": sorted({n for n in listed if listed.count(n) > 1}),
+            "in no group": [n for n in cls.__dict__.get("__annotations__", {}) if n not in listed],
+            "without a help": [n for n in listed if n in fields and not fields[n].metadata.get("help")],
+        }
+        problems = {what: names for what, names in problems.items() if names}
+        if problems:
+            raise TypeError(f"document_parameters({cls.__name__}): " + "; ".join(
+                f"{what}: {names}" for what, names in problems.items()))
+        lines = ["", "    Parameters:"]
+        for heading, names in groups.items():
+            lines += [f"        > {heading}", ""]
+            for name in names:
+                f = fields[name]
+                default = f.default
+                if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                    default = f.default_factory()
+                kind = _type_text(f.type)
+                kind += "" if default is dataclasses.MISSING else f", *optional*, defaults to `{default!r}`"
+                lines.append(f"        {name} ({kind}):")
+                lines += textwrap.wrap(f.metadata["help"], 120, initial_indent=" " * 12, subsequent_indent=" " * 12,
+                                       break_long_words=False, break_on_hyphens=False)
+            lines.append("")
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "    "
+        return cls
+
+    return decorate
 
 
 def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> Any:

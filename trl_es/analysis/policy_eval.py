@@ -157,7 +157,7 @@ def sample_policy(
         record_entropy (`bool`): Record the token entropy.
         progress (`bool`): A tqdm bar of completions done / total (stderr).
         candidate_sampling (`bool`): Draw tokens with :class:`trl_es.generation.sampling.CandidateSampler` (fast on
-            a CPU); ``False``: transformers' own ``multinomial`` draws (the samples a seed gave before 2026-12-02).
+            a CPU); ``False``: transformers' own ``multinomial`` draws (other samples for the same seed).
 
     Returns:
         `dict`: ``rewards_per_func`` (float32 tensor ``(len(rows), num_samples, F)``, NaN for ``None`` rewards),

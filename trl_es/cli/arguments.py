@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from ..arguments import check_finite_floats, decode_dict_fields
+from ..arguments import check_finite_floats, check_literal_fields, decode_dict_fields
 
-TASK_NAMES = ("countdown", "arithmetic", "gsm")
+TaskName = Literal["countdown", "arithmetic", "gsm"]
+TASK_NAMES = get_args(TaskName)
 #: Splits of every task, see :func:`trl_es.cli.task_splits`.
 SPLITS = ("train", "validation", "test")
 #: Splits an evaluation may read.
-EVAL_SPLITS = ("validation", "test")
+EvalSplit = Literal["validation", "test"]
+EVAL_SPLITS = get_args(EvalSplit)
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -20,10 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 class TaskArguments:
     """Which task, and the sizes of its three disjoint splits (train, validation, test)."""
 
-    task: str = field(
-        default="arithmetic",
-        metadata={"help": "Task: countdown | arithmetic | gsm.", "choices": list(TASK_NAMES)},
-    )
+    task: TaskName = field(default="arithmetic", metadata={"help": "Task: countdown | arithmetic | gsm."})
     num_train_prompts: int = field(default=200, metadata={"help": "Training prompts (fitness is computed on these)."})
     num_validation_prompts: int = field(
         default=200,
@@ -37,12 +37,11 @@ class TaskArguments:
                   "task_seed and this number."},
     )
     task_seed: int = field(default=0, metadata={"help": "Seed of the task generator (and of the splits)."})
-    eval_split: str = field(
+    eval_split: EvalSplit = field(
         default="validation",
         metadata={"help": "The split the trainer's evaluations during `trl-es train` read (accuracy_before/after, "
                   "the curve): 'validation' (default; tune on it) or 'test' (report from it; then no separate "
-                  "test_accuracy_*). Tuning reads validation, reports read test.",
-                  "choices": list(EVAL_SPLITS)},
+                  "test_accuracy_*). Tuning reads validation, reports read test."},
     )
     countdown_json: str | None = field(
         default=None,
@@ -67,10 +66,7 @@ class TaskArguments:
 
     def __post_init__(self):
         check_finite_floats(self)
-        if self.task not in TASK_NAMES:
-            raise ValueError(f"task must be one of {TASK_NAMES}, got {self.task!r}.")
-        if self.eval_split not in EVAL_SPLITS:
-            raise ValueError(f"eval_split must be one of {EVAL_SPLITS}, got {self.eval_split!r}.")
+        check_literal_fields(self)  # task, eval_split
         for name in ("num_train_prompts", "num_validation_prompts", "num_eval_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -93,10 +89,8 @@ class EvalArguments:
     countdown_json) are resolved the same way.
     """
 
-    split: str = field(
-        default="test",
-        metadata={"help": "Split to score: 'test' (default: reports read test) or 'validation'.",
-                  "choices": list(EVAL_SPLITS)},
+    split: EvalSplit = field(
+        default="test", metadata={"help": "Split to score: 'test' (default: reports read test) or 'validation'."}
     )
     pass_k: list[int] = field(
         default_factory=lambda: [1], metadata={"help": "k values of pass@k (each <= the number of samples)."}
@@ -116,7 +110,9 @@ class EvalArguments:
                   f"{DEFAULT_MAX_NEW_TOKENS}."},
     )
     top_p: float | None = field(
-        default=None, metadata={"help": "Nucleus sampling of the sampled completions. None: run/recipe, else 0.95 (the papers' protocol)."}
+        default=None,
+        metadata={"help": "Nucleus sampling of the sampled completions. None: run/recipe, else 0.95 (the papers' "
+                  "protocol)."},
     )
     generation_kwargs: dict | str | None = field(
         default=None,
@@ -139,8 +135,7 @@ class EvalArguments:
     def __post_init__(self):
         decode_dict_fields(self)
         check_finite_floats(self)
-        if self.split not in EVAL_SPLITS:
-            raise ValueError(f"split must be one of {EVAL_SPLITS}, got {self.split!r}.")
+        check_literal_fields(self)  # split
         if self.num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 (0 = one sample), got {self.num_samples}.")
         if not self.pass_k or any(k < 1 for k in self.pass_k):

@@ -8,8 +8,8 @@ rounded IEEE operation per element (a multiply, then an add, in separate passes)
 values is exactly rounded (:func:`math.fsum`), so a seed log replays to the same weights on any CPU and processes on
 different CPUs agree on every update.
 
-Seed logs written before 2026-12-02 were trained with the fused kernels: :func:`add_scaled_` keeps them
-(``portable=False``) so that ``replay`` reproduces those runs where they were trained.
+Version-1 seed logs whose noise has no ``"generator"`` were trained with torch's fused kernels: :func:`add_scaled_`
+keeps them (``portable=False``) so that ``replay`` reproduces those runs where they were trained.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ generate only the blocks they overlap), and never on which other tensors exist, 
 sampler (``numpy.random.Generator.standard_normal(dtype=float32)``): one compiled code path, the same on every CPU,
 so a seed log replays to the same weights on any machine, and processes on nodes with different CPUs agree on every
 member. (``torch.randn`` on CPU is not portable: its float32 kernel has an AVX2 variant whose values differ from the
-scalar one that other CPUs run, e.g. with ``ATEN_CPU_CAPABILITY=default`` or AVX-512. Seed logs written before
-2026-12-02, whose noise description has no ``"generator"``, replay with ``torch.randn`` as they were trained:
+scalar one that other CPUs run, e.g. with ``ATEN_CPU_CAPABILITY=default`` or AVX-512. Version-1 seed logs
+whose noise description has no ``"generator"`` replay with ``torch.randn`` as they were trained:
 :data:`LEGACY_GENERATOR`, bitwise only on a CPU that dispatches as the training one did.)
 
 Three sources produce a block:
@@ -54,7 +54,7 @@ PORTABLE_GENERATOR = "numpy-pcg64"
 """The generator of every new noise source: NumPy's PCG64 and float32 ziggurat, the same values on every CPU."""
 
 LEGACY_GENERATOR = "torch"
-"""The generator of seed logs written before 2026-12-02 (no ``"generator"`` in their noise description):
+"""The generator of version-1 seed logs without a ``"generator"`` in their noise description:
 ``torch.randn`` on a CPU generator, whose float32 values depend on the CPU's dispatch (AVX2 or not)."""
 
 GENERATORS = (PORTABLE_GENERATOR, LEGACY_GENERATOR)
@@ -119,7 +119,8 @@ class NoiseSource:
     @property
     def portable(self) -> bool:
         """Whether the runs of this source use the portable arithmetic of :mod:`trl_es.es.arithmetic` (every source
-        but a :data:`LEGACY_GENERATOR` one, which replays seed logs from before 2026-12-02 as they were trained)."""
+        but a :data:`LEGACY_GENERATOR` one, which replays version-1 seed logs that name no generator as they were
+        trained)."""
         return getattr(self, "generator", PORTABLE_GENERATOR) != LEGACY_GENERATOR
 
     def pieces(
@@ -166,7 +167,7 @@ class NoiseTable(NoiseSource):
         size (`int`): Number of fp32 entries, at least ``NOISE_BLOCK_SIZE``. Default ``2**26`` (256 MiB).
         seed (`int`): Seed of the table. The table is generated on CPU by ``generator`` (:func:`standard_normal`).
         generator (`str`): :data:`PORTABLE_GENERATOR` (default: the same table on every CPU) or
-            :data:`LEGACY_GENERATOR` (seed logs written before 2026-12-02).
+            :data:`LEGACY_GENERATOR` (version-1 seed logs that name no generator).
 
     Raises:
         ValueError: if ``size < NOISE_BLOCK_SIZE`` or ``generator`` is unknown.
@@ -286,8 +287,8 @@ def make_noise_source(
 
 
 def noise_source_from_description(description: dict) -> NoiseSource:
-    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``). A description without ``"generator"`` (a seed
-    log written before 2026-12-02) gives the :data:`LEGACY_GENERATOR` source it was trained with.
+    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``). A description without ``"generator"`` (a
+    version-1 seed log) gives the :data:`LEGACY_GENERATOR` source it was trained with.
 
     Raises:
         ValueError: for another block size, an unknown type or generator.

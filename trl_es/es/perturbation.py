@@ -285,7 +285,7 @@ class LowRankPerturbation(Perturbation):
                 for j in range(self.rank):
                     if noise.portable:  # an outer product (one rounding each), then an add: the same on every CPU
                         total.add_(a[:, j : j + 1] * b[:, j].unsqueeze(0))
-                    else:  # seed logs from before 2026-12-02 (arithmetic.py)
+                    else:  # version-1 seed logs naming no generator (arithmetic.py)
                         total.addcmul_(a[:, j : j + 1], b[:, j].unsqueeze(0))
             yield e, 0, e.param.numel(), total.view(-1)
 

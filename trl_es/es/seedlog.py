@@ -4,8 +4,11 @@ An ES update is a deterministic function of the member seeds, the shaped coeffic
 whole run is the base model plus this log: a few hundred bytes per iteration. The file is JSON Lines: a header line
 (noise source, sigma, trained parameter names) then one line per iteration::
 
-    {"format": "trl_es.seedlog", "version": 1, "noise": {...}, "parameters": [["model.layers.0...", 4096], ...], ...}
+    {"format": "trl_es.seedlog", "version": 2, "noise": {...}, "parameters": [["model.layers.0...", 4096], ...], ...}
     {"step": 1, "members": [[1234, 1], [1234, -1], ...], "coefficients": [0.7, -0.7, ...], "learning_rate": 0.0005}
+
+The ``version`` says which noise generator and arithmetic the run was trained with (:data:`VERSIONS`), so
+``replay`` redoes the same operations.
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .noise import NoiseSource, noise_source_from_description
+from .noise import PORTABLE_GENERATOR, NoiseSource, noise_source_from_description
 from .perturbation import GaussianPerturbation, LowRankPerturbation, Perturbation, perturbation_from_description
 from .update import Member, TrainedParameters, es_update_
 
 SEED_LOG_NAME = "es_seed_log.jsonl"
 FORMAT = "trl_es.seedlog"
-VERSION = 1
+#: The versions of the format ``load`` reads, and the generator and arithmetic each says the run was trained with.
+VERSIONS = {
+    1: "the noise description's 'generator' says: 'numpy-pcg64' (NumPy PCG64 noise, the portable arithmetic of "
+       "trl_es.es.arithmetic) or, where the key is absent, 'torch' (torch.randn noise, torch's fused kernels)",
+    2: "NumPy PCG64 noise ('numpy-pcg64') and the portable arithmetic of trl_es.es.arithmetic",
+}
+VERSION = 2  # what a new log is written as
 
 
 @dataclass
@@ -41,10 +50,13 @@ class SeedLog:
             ``k``-th iteration since the base model), ``members`` (``[seed, sign]`` pairs), ``coefficients`` (the shaped
             fitness), ``learning_rate``, ``awd_shrink`` (``alpha * lambda``, 0 if off) and, only where it differs from
             ``step`` (a second ``train()`` call on the same trainer restarts ``Trainer``'s count), ``global_step``.
+        version (`int`): The format version (:data:`VERSIONS`): :data:`VERSION` for a new log, the file's for a
+            loaded one (saved again as it was read).
     """
 
     header: dict
     records: list[dict] = field(default_factory=list)
+    version: int = VERSION
 
     def append(self, global_step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
         """Record one iteration as the log's next step (``len(records) + 1``).
@@ -79,7 +91,7 @@ class SeedLog:
         """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a rename)."""
         from ..files import write_text
 
-        lines = [json.dumps({"format": FORMAT, "version": VERSION, **self.header})]
+        lines = [json.dumps({"format": FORMAT, "version": self.version, **self.header})]
         lines += [json.dumps(record) for record in self.records]
         write_text(path, "".join(line + "\n" for line in lines))
 
@@ -88,8 +100,9 @@ class SeedLog:
         """Read a log written by :meth:`save`. A directory is read as ``<dir>/es_seed_log.jsonl``.
 
         Raises:
-            ValueError: if the file is not a trl_es seed log, or its steps are not ``1, 2, ..., N`` in order
-                (:func:`check_steps`: the missing, repeated or misplaced steps are named).
+            ValueError: if the file is not a trl_es seed log, has a version not in :data:`VERSIONS` (naming the
+                supported ones), a version-2 header names another noise generator, or its steps are not
+                ``1, 2, ..., N`` in order (:func:`check_steps`: the missing, repeated or misplaced steps are named).
         """
         if os.path.isdir(path):
             path = os.path.join(path, SEED_LOG_NAME)
@@ -97,9 +110,18 @@ class SeedLog:
             lines = [json.loads(line) for line in f if line.strip()]
         if not lines or lines[0].get("format") != FORMAT:
             raise ValueError(f"{path} is not a trl_es seed log (missing header with format={FORMAT!r}).")
+        version = lines[0].get("version", 1)
+        if version not in VERSIONS or isinstance(version, bool):
+            raise ValueError(f"{path} is a trl_es seed log of version {version!r}; this trl_es reads versions "
+                             f"{sorted(VERSIONS)}: {'; '.join(f'{v}: {text}' for v, text in VERSIONS.items())}.")
         header = {k: v for k, v in lines[0].items() if k not in ("format", "version")}
+        if version >= 2 and "noise" in header:  # the generator is the version's, named or not
+            header["noise"] = {**header["noise"], "generator": header["noise"].get("generator", PORTABLE_GENERATOR)}
+            if header["noise"]["generator"] != PORTABLE_GENERATOR:
+                raise ValueError(f"{path}: a version-{version} seed log is trained with noise generator "
+                                 f"{PORTABLE_GENERATOR!r}, but its header names {header['noise']['generator']!r}.")
         check_steps([record.get("step") for record in lines[1:]], path)
-        return cls(header=header, records=lines[1:])
+        return cls(header=header, records=lines[1:], version=version)
 
 
 def check_steps(steps: list, where: str) -> None:

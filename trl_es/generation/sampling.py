@@ -1,10 +1,9 @@
 """Sampling the next token without ``torch.multinomial`` over the vocabulary: the same distribution, drawn in a
 logits processor.
 
-transformers samples every decoding step with ``torch.multinomial(softmax(scores), 1)``. On a CPU that draw is the
-largest part of sampling once the top-p sort is gone: for 128 rows x 49,152 tokens (SmolLM2) the softmax and
-``multinomial`` (one exponential variate per vocabulary entry) take 0.163 s on one core, against 0.048 s for
-:class:`CandidateSampler`'s top-p *and* draw (``benchmarks/top_p_speed.py``, 2026-12-02). The sampler applies the
+transformers samples every decoding step with ``torch.multinomial(softmax(scores), 1)``. On a CPU that draw (one
+exponential variate per vocabulary entry) is the largest part of sampling once the top-p sort is gone; timings in
+docs/benchmarks.md ("Sampling per decoding step", ``benchmarks/top_p_speed.py``). The sampler applies the
 temperature and top-p and draws each row's token by inverse transform sampling (one uniform per row); it returns
 scores that are ``0`` at the drawn token and ``-inf`` elsewhere, and ``generate`` runs greedy (argmax) on them.
 """

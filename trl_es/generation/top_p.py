@@ -1,8 +1,7 @@
 """Nucleus (top-p) sampling without sorting the vocabulary: the same tokens as transformers' ``TopPLogitsWarper``.
 
 ``TopPLogitsWarper`` sorts every row's whole vocabulary at every decoding step. On a CPU that sort dominates
-sampling: 128 rows x 49,152 tokens (SmolLM2) take 0.42 s per step on one core, against 0.024 s for a top-256
-(``benchmarks/top_p_speed.py``, 2026-12-02).
+sampling (timings in docs/benchmarks.md, "Sampling per decoding step", ``benchmarks/top_p_speed.py``).
 :class:`CandidateTopPLogitsWarper` finds the nucleus among the ``candidates`` most likely tokens and falls back to
 transformers' warper for the rows whose nucleus is not inside them.
 """

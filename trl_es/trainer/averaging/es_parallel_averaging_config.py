@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...arguments import document_parameters
 from ..es.es_config import ESConfig
 from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
@@ -16,6 +17,12 @@ _ESWeightField = update_weight_field(
 )
 
 
+@document_parameters(groups={  # the Parameters: of the docstring, from each field's help
+    "Parameters that control the average": ("es_weight", "sft_weight"),
+    "Parameters that control the SFT step": (
+        "sft_learning_rate", "sft_per_device_train_batch_size", "sft_max_length", "sft_completion_only_loss",
+        "sft_max_grad_norm"),
+})
 @dataclass
 class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
     r"""
@@ -33,9 +40,9 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
 
     Every [`ESConfig`] field configures ES as in ``ESTrainer``. The SFT optimizer is ``optim`` with its keyword
     arguments (AdamW by default), the ``lr_scheduler_type`` schedule, at ``sft_learning_rate``. It needs
-    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`, with
-    ES's own defaults of ``sft_learning_rate`` and ``sft_max_grad_norm`` (``None`` in them is passed on as it is: no
-    fallback to ES's ``learning_rate`` or ``max_grad_norm``).
+    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`,
+    with ES's own defaults of ``sft_learning_rate`` and ``sft_max_grad_norm`` (``None`` in them is passed on as it
+    is: no fallback to ES's ``learning_rate`` or ``max_grad_norm``).
     """
 
     _sft_host_defaults = ()  # ES's learning_rate is alpha, its max_grad_norm that of the ES gradient estimate

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ...arguments import check_finite_floats
+from ...arguments import check_finite_floats, document_parameters
 from .sft_averaging import SFTAveragingFields, update_weight_field
 from .sft_step import check_averaging_fields
 
@@ -18,6 +18,13 @@ _RLWeightField = update_weight_field(
 )
 
 
+@document_parameters(groups={  # the Parameters: of the docstring, from each field's help
+    "Parameters that control the average": ("rl_weight", "sft_weight"),
+    "Parameters that control the SFT step": (
+        "sft_learning_rate", "sft_per_device_train_batch_size", "sft_max_length", "sft_completion_only_loss",
+        "sft_max_grad_norm"),
+    "Parameters that override `GRPOConfig` defaults": ("activation_checkpointing", "gradient_checkpointing"),
+})
 @dataclass
 class ParallelAveragingConfig(SFTAveragingFields, _RLWeightField, GRPOConfig):
     r"""
@@ -34,10 +41,8 @@ class ParallelAveragingConfig(SFTAveragingFields, _RLWeightField, GRPOConfig):
 
     Every [`~trl.GRPOConfig`] field configures the RL side exactly as in ``GRPOTrainer`` (its optimizer, learning
     rate, schedule, generation, loss). The SFT side copies the optimizer class and its keyword arguments, the schedule
-    type, precision and seed from these fields (see :func:`trl_es.trainer.averaging.sft_step.sft_config_from`), and takes the
-    ``sft_*`` fields (:class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`: ``sft_weight``,
-    ``sft_learning_rate`` (default ``None``: ``learning_rate``), ``sft_per_device_train_batch_size``,
-    ``sft_max_length``, ``sft_completion_only_loss``, ``sft_max_grad_norm`` (default ``None``: ``max_grad_norm``)).
+    type, precision and seed from these fields (see :func:`trl_es.trainer.averaging.sft_step.sft_config_from`), and
+    takes the ``sft_*`` fields (:class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`).
     """
 
     # GRPOConfig's gradient checkpointing (on, TRL's default) under its transformers 5 name: the deprecated alias

@@ -7,22 +7,14 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from trl.trainer.base_config import _BaseConfig
 
-from ...arguments import DictValuedFields, check_finite_floats
-from ...es.anchor import ANCHOR_STORAGES
-from ...es.fitness import PER_PROMPT_SHAPINGS
-from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE, NOISE_SOURCES
-from ...es.population import POPULATION_BACKENDS
-from ...es.shaping import FITNESS_SHAPINGS
-from ...es.update import AWD_PENALTIES
-from ...generation import GENERATION_ENGINES, resolve_pad_to_multiple_of
-from .grpo_fields import answer_grpo_fields, grpo_field_errors, raise_field_errors
-
-ES_OPTIMIZERS = ("es", "torch")
-VLLM_MODEL_IMPLS = ("vllm",)
+from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
+from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
+from ...generation import resolve_pad_to_multiple_of
+from .grpo_fields import answer_grpo_fields, grpo_field_errors, raise_field_errors, refused_fields
 
 #: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
 GRPO_TEMPERATURE = 1.0
@@ -53,6 +45,30 @@ def _collect(errors: list[str], check, *args) -> None:
         errors.append(str(error))
 
 
+@document_parameters(groups={  # the Parameters: of the docstring, from each field's help
+    "Parameters that override `TrainingArguments` defaults": (
+        "learning_rate", "lr_scheduler_type", "max_grad_norm", "bf16", "gradient_checkpointing", "logging_steps",
+        "per_device_train_batch_size", "dataloader_pin_memory", "remove_unused_columns", "resume_from_checkpoint"),
+    "Parameters that control the model": ("model_init_kwargs", "trust_remote_code"),
+    "Parameters that control the ES iteration": (
+        "population_size", "sigma", "fitness_shaping", "per_prompt_shaping", "antithetic", "prompt_batch_size",
+        "es_optimizer", "include_parameters", "exclude_parameters", "fp32_master_weights", "noise_source",
+        "noise_table_size", "population_backend", "noise_rank", "member_chunk_size", "generation_engine",
+        "share_prompt_prefix", "anchor_storage", "lean_memory"),
+    "Parameters that control generation acceleration powered by vLLM": (
+        "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
+        "vllm_kv_cache_memory_bytes", "vllm_model_impl", "vllm_structured_outputs_regex"),
+    "Parameters that control Anchored Weight Decay (AWD)": (
+        "awd_lambda", "awd_penalty", "log_parameter_drift", "success_threshold"),
+    "Parameters that control generation (GRPO's names and meanings)": (
+        "num_generations", "max_completion_length", "temperature", "top_p", "generation_kwargs",
+        "chat_template_kwargs", "reward_weights", "top_k", "min_p", "repetition_penalty"),
+    "Parameters that control the data": ("shuffle_dataset", "pad_to_multiple_of"),
+    "Parameters of evaluation and completion logs (GRPO's names and meanings)": (
+        "num_generations_eval", "mask_truncated_completions", "log_completions", "num_completions_to_print",
+        "log_unique_prompts", "log_completions_hub_repo"),
+    "Parameters of TRL's GRPOConfig that ES refuses (docs/grpo_fields.md)": tuple(e.name for e in refused_fields()),
+})
 @dataclass
 @answer_grpo_fields  # every other GRPOConfig field, refused by name (grpo_fields.GRPO_FIELDS)
 class ESConfig(_BaseConfig):
@@ -66,8 +82,8 @@ class ESConfig(_BaseConfig):
     The ES defaults are those of the reference (Qiu et al. 2025, Sec. 4 and Algorithm 1): ``population_size=30``,
     ``sigma=1e-3``, ``learning_rate=5e-4``, z-scored fitness, greedy decoding. Unlike TRL's GRPOConfig,
     ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
-    to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no weight decay, no clipping
-    and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
+    to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no
+    weight decay, no clipping and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
 
     Preemption: ``resume_from_checkpoint="latest"`` (with ``save_steps``) makes a relaunched job (``torchrun
     --max-restarts N``) resume by itself from the newest complete checkpoint; a kill costs at most the iterations
@@ -77,226 +93,6 @@ class ESConfig(_BaseConfig):
     [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too,
     honoured under GRPO's name or refused with a ``ValueError`` that says why and names the ES counterpart
     (``beta`` -> ``awd_lambda``, ``scale_rewards`` -> ``fitness_shaping``, ...; see docs/grpo_fields.md).
-
-    Parameters:
-        > Parameters that override `TrainingArguments` defaults
-
-        learning_rate (`float`, *optional*, defaults to `0.0005`):
-            The ES step size alpha of the update theta <- theta + alpha/N * sum_i z_i * eps_i (Qiu et al. 2025,
-            arXiv 2509.24372, Algorithm 1; default 5e-4 from the paper). With es_optimizer='torch' it is the torch
-            optimizer's learning rate.
-        lr_scheduler_type (`str`, *optional*, defaults to `'constant'`):
-            Learning-rate schedule. Default 'constant', as the ES reference (no decay).
-        max_grad_norm (`float`, *optional*, defaults to `0.0`):
-            Clip the ES gradient estimate to this norm (es_optimizer='torch' only). 0 = no clipping.
-        bf16 (`bool` or `None`, *optional*, defaults to `False`):
-            Load/train in bf16 mixed precision. Default False so ESConfig() works on CPU.
-        gradient_checkpointing (`bool` or `None`, *optional*, defaults to `None`):
-            Unused by ES (no backward pass); resolves to False. Default None, which (unlike TRL's True) does not
-            trigger transformers' deprecation warning for this alias of activation_checkpointing.
-        logging_steps (`float`, *optional*, defaults to `1`):
-            Log every X ES iterations (default 1).
-        per_device_train_batch_size (`int` or `None`, *optional*, defaults to `None`):
-            Derived by ES, not a setting: the prompts each process loads per iteration, prompt_batch_size / number
-            of processes. Leave it unset; an explicit value that differs from the derived one is refused (set
-            prompt_batch_size instead).
-        dataloader_pin_memory (`bool`, *optional*, defaults to `False`):
-            Pin dataloader memory. Default False: ES loads text rows, not tensors.
-        remove_unused_columns (`bool` or `None`, *optional*, defaults to `False`):
-            Keep every dataset column: extra columns reach the reward functions as keyword arguments.
-        resume_from_checkpoint (`str` or `None`, *optional*, defaults to `None`):
-            Checkpoint to resume from when train() is called without resume_from_checkpoint: a checkpoint folder,
-            or 'latest': the newest complete checkpoint-N of output_dir (a newer one left incomplete by a kill is
-            skipped with a warning), or a new run if there is none. With 'latest' a job relaunched after preemption
-            (torchrun --max-restarts N) resumes by itself; see docs/scaling.md. (TrainingArguments only stores it.)
-
-        > Parameters that control the model
-
-        model_init_kwargs (`dict` or `None`, *optional*, defaults to `None`):
-            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string (e.g. {'dtype':
-            'bfloat16'}).
-        trust_remote_code (`bool`, *optional*, defaults to `False`):
-            GRPO's option: allow models that ship custom code from the Hub. True adds trust_remote_code=True to
-            model_init_kwargs (used when `model` is a string).
-
-        > Parameters that control the ES iteration
-
-        population_size (`int`, *optional*, defaults to `30`):
-            Number N of perturbed models scored per iteration (default 30, Qiu et al. 2025). >= 2.
-        sigma (`float`, *optional*, defaults to `0.001`):
-            Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.).
-        fitness_shaping (`str`, *optional*, defaults to `'zscore'`):
-            How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice),
-            'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).
-        per_prompt_shaping (`str`, *optional*, defaults to `'none'`):
-            Shape each prompt's column of the members x prompts fitness matrix across the members before the mean
-            over prompts (EGGROLL, arXiv 2511.16652): 'none' (a member's fitness is its mean reward), 'center'
-            (minus the population's mean on that prompt), 'zscore' (each prompt that separates the members weighs
-            the same; one all members solve weighs nothing), 'centered_rank'. fitness_shaping applies after it.
-        antithetic (`bool`, *optional*, defaults to `False`):
-            Mirrored sampling: members come in pairs +eps/-eps sharing a seed (population_size must be even).
-        prompt_batch_size (`int`, *optional*, defaults to `8`):
-            Prompts every member is scored on in one iteration (all members see the same prompts, so fitness values
-            are comparable). Must be divisible by the number of processes.
-        es_optimizer (`str`, *optional*, defaults to `'es'`):
-            'es': the reference update applied directly. 'torch': the ES gradient estimate -(1/N) sum_i z_i eps_i is
-            handed to the Trainer's optimizer via p.grad (Adam, schedulers, clipping).
-        include_parameters (`str` or `None`, *optional*, defaults to `None`):
-            Regular expression: perturb only trainable parameters whose name matches (re.search). Default: all
-            trainable parameters (with a PEFT model, the adapter parameters).
-        exclude_parameters (`str` or `None`, *optional*, defaults to `None`):
-            Regular expression: never perturb parameters whose name matches.
-        fp32_master_weights (`bool`, *optional*, defaults to `True`):
-            Keep an fp32 master copy of bf16/fp16 trained parameters, so updates below a 16-bit step are not lost
-            (updates are always summed in fp32).
-        noise_source (`str`, *optional*, defaults to `'auto'`):
-            Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, Salimans et
-            al. 2017), 'gaussian' (a fresh draw per 1048576-element block from a CPU generator: identical on every
-            device, ~10x slower than the table on CPU, no table memory), 'device_gaussian' (the same from a
-            generator on the weights' device: Philox on CUDA; values depend on the device type) or 'auto' (measured
-            defaults: 'gaussian' for the low-rank backend, 'device_gaussian' for full-rank noise on CUDA, 'table'
-            for full-rank noise elsewhere; see benchmarks/noise_sources.py).
-        noise_table_size (`int`, *optional*, defaults to `67108864`):
-            Entries of the shared Gaussian noise table when the table is used, 2**26 = 256 MiB by default. 0 = no
-            table: fresh Gaussian noise per block (as noise_source='gaussian').
-        population_backend (`str`, *optional*, defaults to `'sequential'`):
-            How members are evaluated: 'sequential' (perturb the weights in place with full-rank noise, generate,
-            restore, one member at a time) or 'batched_lowrank' (EGGROLL, arXiv 2511.16652: rank-noise_rank
-            perturbations applied per batch row, the members of a process in one generate call (or in chunks of
-            member_chunk_size); trains only nn.Linear weights, select them with include_parameters, e.g.
-            r'proj\.weight$').
-        noise_rank (`int`, *optional*, defaults to `1`):
-            Rank r >= 1 of each member's perturbation of each weight with population_backend='batched_lowrank': E_i
-            = sigma / sqrt(r) * A_i B_i^T (EGGROLL, arXiv 2511.16652). Extra cost per token and Linear is O(r (in +
-            out)). Ignored by 'sequential'.
-        member_chunk_size (`int` or `None`, *optional*, defaults to `None`):
-            With population_backend='batched_lowrank': members per generate call (None: all members of a process in
-            one call). One call holds member_chunk_size x prompt_batch_size x num_generations rows; lower it to
-            bound activation and KV-cache memory. Ignored by 'sequential'.
-        generation_engine (`str`, *optional*, defaults to `'auto'`):
-            How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled decoding
-            step on fixed batch buckets; for GPUs) or 'auto' ('compiled' on CUDA when the model supports a static
-            cache, else 'eager'). The choice is logged at start.
-        share_prompt_prefix (`bool`, *optional*, defaults to `True`):
-            Eager engine: run the token prefix that all prompts of a batch share (chat-template system prompt and
-            role markers) once per population member instead of once per prompt, then continue every prompt from its
-            cache. Same computation up to rounding; skipped where unsafe (see docs/generation.md).
-        anchor_storage (`str`, *optional*, defaults to `'auto'`):
-            Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's dtype),
-            'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when it holds
-            exactly the initial values, checked at start; a resident copy for tensors it does not hold).
-        lean_memory (`bool`, *optional*, defaults to `False`):
-            Hold only what ES needs, at some speed: no noise table (noise_source 'auto' draws fresh Gaussian blocks,
-            or uses the device generator on CUDA), and theta_0 only from the base checkpoint's safetensors file
-            (anchor_storage 'auto' -> 'file'; drift logging is skipped when the file does not hold theta_0 and AWD
-            is off). With population_backend='batched_lowrank' (no master copy of fp32 weights) and, for 16-bit
-            models, fp32_master_weights=False, this is the lean mode of docs/scaling.md.
-
-        > Parameters that control generation acceleration powered by vLLM
-
-        use_vllm (`bool`, *optional*, defaults to `False`):
-            Generate with vLLM (TRL's GRPOConfig option): one colocated engine per process; full-rank members are
-            written into the engine's weights from their seeds inside the vLLM worker, low-rank members are LoRA
-            adapters (one per member, a group in one generate call). Needs vLLM (docs/generation.md). Not with
-            DeepSpeed ZeRO-3 or a PEFT model yet.
-        vllm_mode (`str`, *optional*, defaults to `'colocate'`):
-            'colocate' (vLLM in the training process, TRL's meaning). 'server' (a separate `vllm serve` fleet) is
-            designed in docs/generation.md and not implemented yet.
-        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
-            Fraction of GPU memory the colocated engine takes for weights, activations and KV cache (TRL's default
-            0.3). Ignored on the CPU (see vllm_kv_cache_memory_bytes).
-        vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
-            GPUs one engine spans (tensor parallelism, TRL's meaning); only 1 is supported yet (each process scores
-            its own members on its own engine).
-        vllm_max_model_length (`int` or `None`, *optional*, defaults to `None`):
-            Context window of the engine (prompt + completion tokens); None: the model config's.
-        vllm_kv_cache_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
-            KV-cache bytes of each engine (vLLM's kv_cache_memory_bytes). None: 1 GiB on the CPU, vLLM's sizing
-            from vllm_gpu_memory_utilization on GPUs.
-        vllm_model_impl (`str`, *optional*, defaults to `'vllm'`):
-            GRPO's option: the engine's model implementation: 'vllm' (vLLM's own). 'transformers' (vLLM's
-            transformers backend) is refused: it does not start as a generative model in ES's engine yet.
-        vllm_structured_outputs_regex (`str` or `None`, *optional*, defaults to `None`):
-            GRPO's option: every completion is constrained to match this regex (vLLM structured outputs); None: off.
-
-        > Parameters that control Anchored Weight Decay (AWD)
-
-        awd_lambda (`float`, *optional*, defaults to `0.0`):
-            Anchored Weight Decay strength lambda (arXiv 2605.30148): after each ES step the drift theta - theta_0
-            is shrunk by alpha*lambda. 0 = off. Paper: l2 with lambda=10 at alpha=5e-4; l1 with 0.01.
-        awd_penalty (`str`, *optional*, defaults to `'l2'`):
-            AWD penalty: 'l2' (delta <- (1 - alpha*lambda) delta) or 'l1' (soft-threshold delta at alpha*lambda).
-        log_parameter_drift (`bool`, *optional*, defaults to `True`):
-            Keep a CPU fp32 copy of the initial trained parameters theta_0 and log ||theta - theta_0|| (drift/l2)
-            and its ratio to ||theta_0|| (drift/relative) at every log.
-        success_threshold (`float`, *optional*, defaults to `1.0`):
-            A completion counts as a success when its weighted reward is >= this value; used for the logged
-            success_rate and the population success diversity JS_succ (arXiv 2608.27351). Default 1.0: a correct
-            answer in the built-in tasks.
-
-        > Parameters that control generation (GRPO's names and meanings)
-
-        num_generations (`int`, *optional*, defaults to `1`):
-            Completions per prompt per member (default 1: greedy decoding is deterministic). More than 1 samples:
-            with temperature unset it samples at GRPO's 1.0; an explicit temperature=0 is refused (greedy copies of
-            a prompt would be identical).
-        max_completion_length (`int`, *optional*, defaults to `256`):
-            Maximum new tokens per completion.
-        temperature (`float` or `None`, *optional*, defaults to `None`):
-            Sampling temperature; 0 = greedy decoding. Unset (None) resolves to 0.0 (greedy, as in the ES
-            reference), or to GRPO's 1.0 (logged) when the config asks for sampling: num_generations > 1,
-            num_generations_eval > 1, top_k or min_p set.
-        top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling threshold (temperature > 0 only).
-        generation_kwargs (`dict` or `None`, *optional*, defaults to `None`):
-            Extra keyword arguments for `GenerationConfig` (override the above).
-        chat_template_kwargs (`dict` or `None`, *optional*, defaults to `None`):
-            Extra keyword arguments for `apply_chat_template` on conversational prompts.
-        reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
-            Weight of each reward function (default all 1.0); `None` rewards are skipped, as in GRPO.
-        top_k (`int`, *optional*, defaults to `0`):
-            GRPO's top-k filtering when sampling (0 = off). Merged into generation_kwargs (whose own top_k wins).
-            Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit temperature=0.
-        min_p (`float` or `None`, *optional*, defaults to `None`):
-            GRPO's min-p filtering when sampling, in [0, 1]. Merged into generation_kwargs (whose own min_p wins).
-            Sampling only: with temperature unset it samples at GRPO's 1.0; refused with an explicit temperature=0.
-        repetition_penalty (`float`, *optional*, defaults to `1.0`):
-            GRPO's repetition penalty (> 0; 1.0 = off, > 1 discourages repeats), greedy or sampling. Merged into
-            generation_kwargs (whose own repetition_penalty wins).
-
-        > Parameters that control the data
-
-        shuffle_dataset (`bool` or `None`, *optional*, defaults to `None`):
-            GRPO's option: False reads the training prompts in dataset order (train_sampling_strategy='sequential');
-            True shuffles them (train_sampling_strategy 'random', the default). None: as train_sampling_strategy.
-        pad_to_multiple_of (`int`, `str` or `None`, *optional*, defaults to `"auto"`):
-            GRPO's option: each prompt batch is left-padded (masked) to a multiple of this many tokens. `"auto"`
-            (GRPO's default: a multiple of 128 on AWS Neuron only) and `None` pad to the longest prompt.
-
-        > Parameters of evaluation and completion logs (GRPO's names and meanings)
-
-        num_generations_eval (`int` or `None`, *optional*, defaults to `None`):
-            Completions per prompt in evaluate() (None: num_generations). More than 1 samples (temperature unset:
-            GRPO's 1.0; an explicit temperature=0 is refused).
-        mask_truncated_completions (`bool`, *optional*, defaults to `False`):
-            ES's reading of GRPO's option: a completion that did not end with an EOS id (cut at
-            max_completion_length) is left out of its member's fitness, as a completion whose rewards are all None.
-            A member whose completions were all cut has no fitness (ranked worst); when no member has one, the step
-            is exactly zero. The rewards/<name>/* metrics still count every completion; reward and fitness/* count
-            the ones left in. evaluate() scores every completion.
-        log_completions (`bool`, *optional*, defaults to `False`):
-            At every log, the last iteration's completions (every member's, gathered to the main process): printed
-            as a table with rich, written to `output_dir/completions/completions_{step:05d}.parquet`, and logged as
-            a table to wandb / trackio when they are in report_to. Columns: step, prompt, completion, one per
-            reward function, the reward functions' log_extra columns, advantage (the member's shaped fitness: its
-            coefficient in the update) and member.
-        num_completions_to_print (`int` or `None`, *optional*, defaults to `None`):
-            Completions printed with rich at each log (a fixed-seed sample; None: all; 0: none, as in GRPO).
-        log_unique_prompts (`bool`, *optional*, defaults to `False`):
-            Log one row per distinct prompt to wandb / trackio.
-        log_completions_hub_repo (`str` or `None`, *optional*, defaults to `None`):
-            Hub dataset repo to which the completion parquet files are pushed (every 2 minutes, as GRPO); needs
-            log_completions=True.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
@@ -382,23 +178,21 @@ class ESConfig(_BaseConfig):
         default=1e-3,
         metadata={"help": "Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.)."},
     )
-    fitness_shaping: str = field(
+    fitness_shaping: Literal["zscore", "centered_rank", "none"] = field(
         default="zscore",
         metadata={
             "help": "How rewards become update coefficients: 'zscore' ((F - mean) / std, the reference's choice), "
-            "'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards).",
-            "choices": list(FITNESS_SHAPINGS),
+            "'centered_rank' (ranks mapped to [-0.5, 0.5], Salimans et al. 2017), or 'none' (raw rewards)."
         },
     )
-    per_prompt_shaping: str = field(
+    per_prompt_shaping: Literal["none", "center", "zscore", "centered_rank"] = field(
         default="none",
         metadata={
             "help": "Shape each prompt's column of the members x prompts fitness matrix across the members before "
             "the mean over prompts (EGGROLL, arXiv 2511.16652): 'none' (a member's fitness is its mean reward), "
             "'center' (minus the population's mean on that prompt), 'zscore' (each prompt that separates the "
             "members weighs the same; one all members solve weighs nothing), 'centered_rank'. fitness_shaping "
-            "applies after it.",
-            "choices": list(PER_PROMPT_SHAPINGS),
+            "applies after it."
         },
     )
     antithetic: bool = field(
@@ -414,12 +208,11 @@ class ESConfig(_BaseConfig):
             "fitness values are comparable). Must be divisible by the number of processes."
         },
     )
-    es_optimizer: str = field(
+    es_optimizer: Literal["es", "torch"] = field(
         default="es",
         metadata={
             "help": "'es': the reference update applied directly. 'torch': the ES gradient estimate "
-            "-(1/N) sum_i z_i eps_i is handed to the Trainer's optimizer via p.grad (Adam, schedulers, clipping).",
-            "choices": list(ES_OPTIMIZERS),
+            "-(1/N) sum_i z_i eps_i is handed to the Trainer's optimizer via p.grad (Adam, schedulers, clipping)."
         },
     )
     include_parameters: str | None = field(
@@ -439,16 +232,15 @@ class ESConfig(_BaseConfig):
             "not lost (updates are always summed in fp32)."
         },
     )
-    noise_source: str = field(
+    noise_source: Literal["auto", "table", "gaussian", "device_gaussian"] = field(
         default="auto",
         metadata={
-            "help": "Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, Salimans "
-            f"et al. 2017), 'gaussian' (a fresh draw per {NOISE_BLOCK_SIZE}-element block from a CPU generator: "
-            "identical on every device, ~10x slower than the table on CPU, no table memory), 'device_gaussian' (the "
-            "same from a generator on the weights' device: Philox on CUDA; values depend on the device type) or "
-            "'auto' (measured defaults: 'gaussian' for the low-rank backend, 'device_gaussian' for full-rank noise "
-            "on CUDA, 'table' for full-rank noise elsewhere; see benchmarks/noise_sources.py).",
-            "choices": list(NOISE_SOURCES),
+            "help": "Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, "
+            f"Salimans et al. 2017), 'gaussian' (a fresh draw per {NOISE_BLOCK_SIZE}-element block from a CPU "
+            "generator: identical on every device, ~10x slower than the table on CPU, no table memory), "
+            "'device_gaussian' (the same from a generator on the weights' device: Philox on CUDA; values depend on "
+            "the device type) or 'auto' (measured defaults: 'gaussian' for the low-rank backend, 'device_gaussian' "
+            "for full-rank noise on CUDA, 'table' for full-rank noise elsewhere; see benchmarks/noise_sources.py)."
         },
     )
     noise_table_size: int = field(
@@ -458,15 +250,14 @@ class ESConfig(_BaseConfig):
             "0 = no table: fresh Gaussian noise per block (as noise_source='gaussian')."
         },
     )
-    population_backend: str = field(
+    population_backend: Literal["sequential", "batched_lowrank"] = field(
         default="sequential",
         metadata={
             "help": "How members are evaluated: 'sequential' (perturb the weights in place with full-rank noise, "
             "generate, restore, one member at a time) or 'batched_lowrank' (EGGROLL, arXiv 2511.16652: rank-"
             "noise_rank perturbations applied per batch row, the members of a process in one generate call (or in "
-            "chunks of member_chunk_size); trains "
-            "only nn.Linear weights, select them with include_parameters, e.g. r'proj\\.weight$').",
-            "choices": list(POPULATION_BACKENDS),
+            "chunks of member_chunk_size); trains only nn.Linear weights, select them with include_parameters, "
+            "e.g. `r'proj\\.weight$'`)."
         },
     )
     noise_rank: int = field(
@@ -486,13 +277,12 @@ class ESConfig(_BaseConfig):
         },
     )
 
-    generation_engine: str = field(
+    generation_engine: Literal["auto", "eager", "compiled"] = field(
         default="auto",
         metadata={
             "help": "How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled "
             "decoding step on fixed batch buckets; for GPUs) or 'auto' ('compiled' on CUDA when the model supports a "
-            "static cache, else 'eager'). The choice is logged at start.",
-            "choices": list(GENERATION_ENGINES),
+            "static cache, else 'eager'). The choice is logged at start."
         },
     )
     share_prompt_prefix: bool = field(
@@ -512,12 +302,11 @@ class ESConfig(_BaseConfig):
             "DeepSpeed ZeRO-3 or a PEFT model yet."
         },
     )
-    vllm_mode: str = field(
+    vllm_mode: Literal["colocate", "server"] = field(
         default="colocate",
         metadata={
             "help": "'colocate' (vLLM in the training process, TRL's meaning). 'server' (a separate `vllm serve` "
-            "fleet) is designed in docs/generation.md and not implemented yet.",
-            "choices": ["colocate", "server"],
+            "fleet) is designed in docs/generation.md and not implemented yet."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -543,7 +332,7 @@ class ESConfig(_BaseConfig):
             "sizing from vllm_gpu_memory_utilization on GPUs."
         },
     )
-    vllm_model_impl: str = field(
+    vllm_model_impl: Literal["vllm"] = field(
         default="vllm",
         metadata={
             "help": "GRPO's option: the engine's model implementation: 'vllm' (vLLM's own). 'transformers' (vLLM's "
@@ -557,13 +346,12 @@ class ESConfig(_BaseConfig):
             "None: off."
         },
     )
-    anchor_storage: str = field(
+    anchor_storage: Literal["auto", "memory", "file"] = field(
         default="auto",
         metadata={
             "help": "Where theta_0 (for AWD and drift logging) is kept: 'memory' (a resident copy in the model's "
             "dtype), 'file' or 'auto' (read back one tensor at a time from the base model's safetensors file when "
-            "it holds exactly the initial values, checked at start; a resident copy for tensors it does not hold).",
-            "choices": list(ANCHOR_STORAGES),
+            "it holds exactly the initial values, checked at start; a resident copy for tensors it does not hold)."
         },
     )
 
@@ -586,11 +374,11 @@ class ESConfig(_BaseConfig):
             "theta - theta_0 is shrunk by alpha*lambda. 0 = off. Paper: l2 with lambda=10 at alpha=5e-4; l1 with 0.01."
         },
     )
-    awd_penalty: str = field(
+    awd_penalty: Literal["l2", "l1"] = field(
         default="l2",
         metadata={
-            "help": "AWD penalty: 'l2' (delta <- (1 - alpha*lambda) delta) or 'l1' (soft-threshold delta at alpha*lambda).",
-            "choices": list(AWD_PENALTIES),
+            "help": "AWD penalty: 'l2' (delta <- (1 - alpha*lambda) delta) or 'l1' (soft-threshold delta at "
+            "alpha*lambda)."
         },
     )
 
@@ -693,16 +481,21 @@ class ESConfig(_BaseConfig):
     mask_truncated_completions: bool = field(
         default=False,
         metadata={
-            "help": "Leave completions that did not end with an EOS id (cut at max_completion_length) out of their "
-            "member's fitness, as completions whose rewards are all None. A member with only cut completions has no "
-            "fitness (ranked worst); with none left anywhere the step is exactly zero. Training only."
+            "help": "ES's reading of GRPO's option: a completion that did not end with an EOS id (cut at "
+            "max_completion_length) is left out of its member's fitness, as a completion whose rewards are all None. "
+            "A member whose completions were all cut has no fitness (ranked worst); when no member has one, the step "
+            "is exactly zero. The rewards/<name>/* metrics still count every completion; reward and fitness/* count "
+            "the ones left in. Training only: evaluate() scores every completion."
         },
     )
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "At every log, print the last iteration's completions (every member's) with rich, write them to "
-            "output_dir/completions/completions_{step:05d}.parquet and log them as a table to wandb / trackio."
+            "help": "At every log, the last iteration's completions (every member's, gathered to the main process): "
+            "printed as a table with rich, written to `output_dir/completions/completions_{step:05d}.parquet`, and "
+            "logged as a table to wandb / trackio when they are in report_to. Columns: step, prompt, completion, one "
+            "per reward function, the reward functions' log_extra columns, advantage (the member's shaped fitness: "
+            "its coefficient in the update) and member."
         },
     )
     num_completions_to_print: int | None = field(
@@ -716,8 +509,8 @@ class ESConfig(_BaseConfig):
     log_completions_hub_repo: str | None = field(
         default=None,
         metadata={
-            "help": "Hub dataset repo the completion parquet files are pushed to (every 2 minutes); needs "
-            "log_completions=True."
+            "help": "Hub dataset repo to which the completion parquet files are pushed (every 2 minutes, as GRPO); "
+            "needs log_completions=True."
         },
     )
 
@@ -804,22 +597,11 @@ class ESConfig(_BaseConfig):
             errors.append(f"sigma must be > 0, got {self.sigma}.")
         if not self.learning_rate > 0:
             errors.append(f"learning_rate must be > 0, got {self.learning_rate}.")
-        if self.fitness_shaping not in FITNESS_SHAPINGS:
-            errors.append(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {self.fitness_shaping!r}.")
-        if self.per_prompt_shaping not in PER_PROMPT_SHAPINGS:
-            errors.append(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got "
-                          f"{self.per_prompt_shaping!r}.")
-        if self.es_optimizer not in ES_OPTIMIZERS:
-            errors.append(f"es_optimizer must be one of {ES_OPTIMIZERS}, got {self.es_optimizer!r}.")
-        if self.population_backend not in POPULATION_BACKENDS:
-            errors.append(
-                f"population_backend must be one of {tuple(POPULATION_BACKENDS)}, got {self.population_backend!r}."
-            )
+        own_reason = ("vllm_model_impl",) if self.vllm_model_impl == "transformers" else ()  # refused with its reason
+        errors += literal_field_errors(self, skip=own_reason)  # every Literal field: fitness_shaping, es_optimizer, ...
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         _collect(errors, self._check_optional_counts, "member_chunk_size")
-        if self.awd_penalty not in AWD_PENALTIES:
-            errors.append(f"awd_penalty must be one of {AWD_PENALTIES}, got {self.awd_penalty!r}.")
         if self.awd_lambda < 0:
             errors.append(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
         elif self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
@@ -830,10 +612,6 @@ class ESConfig(_BaseConfig):
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
         _collect(errors, self._check_vllm_settings)
-        for name, allowed in (("noise_source", NOISE_SOURCES), ("generation_engine", GENERATION_ENGINES),
-                              ("anchor_storage", ANCHOR_STORAGES)):
-            if getattr(self, name) not in allowed:
-                errors.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -990,8 +768,6 @@ class ESConfig(_BaseConfig):
     def to_dict(self) -> dict[str, Any]:
         """``TrainingArguments.to_dict``, without the refused ``GRPOConfig`` fields left unset (``None``), so logs
         and trackers show the ES settings only."""
-        from .grpo_fields import refused_fields
-
         d = super().to_dict()
         for entry in refused_fields():
             if d.get(entry.name, 0) is None:
@@ -1036,28 +812,24 @@ class ESConfig(_BaseConfig):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
 
     def _check_vllm_settings(self) -> None:
-        """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run).
+        """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run;
+        ``vllm_mode`` and ``vllm_model_impl`` values outside their ``Literal`` are refused by
+        :func:`~trl_es.arguments.literal_field_errors`).
 
         Raises:
             ValueError: naming the field and its allowed values.
         """
-        if self.vllm_mode not in ("colocate", "server"):
-            raise ValueError(f"vllm_mode must be one of ('colocate', 'server'), got {self.vllm_mode!r}.")
         if self.use_vllm and self.vllm_mode == "server":
             raise ValueError("vllm_mode='server' is designed (docs/generation.md) but not implemented yet: use "
                              "vllm_mode='colocate' (one engine in each training process).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
-        if isinstance(self.vllm_tensor_parallel_size, bool) or not isinstance(self.vllm_tensor_parallel_size, int) \
-                or self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be an integer >= 1, got {self.vllm_tensor_parallel_size!r}.")
+        check_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, 1)
         self._check_optional_counts("vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         if self.vllm_model_impl == "transformers":
             raise ValueError("vllm_model_impl='transformers' is not supported by ES yet: vLLM 0.32's transformers "
                              "backend does not start as a generative model in ES's colocated engine ('LLM.generate() "
                              "is only supported for generative models'). Use vllm_model_impl='vllm'.")
-        if self.vllm_model_impl not in VLLM_MODEL_IMPLS:
-            raise ValueError(f"vllm_model_impl must be one of {VLLM_MODEL_IMPLS}, got {self.vllm_model_impl!r}.")
         if self.vllm_structured_outputs_regex is not None:
             try:
                 re.compile(self.vllm_structured_outputs_regex)

@@ -5,7 +5,7 @@ command-line flags they had. The fields of ``GRPOConfig`` fall in three sets:
 
 * the fields of :class:`transformers.TrainingArguments`: ``ESConfig`` is a ``TrainingArguments`` too;
 * the fields ``ESConfig`` declares itself with GRPO's name and meaning (``num_generations``, ``temperature``,
-  ``use_vllm``, ...; :func:`native_shared_fields`);
+  ``use_vllm``, ...);
 * the others, each answered by one entry of :data:`GRPO_FIELDS`: *honoured* (an ``ESConfig`` field of the same name
   and meaning, declared in ``es_config.py``) or *refused*. A refused field is still an ``ESConfig`` field (added by
   :func:`answer_grpo_fields`, default ``None``), so ``ESConfig(beta=0.1)``, ``--beta 0.1`` and a recipe's
@@ -16,18 +16,17 @@ command-line flags they had. The fields of ``GRPOConfig`` fall in three sets:
 ``tests/test_grpo_fields.py`` fails when a ``GRPOConfig`` field of the installed TRL is in none of the sets.
 ``docs/grpo_fields.md`` is generated from this table::
 
-    python -m trl_es.trainer.es.grpo_fields --markdown > docs/grpo_fields.md
+    python scripts/grpo_fields_markdown.py > docs/grpo_fields.md
 """
 
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GRPO_FIELDS", "GRPOField", "answer_grpo_fields", "check_grpo_fields", "field_errors_message",
-           "grpo_field_errors", "grpo_fields_markdown", "native_shared_fields", "raise_field_errors", "refused_fields"]
+           "grpo_field_errors", "raise_field_errors", "refused_fields"]
 
 HONOURED = "honoured"
 REFUSED = "refused"
@@ -266,7 +265,7 @@ def refused_fields() -> tuple[GRPOField, ...]:
 def answer_grpo_fields(cls: type) -> type:
     """Class decorator (under ``@dataclass``): add every refused ``GRPOConfig`` field to ``cls`` as a field
     defaulting to ``None``, with its reason and counterpart as ``metadata["help"]`` (so ``HfArgumentParser`` gives it
-    a flag), and document them in a group of ``cls``'s ``Parameters:``. Their values are checked by
+    a flag, and :func:`trl_es.arguments.document_parameters` a docstring entry). Their values are checked by
     :func:`check_grpo_fields`.
 
     Args:
@@ -274,18 +273,17 @@ def answer_grpo_fields(cls: type) -> type:
 
     Returns:
         `type`: ``cls``.
+
+    Raises:
+        TypeError: if ``cls`` declares a field that :data:`GRPO_FIELDS` lists as refused.
     """
     annotations = dict(cls.__dict__.get("__annotations__", {}))
-    lines = ["", "        > Parameters of TRL's GRPOConfig that ES refuses (docs/grpo_fields.md)", ""]
     for entry in refused_fields():
         if entry.name in annotations:
             raise TypeError(f"{cls.__name__} declares {entry.name}, which GRPO_FIELDS lists as refused.")
         annotations[entry.name] = f"{entry.type} | None"
         setattr(cls, entry.name, dataclasses.field(default=None, metadata={"help": entry.help()}))
-        lines += [f"        {entry.name} (`{entry.type}` or `None`, *optional*, defaults to `None`):",
-                  *textwrap.wrap(entry.help(), 120, initial_indent=" " * 12, subsequent_indent=" " * 12)]
     cls.__annotations__ = annotations
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n    "
     return cls
 
 
@@ -326,157 +324,3 @@ def check_grpo_fields(config: Any) -> None:
             accepted values (one field: its message alone; several: a numbered list of them).
     """
     raise_field_errors(grpo_field_errors(config))
-
-
-def native_shared_fields(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> list[str]:
-    """The ``GRPOConfig`` fields, not ``TrainingArguments`` ones, that ``ESConfig`` declares itself (GRPO's name and
-    meaning, not answered by :data:`GRPO_FIELDS`), in ``GRPOConfig``'s order."""
-    es_cls, grpo_cls, ta = _classes(es_config_cls, grpo_config_cls)
-    es = {f.name for f in dataclasses.fields(es_cls)}
-    return [f.name for f in dataclasses.fields(grpo_cls)
-            if f.name not in ta and f.name in es and f.name not in _BY_NAME]
-
-
-def _classes(es_config_cls=None, grpo_config_cls=None):
-    from transformers import TrainingArguments
-
-    if es_config_cls is None:
-        from .es_config import ESConfig as es_config_cls
-    if grpo_config_cls is None:
-        from trl import GRPOConfig as grpo_config_cls
-    return es_config_cls, grpo_config_cls, {f.name for f in dataclasses.fields(TrainingArguments)}
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-def _code(value: Any) -> str:
-    text = "(required)" if value is dataclasses.MISSING else repr(getattr(value, "value", value))
-    return "`" + text.replace("|", "\\|") + "`"
-
-
-#: ESConfig fields whose dataclass default (``None``: unset) is resolved in ``__post_init__``: the docs show both.
-RESOLVED_DEFAULTS = {
-    "temperature": "`0.0` (greedy, the ES reference), or `1.0` (GRPO's) when sampling is asked for: "
-                   "`num_generations > 1`, `num_generations_eval > 1`, `top_k` or `min_p` set",
-}
-
-
-def _es_default(name: str, f: dataclasses.Field) -> str:
-    """The ES default of field ``name`` as a docs cell (a resolved ``None`` with what it resolves to)."""
-    text = _code(_default(f))
-    return f"{text}, resolved to {RESOLVED_DEFAULTS[name]}" if name in RESOLVED_DEFAULTS else text
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> str:
-    """``docs/grpo_fields.md``: every ``GRPOConfig`` field and its ``ESConfig`` answer, and the shared fields whose
-    defaults differ, generated from :data:`GRPO_FIELDS` and the two dataclasses.
-
-    Returns:
-        `str`: Markdown, ending with a newline.
-    """
-    import trl
-
-    es_cls, grpo_cls, ta = _classes(es_config_cls, grpo_config_cls)
-    es_fields = {f.name: f for f in dataclasses.fields(es_cls)}
-    grpo_fields = {f.name: f for f in dataclasses.fields(grpo_cls)}
-    native = native_shared_fields(es_cls, grpo_cls)
-    honoured = [e for e in GRPO_FIELDS if e.status == HONOURED]
-    refused = refused_fields()
-    out = [
-        "# GRPOConfig fields in ESConfig",
-        "",
-        "<!-- Generated by `python -m trl_es.trainer.es.grpo_fields --markdown > docs/grpo_fields.md` from the table in "
-        "`trl_es/trainer/es/grpo_fields.py`; tests/test_grpo_fields.py checks it is current. Do not edit by hand. -->",
-        "",
-        f"`ESConfig` takes every field of TRL's `GRPOConfig` (TRL {trl.__version__}) under its own name, as a keyword "
-        "argument, a YAML key or a command-line flag, so a GRPO script runs with only the import and the config class "
-        "changed. A field is either *honoured* (same name, same meaning) or *refused*: set to a value ES cannot "
-        "give it, it raises a `ValueError` that names the field, says why ES has no such thing, and names the ES "
-        "counterpart, e.g.",
-        "",
-        "```python",
-        ">>> ESConfig(output_dir=\"out\", beta=0.04)",
-        "ValueError: " + _BY_NAME["beta"].error(0.04),
-        "```",
-        "",
-        "A refused field accepts `None` (its `ESConfig` default) and the values under which GRPO does what ES does "
-        "(`beta=0.0`: no KL term; `log_completions=False`). *Not yet* marks refusals of things ES could do but does "
-        "not implement yet; the others have no meaning for ES.",
-        "",
-        f"Of the {len([n for n in grpo_fields if n not in ta])} `GRPOConfig` fields that are not `TrainingArguments` "
-        f"fields: {len(native)} are `ESConfig` fields of its own, {len(honoured)} more are honoured and "
-        f"{len(refused)} refused ({sum(e.not_yet for e in refused)} of them not yet supported). The "
-        f"{len([n for n in grpo_fields if n in ta])} `TrainingArguments` fields work as in any `Trainer`, with the "
-        "exceptions listed under [Defaults that differ](#defaults-that-differ).",
-        "",
-        "## Fields ESConfig declares with GRPO's name and meaning",
-        "",
-        "| GRPOConfig field | GRPO default | ES default |",
-        "|---|---|---|",
-    ]
-    for name in native:
-        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_es_default(name, es_fields[name])} |")
-    out += ["", "## Honoured", "", "| GRPOConfig field | GRPO default | ES default | How ES applies it |",
-            "|---|---|---|---|"]
-    for e in honoured:
-        out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name])) if e.name in grpo_fields else ''} | "
-                   f"{_code(_default(es_fields[e.name])) if e.name in es_fields else ''} | {_cell(e.reason)} |")
-    out += ["", "## Refused", "", "| GRPOConfig field | Why ES has no such thing | ES counterpart | Accepted values |",
-            "|---|---|---|---|"]
-    for e in refused:
-        tag = " (not yet)" if e.not_yet else ""
-        out.append(f"| `{e.name}`{tag} | {_cell(e.reason)} | {_cell(e.counterpart or '(none)')} | "
-                   f"{_cell(e.accepted_text())} |")
-    out += ["", "## Defaults that differ", "",
-            "ES keeps the ES reference's defaults (Qiu et al. 2025) where they differ from GRPO's: greedy decoding "
-            "and one completion per prompt (`num_generations=1`). `temperature` left unset resolves to `0.0` "
-            "(greedy), or to GRPO's `1.0` (logged once) when the config asks for sampling: `num_generations > 1` "
-            "(several greedy completions of a prompt would be identical copies), `num_generations_eval > 1`, `top_k` "
-            "or `min_p`; so a GRPO config that sets `num_generations` samples as in GRPO. An explicit "
-            "`temperature=0` with `num_generations > 1` is refused by name. Set `num_generations=8` for GRPO's "
-            "group size. Two `TrainingArguments` "
-            "fields are not settings in ES: `per_device_train_batch_size` is derived (`prompt_batch_size` / number of "
-            "processes; set `prompt_batch_size`) and `gradient_accumulation_steps` is fixed at 1 (one step is one ES "
-            "iteration). Every field both configs hold whose dataclass default differs:",
-            "",
-            "| Field | GRPO default | ES default | ES meaning |",
-            "|---|---|---|---|"]
-    for name, f in grpo_fields.items():
-        if name not in es_fields or name in _BY_NAME and _BY_NAME[name].status == REFUSED:
-            continue
-        grpo_default, es_default = _default(f), _default(es_fields[name])
-        if grpo_default == es_default and type(grpo_default) is type(es_default):
-            continue
-        help_text = es_fields[name].metadata.get("help", "") if name in es_cls.__dict__.get("__annotations__", {}) \
-            else "(TrainingArguments' own)"
-        out.append(f"| `{name}` | {_code(grpo_default)} | {_es_default(name, es_fields[name])} | "
-                   f"{_cell(help_text)} |")
-    return "\n".join(out) + "\n"
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m trl_es.trainer.es.grpo_fields --markdown``: print :func:`grpo_fields_markdown`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m trl_es.trainer.es.grpo_fields", description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="Print docs/grpo_fields.md.")
-    args = parser.parse_args(argv)
-    if args.markdown:
-        print(grpo_fields_markdown(), end="")
-    else:
-        for entry in GRPO_FIELDS:
-            print(f"{entry.name}: {entry.status}{' (not yet)' if entry.not_yet else ''}")
-
-
-if __name__ == "__main__":
-    main()
