@@ -17,6 +17,7 @@ from .trainer import (
     ParallelAveragingTrainer,
 )
 
+
 __all__ = [
     # the ES trainer path: GRPOTrainer's constructor, an ES iteration a step
     "ESConfig",

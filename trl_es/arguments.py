@@ -30,6 +30,7 @@ from typing import Any, Literal, Union
 
 from trl import TrlParser
 
+
 __all__ = [
     "DictValuedFields",
     "TrlESParser",
@@ -55,7 +56,7 @@ def _is_dict_type(tp: Any) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dict_valued_fields(cls: type) -> tuple[str, ...]:
     """The names of the dict-typed fields of a dataclass, found from its resolved type hints.
 
@@ -147,7 +148,7 @@ def _literal_args(tp: Any) -> tuple | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def literal_choices(cls: type) -> dict[str, tuple]:
     """The ``Literal``-typed fields of a dataclass and their allowed values, from its resolved type hints.
 

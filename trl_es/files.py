@@ -22,8 +22,9 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 
-__all__ = ["SAVED_MODEL_FILES", "atomic_path", "current_umask", "is_main_process", "process_rank", "require_files", "save_figure",
-           "save_trainer_model", "write_json", "write_text"]
+
+__all__ = ["SAVED_MODEL_FILES", "atomic_path", "current_umask", "is_main_process", "process_rank", "require_files",
+           "save_figure", "save_trainer_model", "write_json", "write_text"]
 
 
 def current_umask() -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+
 __all__ = ["tensors_fingerprint", "weights_fingerprint"]
 
 

@@ -318,13 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = plan_launch(args.num_processes)
     command = launch_command(plan, args.script, args.script_args)
-    print(f"[trl_es.launch] {plan.reason}: {' '.join(command)}", flush=True)
+    print(f"[trl_es.launch] {plan.reason}: {' '.join(command)}", flush=True)  # noqa: T201
     if args.dry_run:
         return 0
     if plan.num_processes > 1 and not args.no_embedded_cache:
         folder = prepare_embedded_model()
         if folder is not None:
-            print(f"[trl_es.launch] embedded model cache ready: {folder}", flush=True)
+            print(f"[trl_es.launch] embedded model cache ready: {folder}", flush=True)  # noqa: T201
     env = dict(os.environ, **plan.env)
     if plan.launcher == "python":
         env.setdefault("OMP_NUM_THREADS", str(plan.threads))

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -126,14 +127,16 @@ def _cache_problem(path: Path) -> str | None:
     Usable means: the marker names this cache format and GGUF file and lists the files the build wrote with their
     sizes; every listed file is present with that size (a half-copied or truncated file fails); ``config.json`` is
     a JSON object with a ``model_type``; the weights file's safetensors header reads and lists tensors; the
-    tokenizer files are listed. (Sizes, not hashes: a same-size corrupt tokenizer file would pass.) A folder with a marker but without weights or config (what a
-    rank != 0 ``save_pretrained`` left behind before cache format 2) is not usable.
+    tokenizer files are listed. (Sizes, not hashes: a same-size corrupt tokenizer file would pass.) A folder with a
+    marker but without weights or config (what a rank != 0 ``save_pretrained`` left behind in cache format 1) is not
+    usable.
     """
     try:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
         return f"no readable {_MARKER}"
-    if not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT or marker.get("source") != EMBEDDED_GGUF_FILE:
+    if (not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT
+            or marker.get("source") != EMBEDDED_GGUF_FILE):
         return f"{_MARKER} is not cache format {_CACHE_FORMAT} of {EMBEDDED_GGUF_FILE}"
     files = marker.get("files")
     if not isinstance(files, dict):
@@ -284,7 +287,8 @@ def load_model_and_tokenizer(
         **model_kwargs (`Any`): Passed to ``AutoModelForCausalLM.from_pretrained``.
 
     Returns:
-        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and tokenizer; a tokenizer without a pad token gets its EOS token as pad token.
+        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and
+        tokenizer; a tokenizer without a pad token gets its EOS token as pad token.
 
     Raises:
         ValueError / ImportError: See :func:`resolve_model_path`.
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with FileLock(str(path.parent / f".{path.name}.lock")):
             shutil.rmtree(path)
-    print(embedded_model_path())
+    print(embedded_model_path())  # noqa: T201 (the command prints the path)
     return 0
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
+
 __all__ = ["base_reward_func_name", "reward_func_names"]
 
 

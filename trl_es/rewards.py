@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+
 __all__ = [
     "ABS_TOL",
     "MAX_INT_DIGITS",
@@ -349,7 +350,8 @@ def dataset_column(func_name: str, name: str, values, n: int) -> list:
     Args:
         func_name (`str`): The reward function's name (for the error message).
         name (`str`): The column name.
-        values (`Sequence | None`): What the reward function received as ``name=...`` (``None`` when the column is missing).
+        values (`Sequence | None`): What the reward function received as ``name=...`` (``None`` when the column is
+            missing).
         n (`int`): Number of completions.
 
     Returns:

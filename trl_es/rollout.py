@@ -7,8 +7,8 @@ Reward functions follow TRL's GRPOTrainer contract: ``f(prompts, completions, co
 ``float`` (or ``None``, "not applicable") per completion; extra dataset columns arrive as keyword arguments, one value
 per completion. A function may be ``async def`` (or return an awaitable): as in GRPOTrainer, the async functions of a
 rollout are awaited together (``asyncio.gather``, concurrently) on an event loop in a daemon thread, after the sync
-ones, and their outputs are checked the same way. Rewards see the completion only (never prompt + completion), in the same format as the prompt
-(a string, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts).
+ones, and their outputs are checked the same way. Rewards see the completion only (never prompt + completion), in the
+same format as the prompt (a string, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig, PreTrainedModel
 from trl.data_utils import apply_chat_template, is_conversational, maybe_apply_chat_template
 
-from .generation import (GenerationEngine, eos_token_ids, generate_completions, prompt_add_special_tokens,
-                         stop_token_ids)
+from .generation import GenerationEngine, eos_token_ids, generate_completions, prompt_add_special_tokens, stop_token_ids
+
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,8 @@ def is_async_reward_func(func) -> bool:
     """
     while isinstance(func, functools.partial):
         func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    call = getattr(func, "__call__", None)  # noqa: B004 (an instance whose __call__ is async)
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call)
 
 
 _ASYNC_LOOP: asyncio.AbstractEventLoop | None = None
@@ -269,7 +270,8 @@ class RewardScorer:
         reward_funcs (`Callable | PreTrainedModel | str | list`): A callable (sync or ``async def``), a reward model
             (``PreTrainedModel`` for sequence classification, or its id/path), or a list of them.
         reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
-        reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded from the model path when ``None``).
+        reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded
+            from the model path when ``None``).
         model_init_kwargs (`dict`, *optional*): For reward models given by id/path, passed whole as GRPOTrainer passes
             ``args.model_init_kwargs`` (so without a ``dtype`` transformers' ``"auto"``); its ``revision`` also loads
             their tokenizers.
@@ -425,7 +427,8 @@ class RewardScorer:
                      for p, c in zip(prompts, completions, strict=True)]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in inputs.items()}
         return model(**inputs).logits[:, 0].float().cpu()
@@ -505,7 +508,8 @@ def score_model(
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
     ends = set(stop_token_ids(generation_config, model, processing_class))
-    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else processing_class.pad_token_id
+    pad = generation_config.pad_token_id
+    pad = processing_class.pad_token_id if pad is None else pad
     if pad is not None:
         ends.add(int(pad))
     lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=special)["input_ids"]]

@@ -34,6 +34,7 @@ from .protocol import PAPER_PROTOCOL, UNIT_TEMPERATURE_PROTOCOL, SamplingProtoco
 from .report import analyze
 from .sparsity import KEEP_MODES, functional_sparsity, keep_update_fraction, reset_small_updates, update_fraction_curve
 
+
 __all__ = [
     "PAPER_PROTOCOL",
     "SAMPLE_ROWS_PER_CALL",

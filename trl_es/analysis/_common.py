@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+
 ModelLike = nn.Module | Mapping | str | os.PathLike
 
 
@@ -104,7 +105,7 @@ def shared_names(*param_dicts: Mapping[str, torch.Tensor], labels: tuple[str, ..
     first = param_dicts[0]
     common = [n for n in first if all(n in d for d in param_dicts[1:])]
     if not common:
-        examples = ", ".join(f"{lab}: {list(d)[:3]}" for lab, d in zip(labels, param_dicts))
+        examples = ", ".join(f"{lab}: {list(d)[:3]}" for lab, d in zip(labels, param_dicts, strict=False))
         raise ValueError(
             f"{' / '.join(labels)} share no floating-point parameter names ({examples}); pass checkpoints of the "
             "same architecture (PEFT models are merged to base names automatically)."
@@ -158,6 +159,6 @@ class eval_mode:
         return self
 
     def __exit__(self, *exc):
-        for m, flag in zip(self.modules, self.flags):
+        for m, flag in zip(self.modules, self.flags, strict=False):
             m.train(flag)
         return False

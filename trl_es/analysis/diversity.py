@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+
 __all__ = ["binary_entropy", "success_diversity", "success_diversity_from_matrix"]
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ._common import ModelLike, named_float_params, shared_names
 
+
 __all__ = ["group_name", "parameter_drift", "tensor_drift"]
 
 _LAYER_INDEX = re.compile(r"^\d+$")

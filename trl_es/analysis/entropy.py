@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
+
 __all__ = ["TokenEntropyRecorder", "mean_completion_entropy"]
 
 

@@ -8,4 +8,5 @@ from __future__ import annotations
 
 from ..fingerprint import weights_fingerprint
 
+
 __all__ = ["weights_fingerprint"]

@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 from ..generation.base import eos_token_ids, model_device
 from ._common import ModelLike, eval_mode, load_model
 
+
 __all__ = ["encode_prompts", "off_task_kl"]
 
 
@@ -204,6 +205,6 @@ def off_task_kl(
             sums.index_add_(0, row_prompt, ratio.sum(dim=1))
             counts.index_add_(0, row_prompt, comp_mask.sum(dim=1))
     total_tokens = int(counts.sum())
-    per_prompt = [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), counts.tolist())]
+    per_prompt = [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), counts.tolist(), strict=False)]
     kl = float(sums.sum() / total_tokens) if total_tokens > 0 else float("nan")
     return {"kl": kl, "per_prompt": per_prompt, "num_tokens": total_tokens}

@@ -21,6 +21,7 @@ from ._common import (
 )
 from .kl import encode_prompts
 
+
 __all__ = ["barrier", "interpolate_models", "lm_loss_fn", "mode_connectivity", "update_cosine"]
 
 
@@ -105,7 +106,7 @@ def barrier(values: Sequence[float], ts: Sequence[float], higher_is_better: bool
         raise ValueError("`ts` must contain the end points 0 and 1.")
     v0, v1 = values[ts.index(0.0)], values[ts.index(1.0)]
     worst = 0.0
-    for t, v in zip(ts, values):
+    for t, v in zip(ts, values, strict=False):
         line = v0 + t * (v1 - v0)
         gap = (line - v) if higher_is_better else (v - line)
         worst = max(worst, gap)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from ..files import save_figure
 from ..metrics.pass_at_k.estimator import estimate_pass_at_k, mean_pass_at_k, pass_at_k
 
+
 __all__ = [
     "PASS_AT_K_METRIC_PATH",
     "estimate_pass_at_k",
@@ -81,7 +82,7 @@ def plot_pass_at_k_curves(
         ValueError: if ``ks`` is empty or not increasing positive integers, or a curve's length differs from ``ks``'s.
     """
     ks = [int(k) for k in ks]
-    if not ks or ks[0] < 1 or any(b <= a for a, b in zip(ks, ks[1:])):
+    if not ks or ks[0] < 1 or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):
         raise ValueError(f"`ks` must be increasing positive integers, got {ks}.")
     for label, values in curves.items():
         if len(values) != len(ks):

@@ -16,6 +16,7 @@ from .kl import off_task_kl
 from .pass_at_k import mean_pass_at_k
 from .protocol import check_sampling
 
+
 __all__ = ["SAMPLE_ROWS_PER_CALL", "auto_sample_batch_size", "evaluate_policy", "greedy_accuracy", "sample_policy"]
 
 SAMPLE_ROWS_PER_CALL = 128
@@ -257,7 +258,8 @@ def evaluate_policy(
       are the prompts here: a single policy has no population, and its i.i.d. samples are exchangeable, so rates
       per sample slot would only measure noise.
     - ``token_entropy``: the mean entropy (nats) of the sampling distribution at every sampled completion token, up
-      to and including EOS (``softmax(logits / temperature)``, before the top-p cut) (:class:`trl_es.analysis.entropy.TokenEntropyRecorder`).
+      to and including EOS (``softmax(logits / temperature)``, before the top-p cut)
+      (:class:`trl_es.analysis.entropy.TokenEntropyRecorder`).
     - with ``base_model``: ``drift_l2``, ``drift_relative`` (:func:`trl_es.analysis.parameter_drift`); and with
       ``off_task_prompts`` too: ``off_task_kl`` (:func:`trl_es.analysis.off_task_kl`: completions sampled from the
       policy at temperature 1, ``kl_num_samples`` per prompt, ``kl_max_new_tokens`` tokens, seeded with ``seed``).
@@ -294,7 +296,8 @@ def evaluate_policy(
     Returns:
         `dict`: ``num_prompts``, ``accuracy_greedy``; with ``num_samples > 0`` also ``num_samples``,
         ``temperature``, ``top_p``, ``pass@k`` per ``k``, ``js_succ``, ``token_entropy``, ``token_entropy_tokens``
-        (the sampled tokens it is averaged over), ``correct_per_prompt`` (list of ints); with ``base_model`` ``drift_l2``, ``drift_relative``, and with ``off_task_prompts`` ``off_task_kl``.
+        (the sampled tokens it is averaged over), ``correct_per_prompt`` (list of ints); with ``base_model``
+        ``drift_l2``, ``drift_relative``, and with ``off_task_prompts`` ``off_task_kl``.
 
     Raises:
         ValueError: if ``rows`` is empty, ``num_samples < 0``, a ``k`` is outside ``[1, num_samples]``, or

@@ -1,13 +1,15 @@
 """The sampling protocol of the ES-vs-GRPO papers' Pass@K evaluation, in one place.
 
 The ES-vs-GRPO papers (the dynamics paper, arXiv 2608.27351) score sampled completions at temperature 0.6 with
-nucleus sampling at top-p 0.95 and report Pass@K up to K = 64. ``trl-es eval`` takes its default sampling from :data:`PAPER_PROTOCOL`; the recipes and the race read
-the same object (and :data:`UNIT_TEMPERATURE_PROTOCOL` for the T = 1 figures beside it).
+nucleus sampling at top-p 0.95 and report Pass@K up to K = 64. ``trl-es eval`` takes its default sampling from
+:data:`PAPER_PROTOCOL`; the recipes and the race read the same object (and :data:`UNIT_TEMPERATURE_PROTOCOL` for the
+T = 1 figures beside it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 
 __all__ = ["PAPER_PROTOCOL", "UNIT_TEMPERATURE_PROTOCOL", "SamplingProtocol", "check_sampling"]
 

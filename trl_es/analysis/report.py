@@ -16,6 +16,7 @@ from .kl import off_task_kl
 from .mode_connectivity import lm_loss_fn, mode_connectivity, update_cosine
 from .sparsity import functional_sparsity
 
+
 __all__ = ["analyze"]
 
 DEFAULT_TAUS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
@@ -160,8 +161,9 @@ def analyze(
       (needs ``b``).
 
     A tqdm bar (main process) counts every evaluation (each reward / loss call, each model's drift and KL) and
-    names the stage in progress. Formulas and sources are in each function's docstring and in ``docs/analysis.md``. PEFT models are merged once
-    (into copies) for the weight-space diagnostics. Plots use matplotlib's Agg canvas (no display needed).
+    names the stage in progress. Formulas and sources are in each function's docstring and in ``docs/analysis.md``. PEFT
+    models are merged once (into copies) for the weight-space diagnostics. Plots use matplotlib's Agg canvas (no display
+    needed).
 
     Args:
         base_model (nn.Module | str): the common base theta_0, or a checkpoint path.

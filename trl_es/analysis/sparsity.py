@@ -16,6 +16,7 @@ from torch import nn
 
 from ._common import ModelLike, check_taus_or_ts, eval_mode, load_model, merged_module, named_float_params, shared_names
 
+
 __all__ = ["KEEP_MODES", "functional_sparsity", "keep_update_fraction", "reset_small_updates", "update_fraction_curve"]
 
 #: How :func:`keep_update_fraction` chooses the kept entries of an update.

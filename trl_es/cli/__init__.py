@@ -39,6 +39,7 @@ from .run_file import RUN_FILE, RUN_GENERATION_KEYS, RUN_TASK_KEYS, read_run_set
 from .splits import task_splits
 from .train_command import train
 
+
 COMMANDS = ("train", "eval", "analyze")
 
 __all__ = [

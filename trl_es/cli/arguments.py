@@ -9,6 +9,7 @@ from typing import Literal, get_args
 
 from ..arguments import check_finite_floats, check_literal_fields, decode_dict_fields
 
+
 TaskName = Literal["countdown", "arithmetic", "gsm"]
 TASK_NAMES = get_args(TaskName)
 #: Splits of every task, see :func:`trl_es.cli.task_splits`.

@@ -141,9 +141,9 @@ def evaluate(argv: list[str]) -> dict:
     least 1) sampled completions per prompt at ``sample_temperature`` and ``top_p`` (``pass@1``, and ``pass@k`` for
     each ``--pass_k``); without a flag, recipe or run value, the papers' protocol (T = 0.6, top-p 0.95,
     :data:`trl_es.analysis.PAPER_PROTOCOL`). Generation uses training's eager engine with the shared prompt prefix
-    computed once; the sampled completions of one prompt come from one call (``--sample_batch_size`` prompts). A completion is correct when the task's answer reward (its last reward function) is above 0.5.
-    Every reward function's mean is reported under its distinct name (``greedy_rewards/<name>/mean``,
-    ``sampled_rewards/<name>/mean``).
+    computed once; the sampled completions of one prompt come from one call (``--sample_batch_size`` prompts). A
+    completion is correct when the task's answer reward (its last reward function) is above 0.5. Every reward function's
+    mean is reported under its distinct name (``greedy_rewards/<name>/mean``, ``sampled_rewards/<name>/mean``).
 
     Args:
         argv (`list[str]`): Command-line arguments after ``eval``.
@@ -212,7 +212,8 @@ def evaluate(argv: list[str]) -> dict:
     entropy_sum, entropy_tokens = (sum(values) for values in zip(*gather_object([entropy]), strict=True))
     metrics = {
         "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
-        "sample_temperature": eval_args.sample_temperature, "top_p": eval_args.top_p, "max_new_tokens": eval_args.max_new_tokens,
+        "sample_temperature": eval_args.sample_temperature, "top_p": eval_args.top_p,
+        "max_new_tokens": eval_args.max_new_tokens,
         "accuracy_greedy": sum(g[answer] > 0.5 for g, _, _ in results) / len(results),
         "token_entropy": entropy_sum / entropy_tokens if entropy_tokens else None,
         "token_entropy_tokens": entropy_tokens,

@@ -7,6 +7,7 @@ import dataclasses
 
 from ..trainer.es.es_config import ESConfig
 
+
 __all__ = ["es_config_kwargs", "load_recipe"]
 
 

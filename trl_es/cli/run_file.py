@@ -8,6 +8,7 @@ import os
 
 from .arguments import TaskArguments
 
+
 #: Written by ``trl-es train`` to ``output_dir``; read by ``trl-es eval``.
 RUN_FILE = "trl_es_run.json"
 #: The task arguments recorded in :data:`RUN_FILE` (and read back by ``trl-es eval``).

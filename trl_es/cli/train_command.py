@@ -8,8 +8,8 @@ from trl import ModelConfig, get_peft_config
 
 from ..arguments import TrlESParser
 from ..files import write_json
-from ..trainer.es.es_config import ESConfig
 from ..reward_names import reward_func_names
+from ..trainer.es.es_config import ESConfig
 from ..trainer.time_budget import TrainingClock
 from .arguments import TaskArguments
 from .loading import load_model_and_tokenizer

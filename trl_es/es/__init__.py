@@ -41,6 +41,7 @@ from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
 from .strategy import EvolutionStrategy, Told
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
+
 __all__ = [
     "FITNESS_SHAPINGS",
     "NOISE_BLOCK_SIZE",

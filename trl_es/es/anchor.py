@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from .update import TrainedParameters
 
+
 ANCHOR_STORAGES = ("auto", "memory", "file")
 
 

@@ -3,9 +3,9 @@ pycma's ``cma.CMAEvolutionStrategy`` ask/tell with a private, checkpointable RNG
 optionally, pycma's uncertainty handling (``cma.NoiseHandler``, Hansen et al. 2009, "A Method for Handling
 Uncertainty in Evolutionary Optimization", IEEE TEC 13(1)).
 
-Used by Hyper-ES (:class:`trl_es.trainer.hyper_es.hyper_es_trainer.HyperESTrainer`) to search DARE-TIES merge coefficients, but
-it knows nothing of models: it asks for vectors in ``[0, 1]^n`` and is told one fitness per vector. Nothing here
-imports TRL or ``transformers.Trainer``; pycma is imported when a search is built.
+Used by Hyper-ES (:class:`trl_es.trainer.hyper_es.hyper_es_trainer.HyperESTrainer`) to search DARE-TIES merge
+coefficients, but it knows nothing of models: it asks for vectors in ``[0, 1]^n`` and is told one fitness per vector.
+Nothing here imports TRL or ``transformers.Trainer``; pycma is imported when a search is built.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 
 __all__ = ["CMASearch", "stand_in_fitness"]
 

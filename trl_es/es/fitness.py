@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from .shaping import shape_fitness
+
 
 __all__ = ["LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "MemberScores", "PopulationScores"]
 
@@ -274,7 +275,8 @@ class PopulationScores:
         return blocks
 
     def to_tensor(self) -> torch.Tensor:
-        """All fields as one ``(P, 6 + 2F [+ 2B] [+ 6 + F + 6S])`` float64 tensor (the layout of :meth:`from_tensor`)."""
+        """All fields as one ``(P, 6 + 2F [+ 2B] [+ 6 + F + 6S])`` float64 tensor (the layout of
+        :meth:`from_tensor`)."""
         return torch.cat(self._blocks(), dim=1)
 
     @classmethod

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+
 NOISE_BLOCK_SIZE = 1 << 20
 """Elements per noise block (fixed: changing it changes every perturbation)."""
 

@@ -35,6 +35,7 @@ from .arithmetic import add_scaled_, added_scaled
 from .noise import NOISE_BLOCK_SIZE, NoiseSource, full_noise
 from .update import Member, TrainedParameters, _Entry
 
+
 LOWRANK_A_SUFFIX = ".lowrank_A"
 LOWRANK_B_SUFFIX = ".lowrank_B"
 
@@ -59,7 +60,7 @@ class Perturbation(ABC):
         """JSON-serializable facts needed to rebuild this perturbation (seed-log header ``"perturbation"``)."""
         return {"type": self.name}
 
-    def check(self, params: TrainedParameters) -> None:
+    def check(self, params: TrainedParameters) -> None:  # noqa: B027 (optional hook: accepts all by default)
         """Raise ``ValueError`` if ``params`` holds a tensor this perturbation cannot perturb (before any work)."""
 
     @abstractmethod
@@ -76,7 +77,8 @@ class Perturbation(ABC):
 
 class GaussianPerturbation(Perturbation):
     """Full-rank Gaussian noise: ``eps_i`` has one i.i.d. N(0, 1) entry per trained element (Qiu et al. 2025,
-    arXiv 2509.24372, Algorithm 1), put into the model in place and restored bitwise from the master copy (:meth:`TrainedParameters.render_`).
+    arXiv 2509.24372, Algorithm 1), put into the model in place and restored bitwise from the master copy
+    (:meth:`TrainedParameters.render_`).
 
     Works on any floating-point tensor and on partitions (DeepSpeed ZeRO-3): noise is generated only for the locally
     held elements.

@@ -137,7 +137,7 @@ class PopulationBackend(ABC):
     def _take_out(self, params) -> None:
         """Undo :meth:`_put_in` exactly (also after a partial :meth:`_put_in`)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the backend installed in a model (nothing by default)."""
 
 

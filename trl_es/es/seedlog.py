@@ -24,6 +24,7 @@ from .noise import PORTABLE_GENERATOR, NoiseSource, noise_source_from_descriptio
 from .perturbation import GaussianPerturbation, LowRankPerturbation, Perturbation, perturbation_from_description
 from .update import Member, TrainedParameters, es_update_
 
+
 SEED_LOG_NAME = "es_seed_log.jsonl"
 FORMAT = "trl_es.seedlog"
 #: The versions of the format ``load`` reads, and the generator and arithmetic each says the run was trained with.
@@ -88,7 +89,8 @@ class SeedLog:
         return int(self.records[-1].get("global_step", self.records[-1]["step"]))
 
     def save(self, path: str) -> None:
-        """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a rename)."""
+        """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a
+        rename)."""
         from ..files import write_text
 
         lines = [json.dumps({"format": FORMAT, "version": self.version, **self.header})]

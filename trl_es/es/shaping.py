@@ -10,10 +10,10 @@ Two rules apply before any shaping, whatever the method:
   the two, ``b - a <= TIE_ULPS * 2**-52 * max(|a|, |b|)``, are merged into one tie group (chains of such neighbours;
   each group takes its mean). Invalid members are then set strictly below the worst valid one. If every member
   lands in one group the population carries no signal and the scale-free shapings (``"zscore"``,
-  ``"centered_rank"``) return exactly zero coefficients, so the ES step is exactly zero. The tolerance is relative to the fitness scale, unlike the
-  reference code's ``(F - mean) / (std + 1e-8)``, whose absolute epsilon both turns ulp-level noise into a full
-  step (``std`` of ~1e-17 for 30 equal values of 1/3 gives coefficients of +-1) and damps real signal of fitness
-  values below ~1e-8.
+  ``"centered_rank"``) return exactly zero coefficients, so the ES step is exactly zero. The tolerance is relative to
+  the fitness scale, unlike the reference code's ``(F - mean) / (std + 1e-8)``, whose absolute epsilon both turns
+  ulp-level noise into a full step (``std`` of ~1e-17 for 30 equal values of 1/3 gives coefficients of +-1) and damps
+  real signal of fitness values below ~1e-8.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from .arithmetic import zscore
+
 
 logger = logging.getLogger(__name__)
 

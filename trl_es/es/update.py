@@ -28,6 +28,7 @@ from torch import nn
 from .arithmetic import add_scaled_
 from .noise import NoiseSource
 
+
 AWD_PENALTIES = ("l2", "l1")
 
 

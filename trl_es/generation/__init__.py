@@ -11,10 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import (Completions, GenerationEngine, eos_token_ids, model_device, prompt_add_special_tokens,
-                   resolve_pad_to_multiple_of, stop_token_ids)
+from .base import (
+    Completions,
+    GenerationEngine,
+    eos_token_ids,
+    model_device,
+    prompt_add_special_tokens,
+    resolve_pad_to_multiple_of,
+    stop_token_ids,
+)
 from .compiled import CompiledEngine, supports_static_cache
 from .eager import EagerEngine, common_prefix_length
+
 
 GENERATION_ENGINES = ("auto", "eager", "compiled")
 

@@ -10,6 +10,7 @@ from transformers.generation import CompileConfig
 
 from .base import GenerationEngine, model_device, tokenize_left_padded
 
+
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 """Rows per group are padded up to the next of these (rows beyond the last bucket: the next multiple of it)."""
 
@@ -71,7 +72,8 @@ class CompiledEngine(GenerationEngine):
     def describe(self) -> dict:
         return {"name": self.name, "compile": self.compile, "mode": self.mode}
 
-    def _config(self, generation_config: GenerationConfig, device: torch.device, prompt_length: int) -> GenerationConfig:
+    def _config(self, generation_config: GenerationConfig, device: torch.device,
+                prompt_length: int) -> GenerationConfig:
         config = copy.deepcopy(generation_config)
         config.cache_implementation = "static"
         needed = prompt_length + int(config.max_new_tokens or 0)

@@ -11,6 +11,7 @@ from .base import GenerationEngine, model_device, tokenize_left_padded
 from .sampling import use_candidate_sampler
 from .top_p import use_candidate_top_p
 
+
 SHAREABLE_ATTENTION = ("sdpa", "eager")
 
 ORDER_DEPENDENT_PROCESSORS = ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias")

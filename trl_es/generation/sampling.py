@@ -17,6 +17,7 @@ from transformers import GenerationConfig, LogitsProcessor, TopPLogitsWarper
 
 from .top_p import nucleus_among_candidates, swap_is_safe
 
+
 __all__ = ["CandidateSampler", "use_candidate_sampler"]
 
 

@@ -13,6 +13,7 @@ import copy
 import torch
 from transformers import GenerationConfig, LogitsProcessor, TopPLogitsWarper
 
+
 __all__ = ["CandidateTopPLogitsWarper", "nucleus_among_candidates", "use_candidate_top_p"]
 
 #: Generation settings that, passed to ``generate`` as keyword arguments, would override the config's sampling.

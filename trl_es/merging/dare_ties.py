@@ -37,6 +37,7 @@ from torch import nn
 from .genome import Genome
 from .lora_delta import LoraDeltaSet, target_tensor
 
+
 SIGN_ELECTIONS = ("weighted", "unweighted")
 MAJORITY_SIGN_METHODS = ("total", "frequency")
 

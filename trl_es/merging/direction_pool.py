@@ -16,6 +16,7 @@ import torch
 
 from ..files import is_main_process, write_json
 
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -31,9 +32,9 @@ def split_buckets(
         dataset (`datasets.Dataset`): The rows.
         num_buckets (`int`): K.
         seed (`int`): Seed of the random split.
-        split_key (`Callable[[dict], Any]`, *optional*): If given, rows are sorted by ``split_key(row)`` (stable) and cut
-            into K contiguous quantile buckets (bucket 0 has the smallest keys, e.g. the easiest problems); otherwise
-            the split is a seeded random permutation.
+        split_key (`Callable[[dict], Any]`, *optional*): If given, rows are sorted by ``split_key(row)`` (stable) and
+            cut into K contiguous quantile buckets (bucket 0 has the smallest keys, e.g. the easiest problems);
+            otherwise the split is a seeded random permutation.
 
     Returns:
         `list[datasets.Dataset]`: K buckets; sizes differ by at most one.

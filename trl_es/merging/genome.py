@@ -22,6 +22,7 @@ import numpy as np
 
 from ..files import write_json
 
+
 GRANULARITIES = ("global", "layer", "module")
 _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 
@@ -49,7 +50,7 @@ def group_modules(module_names: Sequence[str], granularity: str) -> tuple[list[s
     if granularity not in GRANULARITIES:
         raise ValueError(f"genome_granularity must be one of {GRANULARITIES}, got {granularity!r}.")
     if granularity == "global":
-        return ["all"], {name: 0 for name in module_names}
+        return ["all"], dict.fromkeys(module_names, 0)
     if granularity == "module":
         return list(module_names), {name: i for i, name in enumerate(module_names)}
     layers = sorted({i for i in map(layer_index, module_names) if i is not None})
@@ -257,7 +258,8 @@ class GenomeSpace:
         return self._genome(np.full((self.num_groups, self.num_adapters), float(weight)), np.full(self.num_groups, d))
 
     def single(self, k: int, weight: float = 1.0, density: float = 1.0) -> Genome:
-        """Weight ``weight`` on adapter ``k`` and 0 elsewhere (with ``sign_election="weighted"``: adapter ``k`` alone)."""
+        """Weight ``weight`` on adapter ``k`` and 0 elsewhere (with ``sign_election="weighted"``: adapter ``k``
+        alone)."""
         weights = np.zeros((self.num_groups, self.num_adapters))
         weights[:, k] = weight
         return self._genome(weights, np.full(self.num_groups, float(density)))

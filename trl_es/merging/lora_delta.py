@@ -35,6 +35,7 @@ from torch import nn
 
 from ..files import atomic_path, require_files, write_json
 
+
 _PREFIX = "base_model.model."  # of every key in a saved peft state dict
 _FACTOR_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"
@@ -184,7 +185,8 @@ def target_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
 
 
 def _lora_layers(peft_model: PeftModel) -> list[tuple[str, LoraLayer]]:
-    """``(name, layer)`` for every LoRA layer, ``name`` relative to the base model (``model.layers.0.self_attn.q_proj``)."""
+    """``(name, layer)`` for every LoRA layer, ``name`` relative to the base model
+    (``model.layers.0.self_attn.q_proj``)."""
     inner = peft_model.base_model.model if isinstance(peft_model, PeftModel) else peft_model
     return [(name, module) for name, module in inner.named_modules() if isinstance(module, LoraLayer)]
 
@@ -455,7 +457,8 @@ class LoraDeltaSet:
 
         Args:
             base_model (`nn.Module`): The base model the adapters were trained on, without peft layers.
-            adapters (`Sequence[str | PathLike | PeftModel]`): K adapters; a ``PeftModel`` contributes its active adapter.
+            adapters (`Sequence[str | PathLike | PeftModel]`): K adapters; a ``PeftModel`` contributes its active
+                adapter.
             adapter_names (`Sequence[str]`, *optional*): Names; the folder's base name (or ``adapter_k``) by default.
 
         Raises:

@@ -42,6 +42,7 @@ from .countdown import (
 )
 from .gsm import gsm_reward, make_gsm_dataset
 
+
 __all__ = [
     "TASKS",
     "Task",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from ..rewards import completion_text, dataset_column, find_number_spans, numbers_close
 
+
 __all__ = [
     "ALLOWED_OPS",
     "OPERATOR_SPELLINGS",
@@ -426,11 +427,11 @@ def arithmetic_reward(
             zip(
                 dataset_column("arithmetic_reward", "a", a, n),
                 dataset_column("arithmetic_reward", "b", b, n),
-                dataset_column("arithmetic_reward", "op", op, n),
+                dataset_column("arithmetic_reward", "op", op, n), strict=False,
             )
         )
     scores = []
-    for c, expected, operands in zip(completions, answer, problem):
+    for c, expected, operands in zip(completions, answer, problem, strict=False):
         value = stated_result(completion_text(c), *(operands or ()))
         scores.append(1.0 if value is not None and numbers_close(value, expected) else 0.0)
     return scores

@@ -37,6 +37,7 @@ from ..rewards import (
     think_answer_format_score,
 )
 
+
 __all__ = [
     "ANSWER_WEIGHT",
     "FORMAT_WEIGHT",
@@ -279,7 +280,8 @@ def countdown_answer_reward(
     n = len(completions)
     numbers = dataset_column("countdown_answer_reward", "numbers", numbers, n)
     target = dataset_column("countdown_answer_reward", "target", target, n)
-    return [countdown_answer_score(completion_text(c), nums, t) for c, nums, t in zip(completions, numbers, target)]
+    rows = zip(completions, numbers, target, strict=False)
+    return [countdown_answer_score(completion_text(c), nums, t) for c, nums, t in rows]
 
 
 def countdown_reward(
@@ -295,7 +297,7 @@ def countdown_reward(
     """
     fmt = countdown_format_reward(prompts, completions)
     ans = countdown_answer_reward(prompts, completions, numbers=numbers, target=target)
-    return [FORMAT_WEIGHT * f + ANSWER_WEIGHT * a for f, a in zip(fmt, ans)]
+    return [FORMAT_WEIGHT * f + ANSWER_WEIGHT * a for f, a in zip(fmt, ans, strict=False)]
 
 
 def _random_problem(

@@ -26,6 +26,7 @@ from decimal import Decimal, InvalidOperation
 
 from ..rewards import completion_text, dataset_column, extract_answer_tag, extract_boxed, find_numbers
 
+
 __all__ = [
     "GSM_INSTRUCTION",
     "MATH_VERIFY_TIMEOUT",
@@ -427,7 +428,7 @@ def gsm_reward(prompts: list, completions: list, completion_ids=None, answer=Non
         ValueError: If ``answer`` is missing or not as long as ``completions``.
     """
     answer = dataset_column("gsm_reward", "answer", answer, len(completions))
-    return [gsm_answer_score(completion_text(c), a) for c, a in zip(completions, answer)]
+    return [gsm_answer_score(completion_text(c), a) for c, a in zip(completions, answer, strict=False)]
 
 
 def make_gsm_dataset(

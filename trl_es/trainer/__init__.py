@@ -20,6 +20,7 @@ from .averaging import (
 from .es import ESConfig, ESTrainer
 from .hyper_es import HyperESConfig, HyperESTrainer
 
+
 __all__ = [
     "ESConfig",
     "ESParallelAveragingConfig",

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 ES_DEEPSPEED_NOTE = (
     "ES never steps a DeepSpeed optimizer: the optimizer and scheduler sections are removed, ZeRO stages 1 and 2 "
     "(which shard optimizer states and gradients, which ES does not have) run as stage 0, and ZeRO-3 runs without "
@@ -244,8 +245,9 @@ def es_deepspeed_config(config: dict, micro_batch_size: int, world_size: int) ->
       refuses them without an optimizer). Every process then holds the whole model: population parallelism. The
       bf16/fp16 sections are disabled there too: without ZeRO DeepSpeed would wrap the model in its BF16/FP16
       optimizer, which allocates fp32 copies and gradient buffers. The model keeps the dtype it was loaded in.
-    - ZeRO-3 keeps everything else (parameter partitioning, offload, bf16). ``stage3_gather_16bit_weights_on_model_save``
-      defaults to ``True`` so checkpoints are loadable with ``from_pretrained``.
+    - ZeRO-3 keeps everything else (parameter partitioning, offload, bf16).
+      ``stage3_gather_16bit_weights_on_model_save`` defaults to ``True`` so checkpoints are loadable with
+      ``from_pretrained``.
     - The batch sizes are set to ES's (the prompts a process loads per iteration); DeepSpeed only checks them.
 
     Args:
@@ -366,7 +368,7 @@ def read_flat_ranges(folder: str, base: str, layout: dict[str, tuple[int, int]])
     ranks = {int(SHARD_PATTERN.match(n)["rank"]) for n in shards}
     if len(worlds) != 1 or ranks != set(range(next(iter(worlds)))):
         raise ValueError(f"{folder!r}: the {stem} shards are incomplete or from several launches: {shards}.")
-    out, filled = {}, {name: 0 for name in layout}
+    out, filled = {}, dict.fromkeys(layout, 0)
     for shard in shards:
         with safe_open(os.path.join(folder, shard), framework="pt") as f:
             metadata = f.metadata() or {}

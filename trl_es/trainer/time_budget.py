@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+
 __all__ = ["TimeProgressCallback", "TimeScheduleCallback", "TrainingClock", "show_progress_in_minutes"]
 
 
@@ -164,8 +165,9 @@ class TimeProgressCallback(ProgressCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
+            bar_format = "{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]"
             self.training_bar = tqdm(total=round(self.budget_seconds / 60.0, 2), unit="min", dynamic_ncols=True,
-                                     bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
+                                     bar_format=bar_format)
         self.current_step = 0
 
     def on_step_end(self, args, state, control, **kwargs):

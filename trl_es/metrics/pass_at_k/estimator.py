@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+
 __all__ = ["estimate_pass_at_k", "mean_pass_at_k", "pass_at_k"]
 
 
@@ -87,7 +88,7 @@ def estimate_pass_at_k(num_samples: int | Sequence[int], num_correct: Sequence[i
                 f"`num_samples` has {len(samples)} entries but `num_correct` has {len(correct)}; "
                 "give one n per problem or a single int."
             )
-    return np.array([pass_at_k(n, c, k) for n, c in zip(samples, correct)], dtype=np.float64)
+    return np.array([pass_at_k(n, c, k) for n, c in zip(samples, correct, strict=False)], dtype=np.float64)
 
 
 def mean_pass_at_k(num_samples: int | Sequence[int], num_correct: Sequence[int], k: int) -> float:

@@ -11,6 +11,7 @@ import evaluate
 # the import line itself: evaluate would read it as the URL of an external file.
 from .estimator import estimate_pass_at_k
 
+
 _CITATION = """\
 @article{chen2021codex,
   title={Evaluating Large Language Models Trained on Code},

@@ -6,5 +6,6 @@ from .es_parallel_averaging_trainer import ESParallelAveragingTrainer
 from .parallel_averaging_config import ParallelAveragingConfig
 from .parallel_averaging_trainer import ParallelAveragingTrainer
 
+
 __all__ = ["ESParallelAveragingConfig", "ESParallelAveragingTrainer", "ParallelAveragingConfig",
            "ParallelAveragingTrainer"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .es_parallel_averaging_config import ESParallelAveragingConfig
 from ..es.es_trainer import ESTrainer
+from .es_parallel_averaging_config import ESParallelAveragingConfig
 from .sft_averaging import SFTAveragingTrainerMixin, restore_snapshot, snapshot
+
 
 __all__ = ["ESParallelAveragingTrainer"]
 
@@ -87,7 +88,7 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
     def _sft_targets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, fp32 master) of every ES-trained tensor: the SFT gradient of the parameter goes to the
         master, which the SFT optimizer owns."""
-        return list(zip(self._es_model_params, self.es_params.master_parameters()))
+        return list(zip(self._es_model_params, self.es_params.master_parameters(), strict=False))
 
     def _tell(self, members, fitness: torch.Tensor, learning_rate: float):
         """The ES share (``ESTrainer._tell`` at ``es_weight * learning_rate``), then the SFT step from the same

@@ -11,6 +11,7 @@ from trl import GRPOTrainer
 from .parallel_averaging_config import ParallelAveragingConfig
 from .sft_averaging import SFTAveragingTrainerMixin, restore_snapshot, snapshot
 
+
 __all__ = ["ParallelAveragingTrainer", "average_updates_"]
 
 
@@ -40,7 +41,7 @@ def average_updates_(
     if not len(params) == len(theta_bar) == len(theta_a):
         raise ValueError(f"average_updates_ needs lists of one length, got {len(params)}, {len(theta_bar)}, "
                          f"{len(theta_a)}.")
-    for p, bar, a in zip(params, theta_bar, theta_a):
+    for p, bar, a in zip(params, theta_bar, theta_a, strict=False):
         bar32, a32, b32 = bar.float(), a.float(), p.float()
         p.copy_(bar32 + weight_a * (a32 - bar32) + weight_b * (b32 - bar32))
 
@@ -76,9 +77,10 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
     1. snapshots :math:`\bar\theta` (the weights the RL gradient was computed at) just before the step;
     2. after it, takes :math:`\theta_{\mathrm{RL}} = \bar\theta + \Delta_{\mathrm{RL}}` and restores
        :math:`\bar\theta`;
-    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`: ``trl.SFTTrainer``'s
-       data processing and loss on an SFT batch, through a **separate** optimizer of the same class and keyword
-       arguments, with its own moment estimates): :math:`\theta_{\mathrm{SFT}} = \bar\theta + \Delta_{\mathrm{SFT}}`;
+    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`:
+       ``trl.SFTTrainer``'s data processing and loss on an SFT batch, through a **separate** optimizer of the same class
+       and keyword arguments, with its own moment estimates): :math:`\theta_{\mathrm{SFT}} = \bar\theta +
+       \Delta_{\mathrm{SFT}}`;
     4. writes the average (:func:`average_updates_`).
 
     Both updates are taken at :math:`\bar\theta`, each optimizer sees only its own gradients, and every trainable

@@ -3,11 +3,12 @@
 :class:`SFTAveragingFields` declares the ``sft_*`` fields once, for
 :class:`~trl_es.trainer.averaging.parallel_averaging_config.ParallelAveragingConfig` (GRPO + SFT) and
 :class:`~trl_es.trainer.averaging.es_parallel_averaging_config.ESParallelAveragingConfig` (ES + SFT).
-:class:`SFTAveragingTrainerMixin` holds the constructor (its checks, the :class:`~trl_es.trainer.averaging.sft_step.SFTStep`),
-the SFT step with its metrics and update norms, and the SFT state in checkpoints, for
+:class:`SFTAveragingTrainerMixin` holds the constructor (its checks, the
+:class:`~trl_es.trainer.averaging.sft_step.SFTStep`), the SFT step with its metrics and update norms, and the SFT state
+in checkpoints, for
 :class:`~trl_es.trainer.averaging.parallel_averaging_trainer.ParallelAveragingTrainer` and
-:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`. Each trainer keeps its own rule of
-when the SFT step happens and how the two updates are combined.
+:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`. Each trainer keeps its own
+rule of when the SFT step happens and how the two updates are combined.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from trl import SFTConfig
 
 from .sft_step import SFT_STATE_NAME, SFTStep, sft_config_from
+
 
 __all__ = ["SFT_METRICS", "SFTAveragingFields", "SFTAveragingTrainerMixin", "restore_snapshot", "snapshot",
            "update_norm", "update_weight_field"]
@@ -67,8 +69,8 @@ class SFTAveragingFields:
     )
 
     def sft_config(self) -> SFTConfig:
-        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`): these ``sft_*``
-        fields, the ones named in ``_sft_host_defaults`` replaced by the host's field when ``None``."""
+        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`): these
+        ``sft_*`` fields, the ones named in ``_sft_host_defaults`` replaced by the host's field when ``None``."""
 
         def value(name: str):
             own = getattr(self, f"sft_{name}")
@@ -108,7 +110,7 @@ def restore_snapshot(tensors: list[torch.Tensor], theta_bar: list[torch.Tensor])
     """Copy ``theta_bar`` back into ``tensors``, in place; returns copies of what they held before (the update just
     taken from ``theta_bar``)."""
     updated = snapshot(tensors)
-    for t, bar in zip(tensors, theta_bar):
+    for t, bar in zip(tensors, theta_bar, strict=False):
         t.copy_(bar)
     return updated
 
@@ -118,9 +120,10 @@ def update_norm(after: list[torch.Tensor], before: list[torch.Tensor], *, float3
     r""":math:`\|\mathrm{after} - \mathrm{before}\|_2` over all tensors, accumulated in float64; the differences
     are taken in float32 if ``float32``, else in the tensors' dtype."""
     if float32:
-        diffs = (torch.linalg.vector_norm(a.float() - b.float(), dtype=torch.float64) for a, b in zip(after, before))
+        pairs = zip(after, before, strict=False)
+        diffs = (torch.linalg.vector_norm(a.float() - b.float(), dtype=torch.float64) for a, b in pairs)
     else:
-        diffs = (torch.linalg.vector_norm(a - b, dtype=torch.float64) for a, b in zip(after, before))
+        diffs = (torch.linalg.vector_norm(a - b, dtype=torch.float64) for a, b in zip(after, before, strict=False))
     return float(torch.linalg.vector_norm(torch.stack(list(diffs))))
 
 

@@ -25,6 +25,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ...files import atomic_path
 
+
 __all__ = ["SFT_STATE_NAME", "SFTStep", "check_averaging_fields", "sft_config_from"]
 
 #: File of a checkpoint holding the SFT side's optimizer and scheduler states.

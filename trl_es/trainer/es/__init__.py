@@ -4,4 +4,5 @@ one ES iteration beside them."""
 from .es_config import ESConfig
 from .es_trainer import ESTrainer
 
+
 __all__ = ["ESConfig", "ESTrainer"]

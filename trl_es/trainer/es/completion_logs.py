@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+
 __all__ = ["CompletionLog", "empty_logs"]
 
 COMPLETIONS_FOLDER = "completions"

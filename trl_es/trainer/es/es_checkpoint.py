@@ -34,6 +34,7 @@ from ...es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
 from ...files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
 from ..distributed import SHARD_PATTERN, read_flat_ranges
 
+
 logger = logging.get_logger(__name__)
 
 MASTER_WEIGHTS_NAME = "es_master.safetensors"
@@ -454,7 +455,8 @@ class ESCheckpointMixin:
             self.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
 
     def _load_deepspeed_checkpoint(self, folder: str) -> None:
-        """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted run.
+        """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted
+        run.
 
         The checkpoint holds the model gathered into ``model.safetensors`` (or shards with an index; written by
         every ZeRO stage), the ES master and anchor (one file, or ZeRO-3's per-process shards with each tensor's

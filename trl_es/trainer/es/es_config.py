@@ -16,6 +16,7 @@ from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
 from ...generation import resolve_pad_to_multiple_of
 from .grpo_fields import answer_grpo_fields, grpo_field_errors, raise_field_errors, refused_fields
 
+
 #: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
 GRPO_TEMPERATURE = 1.0
 #: Below this, ``learning_rate`` under ``es_optimizer="es"`` is an AdamW-scale value, warned about at start.

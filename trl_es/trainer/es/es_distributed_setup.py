@@ -22,6 +22,7 @@ from ..distributed import (
     release_gathered_,
 )
 
+
 logger = logging.get_logger(__name__)
 
 

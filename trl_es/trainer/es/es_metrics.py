@@ -18,6 +18,7 @@ from ...analysis.drift import group_name
 from ...es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores
 from ...es.noise import NOISE_BLOCK_SIZE
 
+
 __all__ = ["completion_metrics", "drift_metrics", "drift_sums", "iteration_metrics", "warn_invalid_rewards"]
 
 
@@ -150,7 +151,8 @@ def completion_metrics(scores: PopulationScores) -> dict[str, float]:
     return metrics
 
 
-def drift_sums(masters: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
+def drift_sums(masters: Mapping[str, torch.Tensor],
+               anchor: Mapping[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
     """``sum (theta - theta_0)^2`` and ``sum theta_0^2`` over the trained tensors, whole and per module type.
 
     Computed in float64, block by block (no model-sized float64 temporaries). Sums, so that partitions (ZeRO-3) add

@@ -35,14 +35,23 @@ from ...es.strategy import EvolutionStrategy, Told
 from ...es.update import Member, TrainedParameters, select_parameters
 from ...generation import generate_completions, make_engine, prompt_add_special_tokens, resolve_pad_to_multiple_of
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
-from ...rollout import (RewardScorer, Rollout, build_generation_config, completions_for_rewards, mask_truncated_rewards,
-                       prompt_texts, split_row_groups, validate_dataset)
+from ...rollout import (
+    RewardScorer,
+    Rollout,
+    build_generation_config,
+    completions_for_rewards,
+    mask_truncated_rewards,
+    prompt_texts,
+    split_row_groups,
+    validate_dataset,
+)
 from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
+
 
 logger = logging.get_logger(__name__)
 
@@ -137,7 +146,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 author  = {Xin Qiu and Yulu Gan and Conor F. Hayes and Qiyao Liang and Elliot Meyerson and Babak Hodjat and Risto Miikkulainen},
                 year    = 2025,
                 eprint  = {arXiv:2509.24372}
-            }"""),
+            }"""),  # noqa: E501 (the BibTeX author line)
     }
 
     def __init__(
@@ -232,8 +241,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
 
     def _init_es_state(self) -> None:
         """The ES state of the current model and ``args``: population backend, trained parameters with their master
-        and anchor, noise source, generation engine and an empty seed log, held by :attr:`strategy`. Built by the constructor, and again for a
-        model that ``model_init`` re-created (``hyperparameter_search``)."""
+        and anchor, noise source, generation engine and an empty seed log, held by :attr:`strategy`. Built by the
+        constructor, and again for a model that ``model_init`` re-created (``hyperparameter_search``)."""
         args = self.args
         population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self.strategy = EvolutionStrategy(None, None, population, args.sigma, args.population_size, args.seed,
@@ -562,7 +571,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             return torch.nn.utils.clip_grad_norm_(masters, self.args.max_grad_norm)
         # ZeRO-3: the masters are partitions; the norm is over the whole gradient estimate.
         grads = [m.grad for m in masters if m.grad is not None]
-        square = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+        square = torch.zeros((), dtype=torch.float64)
+        if grads:
+            square = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
         square = self.accelerator.reduce(square.reshape(1).to(self.accelerator.device), reduction="sum").cpu()
         total = square.sqrt()[0]
         torch.nn.utils.clip_grads_with_norm_(masters, self.args.max_grad_norm, total)

@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+
 __all__ = ["GRPO_FIELDS", "GRPOField", "answer_grpo_fields", "check_grpo_fields", "field_errors_message",
            "grpo_field_errors", "raise_field_errors", "refused_fields"]
 

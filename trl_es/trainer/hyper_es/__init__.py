@@ -4,4 +4,5 @@ layer-wise DARE-TIES coefficients of LoRA deltas."""
 from .hyper_es_config import HyperESConfig
 from .hyper_es_trainer import HyperESTrainer
 
+
 __all__ = ["HyperESConfig", "HyperESTrainer"]

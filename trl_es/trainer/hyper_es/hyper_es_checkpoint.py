@@ -21,6 +21,7 @@ from ...es.cma_search import CMASearch
 from ...files import atomic_path
 from ...merging.genome import Genome, GenomeSpace
 
+
 __all__ = ["GENOME_NAME", "STATE_NAME", "TRAINER_STATE_NAME", "HyperESCheckpointMixin", "load_search_checkpoint",
            "save_search_checkpoint"]
 

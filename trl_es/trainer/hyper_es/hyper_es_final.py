@@ -21,6 +21,7 @@ import math
 from ...es.cma_search import CMASearch
 from ...merging.genome import Genome, GenomeSpace
 
+
 __all__ = ["choose_final_genome", "finalists"]
 
 logger = logging.getLogger(__name__)

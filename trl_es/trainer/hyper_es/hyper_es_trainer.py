@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from trl.trainer.base_trainer import _BaseTrainer
 
-# CMASearch is also imported so that checkpoints pickled as trl_es.trainer.hyper_es.hyper_es_trainer.CMASearch still load.
+# CMASearch is also imported: checkpoints pickled as trl_es.trainer.hyper_es.hyper_es_trainer.CMASearch still load
 from ...es.cma_search import CMASearch, stand_in_fitness
 from ...es.population import member_indices, member_seed
 from ...files import SAVED_MODEL_FILES, require_files
@@ -31,10 +31,11 @@ from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
 from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from ...models import load_policy
+from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
 from .hyper_es_final import choose_final_genome, resolve_genome
-from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
+
 
 logger = logging.getLogger(__name__)
 
