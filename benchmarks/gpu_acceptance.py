@@ -93,9 +93,9 @@ TIMEOUTS = {
     "tests_device_agnostic": (150, 120),
 }
 #: The device-agnostic selection (not slow, not distributed): ES core, low-rank members, generation engines, trainer.
-AGNOSTIC_TESTS = ["tests/test_es_core.py", "tests/test_lowrank.py", "tests/test_generation.py",
-                  "tests/test_es_trainer.py"]
-CUDA_TESTS = ["tests/test_es_core.py", "tests/test_generation.py", "tests/test_es_trainer.py"]
+AGNOSTIC_TESTS = ["tests/es/test_es_core.py", "tests/es/test_lowrank.py", "tests/generation/test_generation.py",
+                  "tests/trainer/test_es_trainer.py"]
+CUDA_TESTS = ["tests/es/test_es_core.py", "tests/generation/test_generation.py", "tests/trainer/test_es_trainer.py"]
 
 
 def parse_args(argv=None):
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
 
     # (1b) device-agnostic tests, last: what is left of the budget ---------------------------------------------
     xml = os.path.join(scratch, "agnostic.xml")
-    selection = ["tests/test_es_core.py", "-k", "restore"] if args.quick else AGNOSTIC_TESTS
+    selection = ["tests/es/test_es_core.py", "-k", "restore"] if args.quick else AGNOSTIC_TESTS
     record = step("tests_device_agnostic", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                                             "-m", "not slow and not distributed", f"--junitxml={xml}", *selection],
                   minimum=30.0)

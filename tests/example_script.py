@@ -6,7 +6,9 @@ import os
 import sys
 from contextlib import contextmanager
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+from paths import REPO
+
+EXAMPLES = os.path.join(REPO, "examples")
 SCRIPTS = os.path.join(EXAMPLES, "scripts")  # the product's example scripts
 STUDIES = os.path.join(EXAMPLES, "studies")  # the study harnesses and their helper package _study
 

@@ -4,8 +4,9 @@ import ast
 import os
 
 import pytest
+from paths import TESTS
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "trl_es")
+ROOT = os.path.join(TESTS, "..", "trl_es")
 
 #: room (a package or a module of trl_es) -> the trl_es rooms it must not import
 FORBIDDEN = {

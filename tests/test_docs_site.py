@@ -9,8 +9,9 @@ import sys
 
 import pytest
 import yaml
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from check_docs_site import _Loader, nav_pages  # noqa: E402

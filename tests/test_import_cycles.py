@@ -4,8 +4,9 @@ imports itself. The checker is tried on a small package with a cycle first, so t
 
 import ast
 import os
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 def module_graph(root: str, package: str) -> dict[str, set[str]]:

@@ -16,6 +16,7 @@ from trl_es.models import (
     load_model_and_tokenizer,
     resolve_model_path,
 )
+from paths import TESTS
 
 _real_find_spec = importlib.util.find_spec
 
@@ -208,7 +209,7 @@ def test_cache_built_by_any_rank_under_torch_distributed(builder, tmp_path):
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "distributed", "build_embedded_cache.py")
+    script = os.path.join(TESTS, "distributed", "build_embedded_cache.py")
     env = dict(os.environ, TRL_ES_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(29300 + os.getpid() % 200 + builder), script, "--builder", str(builder),

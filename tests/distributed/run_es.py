@@ -1,4 +1,4 @@
-"""Run a short ESTrainer job in one of the multi-process modes; used by ``tests/test_distributed.py``.
+"""Run a short ESTrainer job in one of the multi-process modes; used by ``tests/trainer/test_distributed.py``.
 
 Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (population parallelism) or
 ``deepspeed --num_gpus 2`` (``--mode zero2`` / ``--mode zero3``). It writes into ``--out``:
@@ -9,7 +9,7 @@ Launch it with ``python`` (one process), ``torchrun --nproc_per_node 2`` (popula
 - the seed log (``es_seed_log.jsonl``) and the trained model (``model/``, loadable with ``from_pretrained``);
 - with ``--save_steps k``, Trainer checkpoints every ``k`` iterations (``checkpoint-k/``); ``--resume_from`` resumes
   from one;
-- with ``--auto_resume`` and ``--kill_at_step`` / ``--kill_in_save_at_step`` (``tests/test_preemption.py``, under
+- with ``--auto_resume`` and ``--kill_at_step`` / ``--kill_in_save_at_step`` (``tests/trainer/test_preemption.py``, under
   ``torchrun --max-restarts 1``): one process SIGKILLs itself on the first attempt, and the restarted job resumes
   from the newest complete checkpoint (``resume_from_checkpoint="latest"``); ``result.json`` then also says which
   attempt wrote it (``restart_count``) and which checkpoint folders it found (``checkpoints_at_start``).
@@ -59,7 +59,7 @@ def parse_args():
                         help="use_vllm=True: generate with a colocated vLLM engine per process (needs vLLM and a "
                              "model vLLM's CPU attention runs, e.g. tests/tiny.py build_vllm_llama).")
     parser.add_argument("--log_completions", action="store_true", help="log_completions=True (parquet tables).")
-    # Preemption (tests/test_preemption.py): SIGKILL one process on the first attempt of a torchrun --max-restarts
+    # Preemption (tests/trainer/test_preemption.py): SIGKILL one process on the first attempt of a torchrun --max-restarts
     # job (TORCHELASTIC_RESTART_COUNT == 0), and resume by itself (resume_from_checkpoint="latest").
     parser.add_argument("--kill_at_step", type=int, default=0,
                         help="SIGKILL --kill_rank in the middle of this iteration (at its 2nd reward call: after one "
@@ -72,7 +72,7 @@ def parse_args():
                         help='resume_from_checkpoint="latest" in ESConfig: resume from the newest complete checkpoint.')
     parser.add_argument("--plain_config", action="store_true",
                         help="Several processes without use_cpu=True: ESConfig must find the launcher's world itself "
-                             "(tests/test_launch_world.py).")
+                             "(tests/trainer/test_launch_world.py).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 

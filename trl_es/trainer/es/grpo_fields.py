@@ -13,7 +13,7 @@ command-line flags they had. The fields of ``GRPOConfig`` fall in three sets:
   counterpart, instead of a bare ``TypeError``. Values under which GRPO does what ES does (``beta=0.0``: no KL
   term; ``log_completions=False``) are accepted.
 
-``tests/test_grpo_fields.py`` fails when a ``GRPOConfig`` field of the installed TRL is in none of the sets.
+``tests/trainer/test_grpo_fields.py`` fails when a ``GRPOConfig`` field of the installed TRL is in none of the sets.
 ``docs/grpo_fields.md`` is generated from this table::
 
     python scripts/grpo_fields_markdown.py > docs/grpo_fields.md

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from trl_es import replay
+from paths import TESTS
 
-HERE = os.path.dirname(__file__)
+HERE = TESTS
 SCRIPT = os.path.join(HERE, "distributed", "run_es.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 

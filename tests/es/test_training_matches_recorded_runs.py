@@ -1,4 +1,4 @@
-"""ESTrainer trains as recorded: four tiny runs (``tests/data/before_ask_tell/make_runs.py``: full-rank antithetic
+"""ESTrainer trains as recorded: four tiny runs (``tests/data/recorded_runs/make_runs.py``: full-rank antithetic
 with AWD, rank-2 batched low-rank in chunks, sampled completions, the torch-optimizer path with AdamW) are trained
 again by today's ESTrainer and must end as recorded, on any x86-64 CPU.
 
@@ -6,7 +6,7 @@ What is compared bitwise with the recording is what is the same on every CPU: th
 initialised here), the seed logs, the trained weights of the ES runs (portable noise and arithmetic,
 :mod:`trl_es.es.arithmetic`) and their replay. What depends on the CPU, torch's AdamW kernels, is compared bitwise
 with a reference computed on this machine by an independent path (the ES gradient from the seed log and a plain
-``torch.optim`` loop), and with the recording to a float32 tolerance. ``tests/test_portability.py`` runs the ES
+``torch.optim`` loop), and with the recording to a float32 tolerance. ``tests/es/test_portability.py`` runs the ES
 runs again with torch's CPU dispatch forced to ``default`` and ``avx2``.
 """
 
@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from trl_es import ESConfig, replay
 from trl_es.es import GaussianPerturbation, Member, TrainedParameters, es_gradient_
 from trl_es.es.noise import noise_source_from_description
+from paths import DATA
 
-HERE = os.path.join(os.path.dirname(__file__), "data", "before_ask_tell")
+HERE = os.path.join(DATA, "recorded_runs")
 sys.path.insert(0, HERE)
 
 import make_runs  # noqa: E402

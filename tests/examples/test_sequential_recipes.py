@@ -6,6 +6,7 @@ import pytest
 import torch
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,7 +75,7 @@ def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq,
 def test_recipes_parse_into_valid_arguments(seq):
     import os
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     for name in ("sequential_arithmetic_cpu.yaml", "sequential_arithmetic_gpu.yaml"):
         args = seq.parse_args(["--config", os.path.join(root, name)])
         assert args.arms == ["base", "grpo", "es", "grpo_es", "es_grpo"]

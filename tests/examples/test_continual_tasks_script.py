@@ -6,6 +6,7 @@ import os
 import pytest
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,7 +72,7 @@ def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
 def test_tasks_split_one_grid_by_operator(cont):
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = cont.parse_args(["--config", os.path.join(root, "continual_tiny.yaml")])
     assert (args.task_a_ops, args.task_b_ops, args.es_budgets, args.grpo_max_steps) == (["+"], ["-"], [30, 90], 60)
     assert list(args.arms()) == ["grpo", "es30", "es90"]

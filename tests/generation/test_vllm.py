@@ -208,7 +208,7 @@ def test_unsupported_generation_setting_is_named(tokenizer):
 
 
 def scripted_engine(tokenizer, model_eos, stop):
-    """tests/test_eos_tokens.py's scripted model ("yes" + ``stop`` + " no no ...") at vLLM's sizes, and an engine
+    """tests/generation/test_eos_tokens.py's scripted model ("yes" + ``stop`` + " no no ...") at vLLM's sizes, and an engine
     holding its weights."""
     from test_eos_tokens import scripted_llama
 
@@ -223,7 +223,7 @@ def scripted_engine(tokenizer, model_eos, stop):
 @pytest.mark.parametrize("case", ["list-with-end-of-turn", "list-without-tokenizer-eos"])
 def test_engine_stops_at_the_models_end_of_turn(case):
     """A model whose generation_config lists an end-of-turn id the tokenizer does not call eos_token
-    (tests/test_eos_tokens.py): vLLM itself stops there (``stop_token_ids``), greedy and sampled, where ``generate``
+    (tests/generation/test_eos_tokens.py): vLLM itself stops there (``stop_token_ids``), greedy and sampled, where ``generate``
     stops."""
     from test_eos_tokens import CASES, chat_rows, end_of_turn_tokenizer, expected_ids, reference
 

@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 import sys
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_acceptance.sh")
 FILES = ("summary.json", "tests.json", "throughput_smollm2_135m.json", "throughput_qwen2_5_0_5b.json",
          "memory_smollm2_135m.json")

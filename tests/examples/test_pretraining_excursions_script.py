@@ -6,6 +6,7 @@ import os
 
 import pytest
 from example_script import example_script
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +55,7 @@ def test_tiny_end_to_end(exc, tmp_path):
 
 
 def test_recipe_parses_into_parallel_averaging_arguments(exc):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = exc.parse_args(["--config", os.path.join(root, "excursions_tiny.yaml")])
     assert args.checkpoints == [500, 1500, 3000] and args.seeds == [0, 1, 2]
     pretraining = {"arithmetic_splits": {"kwargs": {"seed": 0, "low": 0, "high": 20, "ops": ["+", "-"],

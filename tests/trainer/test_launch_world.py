@@ -8,7 +8,7 @@ failed on ``checkpoint-1``). ``ESConfig`` now runs such a launch as ``use_cpu=Tr
 without a pre-built state, a GPU-only ``ddp_backend``), naming ``use_cpu``.
 
 The launched tests run ``tests/distributed/run_es.py --plain_config`` (no ``use_cpu`` in its config) and compare with
-the one-process run of ``tests/test_distributed.py`` (the ``reference`` fixture).
+the one-process run of ``tests/trainer/test_distributed.py`` (the ``reference`` fixture).
 """
 
 import logging

@@ -4,7 +4,7 @@ An ES run's whole state is its weights plus its seed log, checkpointed every ite
 ``ESConfig(resume_from_checkpoint="latest")`` a job relaunched by ``torchrun --max-restarts 1`` resumes by itself
 from the newest complete checkpoint (``ESCheckpointMixin._latest_complete_checkpoint``) and ends bitwise where an
 uninterrupted run ends. The distributed tests really kill a process (``tests/distributed/run_es.py --kill_*``, first
-attempt only) and compare with the one-process run of ``tests/test_distributed.py``; the others check the choice of
+attempt only) and compare with the one-process run of ``tests/trainer/test_distributed.py``; the others check the choice of
 checkpoint in one process.
 """
 

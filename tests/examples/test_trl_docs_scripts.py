@@ -34,10 +34,11 @@ from pathlib import Path
 
 import pytest
 from hub_cache import add_dataset, add_model, offline_env
+from paths import REPO, TESTS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO)
 SCRIPTS_DIR = ROOT / "examples" / "trl_docs"
-BLOCKS_DIR = Path(__file__).resolve().parent / "data" / "trl_docs_blocks"
+BLOCKS_DIR = Path(TESTS) / "data" / "trl_docs_blocks"
 
 TRL_MIRROR = Path(os.environ.get("TRL_DOCS_MIRROR", "/work/.mirror/huggingface+trl/repo"))
 """A git mirror of huggingface/trl; the snapshot check against it is skipped where it is absent."""
@@ -108,7 +109,7 @@ SHORT_RUN = {"population_size": 2, "max_completion_length": 8}
 """ESConfig defaults the test lowers for the scripts' runs (the cost of a step, not the number of steps)."""
 HARNESS_ENV = "TRL_ES_TEST_ESCONFIG_DEFAULTS"
 SITECUSTOMIZE = textwrap.dedent(f'''\
-    """Written by tests/test_trl_docs_scripts.py: ESConfig defaults from ${HARNESS_ENV} (JSON), for short runs of
+    """Written by tests/examples/test_trl_docs_scripts.py: ESConfig defaults from ${HARNESS_ENV} (JSON), for short runs of
     scripts that pass no config. Only the defaults change: a value a script passes still wins."""
     import json, os, sys
     _defaults = json.loads(os.environ.get("{HARNESS_ENV}") or "{{}}")

@@ -3,7 +3,7 @@ static rendezvous on 127.0.0.1 and run ``tests/distributed/run_es.py`` as one jo
 
 Population parallelism (8 members: 2 per process) ends bitwise where 1 and 2 processes end (weights, seed log,
 rewards), and the bytes each process receives per iteration are counted exactly and compared with what a GRPO step
-all-reduces for the same model (``bytes_table``; ``python tests/test_multinode.py`` prints the table). ZeRO-3 over the
+all-reduces for the same model (``bytes_table``; ``python tests/trainer/test_multinode.py`` prints the table). ZeRO-3 over the
 2 nodes (a bf16 model partitioned over the 4 processes) ends bitwise where one process ends.
 """
 
@@ -17,8 +17,9 @@ import time
 
 import pytest
 from transformers import AutoModelForCausalLM
+from paths import TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS
 sys.path.insert(0, HERE)
 
 from test_distributed import SCRIPT, assert_bitwise, run_here, seed_log, torchrun, weights  # noqa: E402
@@ -172,7 +173,7 @@ def test_zero3_over_two_nodes_matches_one_process(tmp_path, tiny_model_dir):
     assert four["eval"]["eval_reward"] == one["eval"]["eval_reward"]
 
 
-if __name__ == "__main__":  # prints the bytes table: python tests/test_multinode.py
+if __name__ == "__main__":  # prints the bytes table: python tests/trainer/test_multinode.py
     import tempfile
 
     from tiny import build_llama, build_tokenizer

@@ -7,6 +7,7 @@ import os
 import pytest
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +53,7 @@ def test_tiny_end_to_end(div, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_recipe_parses(div):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = div.parse_args(["--config", os.path.join(root, "diversity_tiny.yaml")])
     assert args.population_sizes == [4, 8, 24] and args.seeds == [0, 1, 2] and args.pass_k == [1, 4, 8]
     assert args.model_name_or_path == "runs/pretrain_from_scratch/checkpoint-2000" and args.conversational is False

@@ -1,4 +1,4 @@
-"""Write the reference runs of ``tests/test_before_ask_tell.py``: tiny ES runs, one folder per run with the base and
+"""Write the reference runs of ``tests/es/test_training_matches_recorded_runs.py``: tiny ES runs, one folder per run with the base and
 trained weights, the seed log and the run's ESConfig arguments. Re-running this script on a later ESTrainer must
 reproduce them bitwise, on any x86-64 CPU (the ES runs; the AdamW run's optimizer kernels are CPU-dependent).
 
@@ -7,7 +7,7 @@ not the same on every CPU) and read from ``base.safetensors`` ever since. The tr
 recorded again on 2026-12-02 with the portable noise and arithmetic (``trl_es.es.arithmetic``; the records of
 fef91fa used ``torch.randn`` noise and fused kernels, which only an AVX2 CPU reproduced).
 
-    python tests/data/before_ask_tell/make_runs.py      # from the repository root
+    python tests/data/recorded_runs/make_runs.py      # from the repository root
 """
 
 import json

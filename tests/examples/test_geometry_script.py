@@ -7,6 +7,7 @@ import os
 import pytest
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,7 +96,7 @@ def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
     from trl_es.cli import es_config_kwargs, load_recipe
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = geo.parse_args(["--config", os.path.join(root, "geometry_tiny.yaml")])
     assert args.seeds == [0, 1, 2, 3, 4] and args.held_out_ops == [] and args.conversational is False
     assert (args.es_max_steps, args.grpo_max_steps, args.learning_rate, args.prompts_per_step) == (30, 60, 1e-4, 4)
@@ -110,7 +111,7 @@ def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
 def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(geo):
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = geo.parse_args(["--config", os.path.join(root, "geometry_addition_tiny.yaml")])
     assert (args.task_ops, args.held_out_ops, args.es_max_steps, args.grpo_max_steps) == (["+"], ["-"], 90, 60)
     assert args.sparsity_checkpoint == "last"

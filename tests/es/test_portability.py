@@ -18,8 +18,9 @@ from trl_es.es.arithmetic import add_scaled_, added_scaled, exact_mean, zscore
 from trl_es.es.noise import (LEGACY_GENERATOR, PORTABLE_GENERATOR, TABLE_SEED, DeviceGaussianNoise,
                              noise_source_from_description, standard_normal)
 from trl_es.es.shaping import shape_fitness
+from paths import TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS
 ROOT = os.path.dirname(HERE)
 
 
@@ -109,7 +110,7 @@ def test_es_runs_are_bitwise_equal_under_every_cpu_dispatch(name, tmp_path):
     recorded weights."""
     from safetensors.torch import load_file
 
-    script = RUN_AND_HASH.format(tests=HERE, data=os.path.join(HERE, "data", "before_ask_tell"))
+    script = RUN_AND_HASH.format(tests=HERE, data=os.path.join(HERE, "data", "recorded_runs"))
     results = {}
     for capability in ("default", "avx2", None):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -124,6 +125,6 @@ def test_es_runs_are_bitwise_equal_under_every_cpu_dispatch(name, tmp_path):
         if capability:
             assert dispatch == capability.upper()
     assert results["default"] == results["avx2"] == results[None]
-    recorded = load_file(os.path.join(HERE, "data", "before_ask_tell", name, "trained.safetensors"))
+    recorded = load_file(os.path.join(HERE, "data", "recorded_runs", name, "trained.safetensors"))
     digest = hashlib.sha256(b"".join(recorded[k].numpy().tobytes() for k in sorted(recorded))).hexdigest()
     assert results[None][0] == digest

@@ -6,6 +6,7 @@ import os
 import pytest
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +81,7 @@ def test_selection_rule(awd):
 
 
 def test_recipe_parses(awd):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = awd.parse_args(["--config", os.path.join(root, "awd_retention_cpu.yaml")])
     assert args.awd_lambdas == [3.0, 10.0, 30.0] and args.prior_tasks == ["mul_1_12", "sub_1_12"]
     kwargs = awd.es_config_kwargs(args)

@@ -17,8 +17,9 @@ from trl_es import ESConfig, ESParallelAveragingConfig, HyperESConfig, ParallelA
 from trl_es.arguments import TrlESParser, document_parameters, literal_choices, literal_field_errors
 from trl_es.cli.arguments import TaskArguments
 from trl_es.trainer.averaging.sft_averaging import SFTAveragingFields
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 CONFIGS = [ESConfig, HyperESConfig, ParallelAveragingConfig, ESParallelAveragingConfig]
 SFT_FIELDS = [f.name for f in dataclasses.fields(SFTAveragingFields)]
 #: The fields each config documents: those its body declares (refused GRPOConfig fields included), and for the

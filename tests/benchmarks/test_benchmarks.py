@@ -4,8 +4,9 @@ import json
 import os
 import subprocess
 import sys
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 def test_population_throughput_random_init_runs_on_cpu(tmp_path):

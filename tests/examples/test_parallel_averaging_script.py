@@ -7,6 +7,7 @@ import os
 import pytest
 from example_script import example_script
 from tiny import content_reward
+from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +64,7 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_recipe_parses(pa):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+    root = os.path.join(REPO, "examples", "recipes")
     args = pa.parse_args(["--config", os.path.join(root, "parallel_averaging_arithmetic_cpu.yaml")])
     assert args.arms == ["base", "rl", "sft", "sft_rl", "rl_sft"] and args.rl_weight == args.sft_weight == 0.5
     assert pa.grpo_kwargs(args, "x", args.max_steps)["per_device_train_batch_size"] == 16

@@ -35,8 +35,9 @@ from trl_es.tasks.gsm import (
     math_verify_input_ok,
     plain_number,
 )
+from paths import REPO
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = REPO
 _CANDIDATES = [os.path.join(base, "shared", "data", "countdown_paper.json") for base in (_REPO, os.path.dirname(_REPO))]
 PAPER_JSON = next((p for p in _CANDIDATES if os.path.exists(p)), _CANDIDATES[0])
 needs_paper_json = pytest.mark.skipif(not os.path.exists(PAPER_JSON), reason="countdown_paper.json not available")

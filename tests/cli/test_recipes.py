@@ -11,8 +11,9 @@ from trl_es import ESConfig
 from trl_es.cli import TaskArguments, task_splits
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
 from trl_es.trainer.hyper_es.hyper_es_config import HyperESConfig
+from paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 RECIPES = os.path.join(ROOT, "examples", "recipes")
 
 

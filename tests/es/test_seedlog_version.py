@@ -15,8 +15,9 @@ from trl_es.es import Member
 from trl_es.es.noise import LEGACY_GENERATOR, PORTABLE_GENERATOR, noise_source_from_description
 from trl_es.es.seedlog import SEED_LOG_NAME, VERSION, VERSIONS, SeedLog
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
-RECORDED = os.path.join(DATA, "before_ask_tell", "sequential_awd_antithetic")  # version 1, NumPy PCG64 noise
+from paths import DATA
+
+RECORDED = os.path.join(DATA, "recorded_runs", "sequential_awd_antithetic")  # version 1, NumPy PCG64 noise
 LEGACY = os.path.join(DATA, "legacy_seedlogs", "sequential_bf16")  # version 1, no "generator": torch.randn
 
 

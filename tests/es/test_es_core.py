@@ -39,10 +39,11 @@ from population_loop import score_population
 
 from trl_es.es.anchor import FileAnchor, MemoryAnchor, make_anchor
 from trl_es.es.noise import LEGACY_GENERATOR, standard_normal
+from paths import DATA
 
 SMALL_TABLE = NoiseTable(NOISE_BLOCK_SIZE)
 GAUSSIAN = GaussianPerturbation()
-LEGACY = os.path.join(os.path.dirname(__file__), "data", "legacy_seedlogs")
+LEGACY = os.path.join(DATA, "legacy_seedlogs")
 
 
 def perturb_(params, noise, member, sigma):

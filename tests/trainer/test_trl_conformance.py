@@ -207,7 +207,7 @@ NOT_PORTED = {
     "test_vlm_training": _VLM + " (GPU test.)",
     "test_vlm_processor_vllm_colocate_mode": _VLM + " (GPU, vLLM.)",
     "test_train_vllm": "GPU + vLLM + Qwen2.5-0.5B from the hub: ES's colocated vLLM engine is tested in "
-                       "tests/test_vllm.py on GPU machines.",
+                       "tests/generation/test_vllm.py on GPU machines.",
 }
 
 

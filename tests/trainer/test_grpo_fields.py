@@ -14,11 +14,12 @@ from trl import GRPOConfig
 from trl_es import ESConfig, ESTrainer
 from trl_es.arguments import TrlESParser
 from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, REFUSED, refused_fields
+from paths import TESTS
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+sys.path.insert(0, os.path.join(TESTS, os.pardir, "scripts"))
 from grpo_fields_markdown import grpo_fields_markdown, native_shared_fields  # noqa: E402
 
-DOCS_PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "grpo_fields.md")
+DOCS_PAGE = os.path.join(TESTS, os.pardir, "docs", "grpo_fields.md")
 TA_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 ES_FIELDS = {f.name for f in dataclasses.fields(ESConfig)}
 ES_OWN = set(ESConfig.__dict__["__annotations__"]) - {e.name for e in refused_fields()}  # declared in es_config.py
@@ -129,7 +130,7 @@ def test_honoured_generation_fields_reach_the_trainers_generation_config(tmp_pat
     assert args.generation_kwargs == {"top_k": 3}
     assert ESConfig(output_dir=str(tmp_path), top_k=0, repetition_penalty=1.0).generation_kwargs is None
     # repetition_penalty works with greedy decoding; the sampling filters are refused with an explicit greedy
-    # temperature (unset, they sample at GRPO's 1.0: tests/test_grpo_config_parity.py)
+    # temperature (unset, they sample at GRPO's 1.0: tests/trainer/test_grpo_config_parity.py)
     assert ESConfig(output_dir=str(tmp_path), repetition_penalty=1.2).generation_kwargs == {"repetition_penalty": 1.2}
     for name, value in (("top_k", 5), ("min_p", 0.1)):
         with pytest.raises(ValueError, match=f"^{name}={value} filters tokens when sampling.*temperature > 0"):
