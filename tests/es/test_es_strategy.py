@@ -129,7 +129,7 @@ def test_batched_lowrank_groups_apply_adapters_without_writing_the_weights():
 
 
 def test_es_xor_example_learns_xor():
-    with example_script("es_xor.py", "es_xor_example") as script:
+    with example_script("scripts/es_xor.py", "es_xor_example") as script:
         result = script.main(["--iterations", "150"])
     assert result["accuracy"] == 1.0
     assert result["fitness"] > result["start_fitness"] + 0.15
