@@ -216,11 +216,16 @@ def async_reward_loop() -> asyncio.AbstractEventLoop:
         return _ASYNC_LOOP
 
 
-def _await_all(awaitables: list) -> list:
+def await_all(awaitables: list, return_exceptions: bool = False) -> list:
     """Run ``awaitables`` concurrently (``asyncio.gather``) on :func:`async_reward_loop`; their results in order.
 
+    Args:
+        awaitables (`list`): Coroutines or futures (async reward functions' or tools' calls).
+        return_exceptions (`bool`): Return an awaitable's exception as its result (the tool loop's errors) instead
+            of raising it.
+
     Raises:
-        Exception: the first exception of an awaitable (the others are cancelled).
+        Exception: without ``return_exceptions``, the first exception of an awaitable (the others are cancelled).
     """
     async def _one(awaitable):
         return await awaitable
@@ -228,7 +233,7 @@ def _await_all(awaitables: list) -> list:
     async def _gather():
         tasks = [asyncio.ensure_future(_one(a)) for a in awaitables]
         try:
-            return await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
         except BaseException:
             for task in tasks:
                 task.cancel()
@@ -390,7 +395,7 @@ class RewardScorer:
             _close_awaitables(a for _, a in pending)
             raise
         if pending:  # as GRPOTrainer: the async functions run concurrently (asyncio.gather) on a daemon loop
-            outputs = _await_all([a for _, a in pending])
+            outputs = await_all([a for _, a in pending])
             for (i, _), output in zip(pending, outputs, strict=True):
                 rewards[:, i], invalid[:, i] = _checked_rewards(output, self.names[i], n)
         invalid |= torch.isinf(rewards)

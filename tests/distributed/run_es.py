@@ -27,6 +27,7 @@ complaint (``hf_deepspeed_config.mismatches``), a CPU-only shortcut.
 import argparse
 import json
 import os
+import random
 import sys
 
 import torch
@@ -59,6 +60,9 @@ def parse_args():
                         help="use_vllm=True: generate with a colocated vLLM engine per process (needs vLLM and a "
                              "model vLLM's CPU attention runs, e.g. tests/tiny.py build_vllm_llama).")
     parser.add_argument("--log_completions", action="store_true", help="log_completions=True (parquet tables).")
+    parser.add_argument("--environment", action="store_true",
+                        help="environment_factory=StartEnvironment (a random start in reset, get_reward) on "
+                             "conversational prompts (tests/trainer/test_agents.py's W=2 case).")
     # Preemption (tests/trainer/test_preemption.py): SIGKILL one process on the first attempt of a torchrun --max-restarts
     # job (TORCHELASTIC_RESTART_COUNT == 0), and resume by itself (resume_from_checkpoint="latest").
     parser.add_argument("--kill_at_step", type=int, default=0,
@@ -143,10 +147,28 @@ def mean_code(completions, prompts=None, **kwargs):
     return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
 
 
+class StartEnvironment:
+    """An environment whose reset draws its task from `random` (common random numbers keep it member-independent)."""
+
+    def reset(self, **kwargs):
+        self.start = random.randint(0, 9)
+        return f" from {self.start}"
+
+    def get_reward(self) -> float:
+        return self.start / 10
+
+
+def mean_code_messages(completions, environments, **kwargs):
+    """mean_code of the assistant's text, plus the environment's task: a reward that reads the environment."""
+    return [m + e.start for m, e in zip(mean_code([c[0]["content"] for c in completions]), environments,
+                                        strict=True)]
+
+
 def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, save_steps: int = 0,
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
-        vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False) -> dict:
+        vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False,
+        environment: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -233,8 +255,15 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         model_or_path = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         with torch.no_grad():
             model_or_path.model.norm.weight.add_(1.0)
-    trainer = ESTrainer(model_or_path, mean_code, args=config, train_dataset=train, eval_dataset=evaluation,
-                        processing_class=tokenizer, callbacks=[ReplicaCheck()])
+    agents = {}
+    if environment:
+        train = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write: {i}"}] for i in range(8)]})
+        evaluation = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say: {i}"}]
+                                                   for i in range(eval_size)]})
+        agents = {"environment_factory": StartEnvironment}
+    reward = mean_code_messages if environment else mean_code
+    trainer = ESTrainer(model_or_path, reward, args=config, train_dataset=train, eval_dataset=evaluation,
+                        processing_class=tokenizer, callbacks=[ReplicaCheck()], **agents)
     PROMPTS_SEEN.clear()  # (a previous run in this process scored its evaluation prompts)
     _arm_kill_in_save(trainer)
     checkpoints_at_start = _checkpoints_on_disk(out)
@@ -288,7 +317,7 @@ def main():
                       kill_rank=args.kill_rank, auto_resume=args.auto_resume)
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
-        args.vllm, args.sigma, args.log_completions, args.plain_config)
+        args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

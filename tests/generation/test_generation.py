@@ -115,6 +115,22 @@ def test_static_cache_engine_equals_eager_and_buckets_the_batch(tokenizer):
     assert (8, 128) in engine.shapes_seen
 
 
+def test_token_id_prompts_generate_as_their_texts_in_every_engine(tokenizer):
+    """The tool loop's prompts are token ids (prompt + completion + tool turn, no re-tokenization): each engine
+    generates from them what it generates from the texts they encode."""
+    model = build_llama(tokenizer).eval()
+    config = build_generation_config(tokenizer, 8)
+    texts = chat_prompts(tokenizer, 4)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    expected = EagerEngine().generate(model, tokenizer, texts, config).ids
+    for engine in (EagerEngine(), EagerEngine(share_prompt_prefix=True), EagerEngine(pad_to_multiple_of=8),
+                   CompiledEngine(compile=False)):
+        assert engine.generate(model, tokenizer, ids, config).ids == expected, engine.describe()
+    shared = EagerEngine(share_prompt_prefix=True)
+    shared.generate(model, tokenizer, ids, config)
+    assert shared.last_shared_prefix > 0
+
+
 @needs_inductor_vectorized_cpu
 def test_compiled_engine_greedy_equals_eager_on_cpu(tokenizer):
     """torch.compile'd decoding step (inductor on CPU; ~20 s to compile the tiny model once)."""

@@ -140,6 +140,20 @@ def test_population_parallelism_matches_one_process(reference, tmp_path, tiny_mo
 
 
 @pytest.mark.distributed
+def test_environments_population_parallelism_matches_one_process(tmp_path, tiny_model_dir):
+    """environment_factory (a reset drawing its task from `random`, get_reward as a reward): the members of process 1
+    get the same tasks as in one process (common random numbers), so 2 processes end bitwise where one ends."""
+    ref_out, ref = run_here(tmp_path / "one", tiny_model_dir, environment=True)
+    result = torchrun(tmp_path / "two", tiny_model_dir, "--environment")
+    assert result["world_size"] == 2 and result["replicas_identical"] == [True, True]
+    base, trained = weights(tiny_model_dir), weights(tmp_path / "two" / "model")
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+    assert_bitwise(trained, weights(ref_out / "model"))
+    assert seed_log(tmp_path / "two") == seed_log(ref_out)
+    assert result["eval"]["eval_rewards/StartEnvironment/mean"] == ref["eval"]["eval_rewards/StartEnvironment/mean"]
+
+
+@pytest.mark.distributed
 def test_lean_mode_population_parallelism_matches_one_process_and_replays(tmp_path, tiny_model_dir):
     """The lean mode (lean_memory, batched low-rank members, no master copy of the fp32 weights, fresh Gaussian
     noise instead of the table): 2 processes end bitwise where one ends, and the seed log replays it."""

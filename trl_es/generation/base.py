@@ -69,7 +69,8 @@ class GenerationEngine(ABC):
         Args:
             model (`nn.Module`): A causal LM (``transformers`` ``GenerationMixin``).
             processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
-            prompts (`Sequence[str]`): Prompt strings (already through the chat template).
+            prompts (`Sequence[str]` or `Sequence[list[int]]`): Prompt strings (already through the chat template),
+                or token ids (the tool loop's prompt + completion + tool turn; eager and compiled engines).
             generation_config (`GenerationConfig`): Decoding settings.
             num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
             num_row_groups (`int`): ``M``: the rows form ``M`` equal consecutive blocks (see the class doc); must
@@ -152,12 +153,29 @@ def model_device(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
-def tokenize_left_padded(processing_class, texts: list[str], device, add_special_tokens: bool = False,
+def is_token_ids(prompts: Sequence) -> bool:
+    """Whether ``prompts`` are token-id lists (the tool loop's prompt + completion + tool turn) rather than strings."""
+    return bool(prompts) and not isinstance(prompts[0], str)
+
+
+def encode_prompts(processing_class, prompts: Sequence, add_special_tokens: bool = False) -> list[list[int]]:
+    """The prompts' token ids: strings tokenized (with or without the special tokens), id lists as they are."""
+    if is_token_ids(prompts):
+        return [list(ids) for ids in prompts]
+    return processing_class(text=list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def tokenize_left_padded(processing_class, texts: Sequence, device, add_special_tokens: bool = False,
                          pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``texts``, left-padded (to a multiple of ``pad_to_multiple_of`` when
-    set, as GRPOTrainer pads its prompt batches), with or without the tokenizer's special tokens, on ``device``."""
-    inputs = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="left",
-                              add_special_tokens=add_special_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    """``input_ids`` and ``attention_mask`` of ``texts`` (strings, or token-id lists taken as they are), left-padded
+    (to a multiple of ``pad_to_multiple_of`` when set, as GRPOTrainer pads its prompt batches), with or without the
+    tokenizer's special tokens, on ``device``."""
+    if is_token_ids(texts):
+        inputs = processing_class.pad({"input_ids": [list(ids) for ids in texts]}, padding=True, padding_side="left",
+                                      pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
+    else:
+        inputs = processing_class(text=list(texts), return_tensors="pt", padding=True, padding_side="left",
+                                  add_special_tokens=add_special_tokens, pad_to_multiple_of=pad_to_multiple_of)
     return {k: v.to(device) for k, v in inputs.items()}
 
 

@@ -7,7 +7,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from .base import GenerationEngine, model_device, tokenize_left_padded
+from .base import GenerationEngine, encode_prompts, model_device, tokenize_left_padded
 from .sampling import use_candidate_sampler
 from .top_p import use_candidate_top_p
 
@@ -120,7 +120,7 @@ class EagerEngine(GenerationEngine):
         generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
-            encoded = processing_class(text=texts, add_special_tokens=add_special_tokens)["input_ids"]
+            encoded = encode_prompts(processing_class, texts, add_special_tokens)
             shared = common_prefix_length(encoded)
             if shared >= self.min_shared_prefix:
                 self.last_shared_prefix = shared

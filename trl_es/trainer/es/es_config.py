@@ -63,7 +63,8 @@ def _collect(errors: list[str], check, *args) -> None:
         "awd_lambda", "awd_penalty", "log_parameter_drift", "success_threshold"),
     "Parameters that control generation (GRPO's names and meanings)": (
         "num_generations", "max_completion_length", "temperature", "top_p", "generation_kwargs",
-        "chat_template_kwargs", "reward_weights", "top_k", "min_p", "repetition_penalty"),
+        "chat_template_kwargs", "reward_weights", "top_k", "min_p", "repetition_penalty",
+        "max_tool_calling_iterations"),
     "Parameters that control the data": ("shuffle_dataset", "pad_to_multiple_of"),
     "Parameters of evaluation and completion logs (GRPO's names and meanings)": (
         "num_generations_eval", "mask_truncated_completions", "log_completions", "num_completions_to_print",
@@ -452,6 +453,14 @@ class ESConfig(_BaseConfig):
             "into generation_kwargs (whose own repetition_penalty wins)."
         },
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "GRPO's: the most tool-calling rounds of a rollout with tools (ESTrainer's tools= or "
+            "environment_factory=): after each round the tools' results are appended and the model continues, within "
+            "max_completion_length (tool tokens included). None: until no call is made. An integer >= 0."
+        },
+    )
 
     # ------------------------------------------------------------------ data
     shuffle_dataset: bool | None = field(
@@ -720,6 +729,9 @@ class ESConfig(_BaseConfig):
             errors.append(f"min_p must be None or in [0, 1], got {self.min_p}.")
         if not self.repetition_penalty > 0:
             errors.append(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
+        limit = self.max_tool_calling_iterations
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            errors.append(f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {limit!r}.")
         kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
         added = getattr(self, "_generation_kwargs_added", ())
         kwargs = {key: value for key, value in kwargs.items() if key not in added}

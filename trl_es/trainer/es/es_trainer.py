@@ -25,6 +25,15 @@ from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
+from ...agents import (
+    AgentRollout,
+    Environments,
+    bind_rollout_func,
+    environment_placeholder_dataset,
+    prepare_tool_calling,
+    warn_experimental,
+    warn_member_independent_rollouts,
+)
 from ...es.anchor import checkpoint_files, make_anchor
 from ...es.fitness import MemberScores, PopulationScores
 from ...es.noise import make_noise_source
@@ -112,7 +121,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             float32 unless they set a ``dtype``, as GRPOTrainer: ``{"dtype": "auto"}`` keeps the checkpoint's).
         reward_funcs (`Callable | PreTrainedModel | str | list`): A reward function with TRL's signature
             ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, a sequence-classification
-            reward model (or its id/path), or a list of them.
+            reward model (or its id/path), or a list of them; may be omitted when an environment has ``get_reward``.
         args (`ESConfig`, *optional*): The configuration; default ``ESConfig(f"{model_name}-ES")``.
         train_dataset (`datasets.Dataset` or `datasets.IterableDataset`): Rows with a ``prompt`` (standard text or
             conversational messages); other columns reach reward functions as keyword arguments. An iterable
@@ -128,11 +137,21 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         quantization_config (*optional*): GRPOTrainer's argument (TRL's ``grpo.py`` always passes one): ``None``;
             a real config is refused (quantized weights cannot be perturbed and restored exactly).
         peft_config (`peft.PeftConfig`, *optional*): Wrap the model with PEFT; ES then perturbs the adapter only.
+        tools (`list[Callable]`, *optional*): GRPOTrainer's tools (type hints and a Google-style docstring each):
+            prompts are rendered with them and every member's rollout runs GRPO's tool loop
+            (``max_tool_calling_iterations``); see docs/agents.md.
+        rollout_func (`Callable`, *optional*): GRPOTrainer's ``rollout_func(prompts, trainer) -> dict`` (``prompt_ids``,
+            ``completion_ids``; other keys reach the reward functions), called once per member with the member's
+            weights in ``trainer.model``.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*): GRPOTrainer's environments: one
+            instance per rollout row, reset for every member under the same random numbers; their public methods
+            are tools, ``get_reward`` an extra reward function.
 
     Raises:
         ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
             ``max_steps``, reward weights of the wrong length, a real ``quantization_config``, a ``PeftModel``
-            together with a ``peft_config``.
+            together with a ``peft_config``; tools with a chat template that cannot render or TRL cannot parse tool
+            calls; agent rollouts (tools, environments, rollout_func) with vLLM, ZeRO-3 or stacked low-rank members.
     """
 
     _tag_names = ["trl", "trl-es", "evolution-strategies"]
@@ -152,7 +171,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs,
+        reward_funcs=None,
         args: ESConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -162,6 +181,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         optimizers=(None, None),
         quantization_config=None,
         peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
     ):
         # Args
         if args is None:
@@ -188,12 +210,40 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
 
-        # Rewards
-        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
+        # Agents: GRPO's tools, environments (their methods are tools, get_reward a reward) and rollout_func
+        warn_experimental(rollout_func, environment_factory)
+        self.environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
+        self.tools = list(tools or [])
+        for env_tools in (self.environments.tools.values() if self.environments else ()):
+            self.tools += [tool for tool in env_tools if tool not in self.tools]
+        processing_class, self.chat_template = prepare_tool_calling(processing_class, self.tools)
+        self.rollout_func = rollout_func
+        self._agents = bool(self.tools) or self.environments is not None or rollout_func is not None
+
+        # Rewards (an environment's get_reward last, weight 1, as in GRPO)
+        env_rewards = self.environments.reward_funcs if self.environments else []
+        funcs = ([] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        if not funcs + env_rewards:
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
+        weights = args.reward_weights
+        if weights is not None and env_rewards:
+            if len(weights) != len(funcs):
+                raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
+                                 "functions; give one weight per reward function (an environment's get_reward gets "
+                                 "weight 1).")
+            weights = list(weights) + [1.0] * len(env_rewards)
+        if reward_processing_classes is not None and env_rewards:
+            classes = reward_processing_classes if isinstance(reward_processing_classes, list) else [
+                reward_processing_classes]
+            reward_processing_classes = classes + [None] * len(env_rewards)
+        self.reward_scorer = RewardScorer(funcs + env_rewards, weights, reward_processing_classes,
                                           args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs)
         self.reward_func_names = self.reward_scorer.names
 
-        # Data
+        # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
+        if train_dataset is None and self.environments is not None:
+            train_dataset = environment_placeholder_dataset(self.environments, args)
         validate_dataset(train_dataset, "train_dataset")
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
@@ -254,6 +304,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
+        if self._agents:  # the tool loop regenerates some rows of one member: through the eager/compiled engines
+            unsupported = [what for what, on in (("use_vllm=True", args.use_vllm), ("DeepSpeed ZeRO-3", self.sharded),
+                                                 ("stacked low-rank members (member_chunk_size > 1)",
+                                                  population.stacked and args.member_chunk_size != 1)) if on]
+            if unsupported:
+                raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
+                                 f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
+                                 "through the eager or compiled engine (use_vllm=False, member_chunk_size=1).")
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
@@ -380,9 +438,19 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     @property
     def rollout(self) -> Rollout:
         """The rollout: ``(model, prompt rows) -> scored completions``, a plain callable holding no trainer, built from
-        the trainer's current tokenizer, reward scorer, generation config and engine."""
-        return Rollout(self.processing_class, self.reward_scorer, self.generation_config, self.args.num_generations,
-                       self.args.chat_template_kwargs, self.generation_engine)
+        the trainer's current tokenizer, reward scorer, generation config and engine; with tools, environments or a
+        ``rollout_func``, an :class:`~trl_es.agents.AgentRollout` (``rollout_func`` bound to this trainer)."""
+        args = self.args
+        if not self._agents:
+            return Rollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
+                           args.chat_template_kwargs, self.generation_engine)
+        rollout_func = bind_rollout_func(self.rollout_func, self) if self.rollout_func is not None else None
+        return AgentRollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
+                            args.chat_template_kwargs, self.generation_engine, tools=self.tools,
+                            environments=self.environments, rollout_func=rollout_func,
+                            chat_template=self.chat_template,
+                            max_tool_calling_iterations=args.max_tool_calling_iterations,
+                            max_completion_length=args.max_completion_length, seed=args.seed)
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -414,6 +482,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self._record_comm(self._forward_calls - forward_calls)
         metrics = iteration_metrics(scores, member_scores, self.reward_func_names, self.population.timings,
                                     evaluate_seconds, update_seconds)
+        if self.tools:
+            metrics.update(self._tool_metrics())
         for name, value in metrics.items():
             self._metrics[name].append(value)
         # as GRPOTrainer: num_tokens is the running total of prompt + completion tokens (state.num_input_tokens_seen)
@@ -442,6 +512,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
         scores, log = {}, self.completion_log
+        self._tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
+        completions_seen = set()  # rollout_func: the members' completions, to tell if they depend on the member
         for group in self.strategy.groups(indices):
             if log is not None:
                 reward_kwargs["log_extra"] = log.log_extra_for_call()
@@ -450,6 +522,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            if "tool_calls" in out:
+                self._tool_counts += torch.tensor([out["tool_calls"], out["tool_failures"], len(out["completions"])],
+                                                  dtype=torch.float64)
+                completions_seen.add(repr(out["completion_ids"]))
             if args.mask_truncated_completions:
                 mask_truncated_rewards(out)
             if log is not None:
@@ -459,7 +535,20 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
                 scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
                                                           group_size=args.num_generations)
+        if self.rollout_func is not None and len(indices) > 1 and len(completions_seen) == 1:
+            warn_member_independent_rollouts()
         return scores
+
+    def _tool_metrics(self) -> dict[str, float]:
+        """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls) of
+        the iteration's members, summed over processes (population parallelism)."""
+        counts = self._tool_counts
+        if self.accelerator.num_processes > 1 and not self.sharded:
+            counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += counts.numel() * 8
+        calls, failures, rollouts = counts.tolist()
+        return {"tools/call_frequency": calls / max(rollouts, 1.0),
+                "tools/failure_frequency": failures / calls if calls else 0.0}
 
     def _seed_sampling(self, step: int, group: list[int]) -> None:
         """With sampling (``generation_config.do_sample``: ``temperature > 0`` or ``generation_kwargs={"do_sample":

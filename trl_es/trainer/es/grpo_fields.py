@@ -216,9 +216,6 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _refused("entropy_coef_max", _NO_ENTROPY, "sigma", type="float"),
     _refused("entropy_coef_delta", _NO_ENTROPY, "sigma", type="float"),
     _refused("entropy_target", _NO_ENTROPY, "sigma", type="float"),
-    # ------------------------------------------------------------------ tools
-    _refused("max_tool_calling_iterations", "tool calling (GRPOTrainer's tools=) is not implemented in ESTrainer.",
-             type="int", not_yet=True),
     # ------------------------------------------------------------------ vLLM importance sampling
     _refused("vllm_importance_sampling_correction", _VLLM_IS, type="bool", accepted=(False,)),
     _refused("vllm_importance_sampling_mode", _VLLM_IS),

@@ -1,0 +1,580 @@
+"""Agent rollouts as GRPOTrainer runs them: ``tools=``, ``environment_factory=`` and ``rollout_func=``.
+
+Ported from TRL 1.16's ``trl/trainer/grpo_trainer.py`` (``__init__``'s tool and environment set-up,
+``_generate_and_score_completions``' resets, ``_generate``, ``_tool_call_loop``, ``_get_tool_suffix_ids``) with
+TRL's own ``trl.chat_template_utils`` (``supports_tool_calling``, ``add_response_schema``, ``parse_response``, the
+training chat template); what only a gradient needs is left out: logprobs, tool and environment token masks, images.
+
+ES scores every population member on the same rows, so an :class:`AgentRollout` call is one member's rollout: each
+row's environment is reset for it (no state crosses members) and the resets draw the same random numbers for every
+member (:func:`task_seeds`, :func:`common_random_numbers`), so members are compared on the same tasks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from trl.data_utils import is_conversational
+
+from .generation import generate_completions, stop_token_ids
+from .rollout import Rollout, await_all
+
+
+__all__ = [
+    "AgentRollout",
+    "Environments",
+    "bind_rollout_func",
+    "check_rollout_output",
+    "common_random_numbers",
+    "environment_placeholder_dataset",
+    "prepare_tool_calling",
+    "task_seeds",
+    "tool_suffix_ids",
+    "warn_experimental",
+    "warn_member_independent_rollouts",
+]
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # GRPO's prompt when an environment owns the data
+
+
+def prepare_tool_calling(processing_class, tools: Sequence[Callable]):
+    """Make ``processing_class`` parse tool calls, as GRPOTrainer does when ``tools`` (or an environment) is given.
+
+    Args:
+        processing_class (`PreTrainedTokenizerBase`): The policy's tokenizer; its chat template must render a whole
+            tool-calling conversation (``trl.chat_template_utils.supports_tool_calling``).
+        tools (`Sequence[Callable]`): The tools (only their presence matters here).
+
+    Returns:
+        `tuple`: ``(processing_class, chat_template)``: the tokenizer with a response schema (TRL's
+        ``add_response_schema`` for the templates TRL ships, when it has none) and the chat template to render with
+        (TRL's prefix-preserving training template when the tokenizer's is not one, else ``None``).
+
+    Raises:
+        ValueError: if the chat template cannot render tool calls, or TRL does not recognise it (no response schema).
+    """
+    from trl.chat_template_utils import (
+        add_response_schema,
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        supports_tool_calling,
+    )
+
+    if not tools:
+        return processing_class, None
+    if not supports_tool_calling(processing_class):
+        raise ValueError("The provided chat template does not support tool calling. The template must be able to "
+                         "render a full tool-calling conversation (user -> assistant with tool_calls -> tool).")
+    has_template = getattr(processing_class, "response_template", None) is not None
+    if not has_template and getattr(processing_class, "response_schema", None) is None:
+        processing_class = add_response_schema(processing_class)  # ValueError for a template TRL does not know
+    chat_template = None
+    if not is_chat_template_prefix_preserving(processing_class):
+        chat_template = get_training_chat_template(processing_class)
+    return processing_class, chat_template
+
+
+class Environments:
+    """``environment_factory``: GRPOTrainer's environments, one instance per rollout row, pooled and reset.
+
+    A factory takes no argument and returns an instance whose class defines ``reset(**row) -> str | None``; an
+    optional ``get_reward()`` (sync or async) becomes a reward function named after the class (weight 1); every other
+    public method is a tool bound to the instance. A ``dict`` maps the dataset's ``environment`` column to factories.
+
+    Args:
+        environment_factory (`Callable` or `dict[str, Callable]`): As GRPOTrainer's.
+        tools (`Sequence[Callable]`): The standalone tools (``tools=``), offered with every environment's.
+
+    Raises:
+        ValueError: if an instance's class has no ``reset``.
+    """
+
+    def __init__(self, environment_factory, tools: Sequence[Callable] = ()):
+        self.multi = isinstance(environment_factory, dict)
+        self.factories = dict(environment_factory) if self.multi else {None: environment_factory}
+        self.pool: dict = {}  # environment name -> instances, reused across calls ("construct once, reset often")
+        self.tools: dict = {}  # environment name -> the tools its prompts are rendered with
+        self.reward_funcs: list[Callable] = []  # one per environment class with get_reward
+        self.standalone_tools = list(tools)
+        for name, factory in self.factories.items():
+            instance = factory()
+            if not callable(getattr(type(instance), "reset", None)):
+                raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
+                                 "`reset`.")
+            self.pool[name] = [instance]
+            self.tools[name] = self.tools_of(instance)
+            env_type = type(instance)
+            owned = [f.env_type for f in self.reward_funcs]
+            if callable(getattr(env_type, "get_reward", None)) and env_type not in owned:
+                self.reward_funcs.append(_environment_reward(env_type))
+
+    def tools_of(self, instance) -> list[Callable]:
+        """The standalone tools and ``instance``'s public methods but ``reset`` and ``get_reward``, bound to it."""
+        methods = inspect.getmembers(type(instance), predicate=inspect.isfunction)  # the class: no properties run
+        return self.standalone_tools + [getattr(instance, m) for m, _ in methods
+                                        if m not in ("reset", "get_reward") and not m.startswith("_")]
+
+    def names(self, rows: Sequence[dict]) -> list:
+        """The environment of each row (``None`` for a single factory).
+
+        Raises:
+            ValueError: a row's ``environment`` is not one of the factories' names.
+        """
+        if not self.multi:
+            return [None] * len(rows)
+        names = [row.get("environment") for row in rows]
+        for name in set(names):
+            if name not in self.factories:
+                raise ValueError(f"Example has `environment={name!r}`, which is not among the environments passed to "
+                                 f"`environment_factory`. Expected one of: {list(self.factories)}.")
+        return names
+
+    def instances(self, names: Sequence) -> list:
+        """One pooled instance per row, created only when a call needs more of an environment than exist."""
+        cursor: dict = {}
+        out = []
+        for name in names:
+            index = cursor.get(name, 0)
+            if index == len(self.pool[name]):
+                self.pool[name].append(self.factories[name]())
+            cursor[name] = index + 1
+            out.append(self.pool[name][index])
+        return out
+
+    def reset(self, instances: Sequence, rows: Sequence[dict], prompts: list, seeds: Sequence[int]) -> list:
+        """``reset(**row)`` every instance under its row's seed; a returned string is appended to the last message.
+
+        Args:
+            instances (`Sequence`): From :meth:`instances`, one per row.
+            rows (`Sequence[dict]`): The dataset rows (all columns; ``environment`` is left out for a dict factory).
+            prompts (`list`): The rows' conversational prompts.
+            seeds (`Sequence[int]`): One seed per row for :func:`common_random_numbers`.
+
+        Returns:
+            `list`: The prompts, each with its observation appended (new message dicts: the rows are left untouched).
+        """
+        out = []
+        for instance, row, prompt, seed in zip(instances, rows, prompts, seeds, strict=True):
+            kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
+            with common_random_numbers(seed):
+                observation = instance.reset(**kwargs)
+            if observation is not None:
+                content = prompt[-1]["content"]
+                if isinstance(observation, list) and isinstance(content, str):
+                    content = [{"type": "text", "text": content}]
+                if isinstance(observation, str) and isinstance(content, list):
+                    observation = [{"type": "text", "text": observation}]
+                prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+            out.append(prompt)
+        return out
+
+
+def _environment_reward(env_type: type) -> Callable:
+    """GRPO's reward function of an environment class with ``get_reward``: ``None`` for another class's rows."""
+    if inspect.iscoroutinefunction(env_type.get_reward):
+
+        async def get_reward(environments, **kwargs):
+            return [await e.get_reward() if type(e) is env_type else None for e in environments]
+
+    else:
+
+        def get_reward(environments, **kwargs):
+            return [e.get_reward() if type(e) is env_type else None for e in environments]
+
+    get_reward.__name__ = get_reward.__qualname__ = env_type.__name__  # the reward's name in the metrics
+    get_reward.env_type = env_type
+    return get_reward
+
+
+def task_seeds(seed: int, step: int, rows: Sequence[dict]) -> list[int]:
+    """The seed of each row's ``reset``: a 31-bit hash of the run's ``seed``, the iteration, the row's content and
+    its occurrence among equal rows of the call (the ``num_generations`` copies of a prompt get different tasks, as
+    in GRPO). Never the member, nor the process or the row's position: evaluation split over processes resets a
+    row as one process does.
+
+    Returns:
+        `list[int]`: One seed per row, in ``[0, 2**31)``.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for row in rows:
+        key = repr(sorted(row.items()))
+        occurrence = seen[key] = seen.get(key, -1) + 1
+        text = f"es-task\x00{seed}\x00{step}\x00{key}\x00{occurrence}"
+        out.append(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF)
+    return out
+
+
+@contextmanager
+def common_random_numbers(seed: int):
+    """Seed Python's ``random``, NumPy's global generator and torch's CPU generator with ``seed`` for the block, and
+    restore their states after it: an environment's ``reset`` that draws from them gives every member the same task.
+
+    Args:
+        seed (`int`): A non-negative seed (e.g. from the iteration and the row, never the member).
+    """
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+def check_rollout_output(output, num_rows: int) -> dict:
+    """Check a ``rollout_func`` result: GRPO's required keys (``logprobs`` may be missing: ES needs none).
+
+    Args:
+        output (`dict`): ``prompt_ids`` and ``completion_ids`` (lists of ``num_rows`` id lists), optional ``logprobs``
+            / ``logprob_token_ids`` / ``env_mask`` (ignored), every other key an extra reward keyword argument: a list
+            of ``num_rows`` values, or one value for every row.
+        num_rows (`int`): The rows the function was given.
+
+    Returns:
+        `dict`: The extra fields, each a list of ``num_rows`` values.
+
+    Raises:
+        ValueError: a required key is missing, or a list has another length than ``num_rows``.
+    """
+    if not isinstance(output, dict):
+        raise ValueError(f"rollout_func must return a dict, got {type(output).__name__}.")
+    missing = sorted({"prompt_ids", "completion_ids"} - output.keys())
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+    for key in ("prompt_ids", "completion_ids"):
+        if len(output[key]) != num_rows:
+            raise ValueError(f"rollout_func returned {len(output[key])} {key} for {num_rows} prompts (one per prompt, "
+                             "the prompts repeated num_generations times).")
+    extra = {}
+    for key, value in output.items():
+        if key in ("prompt_ids", "completion_ids", "logprobs", "logprob_token_ids", "env_mask"):
+            continue
+        if isinstance(value, list):
+            if len(value) != num_rows:
+                raise ValueError(f"rollout_func's extra field {key!r} has {len(value)} values for {num_rows} prompts.")
+            extra[key] = value
+        else:
+            extra[key] = [value] * num_rows  # a scalar reaches every row, as GRPO broadcasts it
+    return extra
+
+
+def tool_suffix_ids(processing_class, tool_messages: list[dict], chat_template, chat_template_kwargs: dict) -> list:
+    """The token ids that follow an assistant turn when ``tool_messages`` are appended (GRPO's
+    ``_get_tool_suffix_ids``): rendered on a dummy conversation, cut at the last EOS of the prefix.
+
+    Raises:
+        ValueError: if the template does not render the prefix as a prefix of the whole.
+    """
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    kwargs = dict(tokenize=True, chat_template=chat_template, return_dict=False, **chat_template_kwargs)
+    prefix = processing_class.apply_chat_template(dummy, add_generation_prompt=False, **kwargs)
+    full = processing_class.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, **kwargs)
+    eos = [i for i, token in enumerate(prefix) if token == processing_class.eos_token_id]
+    if eos:  # Qwen-style templates put "\n" after the end-of-turn token
+        prefix = prefix[: eos[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ValueError("Unexpected tokenization: the EOS-trimmed prefix IDs are not a prefix of the full IDs.")
+    return full[len(prefix):]
+
+
+def _tool_dicts(tools: Sequence[Callable]) -> tuple[dict, dict]:
+    sync, async_ = {}, {}
+    for tool in tools:
+        (async_ if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+    return sync, async_
+
+
+def _run_tool_calls(tool_calls: list[dict], sync_tools: dict, async_tools: dict) -> tuple[list, int]:
+    """Run one assistant turn's calls; an unknown name or an exception is the result ``{"error": ...}``.
+
+    Returns:
+        `tuple`: ``[(name, result), ...]`` (sync results first, then the async ones, as GRPO orders them) and the
+        number of failures.
+    """
+    results, pending, failures = [], [], 0
+    for call in tool_calls:
+        if call.get("type") != "function":
+            failures += 1
+            results.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}))
+            continue
+        name, arguments = call["function"]["name"], call["function"].get("arguments") or {}
+        try:
+            if name in sync_tools:
+                results.append((name, sync_tools[name](**arguments)))
+            elif name in async_tools:
+                pending.append((name, async_tools[name](**arguments)))
+            else:
+                raise ValueError(f"Tool {name} not found.")
+        except Exception as error:  # the model called it wrongly: the error is the tool's answer
+            failures += 1
+            results.append((name, {"error": str(error)}))
+    if pending:
+        outputs = await_all([c for _, c in pending], return_exceptions=True)  # concurrently, as GRPO's gather
+        for (name, _), result in zip(pending, outputs, strict=True):
+            if isinstance(result, Exception):
+                failures += 1
+                result = {"error": str(result)}
+            results.append((name, result))
+    return results, failures
+
+
+@dataclass
+class AgentRollout(Rollout):
+    """A :class:`~trl_es.rollout.Rollout` with GRPO's agent features: a multi-turn tool loop, environments,
+    ``rollout_func``. One call is one member's rollout (the model as it is, perturbed or not) on its rows.
+
+    Attributes:
+        tools (`list[Callable]`): Standalone tools (``tools=``).
+        environments (`Environments`, *optional*): ``environment_factory``'s pools.
+        rollout_func (`Callable`, *optional*): ``prompts -> dict`` (``rollout_func(prompts, trainer)`` bound to the
+            trainer): it generates instead of the engine.
+        chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
+        max_tool_calling_iterations (`int`, *optional*): GRPO's; ``None``: no limit.
+        max_completion_length (`int`): The budget of a whole multi-turn completion, tool tokens included.
+        seed (`int`): Keys :func:`common_random_numbers` with the iteration and the row.
+    """
+
+    tools: list | None = None
+    environments: Environments | None = None
+    rollout_func: Callable | None = None
+    chat_template: str | None = None
+    max_tool_calling_iterations: int | None = None
+    max_completion_length: int = 256
+    seed: int = 0
+
+    def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
+                 reward_kwargs: dict | None = None, **generate_kwargs) -> dict:
+        """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times, a rollout per copy) and score it.
+
+        Args:
+            model (`nn.Module`): The (possibly perturbed) model; every turn of the tool loop generates with it.
+            rows (`Sequence[dict]`): Dataset rows (``prompt`` optional with environments).
+            num_row_groups (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members
+                cannot share.
+            reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; its ``trainer_state``'s
+                ``global_step`` keys the environments' random numbers.
+            **generate_kwargs (`Any`): Passed to ``model.generate``.
+
+        Returns:
+            `dict`: :func:`~trl_es.rollout.score_model`'s keys (``completions`` the decoded completion texts, tool
+            turns included; ``num_tokens`` the model's tokens only), plus ``messages`` (the completions as reward
+            functions saw them), ``tool_calls`` and ``tool_failures`` (counts) and ``seconds``.
+
+        Raises:
+            ValueError: ``num_row_groups != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
+        """
+        if num_row_groups != 1:
+            raise ValueError("tools, environment_factory and rollout_func roll out one member per call "
+                             f"(num_row_groups=1), got {num_row_groups}.")
+        start = time.perf_counter()
+        reward_kwargs = dict(reward_kwargs or {})
+        tok = self.processing_class
+        state = reward_kwargs.get("trainer_state")
+        step = int(getattr(state, "global_step", 0) or 0)
+        rows = [row for row in rows for _ in range(self.num_generations)]  # one rollout per (row, generation)
+        n = len(rows)
+        if self.environments is not None:
+            prompts = [copy.deepcopy(row.get("prompt", EMPTY_PROMPT)) for row in rows]
+            names = self.environments.names(rows)
+            instances = self.environments.instances(names)
+            seeds = task_seeds(self.seed, step, rows)  # the same for every member
+            prompts = self.environments.reset(instances, rows, prompts, seeds)
+            row_tools = [self.environments.tools_of(instance) for instance in instances]  # bound to the row's
+            reward_kwargs["environments"] = instances
+        else:
+            prompts = [copy.deepcopy(row["prompt"]) for row in rows]
+            row_tools = [list(self.tools or [])] * n
+        conversational = is_conversational({"prompt": prompts[0]})
+        chat_kwargs = dict(self.chat_template_kwargs or {})
+        extra: dict = {}
+        if self.rollout_func is not None:
+            output = self.rollout_func(copy.deepcopy(prompts))
+            extra = check_rollout_output(output, n)
+            prompt_ids = [list(ids) for ids in output["prompt_ids"]]
+            completion_ids = [list(ids) for ids in output["completion_ids"]]
+        else:
+            if conversational:
+                prompt_ids = [tok.apply_chat_template(p, tools=t or None, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                      **chat_kwargs)
+                              for p, t in zip(prompts, row_tools, strict=True)]
+            else:
+                prompt_ids = tok(text=prompts)["input_ids"]  # plain text: with the tokenizer's special tokens
+            completion_ids = self._generate(model, prompt_ids, **generate_kwargs)
+        parse = conversational and (getattr(tok, "response_template", None) is not None
+                                    or getattr(tok, "response_schema", None) is not None)
+        if parse:
+            from trl.chat_template_utils import parse_response
+
+            messages = [[parse_response(tok, ids, prefix=prompt_ids[j], tools=row_tools[j])]
+                        for j, ids in enumerate(completion_ids)]
+        elif conversational:
+            messages = [[{"role": "assistant", "content": text}]
+                        for text in tok.batch_decode(completion_ids, skip_special_tokens=True)]
+        else:
+            messages = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        tool_tokens, calls, failures = [0] * n, 0, 0
+        if any(row_tools) and conversational:
+            calls, failures = self._tool_call_loop(model, prompt_ids, completion_ids, messages, row_tools, tool_tokens,
+                                                   **generate_kwargs)
+        score_rows = [{**row, **{k: v[j] for k, v in extra.items()}, "prompt": prompts[j]}
+                      for j, row in enumerate(rows)]
+        per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
+        ends = set(stop_token_ids(self.generation_config, model, tok))
+        pad = self.generation_config.pad_token_id
+        pad = tok.pad_token_id if pad is None else pad
+        if pad is not None:
+            ends.add(int(pad))
+        return {
+            "rewards_per_func": per_func,
+            "invalid": invalid,
+            "rewards": self.scorer.weighted(per_func),
+            "completions": tok.batch_decode(completion_ids, skip_special_tokens=True),
+            "completion_ids": completion_ids,
+            "messages": messages,
+            "num_tokens": sum(len(ids) for ids in completion_ids) - sum(tool_tokens),
+            "terminated": [bool(ids) and int(ids[-1]) in ends for ids in completion_ids],
+            "prompt_lengths": [len(ids) for ids in prompt_ids],
+            "tool_calls": calls,
+            "tool_failures": failures,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _generate(self, model, prompt_ids: list[list[int]], **generate_kwargs) -> list[list[int]]:
+        """One completion per token-id prompt, cut after its end-of-turn id (the engine's rule)."""
+        out = generate_completions(model, self.processing_class, prompt_ids, self.generation_config, 1,
+                                   engine=self.engine, **generate_kwargs)
+        return out.ids
+
+    def _tool_call_loop(self, model, prompt_ids, completion_ids, messages, row_tools, tool_tokens,
+                        **generate_kwargs) -> tuple[int, int]:
+        """GRPO's ``_tool_call_loop``: run the calls, append the tool turn to the ids (by concatenation), regenerate
+        the rows that called, until none calls or ``max_tool_calling_iterations``; within ``max_completion_length``
+        (tool tokens included) and the model's length. Updates ``completion_ids``, ``messages`` and ``tool_tokens``
+        in place.
+
+        Returns:
+            `tuple[int, int]`: Tool calls made and calls failed.
+        """
+        from trl.chat_template_utils import parse_response
+
+        tok = self.processing_class
+        chat_kwargs = dict(self.chat_template_kwargs or {})
+        limit = sys.maxsize if self.max_tool_calling_iterations is None else self.max_tool_calling_iterations
+        max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or sys.maxsize
+        dicts = [_tool_dicts(tools) for tools in row_tools]
+        calls, failures, iteration = 0, 0, 0
+        pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]
+        tool_calls = {j: messages[j][0]["tool_calls"] for j in pending}
+        while pending and iteration < limit:
+            extended = {}  # row -> prompt + completion + tool turn ids (no re-tokenization)
+            for j in pending:
+                results, failed = _run_tool_calls(tool_calls[j], *dicts[j])
+                calls, failures = calls + len(tool_calls[j]), failures + failed
+                turn = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+                        for name, result in results]
+                ids = prompt_ids[j] + completion_ids[j] + tool_suffix_ids(tok, turn, self.chat_template, chat_kwargs)
+                if len(ids) - len(prompt_ids[j]) > self.max_completion_length or len(ids) >= max_model_len:
+                    continue  # the tool result does not fit: the row ends as it was (GRPO's rollback)
+                messages[j].extend(turn)
+                extended[j] = ids
+            pending = list(extended)
+            if not pending:
+                break
+            new_ids = self._generate(model, [extended[j] for j in pending], **generate_kwargs)
+            next_pending = []
+            for j, ids in zip(pending, new_ids, strict=True):
+                used = len(extended[j]) - len(prompt_ids[j])
+                ids = ids[: max(0, self.max_completion_length - used)]  # the budget counts the tool tokens
+                tool_tokens[j] += len(extended[j]) - len(prompt_ids[j]) - len(completion_ids[j])
+                completion_ids[j] = extended[j][len(prompt_ids[j]):] + ids
+                if not ids:
+                    continue  # truncated away: nothing to parse
+                turn = parse_response(tok, ids, prefix=extended[j], tools=row_tools[j])
+                messages[j].append(turn)
+                if turn.get("tool_calls"):
+                    tool_calls[j] = turn["tool_calls"]
+                    next_pending.append(j)
+            pending = next_pending
+            iteration += 1
+        return calls, failures
+
+
+def warn_experimental(rollout_func, environment_factory) -> None:
+    """GRPOTrainer's warnings for its experimental ``rollout_func`` and ``environment_factory`` (silenced by
+    ``TRL_EXPERIMENTAL_SILENCE=1``)."""
+    import os
+    import warnings
+
+    if os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") == "1":
+        return
+    for name, value in (("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        if value is not None:
+            warnings.warn(f"You are using '{name}', which is an experimental feature. This API may change or be "
+                          "removed at any time without prior notice. Silence this warning by setting environment "
+                          "variable TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=3)
+
+
+def environment_placeholder_dataset(environments: Environments, args):
+    """GRPO's training data when an environment owns it: ``prompt_batch_size`` rows of an empty user prompt, cycled;
+    ``reset`` supplies each task.
+
+    Raises:
+        ValueError: for a dict factory (its rows need an ``environment`` column), or without ``max_steps``.
+    """
+    from datasets import Dataset
+
+    if environments.multi:
+        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                         "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+                         "single environment factory.")
+    if args.max_steps <= 0:
+        raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
+                         "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
+                         "length. Set it via `ESConfig(max_steps=...)`.")
+    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * args.prompt_batch_size})
+
+
+_warned_member_independent = False
+
+
+def warn_member_independent_rollouts() -> None:
+    """Warn once that every member's ``rollout_func`` completions were the same: the function does not generate with
+    ``trainer.model`` (an external server ES does not drive), so the fitness differences are noise."""
+    global _warned_member_independent
+    if _warned_member_independent:
+        return
+    import warnings
+
+    warnings.warn("Every population member got the same completions from rollout_func: it does not seem to generate "
+                  "with trainer.model, which holds each member's weights while rollout_func runs (an external server "
+                  "that ES does not drive scores the base model for every member). ES then learns nothing but "
+                  "noise; generate with trainer.model inside rollout_func.", UserWarning, stacklevel=3)
+    _warned_member_independent = True
+
+
+def _call_rollout_func(rollout_func: Callable, trainer, prompts: list) -> dict:
+    return rollout_func(prompts, trainer)
+
+
+def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
+    """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``."""
+    import functools
+
+    return functools.partial(_call_rollout_func, rollout_func, trainer)
