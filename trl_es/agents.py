@@ -347,7 +347,9 @@ class AgentRollout(Rollout):
         chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
         max_tool_calling_iterations (`int`, *optional*): GRPO's; ``None``: no limit.
         max_completion_length (`int`): The budget of a whole multi-turn completion, tool tokens included.
-        seed (`int`): Keys :func:`common_random_numbers` with the iteration and the row.
+        seed (`int`): Keys :func:`task_seeds` with the iteration and the row.
+        max_model_len (`int`, *optional*): The engine's context length (vLLM's ``max_model_len``); default the
+            model's ``max_position_embeddings``. A tool turn that would reach it ends the row.
     """
 
     tools: list | None = None
@@ -357,6 +359,7 @@ class AgentRollout(Rollout):
     max_tool_calling_iterations: int | None = None
     max_completion_length: int = 256
     seed: int = 0
+    max_model_len: int | None = None
 
     def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
                  reward_kwargs: dict | None = None, **generate_kwargs) -> dict:
@@ -477,7 +480,8 @@ class AgentRollout(Rollout):
         tok = self.processing_class
         chat_kwargs = dict(self.chat_template_kwargs or {})
         limit = sys.maxsize if self.max_tool_calling_iterations is None else self.max_tool_calling_iterations
-        max_model_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or sys.maxsize
+        max_model_len = self.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings",
+                                                      None) or sys.maxsize
         dicts = [_tool_dicts(tools) for tools in row_tools]
         calls, failures, iteration = 0, 0, 0
         pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]

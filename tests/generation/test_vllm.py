@@ -271,13 +271,14 @@ def mean_code(completions, **kwargs):
     return [sum(map(ord, t)) / (128 * max(1, len(t))) for t in texts]
 
 
-def train(tokenizer, tmp_path, use_vllm, **kwargs):
+def train(tokenizer, tmp_path, use_vllm, trainer_kwargs=None, reward=mean_code, **kwargs):
     model = build_vllm_llama(tokenizer)
     args = ESConfig(output_dir=str(tmp_path / ("vllm" if use_vllm else "hf")), max_steps=2, population_size=4,
                     prompt_batch_size=4, max_completion_length=8, sigma=0.05, learning_rate=0.05, report_to=[],
                     save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0, use_vllm=use_vllm,
                     vllm_kv_cache_memory_bytes=KV, **kwargs)
-    trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompt_rows(), processing_class=tokenizer)
+    trainer = ESTrainer(model, reward, args=args, train_dataset=prompt_rows(), processing_class=tokenizer,
+                        **(trainer_kwargs or {}))
     trainer.train()
     weights = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
     history = [h for h in trainer.state.log_history if "reward" in h]
@@ -302,6 +303,51 @@ def test_trainer_with_vllm_ends_bitwise_as_without(tokenizer, tmp_path, backend)
     replay(replayed, output_dir)
     for name, tensor in replayed.state_dict().items():
         assert torch.equal(tensor, with_vllm[name]), name
+
+
+class StartEnvironment:
+    """An environment whose reset draws its task from `random` (the same for every member: common random numbers)."""
+
+    def reset(self, **kwargs):
+        import random
+
+        self.start = random.randint(0, 9)
+        return f" from {self.start}"
+
+    def get_reward(self) -> float:
+        return self.start / 10
+
+
+def mean_code_and_task(completions, environments, **kwargs):
+    return [m + e.start for m, e in zip(mean_code(completions), environments, strict=True)]
+
+
+def test_trainer_with_vllm_and_environments_ends_bitwise_as_without(tokenizer, tmp_path, monkeypatch):
+    """environment_factory on the vLLM engine: the members' rollouts (resets, tasks, rewards) are those of the HF
+    engine, and the weights end bitwise as without vLLM."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    agents = {"environment_factory": StartEnvironment}
+    with_vllm, history, _ = train(tokenizer, tmp_path, True, agents, mean_code_and_task)
+    without, history_hf, _ = train(tokenizer, tmp_path, False, agents, mean_code_and_task)
+    moved = build_vllm_llama(tokenizer).state_dict()
+    assert any(not torch.equal(with_vllm[k], moved[k]) for k in moved)
+    for name in with_vllm:
+        assert torch.equal(with_vllm[name], without[name]), name
+    assert [h["rewards/StartEnvironment/mean"] for h in history] == [
+        h["rewards/StartEnvironment/mean"] for h in history_hf]
+
+
+def test_engine_generates_from_token_id_prompts_as_from_their_texts(tokenizer):
+    """The tool loop's prompts are token ids (prompt + completion + tool turn): vLLM takes them as they are."""
+    model = build_vllm_llama(tokenizer)
+    engine = make_engine(model, tokenizer)
+    texts = chat_prompts(tokenizer)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    config = build_generation_config(tokenizer, 8)
+    expected = generate_completions(model, tokenizer, texts, config, engine=engine).ids
+    assert generate_completions(model, tokenizer, ids, config, engine=engine).ids == expected
+    assert engine.max_model_len == model.config.max_position_embeddings
+    engine.close()
 
 
 def test_trainer_lowrank_default_selection_leaves_an_untied_head_out(tokenizer, tmp_path):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .base import GenerationEngine
+from .base import GenerationEngine, encode_prompts
 
 
 VLLM_INSTALL_HINT = (
@@ -232,6 +232,7 @@ class VLLMEngine(GenerationEngine):
         if on_cpu and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # vLLM's CPU worker rebinds the thread count of this process
         self.llm = self._generation.llm
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len  # the tool loop's context ceiling
         self._adapter_ids = itertools.count(1)
         self._lora_requests: list = []
 
@@ -357,7 +358,7 @@ class VLLMEngine(GenerationEngine):
         if generate_kwargs:
             raise ValueError(f"use_vllm=True takes no model.generate arguments, got {sorted(generate_kwargs)}.")
         # plain-text prompts with the tokenizer's special tokens (a BOS), chat-templated ones without, as GRPO
-        prompt_ids = processing_class(text=list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        prompt_ids = encode_prompts(processing_class, texts, add_special_tokens)  # or the tool loop's ids
         config = with_model_defaults(generation_config, getattr(model, "generation_config", None))
         params = self.sampling_params(config, len(prompt_ids))
         lora = None

@@ -304,14 +304,17 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
-        if self._agents:  # the tool loop regenerates some rows of one member: through the eager/compiled engines
-            unsupported = [what for what, on in (("use_vllm=True", args.use_vllm), ("DeepSpeed ZeRO-3", self.sharded),
-                                                 ("stacked low-rank members (member_chunk_size > 1)",
-                                                  population.stacked and args.member_chunk_size != 1)) if on]
+        if self._agents:  # the tool loop regenerates some rows of one member, so one member a generate call
+            unsupported = [what for what, on in (
+                ("DeepSpeed ZeRO-3", self.sharded),
+                ("stacked low-rank members (member_chunk_size > 1)",
+                 population.stacked and args.member_chunk_size != 1),
+                ("rollout_func and use_vllm=True (trainer.model does not hold the member the engine holds)",
+                 self.rollout_func is not None and args.use_vllm)) if on]
             if unsupported:
                 raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
                                  f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
-                                 "through the eager or compiled engine (use_vllm=False, member_chunk_size=1).")
+                                 "(member_chunk_size=1).")
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
@@ -450,7 +453,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                             environments=self.environments, rollout_func=rollout_func,
                             chat_template=self.chat_template,
                             max_tool_calling_iterations=args.max_tool_calling_iterations,
-                            max_completion_length=args.max_completion_length, seed=args.seed)
+                            max_completion_length=args.max_completion_length, seed=args.seed,
+                            max_model_len=getattr(self.generation_engine, "max_model_len", None))
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
