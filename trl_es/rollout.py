@@ -36,8 +36,9 @@ from .generation import GenerationEngine, eos_token_ids, generate_completions, p
 
 logger = logging.getLogger(__name__)
 
-def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
-    """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column.
+def validate_dataset(dataset, field_name: str = "train_dataset", prompt_required: bool = True) -> None:
+    """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column (``prompt_required=False``: an
+    environment supplies the prompt, as GRPO's ``environment_factory`` may).
 
     A map-style dataset (``datasets.Dataset``, a list of rows) is checked by its columns and length. An iterable one
     (``datasets.IterableDataset``, e.g. ``load_dataset(..., streaming=True)`` or ``Dataset.to_iterable_dataset()``)
@@ -50,7 +51,7 @@ def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and prompt_required:
         raise ValueError(
             f"{field_name} must have a 'prompt' column (TRL's standard or conversational prompt format); "
             f"found columns {list(columns)}."
@@ -59,7 +60,7 @@ def validate_dataset(dataset, field_name: str = "train_dataset") -> None:
         first = next(iter(dataset), None)
         if first is None:
             raise ValueError(f"{field_name} is an empty iterable dataset: ES needs at least one prompt.")
-        if not isinstance(first, dict) or "prompt" not in first:
+        if not isinstance(first, dict) or ("prompt" not in first and prompt_required):
             found = sorted(first) if isinstance(first, dict) else type(first).__name__
             raise ValueError(f"{field_name} must yield rows with a 'prompt' field (TRL's standard or conversational "
                              f"prompt format); its first row has {found}.")

@@ -1,8 +1,9 @@
 """TRL's own GRPOTrainer tests, ported to ESTrainer: every case of ``tests/test_grpo_trainer.py`` (huggingface/trl
 main) that concerns what a user brings along (datasets, eval sets, reward functions and models, models and PEFT,
-generation settings, logging options) runs here against ``ESTrainer`` under the TRL test's own name; every other case
-is listed in :data:`NOT_PORTED` with the reason ES does not port it (:func:`test_every_trl_case_is_ported_or_listed`
-checks that the two together cover every TRL test name, :data:`TRL_TEST_NAMES`).
+generation settings, logging options, tools, environments and rollout_func) runs here against ``ESTrainer`` under the
+TRL test's own name; every other case is listed in :data:`NOT_PORTED` with the reason ES does not port it
+(:func:`test_every_trl_case_is_ported_or_listed` checks that the two together cover every TRL test name,
+:data:`TRL_TEST_NAMES`).
 
 How the TRL tests translate:
 
@@ -20,23 +21,33 @@ How the TRL tests translate:
   ``learning_rate``, and ``max_steps`` (TRL trains 3 epochs).
 * TRL's "every parameter changed" assertion holds for ES too (full-rank noise moves every trained parameter when the
   members' fitness differs); where TRL expects no change, ES's step is bitwise zero.
+* The agent tests (tools, environments) patch ``model.generate`` as TRL does, with scripted text instead of token ids,
+  on tests/tiny.py's character-level Llama with TRL's Qwen2.5 chat template: every member then rolls out the same
+  completions, so the members' fitness is equal and ES's step is bitwise zero where TRL asserts that every parameter
+  changed.
 """
 
 import asyncio
+import json
 import math
 import os
 import re
 import statistics
 import string
-from unittest.mock import patch
+from pathlib import Path
+from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
+import trl
 from datasets import Dataset, DatasetDict, IterableDatasetDict
+from tiny import build_llama
+from tiny import build_tokenizer as char_tokenizer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from trl_es import ESConfig, ESTrainer
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread is faster
 
@@ -99,8 +110,6 @@ TRL_TEST_NAMES = (  # every `def test_...` of trl tests/test_grpo_trainer.py (al
 
 _ENTROPY_MASK = ("TestGetHighEntropyMask (GRPOTrainer.get_high_entropy_mask): ES computes no token entropies; its "
                  "exploration is sigma (and sampling).")
-_ROLLOUT_FUNC = ("TestGRPORolloutDispatch (GRPOTrainer's rollout_func, a user-supplied generation function): ESTrainer "
-                 "takes no rollout_func; not supported yet.")
 _CB_CONTRACT = ("TestTransformersContinuousBatchingContract (transformers' continuous batching returning GRPO's "
                 "logprobs): ES does not generate with continuous batching (use_transformers_continuous_batching is "
                 "refused, not yet) and needs no log-probabilities.")
@@ -108,9 +117,6 @@ _LIGER = "Liger's fused GRPO loss: ES computes no loss (use_liger_kernel has not
 _ENTROPY = "Entropy regularization / filtering of the GRPO loss: ES computes no loss and no token entropies."
 _OFF_POLICY = "Off-policy masking of the GRPO loss (KL to the generation policy): ES keeps no old policy and no KL."
 _VLM = "Vision-language models (images in the prompts): not supported by ESTrainer yet."
-_TOOLS = "Tool calling (GRPOTrainer's tools=): not supported by ESTrainer yet."
-_ENVIRONMENTS = ("Environments (environment_factory, environment-owned rewards and data): not supported by ESTrainer "
-                 "yet.")
 
 NOT_PORTED = {
     # helper classes at the top of the TRL file
@@ -120,9 +126,12 @@ NOT_PORTED = {
     "test_compute_entropy_threshold_0": _ENTROPY_MASK,
     "test_compute_entropy_threshold_1": _ENTROPY_MASK,
     "test_compute_entropy_all_masked": _ENTROPY_MASK,
-    "test_generate_prefers_rollout_func": _ROLLOUT_FUNC,
-    "test_generate_rollout_func_syncs_vllm_weights_when_needed": _ROLLOUT_FUNC,
-    "test_generate_rollout_func_raises_when_required_keys_are_missing": _ROLLOUT_FUNC,
+    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "TestGRPORolloutDispatch (rollout_func syncing the "
+                                                                 "vLLM weights before it runs): ES's rollout_func "
+                                                                 "runs without vLLM (tools, environments and "
+                                                                 "rollout_func with use_vllm=True are refused by "
+                                                                 "ESTrainer for now); it generates with "
+                                                                 "trainer.model, which holds each member's weights.",
     "test_generation_output_has_logprobs_field": _CB_CONTRACT,
     "test_generation_output_logprobs_accepts_floats": _CB_CONTRACT,
     "test_continuous_batching_config_has_return_logprobs": _CB_CONTRACT,
@@ -175,17 +184,6 @@ NOT_PORTED = {
                                                                  "neither.",
     "test_train_delta_clipping": "delta (two-sided clipping of the importance ratio): ES has no ratio.",
     "test_train_sequence_importance_sampling": "importance_sampling_level='sequence': ES has no importance ratio.",
-    "test_train_with_tools": _TOOLS,
-    "test_train_with_multiple_environments": _ENVIRONMENTS,
-    "test_train_with_unknown_environment_raises": _ENVIRONMENTS,
-    "test_train_with_environment_factory": _ENVIRONMENTS,
-    "test_train_with_environment_owned_reward": _ENVIRONMENTS,
-    "test_environment_owned_reward_coexists_with_reward_funcs": _ENVIRONMENTS,
-    "test_environment_owned_reward_mixed_environments": _ENVIRONMENTS,
-    "test_environment_owned_data_requires_max_steps": _ENVIRONMENTS,
-    "test_multiple_environments_without_dataset_raises": _ENVIRONMENTS,
-    "test_train_with_environment_owned_data": _ENVIRONMENTS,
-    "test_train_with_malformed_tool_calls": _TOOLS,
     # TestGRPOTrainerVLM
     "test_train_vlm": _VLM,
     "test_train_vlm_with_pad_to_multiple_of": _VLM,
@@ -196,7 +194,7 @@ NOT_PORTED = {
     "test_train_vlm_and_vllm": _VLM,
     "test_train_vlm_multi_image": _VLM,
     "test_train_vlm_log_multimodal_false": _VLM,
-    "test_train_with_tools_multimodal_response": _VLM + " " + _TOOLS,
+    "test_train_with_tools_multimodal_response": _VLM,
     # TestGRPOTrainerSlow (GPU)
     "test_train_with_liger_grpo_kernel": _LIGER + " (GPU test.)",
     "test_train_with_liger_grpo_kernel_and_peft": _LIGER + " (GPU test.)",
@@ -225,7 +223,7 @@ def test_every_trl_case_is_ported_or_listed():
     assert all(reason.strip() for reason in NOT_PORTED.values())
     for name in ported:  # each port names its TRL test first thing in its docstring
         assert (module[name].__doc__ or "").startswith(f"TRL: TestGRPOTrainer.{name}."), name
-    assert len(ported) == 45 and len(listed) == 71
+    assert len(ported) == 58 and len(listed) == 58
 
 
 # ---------------------------------------------------------------------------------------------- tiny stand-ins
@@ -1317,16 +1315,590 @@ def test_train_with_pad_to_multiple_of(tmp_path, qwen2_dir, reward_model_dir):
 
 # ---------------------------------------------------------------------------------------------- missing pieces
 def test_no_reward_source_raises(tmp_path, qwen2_dir):
-    """TRL: TestGRPOTrainer.test_no_reward_source_raises. No reward source: construction fails fast. Changed:
-    ESTrainer has no environments, so reward_funcs is required; reward_funcs=None is refused by name."""
-    with pytest.raises(ValueError, match="reward_funcs must be"):
-        ESTrainer(model=qwen2_dir, reward_funcs=None, args=init_args(tmp_path),
+    """TRL: TestGRPOTrainer.test_no_reward_source_raises. Neither reward_funcs nor an environment-owned get_reward:
+    construction fails fast, with GRPO's message. Changed: the tiny Qwen2 stand-in for TRL's tiny Qwen3 (any policy
+    does). Added: an environment without get_reward is no reward source either."""
+    with pytest.raises(ValueError, match="No reward source provided"):
+        ESTrainer(model=qwen2_dir, args=init_args(tmp_path),
                   train_dataset=zen("conversational_prompt_only", split="train"))
+
+    class NoRewardEnvironment:
+        def reset(self, **kwargs): ...
+
+    with patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1"}), pytest.raises(ValueError,
+                                                                                  match="No reward source provided"):
+        ESTrainer(model=qwen2_dir, args=init_args(tmp_path, max_steps=1), environment_factory=NoRewardEnvironment)
 
 
 def test_dataset_required_without_environment(tmp_path, qwen2_dir, reward_model_dir):
     """TRL: TestGRPOTrainer.test_dataset_required_without_environment. No train_dataset (and no environment to own
     the data): training is refused. Changed: ES, as Trainer, constructs without one (for evaluate()) and refuses at
-    train()."""
+    train() (GRPO refuses at construction, "`train_dataset` is required")."""
     with pytest.raises(ValueError, match="train_dataset"):
         ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=init_args(tmp_path, max_steps=1)).train()
+
+
+# ---------------------------------------------------------------------------------------------- agents
+QWEN2_5_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+
+
+def tool_tokenizer():
+    """tests/tiny.py's character-level tokenizer with TRL's Qwen2.5 chat template (TRL parses its tool calls), as
+    TRL's tiny Qwen3 MoE renders and parses them."""
+    tok = char_tokenizer()
+    tok.chat_template = QWEN2_5_TEMPLATE
+    return tok
+
+
+def tool_model(tok):
+    model = build_llama(tok)
+    model.config.max_position_embeddings = 4096  # a prompt with a tool schema is ~900 characters
+    return model
+
+
+def agent_args(tmp_path, **kwargs):
+    """TRL's GRPOConfig of its tool and environment tests in ES terms: ``per_device_train_batch_size=3`` with
+    ``num_generations=3`` is one prompt's 3 rollouts a step (``prompt_batch_size=1``), for 2 members; a character
+    tokenizer needs a longer completion budget (a tool call is ~80 tokens). GRPOConfig's ``logging_steps=10``: a
+    short run's metrics land in the last entry of ``log_history``, where TRL reads them."""
+    defaults = dict(output_dir=str(tmp_path / "out"), prompt_batch_size=1, num_generations=3, population_size=2,
+                    max_completion_length=400, sigma=0.02, learning_rate=0.02, max_steps=1,
+                    noise_table_size=SMALL_TABLE, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                    logging_steps=10)
+    defaults.update(kwargs)
+    return ESConfig(**defaults)
+
+
+def scripted(tok, script, calls):
+    """TRL's ``fake_generate`` with text: ``script(prompt_text, index) -> completion text`` for the ``index``-th row of
+    each ``generate`` call (ES calls it once per member and turn, with all the rows that are still rolling out); each
+    call's decoded prompts are appended to ``calls``. Completions are right-padded with the pad id."""
+
+    def generate(input_ids=None, attention_mask=None, **kwargs):
+        prompts = [tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+                   for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
+        calls.append(prompts)
+        rows = [tok(script(prompt, index), add_special_tokens=False)["input_ids"]
+                for index, prompt in enumerate(prompts)]
+        width = max(len(r) for r in rows)
+        out = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(out, dtype=input_ids.dtype)], dim=1)
+
+    return generate
+
+
+def turn_of(prompt: str) -> int:
+    """The tool turns a prompt already holds (0: the first generation)."""
+    return prompt.count("<tool_response>")
+
+
+def tool_call(name, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call><|im_end|>'
+
+
+def multiply_tool(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_multiply_tool(a: int, b: int) -> int:
+    """
+    Asynchronously multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+@pytest.mark.parametrize("tools", [[multiply_tool], [async_multiply_tool]])
+def test_train_with_tools(tmp_path, tools, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_tools. A (sync or async) tool, a scripted generate: of the 3 rollouts, 2
+    call the tool (one succeeds, one fails on a wrong argument name) and are regenerated after the tool turn, one
+    answers directly: tools/call_frequency 2/3, tools/failure_frequency 1/2. Changed: a scripted text generate on the
+    tiny character-level Llama with TRL's Qwen2.5 template (TRL scripts Qwen3-MoE token ids); every member produces the
+    same completions, so the fitness does not differ and ES's step is bitwise zero (TRL: every parameter changed).
+    Added: each member generates twice (3 rows, then the 2 that called); a second reward function (constant 0) records
+    what the rewards see: the tool results and the answers after them."""
+    tok = tool_tokenizer()
+    seen = []
+
+    def tool_reward(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=[reward_model_dir, tool_reward], args=agent_args(tmp_path),
+                        train_dataset=zen("conversational_prompt_only", split="train"), processing_class=tok,
+                        tools=tools)
+    previous = params(trainer.model)
+    tool_name = tools[0].__name__
+    first = [tool_call(tool_name, a=3, b=4), tool_call(tool_name, a=3, c=4), "I don't know any tool<|im_end|>"]
+    calls = []
+    script = scripted(tok, lambda prompt, i: first[i] if turn_of(prompt) == 0 else "Done!<|im_end|>", calls)
+    with patch.object(trainer.model, "generate", side_effect=script):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    log = trainer.state.log_history[-1]
+    assert log["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert log["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert [(len(c), {turn_of(p) for p in c}) for c in calls] == [(3, {0}), (2, {1})] * 2  # per member: 2 turns
+    assert len(seen) == 2 * 3
+    for completion in seen[:3]:
+        assert [m["role"] for m in completion] == ["assistant", "tool", "assistant"][: len(completion)]
+    assert [len(c) for c in seen[:3]] == [3, 3, 1]
+    assert seen[0][1]["content"] == "12" and "error" in seen[1][1]["content"]
+    assert seen[0][2]["content"] == "Done!" and seen[2][0]["content"] == "I don't know any tool"
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+def test_train_with_malformed_tool_calls(tmp_path, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_malformed_tool_calls. Three malformed tool calls (no name, a misspelt tag,
+    unquoted JSON keys): none is run, so generate is called once (3 rows, never a second turn) and training goes on.
+    Changed: scripted text on the tiny character-level Llama (as in test_train_with_tools); ES's step is bitwise zero
+    (every member the same completions; TRL: every parameter changed). Added: no call is counted
+    (tools/call_frequency 0)."""
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=reward_model_dir, args=agent_args(tmp_path),
+                        train_dataset=zen("conversational_prompt_only", split="train"), processing_class=tok,
+                        tools=[multiply_tool])
+    previous = params(trainer.model)
+    malformed = ['<tool_call>\n{"arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+                 '<toolcall>\n{"arguments": {"a": 3, "b": 4}}\n</toolcall><|im_end|>',
+                 '<tool_call>\n{"arguments": {a: 3, b: 4}}\n</tool_call><|im_end|>']
+    calls = []
+    with patch.object(trainer.model, "generate", side_effect=scripted(tok, lambda prompt, i: malformed[i], calls)):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert [len(c) for c in calls] == [3, 3]  # one call per member: no second turn
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == 0.0
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+def test_train_with_multiple_environments(tmp_path, monkeypatch, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_multiple_environments. A dict environment_factory: each row's
+    ``environment`` picks its environment, whose tools alone it sees; a batch [counter, counter, echo, echo] calls
+    ``increment`` from a counter row and ``shout`` from an echo row (2 calls in 4 rollouts, none failing), each
+    dispatched to its own environment; both are reset, without the ``environment`` control field. Changed: scripted
+    text (test_train_with_tools); ``trainer.environments.tools`` / ``.pool`` are GRPO's ``_env_tools`` /
+    ``_environment_pool``; the calls and resets are counted exactly (2 members x 1 step); ES's step is bitwise zero
+    (every member the same completions; TRL: every parameter changed)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    dataset = Dataset.from_dict({"environment": ["counter", "echo"] * 8})
+    reset_kwargs_seen = {"counter": [], "echo": []}
+    tool_calls_made = {"increment": [], "shout": []}
+
+    class CounterEnvironment:
+        def reset(self, **kwargs):
+            reset_kwargs_seen["counter"].append(kwargs)
+            return "Count."
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            tool_calls_made["increment"].append(step)
+            return step
+
+    class EchoEnvironment:
+        def reset(self, **kwargs):
+            reset_kwargs_seen["echo"].append(kwargs)
+            return "Echo."
+
+        def shout(self, text: str) -> str:
+            """
+            Shout the given text.
+
+            Args:
+                text: Text to shout.
+
+            Returns:
+                The text in upper case.
+            """
+            tool_calls_made["shout"].append(text)
+            return text.upper()
+
+    tok = tool_tokenizer()
+    args = agent_args(tmp_path, prompt_batch_size=2, num_generations=2, shuffle_dataset=False)
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=reward_model_dir, args=args, train_dataset=dataset,
+                        processing_class=tok,
+                        environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment})
+    assert [tool.__name__ for tool in trainer.environments.tools["counter"]] == ["increment"]
+    assert [tool.__name__ for tool in trainer.environments.tools["echo"]] == ["shout"]
+    assert len(trainer.environments.pool["counter"]) == 1
+    assert len(trainer.environments.pool["echo"]) == 1
+    previous = params(trainer.model)
+
+    first = [tool_call("increment", step=1), "I won't<|im_end|>", tool_call("shout", text="hi"), "Done!<|im_end|>"]
+
+    def script(prompt, i):
+        if turn_of(prompt) == 0:
+            assert ("Count." if i < 2 else "Echo.") in prompt  # the batch is [counter, counter, echo, echo]
+            return first[i]
+        return "Done!<|im_end|>"
+
+    calls = []
+    with patch.object(trainer.model, "generate", side_effect=scripted(tok, script, calls)):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert tool_calls_made == {"increment": [1, 1], "shout": ["hi", "hi"]}  # one of each per member
+    log = trainer.state.log_history[-1]
+    assert log["tools/call_frequency"] == pytest.approx(2 / 4)
+    assert log["tools/failure_frequency"] == pytest.approx(0.0)
+    assert reset_kwargs_seen == {"counter": [{}] * 4, "echo": [{}] * 4}  # 2 rows of each x 2 members, no field
+    assert [len(c) for c in calls] == [4, 2] * 2
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+def test_train_with_unknown_environment_raises(tmp_path, monkeypatch, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_unknown_environment_raises. A row whose ``environment`` is not a key of
+    the dict environment_factory: train() fails with a clear ValueError, not a KeyError mid-rollout. Changed: the tiny
+    character-level Llama with TRL's Qwen2.5 template. Added: the weights are bitwise unchanged."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    dataset = zen("conversational_prompt_only", split="train").map(lambda example: {"environment": "unknown"})
+
+    class CounterEnvironment:
+        def reset(self, **kwargs): ...
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the internal counter.
+
+            Args:
+                step: Value to add to the counter.
+
+            Returns:
+                The updated counter value.
+            """
+            return step
+
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=reward_model_dir,
+                        args=agent_args(tmp_path, prompt_batch_size=3), train_dataset=dataset, processing_class=tok,
+                        environment_factory={"counter": CounterEnvironment})
+    previous = params(trainer.model)
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+    assert_unchanged(previous, trainer.model)
+
+
+class CounterDummyEnvironment:
+    """TRL's DummyEnvironment of test_train_with_environment_factory: a counter the ``increment`` tool moves."""
+
+    def reset(self, **kwargs):
+        self._counter = 0
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self._counter += step
+        return self._counter
+
+
+def counter_script(tok, calls):
+    """TRL's fake_generate of the environment tests: a valid ``increment`` call, a call of a tool that does not
+    exist, a plain answer; then "Done!" after the tool turn."""
+    first = [tool_call("increment", step=1), tool_call("decrement", step=2), "I won't increment<|im_end|>"]
+    return scripted(tok, lambda prompt, i: first[i] if turn_of(prompt) == 0 else "Done!<|im_end|>", calls)
+
+
+def test_train_with_environment_factory(tmp_path, monkeypatch, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_train_with_environment_factory. An environment (no train_dataset: it owns the data,
+    max_steps sets the length) whose ``increment`` is a tool: of 3 rollouts, one increments, one calls an unknown tool
+    (a failure), one calls none: tools/call_frequency 2/3, tools/failure_frequency 1/2, and the 3 environments'
+    counters are 1, 0, 0. Changed: scripted text (test_train_with_tools); GRPO's ``trainer.environments`` (the last
+    batch's instances) is ``trainer.environments.pool[None]`` (ES's pool, reset for every member: the counters are the
+    last member's); max_steps=2 (TRL: 5); ES's step is bitwise zero (every member the same completions; TRL: every
+    parameter changed)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=reward_model_dir, args=agent_args(tmp_path, max_steps=2),
+                        processing_class=tok, environment_factory=CounterDummyEnvironment)
+    previous = params(trainer.model)
+    calls = []
+    with patch.object(trainer.model, "generate", side_effect=counter_script(tok, calls)):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    log = trainer.state.log_history[-1]
+    assert log["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert log["tools/failure_frequency"] == pytest.approx(1 / 2)
+    environments = trainer.environments.pool[None]
+    assert [e._counter for e in environments] == [1, 0, 0]  # incremented once; failed call; no call
+    assert [len(c) for c in calls] == [3, 2] * 2 * 2  # 2 steps x 2 members x 2 turns
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+def test_train_with_environment_owned_reward(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_train_with_environment_owned_reward. test_train_with_environment_factory's setup, but
+    the environment owns the reward (``get_reward``, the final counter) and no reward_funcs is given: it is the only
+    reward (named after the class, weight 1), ``increment`` is a tool and neither ``reset`` nor ``get_reward`` is;
+    counters 1, 0, 0 log rewards/DummyEnvironment/mean 1/3. Changed: scripted text (test_train_with_tools); max_steps=2 (TRL: 5); ES's step is
+    bitwise zero (every member the same completions; TRL: every parameter changed)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class DummyEnvironment(CounterDummyEnvironment):
+        def get_reward(self) -> float:
+            return float(self._counter)
+
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), args=agent_args(tmp_path, max_steps=2), processing_class=tok,
+                        environment_factory=DummyEnvironment)
+    assert trainer.reward_func_names == ["DummyEnvironment"]
+    assert trainer.reward_weights.tolist() == [1.0]
+    tool_names = [tool.__name__ for tool in trainer.tools]
+    assert "increment" in tool_names
+    assert "get_reward" not in tool_names
+    assert "reset" not in tool_names
+    previous = params(trainer.model)
+    with patch.object(trainer.model, "generate", side_effect=counter_script(tok, [])):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["rewards/DummyEnvironment/mean"] == pytest.approx(1 / 3)
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+def test_environment_owned_reward_coexists_with_reward_funcs(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_environment_owned_reward_coexists_with_reward_funcs. reward_funcs and an
+    environment's ``get_reward``: the latter comes after them (named after the class) with weight 1, reward_weights
+    weighting only the trainer's own; ``guess`` is a tool, ``get_reward`` is not. Changed: the tiny character-level
+    Llama with TRL's Qwen2.5 template; max_steps=2 (TRL: 5)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class DummyEnvironment:
+        def reset(self, **kwargs):
+            self._solved = False
+
+        def guess(self, word: str) -> str:
+            """
+            Submit a guess.
+
+            Args:
+                word: The guessed word.
+
+            Returns:
+                Feedback about the guess.
+            """
+            return "nope"
+
+        def get_reward(self) -> float:
+            return 1.0 if self._solved else 0.0
+
+    def format_reward(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=format_reward,
+                        args=agent_args(tmp_path, prompt_batch_size=3, max_steps=2, reward_weights=[0.5]),
+                        processing_class=tok, environment_factory=DummyEnvironment)
+    assert trainer.reward_func_names == ["format_reward", "DummyEnvironment"]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+    assert len(trainer.reward_funcs) == 2
+    tool_names = [tool.__name__ for tool in trainer.tools]
+    assert "guess" in tool_names
+    assert "get_reward" not in tool_names
+
+
+def test_environment_owned_reward_mixed_environments(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_environment_owned_reward_mixed_environments. A dict environment_factory where only
+    one class owns its reward, under two names: one reward column for it (deduplicated by class, weight 1) after the
+    trainer's, and its reward function scores only rollouts of that class (None for the others, no AttributeError).
+    Changed: the tiny character-level Llama with TRL's Qwen2.5 template."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class ScoredEnvironment:  # owns its reward
+        def reset(self, **kwargs): ...
+
+        def act(self, x: int) -> int:
+            """
+            Act.
+
+            Args:
+                x: A value.
+
+            Returns:
+                The value.
+            """
+            return x
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    class PlainEnvironment:  # no `get_reward`; scored by `reward_funcs`
+        def reset(self, **kwargs): ...
+
+        def play(self, x: int) -> int:
+            """
+            Play.
+
+            Args:
+                x: A value.
+
+            Returns:
+                The value.
+            """
+            return x
+
+    def format_reward(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    dataset = Dataset.from_dict({"environment": ["scored", "scored2", "plain"]})
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=format_reward,
+                        args=agent_args(tmp_path, prompt_batch_size=3), train_dataset=dataset, processing_class=tok,
+                        environment_factory={"scored": ScoredEnvironment, "scored2": ScoredEnvironment,
+                                             "plain": PlainEnvironment})
+    assert trainer.reward_func_names == ["format_reward", "ScoredEnvironment"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    env_reward_func = trainer.reward_funcs[-1]
+    rewards = env_reward_func(environments=[ScoredEnvironment(), PlainEnvironment()])
+    assert rewards == [1.0, None]
+
+
+def test_environment_owned_data_requires_max_steps(tmp_path, monkeypatch, qwen2_dir, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_environment_owned_data_requires_max_steps. An environment owns the data (no
+    train_dataset) and max_steps is unset: construction fails, naming max_steps. Changed: the tiny Qwen2 stand-in for
+    TRL's tiny Qwen3."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class DummyEnvironment:
+        def reset(self, **kwargs):
+            return "Guess the 5-letter word."
+
+    with pytest.raises(ValueError, match="max_steps"):
+        ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=init_args(tmp_path),  # max_steps unset
+                  environment_factory=DummyEnvironment)
+
+
+def test_multiple_environments_without_dataset_raises(tmp_path, monkeypatch, qwen2_dir, reward_model_dir):
+    """TRL: TestGRPOTrainer.test_multiple_environments_without_dataset_raises. A dict environment_factory without a
+    train_dataset (no ``environment`` column to route the rows): construction fails with a clear message. Changed: the
+    tiny Qwen2 stand-in for TRL's tiny Qwen3."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class EnvA:
+        def reset(self, **kwargs): ...
+
+    class EnvB:
+        def reset(self, **kwargs): ...
+
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=init_args(tmp_path, max_steps=1),
+                  environment_factory={"a": EnvA, "b": EnvB})
+
+
+def test_train_with_environment_owned_data(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_train_with_environment_owned_data. The environment owns the data: no train_dataset,
+    ``reset()`` returns the prompt, max_steps sets the length; completions of 3 lengths are scored by their length.
+    Changed: scripted text on the tiny character-level Llama (TRL scripts token ids; max_completion_length=16
+    characters, TRL: 8 tokens); max_steps=2 (TRL: 5); ES's step is bitwise zero (every member the same completions;
+    TRL: every parameter changed). Added: every prompt is the reset's, and the rewards are 5, 9, 13."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    class GuessTheWordEnvironment:
+        def reset(self, **kwargs):
+            return "Guess the 5-letter word."  # the env owns the data and returns the prompt
+
+    texts = ["Done!<|im_end|>", "DoneDone!<|im_end|>", "DoneDoneDone!<|im_end|>"]
+    rewards = []
+
+    def reward_len(completions, **kwargs):
+        out = [float(len(completion[-1]["content"])) for completion in completions]
+        rewards.append(out)
+        return out
+
+    tok = tool_tokenizer()
+    trainer = ESTrainer(model=tool_model(tok), reward_funcs=reward_len,
+                        args=agent_args(tmp_path, max_steps=2, max_completion_length=16), processing_class=tok,
+                        environment_factory=GuessTheWordEnvironment)
+    previous = params(trainer.model)
+    calls = []
+    with patch.object(trainer.model, "generate", side_effect=scripted(tok, lambda prompt, i: texts[i % 3], calls)):
+        trainer.train()
+
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert all("Guess the 5-letter word." in prompt for call in calls for prompt in call)
+    assert rewards == [[5.0, 9.0, 13.0]] * 2 * 2  # 2 steps x 2 members
+    assert_unchanged(previous, trainer.model)  # every member the same completions: a zero step
+
+
+# ---------------------------------------------------------------------------------------------- rollout_func
+def rollout_func_trainer(tmp_path, rollout_func, reward_funcs):
+    """An ESTrainer with ``rollout_func`` on the tiny character-level Llama, whose generate must not run."""
+    tok = char_tokenizer()
+    model = build_llama(tok)
+    model.generate = MagicMock(side_effect=AssertionError("generate called despite rollout_func"))
+    args = agent_args(tmp_path, num_generations=1, max_completion_length=8)
+    return ESTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=zen(split="train"),
+                     processing_class=tok, rollout_func=rollout_func)
+
+
+def test_generate_prefers_rollout_func(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_generate_prefers_rollout_func. With a rollout_func, a rollout calls it once with the
+    prompts and the trainer instead of generating, and its prompt_ids and completion_ids are the rollout's. Changed:
+    TRL's class is TestGRPORolloutDispatch, which calls ``GRPOTrainer._generate`` on a bare trainer; here a real
+    ESTrainer's ``trainer.rollout(trainer.model, rows)`` (one member's rollout), generate unused; ES ignores logprobs
+    and env_mask (no loss, no token masks; GRPO's tool_mask). Added: what the rewards see (the decoded completion and
+    an extra field, neither logprobs nor env_mask)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.append((completions, kwargs))
+        return [0.0] * len(completions)
+
+    rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[-0.1]],
+                                           "env_mask": [[1]], "tag": ["x"]})
+    trainer = rollout_func_trainer(tmp_path, rollout_func, reward)
+    result = trainer.rollout(trainer.model, [{"prompt": "prompt"}])
+
+    assert result["prompt_lengths"] == [1]  # prompt_ids
+    assert result["completion_ids"] == [[2]]  # completion_ids
+    rollout_func.assert_called_once_with(["prompt"], trainer)
+    trainer.model.generate.assert_not_called()
+    (completions, kwargs), = seen
+    assert completions == [""] and kwargs["completion_ids"] == [[2]]  # id 2 is the tiny tokenizer's EOS
+    assert kwargs["tag"] == ["x"] and "logprobs" not in kwargs and "env_mask" not in kwargs
+
+
+def test_generate_rollout_func_raises_when_required_keys_are_missing(tmp_path, monkeypatch):
+    """TRL: TestGRPOTrainer.test_generate_rollout_func_raises_when_required_keys_are_missing. A rollout_func output
+    without a required key: ValueError naming it. Changed: TRL's class is TestGRPORolloutDispatch (a bare trainer's
+    ``_generate``; here ``trainer.rollout``); ES needs no logprobs, so only prompt_ids and completion_ids are required:
+    TRL's output (no logprobs) is accepted, one without completion_ids is refused."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]]})
+    trainer = rollout_func_trainer(tmp_path, rollout_func, lambda completions, **kwargs: [0.0] * len(completions))
+    assert trainer.rollout(trainer.model, [{"prompt": "prompt"}])["completion_ids"] == [[2]]
+
+    rollout_func.return_value = {"prompt_ids": [[1]]}
+    with pytest.raises(ValueError, match=re.escape("rollout_func must return keys ['completion_ids']")):
+        trainer.rollout(trainer.model, [{"prompt": "prompt"}])

@@ -244,7 +244,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
         if train_dataset is None and self.environments is not None:
             train_dataset = environment_placeholder_dataset(self.environments, args)
-        validate_dataset(train_dataset, "train_dataset")
+        validate_dataset(train_dataset, "train_dataset", prompt_required=self.environments is None)
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
             train_dataset = SharedStream(train_dataset)
@@ -437,6 +437,16 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     @reward_processing_classes.setter
     def reward_processing_classes(self, value: list) -> None:
         self.reward_scorer.processing_classes = value
+
+    @property
+    def reward_funcs(self) -> list:
+        """GRPOTrainer's attribute: the reward functions and models, an environment's ``get_reward`` last."""
+        return self.reward_scorer.reward_funcs
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """GRPOTrainer's attribute: one float32 weight per reward function."""
+        return self.reward_scorer.weights
 
     @property
     def rollout(self) -> Rollout:
