@@ -35,6 +35,7 @@ __all__ = [
     "AgentRollout",
     "Environments",
     "bind_rollout_func",
+    "check_agent_arguments",
     "check_rollout_output",
     "common_random_numbers",
     "environment_placeholder_dataset",
@@ -167,8 +168,14 @@ class Environments:
         out = []
         for instance, row, prompt, seed in zip(instances, rows, prompts, seeds, strict=True):
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
+            if not isinstance(prompt, list):
+                raise ValueError("environment_factory needs conversational prompts (lists of messages) as in GRPO: "
+                                 f"the observation of reset() is appended to the last message; got {prompt!r:.80}.")
             with common_random_numbers(seed):
                 observation = instance.reset(**kwargs)
+            if observation is not None and not isinstance(observation, (str, list)):
+                raise TypeError(f"{type(instance).__name__}.reset() must return a string (appended to the last user "
+                                f"message), a list of content parts, or None; got {type(observation).__name__}.")
             if observation is not None:
                 content = prompt[-1]["content"]
                 if isinstance(observation, list) and isinstance(content, str):
@@ -197,29 +204,28 @@ def _environment_reward(env_type: type) -> Callable:
     return get_reward
 
 
-def task_seeds(seed: int, step: int, rows: Sequence[dict]) -> list[int]:
-    """The seed of each row's ``reset``: a 31-bit hash of the run's ``seed``, the iteration, the row's content and
-    its occurrence among equal rows of the call (the ``num_generations`` copies of a prompt get different tasks, as
-    in GRPO). Never the member, nor the process or the row's position: evaluation split over processes resets a
-    row as one process does.
+def task_seeds(seed: int, step: int, row_ids: Sequence[int], num_generations: int) -> list[int]:
+    """The seed of each rollout's ``reset``: a 31-bit hash of the run's ``seed``, the iteration, the row's id (its
+    position in the iteration's prompt batch, the same on every process; in ``evaluate()`` its index in the
+    evaluation dataset) and the generation (the ``num_generations`` copies of a prompt get different tasks, as in
+    GRPO). Never the member or the process.
 
     Returns:
-        `list[int]`: One seed per row, in ``[0, 2**31)``.
+        `list[int]`: ``len(row_ids) * num_generations`` seeds in ``[0, 2**31)``, a row's generations consecutive.
     """
-    seen: dict[str, int] = {}
     out = []
-    for row in rows:
-        key = repr(sorted(row.items()))
-        occurrence = seen[key] = seen.get(key, -1) + 1
-        text = f"es-task\x00{seed}\x00{step}\x00{key}\x00{occurrence}"
-        out.append(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF)
+    for row_id in row_ids:
+        for generation in range(num_generations):
+            text = f"es-task\x00{seed}\x00{step}\x00{int(row_id)}\x00{generation}"
+            out.append(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF)
     return out
 
 
 @contextmanager
 def common_random_numbers(seed: int):
-    """Seed Python's ``random``, NumPy's global generator and torch's CPU generator with ``seed`` for the block, and
-    restore their states after it: an environment's ``reset`` that draws from them gives every member the same task.
+    """Seed Python's ``random``, NumPy's global generator and torch's default CPU generator with ``seed`` for the
+    block, and restore their states after it: an environment's ``reset`` that draws from them gives every member
+    the same task. CUDA generators are not touched (``torch.manual_seed`` would reseed them too).
 
     Args:
         seed (`int`): A non-negative seed (e.g. from the iteration and the row, never the member).
@@ -227,7 +233,7 @@ def common_random_numbers(seed: int):
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
     try:
         yield
     finally:
@@ -362,7 +368,7 @@ class AgentRollout(Rollout):
     max_model_len: int | None = None
 
     def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
-                 reward_kwargs: dict | None = None, **generate_kwargs) -> dict:
+                 reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None, **generate_kwargs) -> dict:
         """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times, a rollout per copy) and score it.
 
         Args:
@@ -372,12 +378,14 @@ class AgentRollout(Rollout):
                 cannot share.
             reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; its ``trainer_state``'s
                 ``global_step`` keys the environments' random numbers.
+            row_ids (`Sequence[int]`, *optional*): One id per row for :func:`task_seeds` (default: the positions).
             **generate_kwargs (`Any`): Passed to ``model.generate``.
 
         Returns:
             `dict`: :func:`~trl_es.rollout.score_model`'s keys (``completions`` the decoded completion texts, tool
             turns included; ``num_tokens`` the model's tokens only), plus ``messages`` (the completions as reward
-            functions saw them), ``tool_calls`` and ``tool_failures`` (counts) and ``seconds``.
+            functions saw them), ``prompts`` (the prompts they saw: after ``reset``), ``completion_lengths`` (the
+            model's tokens of each completion), ``tool_calls`` and ``tool_failures`` (counts) and ``seconds``.
 
         Raises:
             ValueError: ``num_row_groups != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
@@ -390,13 +398,16 @@ class AgentRollout(Rollout):
         tok = self.processing_class
         state = reward_kwargs.get("trainer_state")
         step = int(getattr(state, "global_step", 0) or 0)
+        row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
+        if len(row_ids) != len(rows):
+            raise ValueError(f"row_ids has {len(row_ids)} ids for {len(rows)} rows.")
         rows = [row for row in rows for _ in range(self.num_generations)]  # one rollout per (row, generation)
         n = len(rows)
         if self.environments is not None:
             prompts = [copy.deepcopy(row.get("prompt", EMPTY_PROMPT)) for row in rows]
             names = self.environments.names(rows)
             instances = self.environments.instances(names)
-            seeds = task_seeds(self.seed, step, rows)  # the same for every member
+            seeds = task_seeds(self.seed, step, row_ids, self.num_generations)  # the same for every member
             prompts = self.environments.reset(instances, rows, prompts, seeds)
             row_tools = [self.environments.tools_of(instance) for instance in instances]  # bound to the row's
             reward_kwargs["environments"] = instances
@@ -404,6 +415,10 @@ class AgentRollout(Rollout):
             prompts = [copy.deepcopy(row["prompt"]) for row in rows]
             row_tools = [list(self.tools or [])] * n
         conversational = is_conversational({"prompt": prompts[0]})
+        if self.tools and not conversational and self.rollout_func is None:
+            raise ValueError("tools need conversational prompts (lists of messages) as in GRPO: the tools are rendered "
+                             "by the chat template and their calls parsed from the assistant turn; got the plain-text "
+                             f"prompt {prompts[0]!r:.80}.")
         chat_kwargs = dict(self.chat_template_kwargs or {})
         extra: dict = {}
         if self.rollout_func is not None:
@@ -452,6 +467,8 @@ class AgentRollout(Rollout):
             "completion_ids": completion_ids,
             "messages": messages,
             "num_tokens": sum(len(ids) for ids in completion_ids) - sum(tool_tokens),
+            "completion_lengths": [len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
+            "prompts": prompts,
             "terminated": [bool(ids) and int(ids[-1]) in ends for ids in completion_ids],
             "prompt_lengths": [len(ids) for ids in prompt_ids],
             "tool_calls": calls,
@@ -518,6 +535,37 @@ class AgentRollout(Rollout):
             pending = next_pending
             iteration += 1
         return calls, failures
+
+
+def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
+    """Refuse agent arguments of the wrong kind before any work, naming the argument.
+
+    Raises:
+        TypeError: ``tools`` is not a list of callables, ``rollout_func`` is not callable, ``environment_factory`` is
+            not a callable (a class) or a dict of them.
+        ValueError: a tool's schema cannot be built (``transformers.utils.get_json_schema``: type hints and a
+            Google-style docstring with every argument).
+    """
+    from transformers.utils import get_json_schema
+
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)) or not all(callable(t) for t in tools):
+            raise TypeError(f"tools must be a list of callables (functions with type hints and a docstring), got "
+                            f"{tools!r:.80}.")
+        for tool in tools:
+            try:
+                get_json_schema(tool)
+            except Exception as error:
+                raise ValueError(f"tool {getattr(tool, '__name__', tool)!r} has no JSON schema (GRPO's tools need "
+                                 f"type hints and a Google-style docstring for every argument): {error}") from error
+    if rollout_func is not None and not callable(rollout_func):
+        raise TypeError(f"rollout_func must be callable as rollout_func(prompts, trainer), got {rollout_func!r:.80}.")
+    if environment_factory is not None:
+        factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+        for factory in factories:
+            if not callable(factory):
+                raise TypeError("environment_factory must be a class or a callable returning a new environment (or a "
+                                f"dict of them), got {factory!r:.80}: pass the class, not an instance.")
 
 
 def warn_experimental(rollout_func, environment_factory) -> None:

@@ -584,8 +584,9 @@ def split_row_groups(out: dict, num_groups: int) -> list[dict]:
 
     Returns:
         `list[dict]`: Per block: ``rewards_per_func``, ``invalid``, ``rewards``, ``completions``, ``completion_ids``,
-        ``terminated``, ``prompt_lengths`` (slices; the last two when ``out`` has them), ``num_tokens`` (the block's
-        completion tokens) and ``seconds`` (the call's, shared equally).
+        ``terminated``, ``prompt_lengths``, ``completion_lengths``, ``messages``, ``prompts`` (slices; the last five
+        when ``out`` has them), ``num_tokens`` (the block's completion tokens) and ``seconds`` (the call's, shared
+        equally).
 
     Raises:
         ValueError: if the completions do not split into ``num_groups`` equal blocks.
@@ -603,10 +604,11 @@ def split_row_groups(out: dict, num_groups: int) -> list[dict]:
             "rewards": out["rewards"][block],
             "completions": out["completions"][block],
             "completion_ids": out["completion_ids"][block],
-            "num_tokens": sum(len(ids) for ids in out["completion_ids"][block]),
+            "num_tokens": sum(out["completion_lengths"][block]) if "completion_lengths" in out else sum(
+                len(ids) for ids in out["completion_ids"][block]),
             "seconds": out.get("seconds", 0.0) / num_groups,
         })
-        for key in ("terminated", "prompt_lengths"):
+        for key in ("terminated", "prompt_lengths", "completion_lengths", "messages", "prompts"):
             if key in out:
                 parts[-1][key] = out[key][block]
     return parts

@@ -354,6 +354,30 @@ def test_an_environment_run_moves_the_weights_and_the_seed_log_replays_bitwise(t
     assert_bitwise(snapshot(fresh), trained)
 
 
+def test_a_constant_reward_with_an_environment_moves_nothing(tmp_path):
+    """The members generate different texts (no script), but the environment's reward is the same for all: the
+    step is exactly zero, the weights bitwise the base."""
+    tok = tool_tokenizer()
+    model = tool_model(tok)
+    base = snapshot(model)
+    seen = set()
+
+    class Constant(CounterEnvironment):
+        def get_reward(self) -> float:
+            return 0.5
+
+    def watch(completions, **kwargs):
+        seen.update(c[0]["content"] for c in completions)
+        return [None] * len(completions)  # "not applicable": the environment's reward decides
+
+    args = es_args(tmp_path, max_steps=2, max_completion_length=6)
+    trainer = ESTrainer(model, watch, args=args, train_dataset=task_prompts(2), processing_class=tok,
+                        environment_factory=Constant)
+    trainer.train()
+    assert len(seen) > 2  # the members' completions differ
+    assert_bitwise(snapshot(trainer.model), base)
+
+
 # ------------------------------------------------------------------ rollout_func
 def test_rollout_func_is_called_once_per_member_with_its_weights(tmp_path):
     tok = build_tokenizer()
@@ -414,3 +438,93 @@ def test_rollout_func_errors_leave_the_weights_bitwise(tmp_path):
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['prompt_ids'\]"):
         trainer.train()
     assert_bitwise(snapshot(trainer.model), base)
+
+
+# ------------------------------------------------------------------ what a reviewer found
+class DrawEnvironment:
+    def reset(self, **kwargs):
+        self.task = random.randint(0, 10**6)
+
+    def get_reward(self) -> float:
+        return float(self.task)
+
+
+def test_evaluation_tasks_follow_the_dataset_index_however_it_is_batched(tmp_path):
+    tok = tool_tokenizer()
+    model = tool_model(tok)
+    script_generate(model, tok, lambda p, m: "ok<|im_end|>")
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * 6})  # identical rows
+    rewards = {}
+    for batch in (6, 2):
+        trainer = ESTrainer(model, None, args=es_args(tmp_path, per_device_eval_batch_size=batch), train_dataset=data,
+                            processing_class=tok, environment_factory=DrawEnvironment)
+        rewards[batch] = trainer.evaluate(data)["eval_rewards/DrawEnvironment/mean"]
+    assert rewards[6] == rewards[2]  # six different tasks either way, the same six
+    again = ESTrainer(model, None, args=es_args(tmp_path), train_dataset=data, processing_class=tok,
+                      environment_factory=DrawEnvironment)
+    out = again.rollout(again.model, list(data), row_ids=list(range(6)))
+    assert len(set(out["rewards_per_func"][:, 0].tolist())) == 6
+
+
+def test_length_metrics_and_completion_logs_count_the_models_tokens_and_turns(tmp_path):
+    tok = tool_tokenizer()
+    model = tool_model(tok)
+    script_generate(model, tok, lambda p, m: tool_call("multiply_tool", a=2, b=3) if turn_of(p) == 0 else "6<|im_end|>")
+    args = es_args(tmp_path, population_size=2, prompt_batch_size=1, log_completions=True)
+    trainer = ESTrainer(model, constant_reward, args=args, train_dataset=task_prompts(1), processing_class=tok,
+                        tools=[multiply_tool])
+    out = trainer.rollout(trainer.model, [task_prompts(1)[0]])
+    model_tokens = len(tok(tool_call("multiply_tool", a=2, b=3) + "6<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert out["completion_lengths"] == [model_tokens] < [len(out["completion_ids"][0])]  # tool tokens left out
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "completions/mean_length" in h][0]
+    assert logged["completions/mean_length"] == model_tokens and logged["completion_tokens"] == 2 * model_tokens
+    table = trainer.completion_log.table()
+    assert [m["role"] for m in table["completion"][0]] == ["assistant", "tool", "assistant"]  # as rewards saw it
+    assert table["prompt"][0][-1]["content"] == "Task 0"
+
+
+def test_agent_arguments_of_the_wrong_kind_are_named(tmp_path):
+    tok = tool_tokenizer()
+
+    def no_docstring(a: int) -> int:
+        return a
+
+    cases = [({"tools": multiply_tool}, TypeError, "tools must be a list"),
+             ({"tools": [no_docstring]}, ValueError, "'no_docstring' has no JSON schema"),
+             ({"rollout_func": "abc"}, TypeError, "rollout_func must be callable"),
+             ({"environment_factory": CounterEnvironment()}, TypeError, "not an instance")]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            ESTrainer(tool_model(tok), constant_reward, args=es_args(tmp_path), train_dataset=task_prompts(),
+                      processing_class=tok, **kwargs)
+
+
+def test_plain_text_prompts_and_bad_reset_returns_are_refused(tmp_path):
+    tok = tool_tokenizer()
+    text = Dataset.from_dict({"prompt": ["Task 0", "Task 1"]})
+    trainer = ESTrainer(tool_model(tok), constant_reward, args=es_args(tmp_path), train_dataset=text,
+                        processing_class=tok, tools=[multiply_tool])
+    with pytest.raises(ValueError, match="tools need conversational prompts"):
+        trainer.rollout(trainer.model, list(text))
+
+    class DictReset(CounterEnvironment):
+        def reset(self, **kwargs):
+            return {"task": 1}
+
+    trainer = ESTrainer(tool_model(tok), constant_reward, args=es_args(tmp_path), train_dataset=task_prompts(),
+                        processing_class=tok, environment_factory=DictReset)
+    with pytest.raises(TypeError, match=r"DictReset.reset\(\) must return a string"):
+        trainer.rollout(trainer.model, list(task_prompts()))
+
+
+def test_evaluate_logs_tool_metrics_and_takes_a_promptless_eval_set(tmp_path):
+    tok = tool_tokenizer()
+    model = tool_model(tok)
+    script_generate(model, tok, lambda p, m: tool_call("increment", step=1) if turn_of(p) == 0 else "ok<|im_end|>")
+    routing = Dataset.from_dict({"environment": ["counter", "counter"]})
+    trainer = ESTrainer(model, None, args=es_args(tmp_path), train_dataset=routing, eval_dataset=routing,
+                        processing_class=tok, environment_factory={"counter": CounterEnvironment})
+    metrics = trainer.evaluate()
+    assert metrics["eval_tools/call_frequency"] == 1.0 and metrics["eval_tools/failure_frequency"] == 0.0
+    assert metrics["eval_rewards/CounterEnvironment/mean"] == 1.0

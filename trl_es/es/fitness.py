@@ -107,8 +107,9 @@ class MemberScores:
             num_generations (`int`, *optional*): Completions per prompt row (consecutive, as
                 :func:`~trl_es.rollout.score_model` orders them): when given, the per-prompt sums are kept too.
             group_size (`int`, *optional*): Completions per prompt row, for ``groups`` / ``zero_std_groups`` (the
-                statistics only; ``None``: not counted). The completion statistics read ``completion_ids``,
-                ``terminated`` and ``prompt_lengths`` when the rollout has them.
+                statistics only; ``None``: not counted). The completion statistics read ``completion_ids`` (or
+                ``completion_lengths``: the model's tokens of a multi-turn completion), ``terminated`` and
+                ``prompt_lengths`` when the rollout has them.
 
         Raises:
             ValueError: if the completions do not split into rows of ``num_generations`` (or ``group_size``).
@@ -147,7 +148,7 @@ def _completion_stats(rollout: Mapping, rewards: torch.Tensor, per_func: torch.T
     stats = {"reward_sq_sum": float(finite.pow(2).sum()), "per_func_sq_sum": per_func.pow(2).nansum(dim=0).tolist()}
     ids = rollout.get("completion_ids")
     if ids is not None:
-        lengths = [len(i) for i in ids]
+        lengths = rollout.get("completion_lengths") or [len(i) for i in ids]  # model tokens (tool turns left out)
         ended = list(rollout.get("terminated", [False] * len(lengths)))
         done = [n for n, end in zip(lengths, ended, strict=True) if end]
         stats.update(terminated=len(done), terminated_tokens=sum(done),

@@ -29,6 +29,7 @@ from ...agents import (
     AgentRollout,
     Environments,
     bind_rollout_func,
+    check_agent_arguments,
     environment_placeholder_dataset,
     prepare_tool_calling,
     warn_experimental,
@@ -211,8 +212,11 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
 
         # Agents: GRPO's tools, environments (their methods are tools, get_reward a reward) and rollout_func
+        check_agent_arguments(tools, rollout_func, environment_factory)
         warn_experimental(rollout_func, environment_factory)
         self.environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
+        for env_tools in (self.environments.tools.values() if self.environments else ()):
+            check_agent_arguments(env_tools, None, None)  # an environment's public methods are tools: schemas
         self.tools = list(tools or [])
         for env_tools in (self.environments.tools.values() if self.environments else ()):
             self.tools += [tool for tool in env_tools if tool not in self.tools]
@@ -250,9 +254,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             train_dataset = SharedStream(train_dataset)
         if isinstance(eval_dataset, dict):
             for key, dataset in eval_dataset.items():
-                validate_dataset(dataset, f"eval_dataset[{key!r}]")
+                validate_dataset(dataset, f"eval_dataset[{key!r}]", prompt_required=self.environments is None)
         else:
-            validate_dataset(eval_dataset, "eval_dataset")
+            validate_dataset(eval_dataset, "eval_dataset", prompt_required=self.environments is None)
 
         # Generation
         self.generation_config = build_generation_config(
@@ -544,8 +548,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 mask_truncated_rewards(out)
             if log is not None:
                 repeated = [row for row in rows * len(group) for _ in range(args.num_generations)]
-                log.add_call(group, repeated, completions_for_rewards(out["completions"], repeated),
-                             out["rewards_per_func"])
+                if "messages" in out:  # an agent rollout: the prompts after reset, the multi-turn completions
+                    repeated = [{**row, "prompt": p} for row, p in zip(repeated, out["prompts"], strict=True)]
+                    log.add_call(group, repeated, out["messages"], out["rewards_per_func"])
+                else:
+                    log.add_call(group, repeated, completions_for_rewards(out["completions"], repeated),
+                                 out["rewards_per_func"])
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
                 scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
                                                           group_size=args.num_generations)
@@ -857,7 +865,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for key, subset in dataset.items():
                 metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
             return metrics
-        validate_dataset(dataset, "eval_dataset")
+        validate_dataset(dataset, "eval_dataset", prompt_required=self.environments is None)
         if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
             dataset = list(dataset)
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
@@ -866,7 +874,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self._sync_model_view()
         self._sync_engine_weights()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        rows = [dataset[i] for i in range(rank, len(dataset), world)]
+        indices = list(range(rank, len(dataset), world))
+        rows = [dataset[i] for i in indices]
         unwrapped = self.accelerator.unwrap_model(self.model)
         batch = self.args.per_device_eval_batch_size
         # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
@@ -874,6 +883,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
         sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
+        tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
         if self.generation_config.do_sample:  # however sampling is on (temperature > 0, generation_kwargs)
             torch.manual_seed(self.args.seed)
         num_generations = self.args.num_generations_eval or self.args.num_generations
@@ -887,9 +897,15 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                                      engine=self.generation_engine,
                                      add_special_tokens=prompt_add_special_tokens([dataset[0]["prompt"]]))
                 continue
+            # an environment's task follows the row's index in the dataset, however the rows are split
+            agent_kwargs = {"row_ids": indices[first : first + batch]} if self._agents else {}
             out = rollout(unwrapped, chunk, reward_kwargs={
-                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None})
+                "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
+                **agent_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
+            if "tool_calls" in out:
+                tool_counts += torch.tensor([out["tool_calls"], out["tool_failures"], len(out["completions"])],
+                                            dtype=torch.float64)
             rewards = out["rewards"].double()
             valid_rows = ~out["invalid"].any(dim=1)
             sums[0] += rewards[valid_rows].nansum()
@@ -901,6 +917,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if world > 1:
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
+            tool_counts = self.accelerator.reduce(tool_counts.to(self.accelerator.device), "sum").cpu()
         reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
         metrics = {
             f"{metric_key_prefix}_loss": -reward if reward is not None else None,
@@ -912,6 +929,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         for j, name in enumerate(self.reward_func_names):
             if counts[j] > 0:
                 metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
+        if self.tools:  # GRPO's tools/* of the evaluation's rollouts
+            calls, failures, rollouts = tool_counts.tolist()
+            metrics[f"{metric_key_prefix}_tools/call_frequency"] = calls / max(rollouts, 1.0)
+            metrics[f"{metric_key_prefix}_tools/failure_frequency"] = failures / calls if calls else 0.0
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
