@@ -13,22 +13,34 @@ member (:func:`task_seeds`, :func:`common_random_numbers`), so members are compa
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
+import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from datasets import Dataset
 from torch import nn
+from transformers.utils import get_json_schema
+from trl.chat_template_utils import (
+    add_response_schema,
+    get_training_chat_template,
+    is_chat_template_prefix_preserving,
+    parse_response,
+    supports_tool_calling,
+)
 from trl.data_utils import is_conversational
 
-from .generation import generate_completions, stop_token_ids
-from .rollout import Rollout, await_all
+from .generation import generate_completions
+from .rollout import Rollout, await_all, ended_ids, terminated
 
 
 __all__ = [
@@ -41,6 +53,8 @@ __all__ = [
     "environment_placeholder_dataset",
     "prepare_tool_calling",
     "task_seeds",
+    "tool_counts",
+    "tool_metrics",
     "tool_suffix_ids",
     "warn_experimental",
     "warn_member_independent_rollouts",
@@ -65,13 +79,6 @@ def prepare_tool_calling(processing_class, tools: Sequence[Callable]):
     Raises:
         ValueError: if the chat template cannot render tool calls, or TRL does not recognise it (no response schema).
     """
-    from trl.chat_template_utils import (
-        add_response_schema,
-        get_training_chat_template,
-        is_chat_template_prefix_preserving,
-        supports_tool_calling,
-    )
-
     if not tools:
         return processing_class, None
     if not supports_tool_calling(processing_class):
@@ -438,8 +445,6 @@ class AgentRollout(Rollout):
         parse = conversational and (getattr(tok, "response_template", None) is not None
                                     or getattr(tok, "response_schema", None) is not None)
         if parse:
-            from trl.chat_template_utils import parse_response
-
             messages = [[parse_response(tok, ids, prefix=prompt_ids[j], tools=row_tools[j])]
                         for j, ids in enumerate(completion_ids)]
         elif conversational:
@@ -454,11 +459,7 @@ class AgentRollout(Rollout):
         score_rows = [{**row, **{k: v[j] for k, v in extra.items()}, "prompt": prompts[j]}
                       for j, row in enumerate(rows)]
         per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
-        ends = set(stop_token_ids(self.generation_config, model, tok))
-        pad = self.generation_config.pad_token_id
-        pad = tok.pad_token_id if pad is None else pad
-        if pad is not None:
-            ends.add(int(pad))
+        ends = ended_ids(self.generation_config, model, tok)
         return {
             "rewards_per_func": per_func,
             "invalid": invalid,
@@ -469,7 +470,7 @@ class AgentRollout(Rollout):
             "num_tokens": sum(len(ids) for ids in completion_ids) - sum(tool_tokens),
             "completion_lengths": [len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
             "prompts": prompts,
-            "terminated": [bool(ids) and int(ids[-1]) in ends for ids in completion_ids],
+            "terminated": terminated(completion_ids, ends),
             "prompt_lengths": [len(ids) for ids in prompt_ids],
             "tool_calls": calls,
             "tool_failures": failures,
@@ -492,8 +493,6 @@ class AgentRollout(Rollout):
         Returns:
             `tuple[int, int]`: Tool calls made and calls failed.
         """
-        from trl.chat_template_utils import parse_response
-
         tok = self.processing_class
         chat_kwargs = dict(self.chat_template_kwargs or {})
         limit = sys.maxsize if self.max_tool_calling_iterations is None else self.max_tool_calling_iterations
@@ -546,8 +545,6 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
         ValueError: a tool's schema cannot be built (``transformers.utils.get_json_schema``: type hints and a
             Google-style docstring with every argument).
     """
-    from transformers.utils import get_json_schema
-
     if tools is not None:
         if not isinstance(tools, (list, tuple)) or not all(callable(t) for t in tools):
             raise TypeError(f"tools must be a list of callables (functions with type hints and a docstring), got "
@@ -568,12 +565,24 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
                                 f"dict of them), got {factory!r:.80}: pass the class, not an instance.")
 
 
+def tool_counts(rollout: dict) -> torch.Tensor:
+    """``[tool calls, failed calls, rollouts]`` of an :class:`AgentRollout` result, float64 (summed over calls and
+    processes before :func:`tool_metrics`)."""
+    return torch.tensor([rollout["tool_calls"], rollout["tool_failures"], len(rollout["completions"])],
+                        dtype=torch.float64)
+
+
+def tool_metrics(counts: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls; 0 without
+    calls) from summed :func:`tool_counts`, each key after ``prefix``."""
+    calls, failures, rollouts = counts.tolist()
+    return {f"{prefix}tools/call_frequency": calls / max(rollouts, 1.0),
+            f"{prefix}tools/failure_frequency": failures / calls if calls else 0.0}
+
+
 def warn_experimental(rollout_func, environment_factory) -> None:
     """GRPOTrainer's warnings for its experimental ``rollout_func`` and ``environment_factory`` (silenced by
     ``TRL_EXPERIMENTAL_SILENCE=1``)."""
-    import os
-    import warnings
-
     if os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") == "1":
         return
     for name, value in (("rollout_func", rollout_func), ("environment_factory", environment_factory)):
@@ -590,8 +599,6 @@ def environment_placeholder_dataset(environments: Environments, args):
     Raises:
         ValueError: for a dict factory (its rows need an ``environment`` column), or without ``max_steps``.
     """
-    from datasets import Dataset
-
     if environments.multi:
         raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
                          "`environment` column to route each example to its environment. Provide a dataset, or pass a "
@@ -612,8 +619,6 @@ def warn_member_independent_rollouts() -> None:
     global _warned_member_independent
     if _warned_member_independent:
         return
-    import warnings
-
     warnings.warn("Every population member got the same completions from rollout_func: it does not seem to generate "
                   "with trainer.model, which holds each member's weights while rollout_func runs (an external server "
                   "that ES does not drive scores the base model for every member). ES then learns nothing but "
@@ -627,6 +632,4 @@ def _call_rollout_func(rollout_func: Callable, trainer, prompts: list) -> dict:
 
 def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
     """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``."""
-    import functools
-
     return functools.partial(_call_rollout_func, rollout_func, trainer)

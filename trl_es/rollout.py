@@ -476,6 +476,22 @@ def completions_for_rewards(texts: Sequence[str], rows: Sequence[dict]) -> list:
     ]
 
 
+def ended_ids(generation_config: GenerationConfig, model: nn.Module, processing_class) -> set[int]:
+    """The ids a terminated completion ends with: the stop ids (:func:`~trl_es.generation.stop_token_ids`) and the
+    pad id, as GRPOTrainer tells a terminated completion from a clipped one."""
+    ends = set(stop_token_ids(generation_config, model, processing_class))
+    pad = generation_config.pad_token_id
+    pad = processing_class.pad_token_id if pad is None else pad
+    if pad is not None:
+        ends.add(int(pad))
+    return ends
+
+
+def terminated(completion_ids: Sequence[list[int]], ends: set[int]) -> list[bool]:
+    """Per completion: it is not empty and its last id is one of ``ends`` (:func:`ended_ids`)."""
+    return [bool(ids) and int(ids[-1]) in ends for ids in completion_ids]
+
+
 def score_model(
     model: nn.Module,
     processing_class,
@@ -513,11 +529,7 @@ def score_model(
     repeated_rows = [row for row in rows for _ in range(num_generations)]
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
-    ends = set(stop_token_ids(generation_config, model, processing_class))
-    pad = generation_config.pad_token_id
-    pad = processing_class.pad_token_id if pad is None else pad
-    if pad is not None:
-        ends.add(int(pad))
+    ends = ended_ids(generation_config, model, processing_class)
     lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=special)["input_ids"]]
     return {
         "rewards_per_func": per_func,
@@ -526,7 +538,7 @@ def score_model(
         "completions": texts,
         "completion_ids": ids,
         "num_tokens": sum(len(i) for i in ids),
-        "terminated": [bool(i) and int(i[-1]) in ends for i in ids],
+        "terminated": terminated(ids, ends),
         "prompt_lengths": [length for length in lengths for _ in range(num_generations)],
     }
 

@@ -4,32 +4,15 @@ every member under the same random numbers, and the weights stay exact (an excep
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
-import trl
 from datasets import Dataset
 from tiny import build_llama, build_tokenizer
+from tiny_tools import multiply_tool, scripted, tool_call, tool_model, tool_tokenizer, turn_of
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.agents import common_random_numbers
-
-
-QWEN_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-
-
-def tool_tokenizer():
-    """The tiny character-level tokenizer with Qwen2.5's chat template (TRL parses its tool calls)."""
-    tok = build_tokenizer()
-    tok.chat_template = QWEN_TEMPLATE
-    return tok
-
-
-def tool_model(tok, seed=0):
-    model = build_llama(tok, seed)
-    model.config.max_position_embeddings = 4096  # a prompt with a tool schema is ~900 characters
-    return model
 
 
 def es_args(tmp_path, **kwargs):
@@ -58,48 +41,8 @@ def fingerprint(model) -> float:
     return float(sum(p.double().sum() for p in model.parameters()))
 
 
-def script_generate(model, tok, script):
-    """Replace ``model.generate`` (as TRL's tool tests do): ``script(prompt_text, model) -> completion text`` per row;
-    the completions are right-padded with the pad id."""
-
-    def generate(input_ids, attention_mask=None, **kwargs):
-        rows = []
-        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
-            prompt = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
-            rows.append(tok(script(prompt, model), add_special_tokens=False)["input_ids"])
-        width = max(len(r) for r in rows)
-        out = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(out, dtype=input_ids.dtype)], dim=1)
-
-    model.generate = generate
-    return model
-
-
 def task_of(prompt: str) -> int:
     return int(prompt.split("Task ")[1][0])
-
-
-def turn_of(prompt: str) -> int:
-    return prompt.count("<tool_response>")
-
-
-def tool_call(name, **arguments):
-    import json
-
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call><|im_end|>'
-
-
-def multiply_tool(a: int, b: int) -> int:
-    """Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
 
 
 def constant_reward(completions, **kwargs):
@@ -111,7 +54,7 @@ def test_tools_run_as_in_grpo_and_rewards_see_the_turns(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
     first = {0: tool_call("multiply_tool", a=3, b=4), 1: tool_call("no_such_tool", a=1), 2: "12<|im_end|>"}
-    script_generate(model, tok, lambda p, m: first[task_of(p)] if turn_of(p) == 0 else "Done<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: first[task_of(p)] if turn_of(p) == 0 else "Done<|im_end|>")
     seen = []
 
     def reward(completions, **kwargs):
@@ -138,7 +81,7 @@ def test_tools_run_as_in_grpo_and_rewards_see_the_turns(tmp_path):
 def test_max_tool_calling_iterations_and_the_completion_budget(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: tool_call("multiply_tool", a=2, b=turn_of(p)))  # calls forever
+    model.generate = scripted(tok, lambda p, i: tool_call("multiply_tool", a=2, b=turn_of(p)))  # calls forever
     turns = []
 
     def reward(completions, **kwargs):
@@ -178,11 +121,11 @@ def test_every_turn_of_a_member_generates_with_that_member(tmp_path):
     model = tool_model(tok)
     calls = []  # (fingerprint of the weights, turn) of every generate call
 
-    def script(prompt, m):
-        calls.append((fingerprint(m), turn_of(prompt)))
+    def script(prompt, index):
+        calls.append((fingerprint(model), turn_of(prompt)))
         return tool_call("multiply_tool", a=1, b=2) if turn_of(prompt) == 0 else "2<|im_end|>"
 
-    script_generate(model, tok, script)
+    model.generate = scripted(tok, script)
     base = fingerprint(model)
     trainer = ESTrainer(model, constant_reward, args=es_args(tmp_path, prompt_batch_size=1, antithetic=True),
                         train_dataset=task_prompts(1), processing_class=tok, tools=[multiply_tool])
@@ -225,7 +168,7 @@ class CounterEnvironment:
 def test_environment_owned_reward_fresh_state_and_common_random_numbers(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: tool_call("increment", step=1) if turn_of(p) == 0 else "ok<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: tool_call("increment", step=1) if turn_of(p) == 0 else "ok<|im_end|>")
     CounterEnvironment.log.clear()
     args = es_args(tmp_path, max_steps=2)
     trainer = ESTrainer(model, None, args=args, processing_class=tok, environment_factory=CounterEnvironment)
@@ -284,7 +227,7 @@ def test_an_exception_in_an_environment_leaves_the_weights_bitwise(tmp_path):
 def test_multi_environment_dict_routes_rows_by_their_environment_column(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: "ok<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: "ok<|im_end|>")
 
     class Other(CounterEnvironment):
         def get_reward(self) -> float:
@@ -452,7 +395,7 @@ class DrawEnvironment:
 def test_evaluation_tasks_follow_the_dataset_index_however_it_is_batched(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: "ok<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: "ok<|im_end|>")
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * 6})  # identical rows
     rewards = {}
     for batch in (6, 2):
@@ -469,7 +412,7 @@ def test_evaluation_tasks_follow_the_dataset_index_however_it_is_batched(tmp_pat
 def test_length_metrics_and_completion_logs_count_the_models_tokens_and_turns(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: tool_call("multiply_tool", a=2, b=3) if turn_of(p) == 0 else "6<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: tool_call("multiply_tool", a=2, b=3) if turn_of(p) == 0 else "6<|im_end|>")
     args = es_args(tmp_path, population_size=2, prompt_batch_size=1, log_completions=True)
     trainer = ESTrainer(model, constant_reward, args=args, train_dataset=task_prompts(1), processing_class=tok,
                         tools=[multiply_tool])
@@ -521,7 +464,7 @@ def test_plain_text_prompts_and_bad_reset_returns_are_refused(tmp_path):
 def test_evaluate_logs_tool_metrics_and_takes_a_promptless_eval_set(tmp_path):
     tok = tool_tokenizer()
     model = tool_model(tok)
-    script_generate(model, tok, lambda p, m: tool_call("increment", step=1) if turn_of(p) == 0 else "ok<|im_end|>")
+    model.generate = scripted(tok, lambda p, i: tool_call("increment", step=1) if turn_of(p) == 0 else "ok<|im_end|>")
     routing = Dataset.from_dict({"environment": ["counter", "counter"]})
     trainer = ESTrainer(model, None, args=es_args(tmp_path), train_dataset=routing, eval_dataset=routing,
                         processing_class=tok, environment_factory={"counter": CounterEnvironment})

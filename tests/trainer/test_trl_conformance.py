@@ -28,21 +28,19 @@ How the TRL tests translate:
 """
 
 import asyncio
-import json
 import math
 import os
 import re
 import statistics
 import string
-from pathlib import Path
 from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
-import trl
 from datasets import Dataset, DatasetDict, IterableDatasetDict
 from tiny import build_llama
 from tiny import build_tokenizer as char_tokenizer
+from tiny_tools import multiply_tool, scripted, tool_call, tool_model, tool_tokenizer, turn_of
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -1339,23 +1337,6 @@ def test_dataset_required_without_environment(tmp_path, qwen2_dir, reward_model_
 
 
 # ---------------------------------------------------------------------------------------------- agents
-QWEN2_5_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-
-
-def tool_tokenizer():
-    """tests/tiny.py's character-level tokenizer with TRL's Qwen2.5 chat template (TRL parses its tool calls), as
-    TRL's tiny Qwen3 MoE renders and parses them."""
-    tok = char_tokenizer()
-    tok.chat_template = QWEN2_5_TEMPLATE
-    return tok
-
-
-def tool_model(tok):
-    model = build_llama(tok)
-    model.config.max_position_embeddings = 4096  # a prompt with a tool schema is ~900 characters
-    return model
-
-
 def agent_args(tmp_path, **kwargs):
     """TRL's GRPOConfig of its tool and environment tests in ES terms: ``per_device_train_batch_size=3`` with
     ``num_generations=3`` is one prompt's 3 rollouts a step (``prompt_batch_size=1``), for 2 members; a character
@@ -1367,47 +1348,6 @@ def agent_args(tmp_path, **kwargs):
                     logging_steps=10)
     defaults.update(kwargs)
     return ESConfig(**defaults)
-
-
-def scripted(tok, script, calls):
-    """TRL's ``fake_generate`` with text: ``script(prompt_text, index) -> completion text`` for the ``index``-th row of
-    each ``generate`` call (ES calls it once per member and turn, with all the rows that are still rolling out); each
-    call's decoded prompts are appended to ``calls``. Completions are right-padded with the pad id."""
-
-    def generate(input_ids=None, attention_mask=None, **kwargs):
-        prompts = [tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
-                   for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
-        calls.append(prompts)
-        rows = [tok(script(prompt, index), add_special_tokens=False)["input_ids"]
-                for index, prompt in enumerate(prompts)]
-        width = max(len(r) for r in rows)
-        out = [r + [tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(out, dtype=input_ids.dtype)], dim=1)
-
-    return generate
-
-
-def turn_of(prompt: str) -> int:
-    """The tool turns a prompt already holds (0: the first generation)."""
-    return prompt.count("<tool_response>")
-
-
-def tool_call(name, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call><|im_end|>'
-
-
-def multiply_tool(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
 
 
 async def async_multiply_tool(a: int, b: int) -> int:

@@ -32,6 +32,8 @@ from ...agents import (
     check_agent_arguments,
     environment_placeholder_dataset,
     prepare_tool_calling,
+    tool_counts,
+    tool_metrics,
     warn_experimental,
     warn_member_independent_rollouts,
 )
@@ -215,11 +217,11 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         check_agent_arguments(tools, rollout_func, environment_factory)
         warn_experimental(rollout_func, environment_factory)
         self.environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
-        for env_tools in (self.environments.tools.values() if self.environments else ()):
-            check_agent_arguments(env_tools, None, None)  # an environment's public methods are tools: schemas
         self.tools = list(tools or [])
         for env_tools in (self.environments.tools.values() if self.environments else ()):
-            self.tools += [tool for tool in env_tools if tool not in self.tools]
+            methods = [tool for tool in env_tools if tool not in self.tools]
+            check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
+            self.tools += methods
         processing_class, self.chat_template = prepare_tool_calling(processing_class, self.tools)
         self.rollout_func = rollout_func
         self._agents = bool(self.tools) or self.environments is not None or rollout_func is not None
@@ -541,8 +543,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             if "tool_calls" in out:
-                self._tool_counts += torch.tensor([out["tool_calls"], out["tool_failures"], len(out["completions"])],
-                                                  dtype=torch.float64)
+                self._tool_counts += tool_counts(out)
                 completions_seen.add(repr(out["completion_ids"]))
             if args.mask_truncated_completions:
                 mask_truncated_rewards(out)
@@ -568,9 +569,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if self.accelerator.num_processes > 1 and not self.sharded:
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += counts.numel() * 8
-        calls, failures, rollouts = counts.tolist()
-        return {"tools/call_frequency": calls / max(rollouts, 1.0),
-                "tools/failure_frequency": failures / calls if calls else 0.0}
+        return tool_metrics(counts)
 
     def _seed_sampling(self, step: int, group: list[int]) -> None:
         """With sampling (``generation_config.do_sample``: ``temperature > 0`` or ``generation_kwargs={"do_sample":
@@ -883,7 +882,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
         sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
         counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
-        tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
+        calls_seen = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
         if self.generation_config.do_sample:  # however sampling is on (temperature > 0, generation_kwargs)
             torch.manual_seed(self.args.seed)
         num_generations = self.args.num_generations_eval or self.args.num_generations
@@ -904,8 +903,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 **agent_kwargs)
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             if "tool_calls" in out:
-                tool_counts += torch.tensor([out["tool_calls"], out["tool_failures"], len(out["completions"])],
-                                            dtype=torch.float64)
+                calls_seen += tool_counts(out)
             rewards = out["rewards"].double()
             valid_rows = ~out["invalid"].any(dim=1)
             sums[0] += rewards[valid_rows].nansum()
@@ -917,7 +915,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if world > 1:
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
-            tool_counts = self.accelerator.reduce(tool_counts.to(self.accelerator.device), "sum").cpu()
+            calls_seen = self.accelerator.reduce(calls_seen.to(self.accelerator.device), "sum").cpu()
         reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
         metrics = {
             f"{metric_key_prefix}_loss": -reward if reward is not None else None,
@@ -930,9 +928,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             if counts[j] > 0:
                 metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
         if self.tools:  # GRPO's tools/* of the evaluation's rollouts
-            calls, failures, rollouts = tool_counts.tolist()
-            metrics[f"{metric_key_prefix}_tools/call_frequency"] = calls / max(rollouts, 1.0)
-            metrics[f"{metric_key_prefix}_tools/failure_frequency"] = failures / calls if calls else 0.0
+            metrics.update(tool_metrics(calls_seen, f"{metric_key_prefix}_"))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
