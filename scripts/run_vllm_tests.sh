@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_vllm_env.sh"
 export TRL_ES_REQUIRE_VLLM=1
 set +e
-python -m pytest tests/generation/test_vllm.py tests/trainer/test_vllm_config.py tests/generation/test_generation.py -q -p no:cacheprovider "$@"
+python -m pytest tests/generation/test_vllm.py tests/generation/test_vllm_serve.py tests/trainer/test_vllm_config.py tests/generation/test_generation.py -q -p no:cacheprovider "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

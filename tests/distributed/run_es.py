@@ -59,6 +59,8 @@ def parse_args():
     parser.add_argument("--vllm", action="store_true",
                         help="use_vllm=True: generate with a colocated vLLM engine per process (needs vLLM and a "
                              "model vLLM's CPU attention runs, e.g. tests/tiny.py build_vllm_llama).")
+    parser.add_argument("--vllm_servers", nargs="+", default=None,
+                        help="use_vllm=True, vllm_mode='server': one ES vLLM server URL per process.")
     parser.add_argument("--log_completions", action="store_true", help="log_completions=True (parquet tables).")
     parser.add_argument("--environment", action="store_true",
                         help="environment_factory=StartEnvironment (a random start in reset, get_reward) on "
@@ -168,7 +170,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
         vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False,
-        environment: bool = False) -> dict:
+        environment: bool = False, vllm_servers: list[str] | None = None) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -202,6 +204,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
     extra["population_backend"] = backend
     if vllm:
         extra.update(use_vllm=True, vllm_kv_cache_memory_bytes=1 << 26)
+    if vllm_servers:
+        extra.update(use_vllm=True, vllm_mode="server", vllm_server_base_urls=list(vllm_servers))
     if lean:
         extra["lean_memory"] = True
     if log_completions:
@@ -317,7 +321,7 @@ def main():
                       kill_rank=args.kill_rank, auto_resume=args.auto_resume)
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
-        args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment)
+        args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment, args.vllm_servers)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

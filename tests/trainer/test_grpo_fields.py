@@ -69,7 +69,7 @@ def test_docs_page_is_the_generated_table():
     ("epsilon", 0.2, "sigma and learning_rate"),
     ("num_iterations", 2, "ES has no counterpart"),
     ("log_multimodal", "yes", "ES has no counterpart"),
-    ("vllm_server_host", "0.0.0.0", "vllm_mode='colocate'"),
+    ("vllm_group_port", 51216, "no weight-update group"),
 ])
 def test_refused_field_raises_value_error_naming_it_and_its_counterpart(tmp_path, name, value, counterpart):
     with pytest.raises(ValueError) as info:

@@ -33,10 +33,17 @@ def test_bad_vllm_settings_are_named(tmp_path, field, value, message):
         config(tmp_path, **{field: value})
 
 
-def test_server_mode_is_refused_until_built(tmp_path):
-    with pytest.raises(ValueError, match="vllm_mode='server' is designed .* not implemented"):
-        config(tmp_path, use_vllm=True, vllm_mode="server")
-    assert config(tmp_path, vllm_mode="server").use_vllm is False  # harmless while use_vllm is off
+def test_server_mode_settings_are_checked(tmp_path):
+    args = config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://10.0.0.2:8000")
+    assert (args.vllm_server_host, args.vllm_server_port, args.vllm_server_timeout) == ("0.0.0.0", 8000, 240.0)
+    with pytest.raises(ValueError, match="vllm_mode='server' writes full-rank members.*got 'batched_lowrank'"):
+        config(tmp_path, use_vllm=True, vllm_mode="server", population_backend="batched_lowrank")
+    with pytest.raises(ValueError, match="vllm_server_base_urls must be None or a list of distinct URLs"):
+        config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://a:1", "http://a:1"])
+    with pytest.raises(ValueError, match="vllm_server_timeout must be a number of seconds >= 0, got -1"):
+        config(tmp_path, vllm_server_timeout=-1)
+    with pytest.raises(ValueError, match="vllm_server_port must be an integer >= 1, got 0"):
+        config(tmp_path, vllm_server_port=0)
 
 
 def test_vllm_with_another_generation_engine_is_refused(tmp_path):

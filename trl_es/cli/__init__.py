@@ -1,4 +1,5 @@
-"""The ``trl-es`` console script: ``train``, ``eval`` and ``analyze``, built on TRL's ``TrlParser``.
+"""The ``trl-es`` console script: ``train``, ``eval`` and ``analyze``, built on TRL's ``TrlParser``, and
+``vllm-serve`` (an ES vLLM server for ``vllm_mode="server"``).
 
 Every ``ESConfig`` field and TRL's ``ModelConfig`` fields work on the command line or in a YAML file
 (``--config recipe.yaml``; command-line values override the file); dict-valued fields take JSON on the command line
@@ -8,6 +9,7 @@ Every ``ESConfig`` field and TRL's ``ModelConfig`` fields work on the command li
     trl-es train --config examples/recipes/arithmetic_smollm2.yaml
     trl-es eval --model_name_or_path runs/es --pass_k 1 4 --num_samples 8
     trl-es analyze --base_model embedded:SmolLM2-135M-Instruct --model_a runs/es --analysis_dir runs/analysis
+    trl-es vllm-serve embedded:SmolLM2-135M-Instruct --port 8000
 
 Every task has three disjoint splits: train (fitness), validation (what ``trl-es train`` evaluates during training by
 default, for tuning) and test (what reports read: ``trl-es eval`` by default, and ``test_accuracy_*`` in
@@ -38,9 +40,10 @@ from .recipes import es_config_kwargs, load_recipe
 from .run_file import RUN_FILE, RUN_GENERATION_KEYS, RUN_TASK_KEYS, read_run_settings, run_settings
 from .splits import task_splits
 from .train_command import train
+from .vllm_serve_command import vllm_serve
 
 
-COMMANDS = ("train", "eval", "analyze")
+COMMANDS = ("train", "eval", "analyze", "vllm-serve")
 
 __all__ = [
     "COMMANDS",
@@ -75,5 +78,7 @@ def main(argv: list[str] | None = None):
         print(f"usage: trl-es {{{','.join(COMMANDS)}}} [--config recipe.yaml] [--field value ...]\n\n{__doc__}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
+    if command == "vllm-serve":
+        return vllm_serve(rest)
     {"train": train, "eval": evaluate, "analyze": analyze}[command](rest)
     return 0

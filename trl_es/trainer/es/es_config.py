@@ -59,6 +59,9 @@ def _collect(errors: list[str], check, *args) -> None:
     "Parameters that control generation acceleration powered by vLLM": (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
         "vllm_kv_cache_memory_bytes", "vllm_model_impl", "vllm_structured_outputs_regex"),
+    "Parameters for \"server\" vLLM mode": (
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+        "vllm_server_base_urls"),
     "Parameters that control Anchored Weight Decay (AWD)": (
         "awd_lambda", "awd_penalty", "log_parameter_drift", "success_threshold"),
     "Parameters that control generation (GRPO's names and meanings)": (
@@ -307,8 +310,9 @@ class ESConfig(_BaseConfig):
     vllm_mode: Literal["colocate", "server"] = field(
         default="colocate",
         metadata={
-            "help": "'colocate' (vLLM in the training process, TRL's meaning). 'server' (a separate `vllm serve` "
-            "fleet) is designed in docs/generation.md and not implemented yet."
+            "help": "'colocate' (vLLM in the training process, TRL's meaning) or 'server' (a `vllm serve` started "
+            "with trl_es's ES worker extension, one per training process: members and updates travel as seeds, "
+            "completions over HTTP; docs/generation.md)."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -347,6 +351,28 @@ class ESConfig(_BaseConfig):
             "help": "GRPO's option: every completion is constrained to match this regex (vLLM structured outputs); "
             "None: off."
         },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Base URL of the vLLM server (e.g. 'http://localhost:8000'); if set, vllm_server_host and "
+                          "vllm_server_port are ignored (TRL's meaning)."},
+    )
+    vllm_server_host: str = field(
+        default="0.0.0.0",
+        metadata={"help": "Host of the vLLM server; ignored if vllm_server_base_url is set (TRL's meaning)."},
+    )
+    vllm_server_port: int = field(
+        default=8000,
+        metadata={"help": "Port of the vLLM server; ignored if vllm_server_base_url is set (TRL's meaning)."},
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait for the vLLM server to be up, then an error (TRL's meaning)."},
+    )
+    vllm_server_base_urls: list[str] | None = field(
+        default=None,
+        metadata={"help": "One server per training process (process i uses entry i), for population parallelism "
+                          "over several servers; overrides vllm_server_base_url. None: the one server above."},
     )
     anchor_storage: Literal["auto", "memory", "file"] = field(
         default="auto",
@@ -832,9 +858,17 @@ class ESConfig(_BaseConfig):
         Raises:
             ValueError: naming the field and its allowed values.
         """
-        if self.use_vllm and self.vllm_mode == "server":
-            raise ValueError("vllm_mode='server' is designed (docs/generation.md) but not implemented yet: use "
-                             "vllm_mode='colocate' (one engine in each training process).")
+        if not (isinstance(self.vllm_server_timeout, (int, float)) and self.vllm_server_timeout >= 0):
+            raise ValueError(f"vllm_server_timeout must be a number of seconds >= 0, got {self.vllm_server_timeout!r}.")
+        check_int("vllm_server_port", self.vllm_server_port, 1)
+        urls = self.vllm_server_base_urls
+        if urls is not None and (not isinstance(urls, (list, tuple)) or not urls
+                                 or not all(isinstance(u, str) and u for u in urls) or len(set(urls)) != len(urls)):
+            raise ValueError(f"vllm_server_base_urls must be None or a list of distinct URLs, one per training "
+                             f"process; got {urls!r}.")
+        if self.use_vllm and self.vllm_mode == "server" and self.population_backend != "sequential":
+            raise ValueError("vllm_mode='server' writes full-rank members into the server's weights: use "
+                             f"population_backend='sequential' (got {self.population_backend!r}).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
         check_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, 1)

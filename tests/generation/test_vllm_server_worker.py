@@ -1,0 +1,349 @@
+"""The ES server worker extension (``vllm serve --worker-extension-cls ...ESServerWorkerExtension``) without vLLM: its
+methods on a stand-in worker whose ``model_runner.reload_weights`` copies HF-named tensors into an HF model, as
+vLLM's in-place reload does. Members, restores and updates must be bitwise the trainer's."""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import build_llama, build_qwen2
+
+from trl_es import ESConfig, ESTrainer
+from trl_es.es.strategy import EvolutionStrategy
+from trl_es.generation.vllm_server_worker import ESServerWorkerExtension, server_checksum
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def mean_code(completions, **kwargs):
+    return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
+
+
+class StandInRunner:
+    """vLLM's ``model_runner`` as the extension uses it: ``model_config``, ``reload_weights``, ``get_model``."""
+
+    def __init__(self, model, directory):
+        self.model = model
+        self.model_config = SimpleNamespace(model=directory, dtype=next(model.parameters()).dtype)
+        self.reloads = 0
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights_iterator:
+                named[name].copy_(tensor)
+        self.reloads += 1
+
+    def get_model(self):
+        return self.model
+
+
+class StandInWorker(ESServerWorkerExtension):
+    def __init__(self, runner):
+        self.model_runner = runner
+
+
+def served(model_fn, tmp_path):
+    """A worker over a fresh copy of the checkpoint ``model_fn()`` saves (the server's own weights)."""
+    directory = str(tmp_path / "served")
+    model_fn().save_pretrained(directory)
+    return StandInWorker(StandInRunner(model_fn(), directory))
+
+
+def header_of(strategy: EvolutionStrategy) -> dict:
+    return {"noise": strategy.noise.describe(), "perturbation": strategy.perturbation.describe(),
+            "master_dtype": "float32", "awd_penalty": strategy.awd_penalty,
+            "parameters": [[e.name, e.numel] for e in strategy.params.entries]}
+
+
+def spec_of(model, header, records=(), awd=False) -> str:
+    return json.dumps({"header": header, "weights": [n for n, _ in model.named_parameters()],
+                       "records": list(records), "awd": awd})
+
+
+@pytest.mark.parametrize("build", [build_llama, build_qwen2])  # untied head; tied head (a weight named once)
+def test_members_restores_and_updates_are_the_trainers_bitwise(tmp_path, tokenizer, build):
+    model_fn = lambda: build(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    worker = served(model_fn, tmp_path)
+    model = model_fn()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.02, population_size=4, antithetic=True, awd_lambda=0.5)
+    info = worker.es_server_init(spec_of(model, header_of(strategy), awd=True))
+    base = snapshot(model)
+    assert info == {"step": 0, "checksum": server_checksum(model.named_parameters()),
+                    "num_parameters": len(strategy.params.entries)}
+    records = []
+    for step in range(2):
+        members = strategy.ask(step)
+        for member in members:  # arguments as JSON strings carry them
+            with strategy.apply([member], model):
+                expected = snapshot(model)
+            worker.es_server_perturb(str(member.seed), str(member.sign), "0.02")
+            assert_bitwise(snapshot(worker.model_runner.model), expected)
+            worker.es_server_restore()
+            assert_bitwise(snapshot(worker.model_runner.model), snapshot(model))
+        told = strategy.tell(members, torch.tensor([0.3, -1.0, 2.0, 0.5]), learning_rate=0.01)
+        records.append({"step": step + 1, "members": [[m.seed, m.sign] for m in members],
+                        "coefficients": told.coefficients, "learning_rate": told.learning_rate,
+                        "awd_shrink": told.shrink})
+        assert worker.es_server_update(json.dumps(records[-1])) == {
+            "step": step + 1, "checksum": server_checksum(model.named_parameters())}
+        assert_bitwise(snapshot(worker.model_runner.model), snapshot(model))
+    assert any(not torch.equal(base[k], v) for k, v in snapshot(model).items())  # the updates moved the weights
+    # a server that restarted catches up from the base checkpoint and the records: seeds, not weights
+    restarted = StandInWorker(StandInRunner(model_fn(), worker.model_runner.model_config.model))
+    assert restarted.es_server_step() == -1
+    assert restarted.es_server_init(spec_of(model, header_of(strategy), records, awd=True))["checksum"] == \
+        server_checksum(model.named_parameters())
+    assert_bitwise(snapshot(restarted.model_runner.model), snapshot(model))
+
+
+def test_a_trainers_seed_log_initialises_a_server_to_its_weights(tmp_path, tokenizer):
+    args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=2, population_size=4, prompt_batch_size=4,
+                    max_completion_length=6, sigma=0.05, learning_rate=0.05, awd_lambda=1.0, report_to=[],
+                    save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True)
+    trainer = ESTrainer(build_llama(tokenizer, dtype=torch.bfloat16), mean_code, args=args, processing_class=tokenizer,
+                        train_dataset=Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]}))
+    trainer.train()
+    worker = served(lambda: build_llama(tokenizer, dtype=torch.bfloat16), tmp_path)
+    info = worker.es_server_init(spec_of(trainer.model, trainer.seed_log.header, trainer.seed_log.records))
+    assert info["step"] == 2 and info["checksum"] == server_checksum(trainer.model.named_parameters())
+    assert_bitwise(snapshot(worker.model_runner.model), snapshot(trainer.model))
+
+
+def test_bad_calls_are_named_and_change_nothing(tmp_path, tokenizer):
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    worker = served(model_fn, tmp_path)
+    with pytest.raises(RuntimeError, match="es_server_init first"):
+        worker.es_server_perturb(1, 1, 0.01)
+    model = model_fn()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.02, population_size=2)
+    header = header_of(strategy)
+    with pytest.raises(ValueError, match="full-rank members in place"):
+        worker.es_server_init(spec_of(model, {**header, "perturbation": {"type": "lowrank", "rank": 1}}))
+    with pytest.raises(ValueError, match="missing \\['nope'\\]"):
+        worker.es_server_init(json.dumps({"header": header, "weights": ["nope"]}))
+    with pytest.raises(ValueError, match="JSON string"):
+        worker.es_server_init("{not json")
+    with pytest.raises(ValueError, match="steps 1..k in order; got steps \\[2\\]"):
+        worker.es_server_init(spec_of(model, header, [{"step": 2}]))
+    worker.es_server_init(spec_of(model, header))
+    checksum = worker.es_server_checksum()
+    for args in [(1, 2, 0.01), ("x", 1, 0.01), (1, 1, 0.0), (1, 1, "nan"), (-1, 1, 0.01)]:
+        with pytest.raises(ValueError, match="es_server_perturb"):
+            worker.es_server_perturb(*args)
+    record = {"step": 1, "members": [[5, 1], [5, -1]], "coefficients": [1.0, -1.0], "learning_rate": 0.1}
+    with pytest.raises(ValueError, match="at step 0, so it takes the record of step 1; got step 3"):
+        worker.es_server_update({**record, "step": 3})
+    with pytest.raises(ValueError, match="as many 'coefficients'"):
+        worker.es_server_update({**record, "coefficients": [1.0]})
+    with pytest.raises(ValueError, match="keeps no anchor"):
+        worker.es_server_update({**record, "awd_shrink": 0.1})
+    assert worker.es_server_checksum() == checksum == server_checksum(model.named_parameters())
+    assert worker.es_server_step() == 0
+    assert worker.es_server_update(record)["step"] == 1 and worker.es_server_checksum() != checksum
+
+
+def test_a_checkpoint_without_safetensors_is_named(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    worker = StandInWorker(StandInRunner(model, str(tmp_path)))
+    strategy = EvolutionStrategy.for_module(model, sigma=0.02, population_size=2)
+    with pytest.raises(FileNotFoundError, match="No .safetensors file"):
+        worker.es_server_init(spec_of(model, header_of(strategy)))
+
+
+# ------------------------------------------------------------------------------- the client over HTTP
+class StandInServer:
+    """``vllm serve``'s ES surface over real HTTP on 127.0.0.1: ``/health``, ``/v1/models``, ``/collective_rpc``
+    (the stand-in worker's methods; an exception -> HTTP 500 with its message) and ``/v1/completions`` (greedy
+    ``generate`` of the worker's model from token ids, ``return_token_ids``)."""
+
+    def __init__(self, worker):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.worker, self.calls = worker, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/v1/models":
+                    self._send(200, {"data": [{"id": "stand-in"}]})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.calls.append((self.path, body.get("method")))
+                try:
+                    if self.path == "/collective_rpc":
+                        result = getattr(server.worker, body["method"])(*body["args"], **body["kwargs"])
+                        self._send(200, {"results": [result]})
+                    elif self.path == "/v1/completions":
+                        self._send(200, {"choices": server.complete(body)})
+                    else:
+                        self._send(404, {"detail": "Not Found"})
+                except Exception as error:  # noqa: BLE001 (vLLM answers 500 with the worker's error)
+                    self._send(500, {"error": f"{type(error).__name__}: {error}"})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def complete(self, body):
+        model = self.worker.model_runner.model
+        choices = []
+        if body.get("temperature") != 0.0:
+            raise ValueError("the stand-in decodes greedily only")
+        kwargs = {"max_new_tokens": body["max_tokens"], "min_new_tokens": body.get("min_tokens", 0),
+                  "do_sample": False, "pad_token_id": 0, "repetition_penalty": body.get("repetition_penalty", 1.0)}
+        if body.get("stop_token_ids"):
+            kwargs["eos_token_id"] = body["stop_token_ids"]
+        for i, prompt in enumerate(body["prompt"]):
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), **kwargs)
+            choices.append({"index": i, "prompt_token_ids": prompt, "token_ids": out[0, len(prompt):].tolist()})
+        return choices[::-1]  # out of order: the client puts them back by index
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_client_drives_a_server_over_http_and_checks_its_weights(tmp_path, tokenizer):
+    from trl_es.generation.vllm_server import ESServerClient, ServerError, ServerMismatchError
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    server = StandInServer(served(model_fn, tmp_path))
+    try:
+        model = model_fn()
+        strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=2, antithetic=True)
+        header = header_of(strategy)
+        client = ESServerClient(server.url, timeout=60)
+        assert client.model == "stand-in" and client.step() == -1
+        assert client.init(model, header) == 0
+        prompts = [[5, 6, 7], [8, 9]]
+        members = strategy.ask(0)
+        for member in members:
+            client.perturb(member, 0.05)
+            with strategy.apply([member], model), torch.no_grad():
+                expected = [model.generate(torch.tensor([p]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+            assert client.generate(prompts, max_tokens=4, sampling={"min_tokens": 4}) == expected  # the member's completions, in prompt order
+            client.restore()
+        told = strategy.tell(members, torch.tensor([1.0, 0.0]), learning_rate=0.05)
+        record = {"step": 1, "members": [[m.seed, m.sign] for m in members], "coefficients": told.coefficients,
+                  "learning_rate": told.learning_rate, "awd_shrink": 0.0}
+        client.update(record, model)  # checked against the trainer's weights
+        assert client.step() == 1
+        rpcs = [method for path, method in server.calls if path == "/collective_rpc"]
+        assert rpcs == ["es_server_step", "es_server_init"] + ["es_server_perturb", "es_server_restore"] * 2 + [
+            "es_server_update", "es_server_step"]
+        with pytest.raises(ServerError, match=f"{server.url}: es_server_update failed with HTTP 500: .*at step 1"):
+            client.update(record, model)  # a repeated update is refused by the server, and named
+        with pytest.raises(ServerMismatchError, match=f"{server.url} does not hold the trainer's weights"):
+            client.init(model, header)  # no records: the server holds the base, the trainer step 1
+        assert client.init(model, header, [record]) == 1  # a catch-up from the seed log
+    finally:
+        server.close()
+    with pytest.raises(ServerError, match="not reachable"):
+        ESServerClient(server.url, connection_timeout=0)
+
+
+def test_a_run_on_a_server_ends_bitwise_where_the_eager_engine_ends(tmp_path, tokenizer):
+    """ESConfig(use_vllm=True, vllm_mode="server") against the stand-in server (greedy): the same completions, so
+    the same fitness and updates; the server checks its weights against the trainer's after every step."""
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+
+    def run(out, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / out), max_steps=2, population_size=4, prompt_batch_size=4,
+                        max_completion_length=6, sigma=0.05, learning_rate=0.05, temperature=0.0, awd_lambda=0.5,
+                        report_to=[], save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, **kwargs)
+        trainer = ESTrainer(model_fn(), mean_code, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    eager = run("eager")
+    server = StandInServer(served(model_fn, tmp_path))
+    try:
+        on_server = run("server", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        assert on_server.generation_engine.describe() == {"name": "vllm_server", "base_url": server.url}
+        assert_bitwise(snapshot(on_server.model), snapshot(eager.model))
+        assert any(not torch.equal(a, b) for a, b in zip(snapshot(model_fn()).values(), snapshot(eager.model).values()))
+        assert_bitwise(snapshot(server.worker.model_runner.model), snapshot(eager.model))
+        rpcs = [m for path, m in server.calls if path == "/collective_rpc"]
+        # init from the (empty) seed log; per iteration 4 members, then the update; the trainer's model never moved
+        assert rpcs.count("es_server_init") == 1 and rpcs.count("es_server_update") == 2
+        assert rpcs.count("es_server_perturb") == rpcs.count("es_server_restore") == 8
+        on_server.evaluate(data.select(range(2)))  # nothing new: checked, not re-initialised
+        assert [m for p, m in server.calls if p == "/collective_rpc"][-2:] == ["es_server_step", "es_server_checksum"]
+    finally:
+        server.close()
+
+
+def test_vllm_serve_prints_the_es_server_line(tmp_path, tokenizer, capsys):
+    from trl_es.cli import main
+
+    folder = str(tmp_path / "tiny")
+    build_llama(tokenizer).save_pretrained(folder)
+    assert main(["vllm-serve", folder, "--port", "8123", "--print_only", "--", "--max-model-len", "256"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"VLLM_SERVER_DEV_MODE=1 {sys.executable} -m vllm.entrypoints.launchers.api_server.entry "
+                           f"--model {folder} --host 127.0.0.1 --port 8123 --dtype float32 "
+                           "--worker-extension-cls trl_es.generation.vllm_server_worker.ESServerWorkerExtension "
+                           "--no-enable-prefix-caching")
+    assert line.endswith("--max-model-len 256") and ("--enforce-eager" in line) == (not torch.cuda.is_available())
+
+
+def test_bytes_of_an_iteration_do_not_depend_on_the_model_size(tmp_path, tokenizer):
+    from tiny import build_vllm_llama
+
+    from trl_es.generation.vllm_server import ESServerClient
+
+    def iteration_bytes(build, name):
+        model_fn = lambda: build(tokenizer)  # noqa: E731
+        server = StandInServer(served(model_fn, tmp_path / name))
+        try:
+            model = model_fn()
+            strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=4, antithetic=True)
+            client = ESServerClient(server.url)
+            client.init(model, header_of(strategy))
+            before = client.rpc_bytes
+            members = strategy.ask(0)
+            for member in members:
+                client.perturb(member, 0.05)
+                client.restore()
+            told = strategy.tell(members, torch.tensor([1.0, 0.0, 0.5, 2.0]), learning_rate=0.05)
+            client.update({"step": 1, "members": [[m.seed, m.sign] for m in members],
+                           "coefficients": told.coefficients, "learning_rate": 0.05}, model)
+            return client.rpc_bytes - before, sum(p.numel() for p in model.parameters())
+        finally:
+            server.close()
+
+    (small, small_numel), (large, large_numel) = iteration_bytes(build_llama, "a"), iteration_bytes(build_vllm_llama, "b")
+    assert large_numel > 2 * small_numel and small == large and small < 4096
