@@ -19,6 +19,7 @@ import inspect
 import os
 import random
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -111,7 +112,7 @@ class Environments:
     def __init__(self, environment_factory, tools: Sequence[Callable] = ()):
         self.multi = isinstance(environment_factory, dict)
         self.factories = dict(environment_factory) if self.multi else {None: environment_factory}
-        self.pool: dict = {}  # environment name -> instances, reused across calls ("construct once, reset often")
+        self._pools = threading.local()  # per thread (one per vLLM server): concurrent calls never share instances
         self.tools: dict = {}  # environment name -> the tools its prompts are rendered with
         self.reward_funcs: list[Callable] = []  # one per environment class with get_reward
         self.standalone_tools = list(tools)
@@ -120,12 +121,19 @@ class Environments:
             if not callable(getattr(type(instance), "reset", None)):
                 raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
                                  "`reset`.")
-            self.pool[name] = [instance]
+            self.pool[name].append(instance)
             self.tools[name] = self.tools_of(instance)
             env_type = type(instance)
             owned = [f.env_type for f in self.reward_funcs]
             if callable(getattr(env_type, "get_reward", None)) and env_type not in owned:
                 self.reward_funcs.append(_environment_reward(env_type))
+
+    @property
+    def pool(self) -> dict:
+        """Environment name -> this thread's instances, reused across calls ("construct once, reset often")."""
+        if not hasattr(self._pools, "pool"):
+            self._pools.pool = {name: [] for name in self.factories}
+        return self._pools.pool
 
     def tools_of(self, instance) -> list[Callable]:
         """The standalone tools and ``instance``'s public methods but ``reset`` and ``get_reward``, bound to it."""

@@ -7,7 +7,9 @@ installed.
 - two processes on two servers (torchrun, population parallelism) end bitwise where one process with the
   colocated engine ends;
 - a server killed with SIGKILL fails the call naming the server, the trainer's weights untouched; a server started
-  again is brought to the trainer's step from the base checkpoint and the seed log (seeds, not weights).
+  again is brought to the trainer's step from the base checkpoint and the seed log (seeds, not weights);
+- one process on two servers, one SIGKILLed mid-iteration: its member runs again on the other, and the run ends
+  bitwise where the HF run ends.
 """
 
 import contextlib
@@ -147,3 +149,40 @@ def test_two_processes_on_two_servers_end_bitwise_as_the_colocated_run(tokenizer
     for name in reference:
         assert torch.equal(trained[name], reference[name]), name
     assert two["eval"]["eval_reward"] == colocated["eval"]["eval_reward"]
+
+
+def test_one_process_on_two_servers_survives_a_sigkilled_server_at_the_cost_of_one_member(tokenizer, tmp_path):
+    """Members dispatched over two real servers; server B SIGKILLed at the first reward of iteration 2: its member
+    runs again on A, and the run ends bitwise where the HF run ends."""
+    folder = str(tmp_path / "base")
+    build_vllm_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    processes, killed = [], []
+
+    def reward(completions, trainer_state, **kwargs):
+        if processes and trainer_state.global_step == 1 and not killed:
+            killed.append(processes[1].pid)
+            os.killpg(processes[1].pid, signal.SIGKILL)
+        return mean_code(completions)
+
+    def run(name, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / name), max_steps=2, population_size=4, prompt_batch_size=4,
+                        max_completion_length=8, sigma=0.05, learning_rate=0.05, report_to=[], save_strategy="no",
+                        noise_table_size=1 << 20, disable_tqdm=True, seed=0, logging_steps=1, **kwargs)
+        trainer = ESTrainer(build_vllm_llama(tokenizer), reward, args=args, train_dataset=prompt_rows(),
+                            processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    hf = run("hf")
+    log = str(tmp_path / "servers.log")
+    with es_server(folder, free_port(), log) as (a, first), es_server(folder, free_port(), log) as (b, second):
+        processes.extend([a, b])
+        on_servers = run("servers", use_vllm=True, vllm_mode="server", vllm_server_base_urls=[first, second])
+    assert killed == [b.pid]
+    for name, tensor in weights(hf.model).items():
+        assert torch.equal(weights(on_servers.model)[name], tensor), name
+    logs = [h for h in on_servers.state.log_history if "vllm_server/members_rerun" in h]
+    assert [h["vllm_server/members_rerun"] for h in logs] == [0.0, 1.0]
+    assert [h["vllm_server/live_servers"] for h in logs] == [2.0, 1.0]
+    assert [h["reward"] for h in logs] == [h["reward"] for h in hf.state.log_history if "reward" in h]

@@ -172,7 +172,7 @@ class StandInServer:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.worker, self.calls = worker, []
+        self.worker, self.calls, self.dead = worker, [], False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -180,6 +180,10 @@ class StandInServer:
                 pass
 
             def _send(self, code, body):
+                if server.dead:  # killed: the connection drops, no answer
+                    self.close_connection = True
+                    self.connection.close()
+                    return
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -228,6 +232,14 @@ class StandInServer:
                 out = model.generate(torch.tensor([prompt]), **kwargs)
             choices.append({"index": i, "prompt_token_ids": prompt, "token_ids": out[0, len(prompt):].tolist()})
         return choices[::-1]  # out of order: the client puts them back by index
+
+    def kill(self):
+        """Answer nothing from now on (every request's connection drops), as a SIGKILLed server."""
+        self.dead = True
+
+    def restart(self, worker):
+        """Answer again, with a fresh worker (at step -1, the base checkpoint's weights)."""
+        self.worker, self.dead = worker, False
 
     def close(self):
         self.httpd.shutdown()
@@ -292,7 +304,7 @@ def test_a_run_on_a_server_ends_bitwise_where_the_eager_engine_ends(tmp_path, to
     server = StandInServer(served(model_fn, tmp_path))
     try:
         on_server = run("server", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
-        assert on_server.generation_engine.describe() == {"name": "vllm_server", "base_url": server.url}
+        assert on_server.generation_engine.describe() == {"name": "vllm_server", "base_urls": [server.url]}
         assert_bitwise(snapshot(on_server.model), snapshot(eager.model))
         assert any(not torch.equal(a, b) for a, b in zip(snapshot(model_fn()).values(), snapshot(eager.model).values()))
         assert_bitwise(snapshot(server.worker.model_runner.model), snapshot(eager.model))
@@ -347,3 +359,95 @@ def test_bytes_of_an_iteration_do_not_depend_on_the_model_size(tmp_path, tokeniz
 
     (small, small_numel), (large, large_numel) = iteration_bytes(build_llama, "a"), iteration_bytes(build_vllm_llama, "b")
     assert large_numel > 2 * small_numel and small == large and small < 4096
+
+
+def test_members_are_dispatched_over_two_servers_and_a_killed_server_costs_one_member(tmp_path, tokenizer):
+    """One process, two stand-in servers: members dispatched dynamically (one in flight per server); the run ends
+    bitwise where the eager run ends. Server B killed at the first reward of iteration 2: its member runs again on A
+    (counted once), B is left out; started again during iteration 3, it is re-initialised at the next sync."""
+    from trl_es.generation.vllm_server import ServerError
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+    servers, events = [], []
+
+    def reward(completions, trainer_state, **kwargs):
+        step = trainer_state.global_step
+        if servers and step == 1 and "kill" not in events:
+            events.append("kill")
+            servers[1].kill()
+        if servers and step == 2 and "restart" not in events:
+            events.append("restart")
+            servers[1].restart(served(model_fn, tmp_path / "restarted"))
+        return mean_code(completions)
+
+    def run(out, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / out), max_steps=3, population_size=6, prompt_batch_size=4,
+                        max_completion_length=6, sigma=0.05, learning_rate=0.05, temperature=0.0, report_to=[],
+                        save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, logging_steps=1, **kwargs)
+        trainer = ESTrainer(model_fn(), reward, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    eager = run("eager")
+    servers.extend(StandInServer(served(model_fn, tmp_path / name)) for name in ("a", "b"))
+    try:
+        urls = [s.url for s in servers]
+        on_servers = run("servers", use_vllm=True, vllm_mode="server", vllm_server_base_urls=urls)
+        assert events == ["kill", "restart"]
+        assert_bitwise(snapshot(on_servers.model), snapshot(eager.model))
+        logs = [h for h in on_servers.state.log_history if "vllm_server/members_rerun" in h]
+        assert [h["vllm_server/members_rerun"] for h in logs] == [0.0, 1.0, 0.0]
+        assert [h["vllm_server/live_servers"] for h in logs] == [2.0, 1.0, 2.0]  # B back after the last sync
+        assert [h["reward"] for h in logs] == [h["reward"] for h in eager.state.log_history if "reward" in h]
+        perturbs = [sum(1 for p, m in s.calls if m == "es_server_perturb") for s in servers]
+        assert sum(perturbs) == 6 * 3 + 1 and min(perturbs) >= 1  # every member once, one again; both served
+        for server in servers:  # B re-initialised from the seed log at the last sync
+            assert_bitwise(snapshot(server.worker.model_runner.model), snapshot(eager.model))
+        servers[0].kill()
+        servers[1].kill()
+        before = snapshot(on_servers.model)
+        with pytest.raises(ServerError, match=f"No ES server is left.*{urls[0]}.*{urls[1]}"):
+            on_servers.evaluate(data.select(range(2)))
+        assert_bitwise(snapshot(on_servers.model), before)
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_an_exception_in_a_reward_on_two_servers_restores_both(tmp_path, tokenizer):
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+    calls = []
+
+    def reward(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("reward failed")
+        return mean_code(completions)
+
+    servers = [StandInServer(served(model_fn, tmp_path / name)) for name in ("a", "b")]
+    try:
+        args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=1, population_size=6, prompt_batch_size=4,
+                        max_completion_length=6, sigma=0.05, temperature=0.0, report_to=[], save_strategy="no",
+                        noise_table_size=1 << 20, disable_tqdm=True, use_vllm=True, vllm_mode="server",
+                        vllm_server_base_urls=[s.url for s in servers])
+        trainer = ESTrainer(model_fn(), reward, args=args, train_dataset=data, processing_class=tokenizer)
+        with pytest.raises(RuntimeError, match="reward failed"):
+            trainer.train()
+        base = snapshot(model_fn())
+        assert_bitwise(snapshot(trainer.model), base)
+        for server in servers:  # the members in flight restored
+            assert_bitwise(snapshot(server.worker.model_runner.model), base)
+            rpcs = [m for p, m in server.calls if p == "/collective_rpc"]
+            assert rpcs.count("es_server_perturb") == rpcs.count("es_server_restore") >= 1
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_fewer_servers_than_processes_is_named(tmp_path, tokenizer):
+    from trl_es.generation.vllm_server import VLLMServerEngine
+
+    with pytest.raises(ValueError, match="at least one ES server"):
+        VLLMServerEngine(tokenizer, [], lambda: None)

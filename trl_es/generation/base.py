@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,12 @@ class GenerationEngine(ABC):
     def describe(self) -> dict:
         """JSON-serializable facts about the engine (logged by the trainer)."""
         return {"name": self.name}
+
+    def map_groups(self, fn: Callable, groups: Iterable) -> Iterator:
+        """``fn(group)`` for each member group, in order: the member loop's dispatch. One at a time here (lazily); an
+        engine over several servers runs groups concurrently (:meth:`VLLMServerEngine.map_groups
+        <trl_es.generation.vllm_server.VLLMServerEngine.map_groups>`)."""
+        return (fn(group) for group in groups)
 
     @abstractmethod
     def _generate_ids(

@@ -14,17 +14,27 @@ or a restore may be: it is absolute, not relative; an update is refused by the s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import random
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import torch
 from torch import nn
 
 from ..es.update import Member
 from .base import GenerationEngine, encode_prompts
 from .vllm_engine import VLLMEngine, sampling_kwargs, with_model_defaults
 from .vllm_server_worker import server_checksum
+
+
+logger = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -92,6 +102,15 @@ class ESServerClient:
                                   "s; start it with `VLLM_SERVER_DEV_MODE=1 vllm serve ... --worker-extension-cls "
                                   "trl_es.generation.vllm_server_worker.ESServerWorkerExtension`.")
             time.sleep(1.0)
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether the server answers ``GET /health`` within ``timeout`` seconds (one try)."""
+        import requests
+
+        try:
+            return self.session.get(self.base_url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
 
     def rpc(self, method: str, *args) -> list:
         """Run ``method(*args)`` of the extension on every worker of the server; their results, one per worker.
@@ -183,17 +202,26 @@ class ESServerClient:
 
 
 class VLLMServerEngine(GenerationEngine):
-    """Generation on an ES vLLM server (``ESConfig(use_vllm=True, vllm_mode="server")``): members written into the
+    """Generation on ES vLLM servers (``ESConfig(use_vllm=True, vllm_mode="server")``): members written into a
     server's weights from their seeds, completions over HTTP; the trainer's model stays the source of truth.
 
-    :meth:`sync_weights` (once per iteration, after the update is in the seed log) brings the server to the
-    trainer's step: the last record when the server is one step behind, else (a new server, one that restarted, a
+    Several servers: :meth:`map_groups` dispatches the member groups dynamically, one group in flight per server
+    (each server has its own thread). What runs in the trainer's process (rewards, tools, environments, the
+    rollout's bookkeeping) runs one thread at a time: a thread holds the host lock except while it waits for its
+    server, and Python's, NumPy's and torch's global generator states travel with the thread across that wait, so a
+    member's rollout is the one a sequential loop would give. A server that fails a member's call (dead, timed out,
+    an error) is left out and the member is run again on another server (counted in :attr:`members_rerun`); the
+    iteration fails, naming the servers, only when no server is left. The trainer's weights are never touched by a
+    member.
+
+    :meth:`sync_weights` (once per iteration, after the update is in the seed log) brings every server to the
+    trainer's step: the last record when a server is one step behind, else (a new server, one that restarted, a
     resumed run) a re-initialisation from the base checkpoint and the whole seed log; then the checksums are
-    compared.
+    compared. A left-out server that answers ``/health`` again is re-initialised there, before it scores again.
 
     Args:
         processing_class (`PreTrainedTokenizerBase`): The tokenizer (its EOS is vLLM's own stop).
-        client (`ESServerClient`): The server.
+        clients (`Sequence[ESServerClient]`): The servers of this process (one, or several for dynamic dispatch).
         seed_log (`Callable[[], SeedLog]`): The trainer's seed log (read at each sync).
         awd (`bool`): Whether the run uses Anchored Weight Decay.
         max_concurrent_requests (`int`): Sampled rows go one request each (each its own seed), this many at once.
@@ -201,37 +229,159 @@ class VLLMServerEngine(GenerationEngine):
 
     name = "vllm_server"
 
-    def __init__(self, processing_class, client: ESServerClient, seed_log: Callable, awd: bool = False,
-                 max_concurrent_requests: int = 32):
-        self.processing_class, self.client, self._seed_log, self.awd = processing_class, client, seed_log, awd
+    def __init__(self, processing_class, clients: Sequence[ESServerClient] | ESServerClient, seed_log: Callable,
+                 awd: bool = False, max_concurrent_requests: int = 32):
+        self.processing_class, self._seed_log, self.awd = processing_class, seed_log, awd
+        self.clients = [clients] if isinstance(clients, ESServerClient) else list(clients)
+        if not self.clients:
+            raise ValueError("VLLMServerEngine needs at least one ES server.")
         self.max_concurrent_requests = int(max_concurrent_requests)
+        self.left_out: dict[int, str] = {}  # server index -> its error, until it answers /health again at a sync
+        self.members_rerun = 0  # members run again on another server, so far
+        self._host = threading.Lock()  # the trainer process's code runs under it, one server thread at a time
+        self._local = threading.local()  # a server thread's server index and whether it holds the host lock
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"es-server-{k}") for k in range(len(self.clients))]
 
     def describe(self) -> dict:
-        return {"name": self.name, "base_url": self.client.base_url}
+        return {"name": self.name, "base_urls": [c.base_url for c in self.clients]}
 
-    def sync_weights(self, model: nn.Module, params=None, noise=None) -> None:
-        """Bring the server to the trainer's weights (``model``, after the seed log's last record); checked.
+    @property
+    def client(self) -> ESServerClient:
+        """This server thread's server; outside the member loop (an evaluation) the first one not left out."""
+        index = getattr(self._local, "server", None)
+        if index is None:
+            index = next((k for k in range(len(self.clients)) if k not in self.left_out), 0)
+        return self.clients[index]
+
+    def live_servers(self) -> list[str]:
+        """The URLs of the servers not left out."""
+        return [c.base_url for k, c in enumerate(self.clients) if k not in self.left_out]
+
+    def _leave_out(self, index: int, error: BaseException, group=None) -> None:
+        self.left_out[index] = str(error)
+        rerun = "" if group is None else f"; its member(s) {list(group)} run again on another server"
+        logger.warning("%s%s. It scores no member until it answers /health again (checked at each weight sync, "
+                       "then re-initialised from the seed log).", error, rerun)
+
+    def _all_left_out(self) -> ServerError:
+        errors = "; ".join(self.left_out[k] for k in sorted(self.left_out))
+        return ServerError(f"No ES server is left ({len(self.clients)} failed): {errors}")
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """Around a call to this thread's server: other server threads run the process's code meanwhile; this
+        thread's global generator states are put back when it resumes."""
+        if not getattr(self._local, "holding", False):
+            yield
+            return
+        states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        self._host.release()
+        try:
+            yield
+        finally:
+            self._host.acquire()
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.random.set_rng_state(states[2])
+
+    def map_groups(self, fn: Callable, groups: Sequence) -> list:
+        """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically.
+
+        A :class:`ServerError` inside ``fn`` (its server failed: perturb, generate or restore) leaves that server
+        out and puts the group back for another server; any other exception stops the dispatch (the groups in
+        flight finish, their servers restored) and is raised.
 
         Raises:
-            ServerMismatchError: if, after the catch-up, the server's checksum is not ``model``'s.
+            ServerError: if every server has been left out with groups still to score (naming each server's error).
+        """
+        groups, pending, results, failure = list(groups), deque(range(len(groups))), {}, []
+        grad_enabled, states = torch.is_grad_enabled(), (random.getstate(), np.random.get_state(),
+                                                         torch.random.get_rng_state())
+
+        def serve(index: int) -> None:  # one server thread: groups until none is left
+            self._local.server, self._local.holding = index, True
+            try:
+                with self._host, torch.set_grad_enabled(grad_enabled):
+                    while pending and not failure:
+                        j = pending.popleft()
+                        try:
+                            results[j] = fn(groups[j])
+                        except ServerError as error:
+                            pending.appendleft(j)
+                            self.members_rerun += len(groups[j])
+                            self._leave_out(index, error, groups[j])
+                            return
+                        except BaseException as error:  # noqa: B036 (KeyboardInterrupt too: raised by the caller)
+                            failure.append(error)
+                            return
+            finally:
+                self._local.server, self._local.holding = None, False
+
+        try:
+            while pending and not failure:
+                live = [k for k in range(len(self.clients)) if k not in self.left_out]
+                if not live:
+                    raise self._all_left_out()
+                for future in [self._threads[k].submit(serve, k) for k in live]:
+                    future.result()
+        finally:  # the state a sequential loop leaves does not depend on which thread ran last
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.random.set_rng_state(states[2])
+        if failure:
+            raise failure[0]
+        return [results[j] for j in range(len(groups))]
+
+    def sync_weights(self, model: nn.Module, params=None, noise=None) -> None:
+        """Bring every server to the trainer's weights (``model``, after the seed log's last record); checked. A
+        server that fails the sync is left out (warned); one left out that answers ``/health`` again is
+        re-initialised.
+
+        Raises:
+            ServerMismatchError: if, after the catch-up, a server's checksum is not ``model``'s.
+            ServerError: if no server is left.
         """
         log = self._seed_log()
         if log.header.get("not_replayable"):
             raise ValueError(f"vllm_mode='server' replays the seed log on the server; this run's cannot be: "
                              f"{log.header['not_replayable']}")
-        records, step = log.records, self.client.step()
-        if step == len(records):  # nothing new (an evaluation): check
-            self.client.check(model, f"at step {step}")
-        elif records and step == len(records) - 1:
-            self.client.update(records[-1], model)
-        else:  # a new or restarted server, a resumed run: base checkpoint + seed log
-            self.client.init(model, log.header, records, self.awd)
+        records = log.records
+
+        def sync(index: int) -> None:
+            client = self.clients[index]
+            if index in self.left_out:
+                if not client.healthy():
+                    return
+                logger.warning("ES server %s answers again: re-initialising it from the seed log.", client.base_url)
+                del self.left_out[index]
+            step = client.step()
+            if step == len(records):  # nothing new (an evaluation): check
+                client.check(model, f"at step {step}")
+            elif records and step == len(records) - 1:
+                client.update(records[-1], model)
+            else:  # a new or restarted server, a resumed run: base checkpoint + seed log
+                client.init(model, log.header, records, self.awd)
+
+        futures = [(k, self._threads[k].submit(sync, k)) for k in range(len(self.clients))]
+        for index, future in futures:
+            try:
+                future.result()
+            except ServerMismatchError:
+                raise
+            except ServerError as error:
+                self._leave_out(index, error)
+        if len(self.left_out) == len(self.clients):
+            raise self._all_left_out()
 
     def perturb_(self, member: Member, sigma: float) -> None:
-        self.client.perturb(member, sigma)
+        client = self.client
+        with self._waiting():
+            client.perturb(member, sigma)
 
     def restore_(self) -> None:
-        self.client.restore()
+        client = self.client
+        with self._waiting():
+            client.restore()
 
     def _generate_ids(self, model, processing_class, texts, generation_config, num_row_groups,
                       add_special_tokens=False, **generate_kwargs):
@@ -242,15 +392,17 @@ class VLLMServerEngine(GenerationEngine):
         rows = sampling_kwargs(config, len(prompt_ids), self.processing_class.eos_token_id)  # the colocated engine's
         for row in rows:
             row.pop("detokenize")
+        client = self.client
         if all(row == rows[0] for row in rows):  # greedy: one request
             kwargs = dict(rows[0])
-            return self.client.generate(prompt_ids, kwargs.pop("max_tokens"), kwargs)
+            with self._waiting():
+                return client.generate(prompt_ids, kwargs.pop("max_tokens"), kwargs)
 
         def one(j):  # a seed a row, as the colocated engine's SamplingParams
             kwargs = dict(rows[j])
-            return self.client.generate([prompt_ids[j]], kwargs.pop("max_tokens"), kwargs)[0]
+            return client.generate([prompt_ids[j]], kwargs.pop("max_tokens"), kwargs)[0]
 
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(rows))) as pool:
+        with self._waiting(), ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(rows))) as pool:
             return list(pool.map(one, range(len(rows))))
 
     check_generation_config = staticmethod(VLLMEngine.check_generation_config)

@@ -77,15 +77,19 @@ class CompletionLog:
     # ------------------------------------------------------------------ recording
     def log_extra_for_call(self) -> Callable[[str, Sequence], None]:
         """The ``log_extra(column, values)`` callable reward functions receive for one rollout call (GRPO's
-        signature): ``values`` holds one entry per completion of the call. Starts a new call's buffer."""
-        self._pending = {}
+        signature): ``values`` holds one entry per completion of the call. Each call has its own buffer (calls may
+        run concurrently: several vLLM servers)."""
+        pending: dict[str, list] = {}
 
         def log_extra(column: str, values: Sequence) -> None:
-            self._pending[str(column)] = list(values)
+            pending[str(column)] = list(values)
 
+        log_extra.pending = pending
+        self._pending = pending
         return log_extra
 
-    def add_call(self, members: Sequence[int], rows: Sequence[dict], completions: Sequence, rewards_per_func) -> None:
+    def add_call(self, members: Sequence[int], rows: Sequence[dict], completions: Sequence, rewards_per_func,
+                 log_extra: Callable | None = None) -> None:
         """Record one rollout call: ``len(members)`` equal consecutive blocks of completions, one per member.
 
         Args:
@@ -93,12 +97,14 @@ class CompletionLog:
             rows (`Sequence[dict]`): One dataset row per completion (the prompt's row, repeated per generation).
             completions (`Sequence`): The completions as the reward functions received them (text or messages).
             rewards_per_func (`torch.Tensor`): ``(len(completions), F)`` float32, NaN for ``None``.
+            log_extra (`Callable`, *optional*): The call's :meth:`log_extra_for_call`; default the last one made.
 
         Raises:
             ValueError: if a ``log_extra`` column does not hold one value per completion of the call (naming it).
         """
+        pending = self._pending if log_extra is None else log_extra.pending
         total = len(completions)
-        for column, values in self._pending.items():
+        for column, values in pending.items():
             if len(values) != total:
                 raise ValueError(f"log_extra({column!r}, values) got {len(values)} values; the call's reward "
                                  f"functions scored {total} completions: give one value per completion.")
@@ -109,7 +115,7 @@ class CompletionLog:
                 self._rows.append({
                     "member": int(member), "prompt": rows[i]["prompt"], "completion": completions[i],
                     "rewards": [_value(r) for r in rewards[i]],
-                    "extra": {column: values[i] for column, values in self._pending.items()},
+                    "extra": {column: values[i] for column, values in pending.items()},
                 })
         self._pending = {}
 

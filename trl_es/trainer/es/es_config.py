@@ -311,8 +311,8 @@ class ESConfig(_BaseConfig):
         default="colocate",
         metadata={
             "help": "'colocate' (vLLM in the training process, TRL's meaning) or 'server' (a `vllm serve` started "
-            "with trl_es's ES worker extension, one per training process: members and updates travel as seeds, "
-            "completions over HTTP; docs/generation.md)."
+            "with trl_es's ES worker extension, at least one per training process: members and updates travel as "
+            "seeds, completions over HTTP; docs/generation.md)."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -371,8 +371,10 @@ class ESConfig(_BaseConfig):
     )
     vllm_server_base_urls: list[str] | None = field(
         default=None,
-        metadata={"help": "One server per training process (process i uses entry i), for population parallelism "
-                          "over several servers; overrides vllm_server_base_url. None: the one server above."},
+        metadata={"help": "Several servers, at least one per training process (process i of W uses entries i, "
+                          "i + W, ...; its members are dispatched dynamically over them, one in flight per server, "
+                          "and a failed server's member runs again on another); overrides vllm_server_base_url. "
+                          "None: the one server above."},
     )
     anchor_storage: Literal["auto", "memory", "file"] = field(
         default="auto",
@@ -864,8 +866,8 @@ class ESConfig(_BaseConfig):
         urls = self.vllm_server_base_urls
         if urls is not None and (not isinstance(urls, (list, tuple)) or not urls
                                  or not all(isinstance(u, str) and u for u in urls) or len(set(urls)) != len(urls)):
-            raise ValueError(f"vllm_server_base_urls must be None or a list of distinct URLs, one per training "
-                             f"process; got {urls!r}.")
+            raise ValueError(f"vllm_server_base_urls must be None or a list of distinct URLs, at least one per "
+                             f"training process; got {urls!r}.")
         if self.use_vllm and self.vllm_mode == "server" and self.population_backend != "sequential":
             raise ValueError("vllm_mode='server' writes full-rank members into the server's weights: use "
                              f"population_backend='sequential' (got {self.population_backend!r}).")

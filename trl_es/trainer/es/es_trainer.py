@@ -333,6 +333,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         )
         self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
+        self._members_rerun = 0  # vllm_mode="server": the engine's count at the last iteration's metrics
         self.seed_log = SeedLog(
             header={
                 "noise": self.noise.describe(),
@@ -504,6 +505,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                                     evaluate_seconds, update_seconds)
         if self.tools:
             metrics.update(self._tool_metrics())
+        if args.use_vllm and args.vllm_mode == "server":
+            metrics.update(self._server_metrics())
         for name, value in metrics.items():
             self._metrics[name].append(value)
         # as GRPOTrainer: num_tokens is the running total of prompt + completion tokens (state.num_input_tokens_seen)
@@ -518,7 +521,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         leaving the ``with``, also on an exception) and rolled out on the prompt rows.
 
         Population parallelism: members ``i % W == rank``, each on the whole prompt batch; ZeRO-3 (sharded): every
-        member, scored by all processes together, each on its own prompts.
+        member, scored by all processes together, each on its own prompts. The engine dispatches the groups
+        (``map_groups``: in order here; over several vLLM servers concurrently, a failed server's group run again on
+        another); their scores are collected in group order.
         """
         args = self.args
         if self.sharded:
@@ -534,13 +539,17 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         scores, log = {}, self.completion_log
         self._tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
         completions_seen = set()  # rollout_func: the members' completions, to tell if they depend on the member
-        for group in self.strategy.groups(indices):
-            if log is not None:
-                reward_kwargs["log_extra"] = log.log_extra_for_call()
+
+        def roll(group):  # one group's rollout, its members applied (on a server with vllm_mode="server")
+            kwargs = {**reward_kwargs, "log_extra": log.log_extra_for_call()} if log is not None else reward_kwargs
             with self.strategy.apply([members[i] for i in group], model):
                 self._seed_sampling(step, group)
                 self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
-                out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=reward_kwargs)
+                out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=kwargs)
+            return out, kwargs.get("log_extra")
+
+        groups = list(self.strategy.groups(indices))
+        for group, (out, log_extra) in zip(groups, self.generation_engine.map_groups(roll, groups), strict=True):
             warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
             if "tool_calls" in out:
                 self._tool_counts += tool_counts(out)
@@ -551,10 +560,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 repeated = [row for row in rows * len(group) for _ in range(args.num_generations)]
                 if "messages" in out:  # an agent rollout: the prompts after reset, the multi-turn completions
                     repeated = [{**row, "prompt": p} for row, p in zip(repeated, out["prompts"], strict=True)]
-                    log.add_call(group, repeated, out["messages"], out["rewards_per_func"])
+                    log.add_call(group, repeated, out["messages"], out["rewards_per_func"], log_extra)
                 else:
                     log.add_call(group, repeated, completions_for_rewards(out["completions"], repeated),
-                                 out["rewards_per_func"])
+                                 out["rewards_per_func"], log_extra)
             for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
                 scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
                                                           group_size=args.num_generations)
@@ -757,14 +766,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         )
 
     def _make_vllm_server_engine(self):
-        """The ES vLLM server of this process (``vllm_server_base_urls[process_index]``, else
-        ``vllm_server_base_url`` or ``http://vllm_server_host:vllm_server_port``), waited for up to
+        """The ES vLLM servers of this process (``vllm_server_base_urls[process_index::num_processes]``, else
+        ``vllm_server_base_url`` or ``http://vllm_server_host:vllm_server_port``), each waited for up to
         ``vllm_server_timeout`` seconds; brought to the model's weights by the first sync.
 
         Raises:
-            ValueError: for several processes without one server each, ZeRO-3, a PEFT model, or a run whose updates
-                a server cannot replay (``es_optimizer='torch'``).
-            ServerError: if the server does not answer.
+            ValueError: for fewer servers than processes, ZeRO-3, a PEFT model, or a run whose updates a server
+                cannot replay (``es_optimizer='torch'``).
+            ServerError: if a server does not answer.
         """
         from ...generation.vllm_server import ESServerClient, VLLMServerEngine
 
@@ -777,13 +786,27 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         urls = args.vllm_server_base_urls
         if urls is None:
             urls = [args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
-        if len(urls) != world:
-            raise ValueError(f"vllm_mode='server' needs one server per training process (members are written into "
-                             f"a server's weights one at a time): {world} processes, {len(urls)} server(s). Set "
-                             f"vllm_server_base_urls to {world} URLs.")
+        if len(urls) < world:
+            raise ValueError(f"vllm_mode='server' needs at least one server per training process (a server holds "
+                             f"one member at a time): {world} processes, {len(urls)} server(s). Set "
+                             f"vllm_server_base_urls to {world} or more URLs (process i uses entries i, i + {world}, "
+                             "...).")
         VLLMServerEngine.check_generation_config(self.generation_config)
-        client = ESServerClient(urls[self.accelerator.process_index], connection_timeout=args.vllm_server_timeout)
-        return VLLMServerEngine(self.processing_class, client, lambda: self.seed_log, awd=args.awd_lambda > 0)
+        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)
+                   for url in urls[self.accelerator.process_index::world]]
+        return VLLMServerEngine(self.processing_class, clients, lambda: self.seed_log, awd=args.awd_lambda > 0)
+
+    def _server_metrics(self) -> dict[str, float]:
+        """``vllm_server/members_rerun`` (members run again on another server this iteration, all processes) and
+        ``vllm_server/live_servers`` (servers scoring members), with ``vllm_mode="server"``."""
+        engine = self.generation_engine
+        counts = torch.tensor([engine.members_rerun - self._members_rerun, len(engine.live_servers())],
+                              dtype=torch.float64)
+        self._members_rerun = engine.members_rerun
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += counts.numel() * 8
+        return {"vllm_server/members_rerun": float(counts[0]), "vllm_server/live_servers": float(counts[1])}
 
     def _sync_engine_weights(self) -> None:
         """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES
