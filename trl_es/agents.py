@@ -47,6 +47,7 @@ from .rollout import Rollout, await_all, ended_ids, terminated
 __all__ = [
     "AgentRollout",
     "Environments",
+    "MemberVLLMGeneration",
     "bind_rollout_func",
     "check_agent_arguments",
     "check_rollout_output",
@@ -618,6 +619,57 @@ def environment_placeholder_dataset(environments: Environments, args):
     return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * args.prompt_batch_size})
 
 
+class MemberVLLMGeneration:
+    """GRPOTrainer's ``trainer.vllm_generation`` for a ``rollout_func`` under ``use_vllm=True``: :meth:`generate` runs
+    on the trainer's vLLM engine, which holds the member being rolled out (its weights or its LoRA adapter; with
+    ``vllm_mode="server"``, on the server scoring that member). ``trainer.model`` keeps the unperturbed weights then.
+
+    Args:
+        trainer (`ESTrainer`): Its engine, model, tokenizer and generation config are read at each call.
+    """
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+
+    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None) -> tuple:
+        """GRPO's ``VLLMGeneration.generate``: one completion per prompt row (rows already repeated
+        ``num_generations`` times, as GRPO's ``rollout_func`` receives them), decoded with the trainer's generation
+        settings (``temperature``, ``max_completion_length``, ...) by the member's weights.
+
+        Args:
+            prompts (`list[list[int]]`): Token ids, one list per row.
+            images: Must be ``None`` (ESTrainer is text-only).
+            num_generations (`int`): Accepted for GRPO's call shape; every row gets one completion either way.
+            profiler: Accepted for GRPO's call shape; unused.
+
+        Returns:
+            `tuple`: ``(prompt_ids, completion_ids, None, None)``: ``list[list[int]]`` each (completions cut after the
+            first stop token, kept), and no logprobs (ES needs none).
+
+        Raises:
+            ValueError: ``images`` given, or ``prompts`` not token-id lists.
+        """
+        if images is not None and any(image is not None for image in images):
+            raise ValueError("trainer.vllm_generation.generate: images are not supported by ESTrainer (text only).")
+        if not all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
+            raise ValueError("trainer.vllm_generation.generate takes token ids (list[list[int]]), as GRPO's does; "
+                             "render and tokenize the prompts first (apply_chat_template(..., tokenize=True)).")
+        trainer = self._trainer
+        prompt_ids = [list(p) for p in prompts]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        out = generate_completions(model, trainer.processing_class, prompt_ids, trainer.generation_config, 1,
+                                   engine=trainer.generation_engine)
+        return prompt_ids, out.ids, None, None
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"trainer.vllm_generation.{name} is not available in ESTrainer: only "
+                             "trainer.vllm_generation.generate(prompt_ids, None, num_generations) generates with the "
+                             "member being rolled out (TRL's llm or vllm_client would see the unperturbed or another "
+                             "member's weights).")
+
+
 _warned_member_independent = False
 
 
@@ -630,7 +682,8 @@ def warn_member_independent_rollouts() -> None:
     warnings.warn("Every population member got the same completions from rollout_func: it does not seem to generate "
                   "with trainer.model, which holds each member's weights while rollout_func runs (an external server "
                   "that ES does not drive scores the base model for every member). ES then learns nothing but "
-                  "noise; generate with trainer.model inside rollout_func.", UserWarning, stacklevel=3)
+                  "noise; generate with trainer.model inside rollout_func (with use_vllm=True: "
+                  "trainer.vllm_generation.generate).", UserWarning, stacklevel=3)
     _warned_member_independent = True
 
 
@@ -639,5 +692,6 @@ def _call_rollout_func(rollout_func: Callable, trainer, prompts: list) -> dict:
 
 
 def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
-    """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``."""
+    """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``
+    (with ``use_vllm=True``: in the engine behind ``trainer.vllm_generation``)."""
     return functools.partial(_call_rollout_func, rollout_func, trainer)

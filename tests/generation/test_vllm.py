@@ -337,6 +337,41 @@ def test_trainer_with_vllm_and_environments_ends_bitwise_as_without(tokenizer, t
         h["rewards/StartEnvironment/mean"] for h in history_hf]
 
 
+def rollout_through_the_engine(prompts, trainer):
+    """A GRPO-style rollout_func: with vLLM through trainer.vllm_generation (GRPO's call), else trainer.model."""
+    tok = trainer.processing_class
+    ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in prompts]
+    if trainer.args.use_vllm:
+        prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(ids, None, 1)
+        assert prompt_ids == ids and logprobs is None
+    else:
+        completion_ids = generate_completions(trainer.model, tok, ids, trainer.generation_config).ids
+    ROLLOUT_COMPLETIONS.append(repr(completion_ids))
+    return {"prompt_ids": ids, "completion_ids": completion_ids}
+
+
+ROLLOUT_COMPLETIONS = []
+
+
+@pytest.mark.parametrize("backend", [{}, {"population_backend": "batched_lowrank", "noise_rank": 2,
+                                          "member_chunk_size": 1}], ids=["weights", "lora_adapters"])
+def test_rollout_func_through_vllm_generation_holds_each_member(tokenizer, tmp_path, monkeypatch, backend):
+    """rollout_func with use_vllm=True: trainer.vllm_generation.generate generates with the member the engine holds
+    (its weights, or its LoRA adapter), so the run ends bitwise where the HF run (rollout_func on trainer.model)
+    ends."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    agents = {"rollout_func": rollout_through_the_engine}
+    ROLLOUT_COMPLETIONS.clear()
+    with_vllm, history, _ = train(tokenizer, tmp_path, True, agents, **backend)
+    assert len(ROLLOUT_COMPLETIONS) == 8 and len(set(ROLLOUT_COMPLETIONS[:4])) > 1  # 2 x 4 members, not all alike
+    without, history_hf, _ = train(tokenizer, tmp_path, False, agents, **backend)
+    moved = build_vllm_llama(tokenizer).state_dict()
+    assert any(not torch.equal(with_vllm[k], moved[k]) for k in moved)
+    for name in with_vllm:
+        assert torch.equal(with_vllm[name], without[name]), name
+    assert [h["reward"] for h in history] == [h["reward"] for h in history_hf]
+
+
 def test_engine_generates_from_token_id_prompts_as_from_their_texts(tokenizer):
     """The tool loop's prompts are token ids (prompt + completion + tool turn): vLLM takes them as they are."""
     model = build_vllm_llama(tokenizer)

@@ -318,6 +318,100 @@ def test_a_run_on_a_server_ends_bitwise_where_the_eager_engine_ends(tmp_path, to
         server.close()
 
 
+def test_a_rollout_func_on_a_server_generates_with_each_member(tmp_path, tokenizer, monkeypatch):
+    """rollout_func with vllm_mode="server": trainer.vllm_generation.generate runs on the server holding the member,
+    so the run ends bitwise where the plain eager run ends; trainer.model keeps the unperturbed weights meanwhile."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+    base, calls, seen = snapshot(model_fn()), [], []  # seen: trainer.model's weights during each call
+
+    def rollout_func(prompts, trainer):
+        ids = tokenizer(prompts)["input_ids"]  # plain text, with special tokens, as GRPO tokenizes it
+        prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate(ids, None, 1)
+        assert (prompt_ids, logprobs, token_ids) == (ids, None, None)
+        calls.append(repr(completion_ids))
+        seen.append(repr([p.sum().item() for p in trainer.model.parameters()]))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+
+    def run(out, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / out), max_steps=2, population_size=4, prompt_batch_size=4,
+                        max_completion_length=6, sigma=0.05, learning_rate=0.05, temperature=0.0,
+                        report_to=[], save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, **kwargs)
+        trainer = ESTrainer(model_fn(), mean_code, args=args, train_dataset=data, processing_class=tokenizer,
+                            rollout_func=rollout_func if kwargs else None)
+        trainer.train()
+        return trainer
+
+    eager = run("eager")
+    assert not calls
+    server = StandInServer(served(model_fn, tmp_path))
+    try:
+        on_server = run("server", use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        assert len(calls) == 8 and len(set(calls[:4])) == 4  # once per member, each its own completions
+        assert len(set(seen[:4])) == len(set(seen[4:])) == 1 and seen[0] != seen[4]  # members on the server only
+        assert_bitwise(snapshot(on_server.model), snapshot(eager.model))
+        assert any(not torch.equal(a, b) for a, b in zip(base.values(), snapshot(eager.model).values()))
+        with pytest.raises(AttributeError, match="only trainer.vllm_generation.generate"):
+            on_server.vllm_generation.vllm_client  # noqa: B018 (TRL's client would miss the member)
+        with pytest.raises(ValueError, match="takes token ids"):
+            on_server.vllm_generation.generate(["Write: 1"], None, 1)
+    finally:
+        server.close()
+    assert not hasattr(eager, "vllm_generation")  # as GRPOTrainer: only with use_vllm=True
+
+
+class StartEnvironment:
+    """reset draws its task from `random`: every member must get the same task for a row (common random numbers),
+    also when two server threads roll members out at once."""
+
+    def reset(self, **kwargs):
+        import random
+
+        self.start = random.randint(0, 9)
+        return f" from {self.start}"
+
+    def get_reward(self) -> float:
+        return self.start / 10
+
+
+def test_environments_on_two_servers_end_bitwise_where_the_eager_engine_ends(tmp_path, tokenizer, monkeypatch):
+    """environment_factory with members dispatched over two stand-in servers (a pool per server thread): the resets,
+    tasks and rewards are the eager run's, and the weights end bitwise equal."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write {i}"}] for i in range(8)]})
+    tasks = []
+
+    def reward(completions, environments, **kwargs):
+        tasks.append(tuple(e.start for e in environments))
+        return [sum(map(ord, c[0]["content"])) / 1000 + e.start for c, e in zip(completions, environments)]
+
+    def run(out, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / out), max_steps=2, population_size=4, prompt_batch_size=3,
+                        max_completion_length=5, sigma=0.05, learning_rate=0.05, temperature=0.0,
+                        report_to=[], save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, **kwargs)
+        trainer = ESTrainer(model_fn(), reward, args=args, train_dataset=data, processing_class=tokenizer,
+                            environment_factory=StartEnvironment)
+        trainer.train()
+        history = [h["rewards/StartEnvironment/mean"] for h in trainer.state.log_history if "reward" in h]
+        return trainer, history
+
+    eager, eager_history = run("eager")
+    eager_tasks, tasks[:] = list(tasks), []
+    assert len(set(eager_tasks[:4])) == 1 and eager_tasks[0] != eager_tasks[4]  # per iteration, not per member
+    servers = [StandInServer(served(model_fn, tmp_path / name)) for name in "ab"]
+    try:
+        on_servers, history = run("servers", use_vllm=True, vllm_mode="server",
+                                  vllm_server_base_urls=[s.url for s in servers])
+        assert sorted(tasks) == sorted(eager_tasks) and history == eager_history
+        assert_bitwise(snapshot(on_servers.model), snapshot(eager.model))
+        assert all(any(m == "es_server_perturb" for _, m in s.calls) for s in servers)  # both scored members
+    finally:
+        for s in servers:
+            s.close()
+
+
 def test_vllm_serve_prints_the_es_server_line(tmp_path, tokenizer, capsys):
     from trl_es.cli import main
 

@@ -124,12 +124,12 @@ NOT_PORTED = {
     "test_compute_entropy_threshold_0": _ENTROPY_MASK,
     "test_compute_entropy_threshold_1": _ENTROPY_MASK,
     "test_compute_entropy_all_masked": _ENTROPY_MASK,
-    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "TestGRPORolloutDispatch (rollout_func syncing the "
-                                                                 "vLLM weights before it runs): ES's rollout_func "
-                                                                 "runs without vLLM (tools, environments and "
-                                                                 "rollout_func with use_vllm=True are refused by "
-                                                                 "ESTrainer for now); it generates with "
-                                                                 "trainer.model, which holds each member's weights.",
+    "test_generate_rollout_func_syncs_vllm_weights_when_needed": "TestGRPORolloutDispatch (GRPO's _generate syncing "
+                                                                 "the vLLM weights before rollout_func runs, mocked): "
+                                                                 "ESTrainer has no _generate and no pending sync (the "
+                                                                 "engine gets every update as it is told); "
+                                                                 "rollout_func through trainer.vllm_generation is "
+                                                                 "tested in tests/generation/test_vllm.py.",
     "test_generation_output_has_logprobs_field": _CB_CONTRACT,
     "test_generation_output_logprobs_accepts_floats": _CB_CONTRACT,
     "test_continuous_batching_config_has_return_logprobs": _CB_CONTRACT,

@@ -28,6 +28,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from ...agents import (
     AgentRollout,
     Environments,
+    MemberVLLMGeneration,
     bind_rollout_func,
     check_agent_arguments,
     environment_placeholder_dataset,
@@ -145,7 +146,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             (``max_tool_calling_iterations``); see docs/agents.md.
         rollout_func (`Callable`, *optional*): GRPOTrainer's ``rollout_func(prompts, trainer) -> dict`` (``prompt_ids``,
             ``completion_ids``; other keys reach the reward functions), called once per member with the member's
-            weights in ``trainer.model``.
+            weights in ``trainer.model`` (with ``use_vllm=True``: generating through ``trainer.vllm_generation``).
         environment_factory (`Callable` or `dict[str, Callable]`, *optional*): GRPOTrainer's environments: one
             instance per rollout row, reset for every member under the same random numbers; their public methods
             are tools, ``get_reward`` an extra reward function.
@@ -154,7 +155,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
             ``max_steps``, reward weights of the wrong length, a real ``quantization_config``, a ``PeftModel``
             together with a ``peft_config``; tools with a chat template that cannot render or TRL cannot parse tool
-            calls; agent rollouts (tools, environments, rollout_func) with vLLM, ZeRO-3 or stacked low-rank members.
+            calls; agent rollouts (tools, environments, rollout_func) with ZeRO-3 or stacked low-rank members.
     """
 
     _tag_names = ["trl", "trl-es", "evolution-strategies"]
@@ -314,9 +315,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             unsupported = [what for what, on in (
                 ("DeepSpeed ZeRO-3", self.sharded),
                 ("stacked low-rank members (member_chunk_size > 1)",
-                 population.stacked and args.member_chunk_size != 1),
-                ("rollout_func and use_vllm=True (trainer.model does not hold the member the engine holds)",
-                 self.rollout_func is not None and args.use_vllm)) if on]
+                 population.stacked and args.member_chunk_size != 1)) if on]
             if unsupported:
                 raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
                                  f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
@@ -454,6 +453,16 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     def reward_weights(self) -> torch.Tensor:
         """GRPOTrainer's attribute: one float32 weight per reward function."""
         return self.reward_scorer.weights
+
+    @property
+    def vllm_generation(self) -> MemberVLLMGeneration:
+        """GRPOTrainer's ``vllm_generation`` (``use_vllm=True`` only): for a ``rollout_func``,
+        ``trainer.vllm_generation.generate(prompt_ids, None, num_generations)`` generates with the member being rolled
+        out (see :class:`~trl_es.agents.MemberVLLMGeneration`)."""
+        if not self.args.use_vllm:
+            raise AttributeError("trainer.vllm_generation exists with use_vllm=True only (as in GRPOTrainer); "
+                                 "without vLLM, a rollout_func generates with trainer.model.")
+        return MemberVLLMGeneration(self)
 
     @property
     def rollout(self) -> Rollout:
