@@ -3,9 +3,10 @@ engine and against a weight-broadcast design's bytes.
 
 For each server count ``S`` in ``--servers``: ``S`` servers are started with the launch line users copy
 (``trl-es vllm-serve MODEL``, 127.0.0.1), initialised from the model's seed-log header, then one ES iteration runs
-as the trainer would, members dispatched dynamically over the servers (one member in flight per server: a thread
-per server takes the next member): perturb -> greedy completions of ``--prompts`` arithmetic prompts x
-``--new_tokens`` tokens -> restore, then the update on every server, checked against the HF model's checksum.
+as the trainer runs it, through the trainer's ``VLLMServerEngine``: members dispatched dynamically over the servers
+(``map_groups``, one member in flight per server): perturb -> greedy completions of ``--prompts`` arithmetic prompts
+x ``--new_tokens`` tokens -> restore, then the engine's weight sync (every server applies the update itself),
+checked against the HF model's checksum.
 Bytes are the request + response bodies of the ES calls (``/collective_rpc``); completions (prompts and token ids
 over ``/v1/completions``) are counted apart, as a colocated engine has them too. A weight-broadcast design (engine 0
 sends every weight to the others after each update, as the ES anchors do) moves ``parameters x bytes per parameter x
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -37,7 +36,7 @@ from trl_es.es.population import SequentialPopulation
 from trl_es.es.strategy import EvolutionStrategy
 from trl_es.es.update import TrainedParameters, select_parameters
 from trl_es.files import write_json
-from trl_es.generation.vllm_server import ESServerClient, ServerError
+from trl_es.generation.vllm_server import ESServerClient, ServerError, VLLMServerEngine
 
 
 def free_port() -> int:
@@ -89,55 +88,38 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
             for r in rows]
 
 
-def server_iteration(clients, strategy, model, prompts, new_tokens: int) -> dict:
-    """One iteration over the servers: members dispatched dynamically, then the update on every server."""
+def server_iteration(clients, strategy, model, tokenizer, header, prompts, new_tokens: int) -> dict:
+    """One iteration as ``ESTrainer`` runs it on servers: the trainer's :class:`VLLMServerEngine` dispatches the
+    members (``map_groups``: one member in flight per server), then syncs the update to every server (checked)."""
+    from transformers import GenerationConfig
+
+    from trl_es.es.population import EngineSequentialPopulation
+    from trl_es.es.seedlog import SeedLog
+
+    log = SeedLog(header)
+    engine = VLLMServerEngine(tokenizer, clients, seed_log=lambda: log)
+    population = EngineSequentialPopulation(engine)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=tokenizer.eos_token_id)
     members = strategy.ask(0)
-    todo = queue.Queue()
-    for i in range(len(members)):
-        todo.put(i)
-    completions = [None] * len(members)
-    errors = []
     before = [c.rpc_bytes for c in clients]
 
-    def work(client):
-        while True:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                client.perturb(members[i], strategy.sigma)
-                completions[i] = client.generate(prompts, new_tokens, {"min_tokens": new_tokens})
-                client.restore()
-            except Exception as error:  # noqa: BLE001 (reported below)
-                errors.append(error)
-                return
+    def roll(group):
+        with population.apply(strategy.params, strategy.noise, [members[i] for i in group], strategy.sigma, model):
+            return engine.generate(model, tokenizer, prompts, config).ids
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    completions = engine.map_groups(roll, [[i] for i in range(len(members))])
     members_seconds = time.perf_counter() - start
-    if errors:
-        raise errors[0]
     told = strategy.tell(members, torch.randn(len(members), generator=torch.Generator().manual_seed(0)), 1e-3)
-    record = {"step": 1, "members": [[m.seed, m.sign] for m in members], "coefficients": told.coefficients,
-              "learning_rate": told.learning_rate, "awd_shrink": 0.0}
+    log.append(1, members, told.coefficients, told.learning_rate)
     start = time.perf_counter()
-    threads = [threading.Thread(target=c.update, args=(record, model)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    engine.sync_weights(model)  # every server applies the record itself; checksums compared with the model's
     update_seconds = time.perf_counter() - start
-    for c in clients:
-        c.check(model, "after the benchmark's update")
     return {"members": len(members), "members_seconds": members_seconds,
             "members_per_second": len(members) / members_seconds, "update_seconds": update_seconds,
             "es_call_bytes_per_server": [c.rpc_bytes - b for c, b in zip(clients, before, strict=True)],
-            "completions": completions}
+            "members_rerun": engine.members_rerun, "completions": completions}
 
 
 def colocated_iteration(model, tokenizer, strategy, prompts, new_tokens: int) -> dict:
@@ -204,7 +186,7 @@ def main(argv=None) -> dict:
                 c.init(model, header)
             init_seconds = time.perf_counter() - start
             init_bytes = [c.rpc_bytes for c in clients]
-            row = server_iteration(clients, strategy, model, prompts, args.new_tokens)
+            row = server_iteration(clients, strategy, model, tokenizer, header, prompts, args.new_tokens)
         finally:
             stop(servers)
         row.update(start_seconds=started, init_seconds=init_seconds, init_bytes_per_server=init_bytes,
