@@ -37,6 +37,17 @@ from .vllm_server_worker import server_checksum
 logger = logging.getLogger(__name__)
 
 
+def _global_rng_states() -> tuple:
+    """Python's, NumPy's and torch's default CPU generator states (what a server thread carries across a wait)."""
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def _set_global_rng_states(states: tuple) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.random.set_rng_state(states[2])
+
+
 class ServerError(RuntimeError):
     """A call to an ES server failed (unreachable, timed out, or the server raised); the message names the server
     and the call."""
@@ -274,15 +285,13 @@ class VLLMServerEngine(GenerationEngine):
         if not getattr(self._local, "holding", False):
             yield
             return
-        states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        states = _global_rng_states()
         self._host.release()
         try:
             yield
         finally:
             self._host.acquire()
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            torch.random.set_rng_state(states[2])
+            _set_global_rng_states(states)
 
     def map_groups(self, fn: Callable, groups: Sequence) -> list:
         """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically.
@@ -295,8 +304,7 @@ class VLLMServerEngine(GenerationEngine):
             ServerError: if every server has been left out with groups still to score (naming each server's error).
         """
         groups, pending, results, failure = list(groups), deque(range(len(groups))), {}, []
-        grad_enabled, states = torch.is_grad_enabled(), (random.getstate(), np.random.get_state(),
-                                                         torch.random.get_rng_state())
+        grad_enabled, states = torch.is_grad_enabled(), _global_rng_states()
 
         def serve(index: int) -> None:  # one server thread: groups until none is left
             self._local.server, self._local.holding = index, True
@@ -325,9 +333,7 @@ class VLLMServerEngine(GenerationEngine):
                 for future in [self._threads[k].submit(serve, k) for k in live]:
                     future.result()
         finally:  # the state a sequential loop leaves does not depend on which thread ran last
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            torch.random.set_rng_state(states[2])
+            _set_global_rng_states(states)
         if failure:
             raise failure[0]
         return [results[j] for j in range(len(groups))]
