@@ -1,5 +1,7 @@
 """trl_es.es.strategy.EvolutionStrategy: ask / groups / apply / tell on a plain nn.Module, and ESTrainer built on it."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,221 @@ def test_estrainer_holds_its_es_state_in_the_strategy():
     assert trainer.population is strategy.population
     assert (strategy.sigma, strategy.population_size, strategy.seed, strategy.antithetic) == (0.01, 4, 3, True)
     assert strategy.ask(0) == sample_population(3, 0, 4, antithetic=True)
+
+
+# ---------------------------------------------------------------- weights written into the module outside the strategy
+def _reference_step(model, masters, members, fitness, learning_rate, shaping="zscore"):
+    """The weights ``model`` ends with after one ES step from ``masters`` (fp32 by name), built from scratch."""
+    params = TrainedParameters(select_parameters(model), torch.float32)
+    params.load_master_state_dict(masters)
+    es_update_(params, SequentialPopulation().perturbation, make_noise_source(0, "gaussian"), members,
+               shape_fitness(fitness, shaping).tolist(), learning_rate)
+    return _weights(model)
+
+
+def _load_other(model, dtype):
+    model.load_state_dict(_mlp(seed=1).to(dtype).state_dict())
+
+
+def _load_other_assigned(model, dtype):
+    model.load_state_dict(_mlp(seed=1).to(dtype).state_dict(), assign=True)
+
+
+def _copy_into_one(model, dtype):
+    model[2].weight.data.copy_(torch.linspace(-1, 1, 16).view(2, 8))
+
+
+def _add_in_place(model, dtype):
+    with torch.no_grad():
+        model[0].bias.add_(0.25)
+
+
+CHANGES = {"load_state_dict": _load_other, "load_state_dict_assign": _load_other_assigned,
+           "data_copy": _copy_into_one, "no_grad_add": _add_in_place}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_weights_put_into_the_module_are_restored_by_apply_and_stepped_from_by_tell(change, dtype):
+    model = _mlp().to(dtype)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=4)
+    fitness = torch.tensor([0.1, 0.7, -0.2, 0.4])
+    strategy.tell(strategy.ask(0), fitness, learning_rate=0.01)  # a 16-bit model's master now holds sub-ulp steps
+    old_masters = {n: t.clone() for n, t in strategy.params.master_state_dict().items()}
+    assert strategy.sync_with_module() == []  # what the strategy wrote itself is no change
+
+    CHANGES[change](model, dtype)
+    loaded = _weights(model)
+    differs = [n for n in loaded if not torch.equal(loaded[n], old_masters[n].to(dtype))]
+    assert differs == (["0.bias"] if change == "no_grad_add" else ["2.weight"] if change == "data_copy"
+                       else list(loaded))
+    members = strategy.ask(1)
+    with strategy.apply([members[0]], model):
+        assert not _same(_weights(model), loaded)
+    assert _same(_weights(model), loaded)  # what the module held on entry, bitwise
+    with strategy.apply([members[1]], model):
+        pass
+    assert _same(_weights(model), loaded)
+
+    # the master: the module's new values (exactly, in fp32) where they changed, the old fp32 master elsewhere
+    expected = {n: loaded[n].float() if n in differs else old_masters[n] for n in loaded}
+    assert all(torch.equal(strategy.params.master_state_dict()[n], expected[n]) for n in loaded)
+    strategy.tell(members, torch.tensor([0.3, -0.1, 0.9, 0.2]), learning_rate=0.01)
+    stepped = _reference_step(_mlp().to(dtype), expected, members, torch.tensor([0.3, -0.1, 0.9, 0.2]), 0.01)
+    assert _same(_weights(model), stepped)
+    assert not _same(_weights(model), loaded)
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "data_copy"])
+def test_tell_steps_from_loaded_weights_also_with_a_torch_optimizer_and_without_a_module(change):
+    model, fresh = _mlp(), _mlp()
+    params = TrainedParameters(select_parameters(model), torch.float32)  # built by hand: no module to look up
+    strategy = EvolutionStrategy(params, make_noise_source(0, "gaussian"), SequentialPopulation(), 0.05, 4)
+    optimizer = torch.optim.SGD(strategy.params.master_parameters(), lr=0.01)
+    CHANGES[change](model, torch.float32)
+    CHANGES[change](fresh, torch.float32)
+    reference = EvolutionStrategy.for_module(fresh, sigma=0.05, population_size=4)
+    reference_optimizer = torch.optim.SGD(reference.params.master_parameters(), lr=0.01)
+    members, fitness = strategy.ask(0), torch.tensor([0.3, -0.1, 0.9, 0.2])
+    strategy.tell(members, fitness, 0.01, optimizer_step=optimizer.step)
+    reference.tell(members, fitness, 0.01, optimizer_step=reference_optimizer.step)
+    assert _same(_weights(model), _weights(fresh))
+    assert optimizer.param_groups[0]["params"][0] is strategy.params.master_parameters()[0]  # re-read in place
+
+
+def test_lowrank_strategy_whose_master_is_the_weight_steps_from_loaded_weights():
+    model, fresh = _mlp(), _mlp(seed=1)
+    params = TrainedParameters(select_parameters(model, r"weight$"), torch.float32, share_params=True)
+    strategy = EvolutionStrategy(params, make_noise_source(0, "gaussian"), BatchedLowRankPopulation(1, 2), 0.1, 4,
+                                 module=model)
+    model.load_state_dict(fresh.state_dict())
+    assert strategy.sync_with_module() == []  # the weights are the master: nothing to re-read
+    reference = EvolutionStrategy(TrainedParameters(select_parameters(fresh, r"weight$"), torch.float32,
+                                                    share_params=True),
+                                  make_noise_source(0, "gaussian"), BatchedLowRankPopulation(1, 2), 0.1, 4)
+    members, fitness = strategy.ask(0), torch.tensor([0.3, -0.1, 0.9, 0.2])
+    strategy.tell(members, fitness, 0.01)
+    reference.tell(members, fitness, 0.01)
+    assert _same(_weights(model), _weights(fresh))
+
+
+def test_a_model_cast_after_the_strategy_is_followed_keeping_the_fp32_master():
+    model = _mlp()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=4)
+    strategy.tell(strategy.ask(0), torch.tensor([0.1, 0.7, -0.2, 0.4]), 0.01)
+    masters = {n: t.clone() for n, t in strategy.params.master_state_dict().items()}
+    model.half()  # new fp16 storage, values cast(master): followed, not a change
+    half = _weights(model)
+    with strategy.apply([strategy.ask(1)[0]]):  # the module is the default model
+        assert not _same(_weights(model), half)
+    assert _same(_weights(model), half) and all(t.dtype == torch.float16 for t in half.values())
+    assert all(torch.equal(strategy.params.master_state_dict()[n], masters[n]) for n in masters)
+    assert [e.param.data_ptr() for e in strategy.params.entries] == [p.data_ptr() for p in model.parameters()]
+
+
+def test_a_write_inside_apply_is_undone_with_the_member():
+    model = _mlp()
+    base = _weights(model)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4)
+    with strategy.apply([strategy.ask(0)[0]], model):
+        _load_other(model, torch.float32)
+    assert _same(_weights(model), base)
+    assert strategy.sync_with_module() == []
+
+
+@pytest.mark.parametrize("change,names", [("load_state_dict", ["0.weight", "0.bias", "2.weight", "2.bias"]),
+                                          ("no_grad_add", ["0.bias"])])
+def test_on_module_change_raise_names_the_tensors_and_changes_nothing(change, names):
+    model = _mlp()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4, on_module_change="raise")
+    masters = {n: t.clone() for n, t in strategy.params.master_state_dict().items()}
+    CHANGES[change](model, torch.float32)
+    loaded = _weights(model)
+    with pytest.raises(ValueError, match=re.escape(f"trained tensors {names} no longer hold")):
+        with strategy.apply([strategy.ask(0)[0]], model):
+            pytest.fail("applied a member on weights the strategy does not hold")
+    with pytest.raises(ValueError, match=re.escape(repr(names))):
+        strategy.tell(strategy.ask(0), torch.tensor([0.0, 1.0, 2.0, 3.0]), 0.1)
+    assert _same(_weights(model), loaded)
+    assert all(torch.equal(strategy.params.master_state_dict()[n], masters[n]) for n in masters)
+
+
+def test_on_module_change_ignore_keeps_the_master_and_unknown_rules_are_refused():
+    model = _mlp()
+    base = _weights(model)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4, on_module_change="ignore")
+    _load_other(model, torch.float32)
+    with strategy.apply([strategy.ask(0)[0]], model):
+        pass
+    assert _same(_weights(model), base)  # the caller keeps the master in step itself (ESTrainer)
+    with pytest.raises(ValueError, match=r"on_module_change must be one of \('reread', 'raise', 'ignore'\), got 'x'"):
+        EvolutionStrategy.for_module(model, sigma=0.1, population_size=4, on_module_change="x")
+
+
+@pytest.mark.parametrize("replace,message", [
+    (lambda m: setattr(m[2], "weight", nn.Parameter(torch.zeros(2, 9))), r"'2\.weight' is now \(2, 9\)"),
+    (lambda m: setattr(m[0], "bias", nn.Parameter(torch.zeros(16)[::2])), r"'0\.bias' is now \(8,\) .*contiguous: "
+                                                                            r"False"),
+    (lambda m: delattr(m[0], "bias"), r"no longer has the trained parameter '0\.bias'"),
+])
+def test_a_trained_tensor_reshaped_or_removed_is_refused_by_name(replace, message):
+    model = _mlp()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4)
+    masters = {n: t.clone() for n, t in strategy.params.master_state_dict().items()}
+    replace(model)
+    with pytest.raises(ValueError, match=message):
+        strategy.tell(strategy.ask(0), torch.tensor([0.0, 1.0, 2.0, 3.0]), 0.1)
+    assert all(torch.equal(strategy.params.master_state_dict()[n], masters[n]) for n in masters)
+
+
+# ---------------------------------------------------------------- tell's inputs
+@pytest.mark.parametrize("fitness,shape", [
+    (torch.tensor([0.1, 0.2, 0.3]), "(3,) (3 values)"),
+    (torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]), "(5,) (5 values)"),
+    (torch.tensor([[0.1], [0.2], [0.3], [0.4]]), "(4, 1) (4 values)"),
+    (torch.tensor([[0.1, 0.2], [0.3, 0.4]]), "(2, 2) (4 values)"),
+    (torch.tensor(0.5), "() (1 values)"),
+    ([0.1, 0.2, 0.3], "(3,) (3 values)"),
+])
+def test_tell_with_a_fitness_not_one_value_per_member_names_both_and_changes_nothing(fitness, shape):
+    model = _mlp()
+    base = _weights(model)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4)
+    with pytest.raises(ValueError, match=re.escape(f"fitness has shape {shape} for 4 members: tell needs one value "
+                                                   "per member of ask(), shape (4,)")):
+        strategy.tell(strategy.ask(0), fitness, 0.1)
+    assert _same(_weights(model), base)
+
+
+@pytest.mark.parametrize("members,fitness,message", [
+    ([0, 1, 2, 3], torch.zeros(4), r"a sequence of at least 2 Member, got 4 of \['int'\]"),
+    ("one", torch.zeros(1), r"at least 2 Member, got 3 of \['str'\]"),
+    (None, torch.tensor([True, False, True, False]), r"fitness must be real numbers, got dtype torch\.bool"),
+    (None, torch.ones(4, dtype=torch.complex64), r"fitness must be real numbers, got dtype torch\.complex64"),
+    (None, [[0.1, 0.2], [0.3]], r"fitness must be one real value per member \(4 members\)"),
+])
+def test_tell_refuses_members_and_fitness_of_the_wrong_kind(members, fitness, message):
+    model = _mlp()
+    base = _weights(model)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4)
+    with pytest.raises(ValueError, match=message):
+        strategy.tell(strategy.ask(0) if members is None else members, fitness, 0.1)
+    assert _same(_weights(model), base)
+
+
+@pytest.mark.parametrize("learning_rate", [float("nan"), float("inf"), "0.1", None])
+def test_tell_refuses_a_learning_rate_that_is_not_a_finite_number(learning_rate):
+    model = _mlp()
+    base = _weights(model)
+    strategy = EvolutionStrategy.for_module(model, sigma=0.1, population_size=4)
+    with pytest.raises(ValueError, match=re.escape(f"learning_rate must be a finite number, got {learning_rate!r}")):
+        strategy.tell(strategy.ask(0), torch.tensor([0.0, 1.0, 2.0, 3.0]), learning_rate)
+    assert _same(_weights(model), base)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_tell_ranks_a_non_finite_fitness_worst(bad, caplog):
+    as_list = EvolutionStrategy.for_module(_mlp(), sigma=0.1, population_size=4, fitness_shaping="centered_rank")
+    told = as_list.tell(as_list.ask(0), [0.2, bad, 0.9, 0.4], 0.1)  # a list is taken as the tensor
+    assert told.coefficients == [1 / 3 - 0.5, -0.5, 0.5, 2 / 3 - 0.5]  # ranks 1, 0 (worst), 3, 2
+    assert "1 of 4 population members have no finite fitness" in caplog.text

@@ -11,12 +11,17 @@ The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy`` (and :class:`
                 fitness += score(model)
         strategy.tell(members, torch.tensor(fitness), learning_rate=5e-4)
 
+The module's own weights are the state between calls: weights put into it after the strategy was built
+(``model.load_state_dict``, an in-place ``p.data.copy_``, a ``torch.no_grad()`` ``p.add_``, ``model.to(dtype)``) are
+what the next ``apply`` restores and what the next ``tell`` steps from (:meth:`EvolutionStrategy.sync_with_module`).
+
 Nothing here imports TRL or ``transformers``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +32,33 @@ from .noise import NoiseSource, make_noise_source
 from .population import PopulationBackend, SequentialPopulation, sample_population
 from .shaping import shape_fitness
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
+
+
+MODULE_CHANGE_RULES = ("reread", "raise", "ignore")
+"""What :meth:`EvolutionStrategy.sync_with_module` does when the module's weights changed outside the strategy."""
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> integer view
+_COMPARE_CHUNK = 1 << 24  # elements compared at a time (bounds the temporary cast of a 16-bit model's master)
+
+
+def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether ``param`` holds bitwise ``cast(master)``, what :meth:`TrainedParameters.render_` writes (compared as
+    integers, so ``-0.0`` differs from ``0.0`` and a NaN equals itself); chunk by chunk, no full-size temporary.
+
+    Args:
+        param (`torch.Tensor`): The model's tensor (contiguous, any float dtype).
+        master (`torch.Tensor`): Its master (same shape and device; fp32 or the parameter's dtype).
+    """
+    if param.shape != master.shape:
+        return False
+    flat_param, flat_master = param.reshape(-1), master.reshape(-1)
+    bits = _BITS[param.element_size()]
+    for lo in range(0, flat_param.numel(), _COMPARE_CHUNK):
+        live = flat_param[lo : lo + _COMPARE_CHUNK]
+        rendered = flat_master[lo : lo + _COMPARE_CHUNK].to(param.dtype)
+        if not torch.equal(live.view(bits), rendered.view(bits)):
+            return False
+    return True
 
 
 @dataclass
@@ -60,25 +92,40 @@ class EvolutionStrategy:
         awd_lambda (`float`): Anchored Weight Decay after each step (arXiv 2605.30148, Algorithm 1); 0: off.
         awd_penalty (`str`): ``"l2"`` or ``"l1"``.
         anchor (`Mapping[str, torch.Tensor]`, *optional*): theta_0 of the trained tensors (needed for AWD).
+        module (`nn.Module`, *optional*): The model the trained tensors belong to (:meth:`for_module` sets it): looked
+            up by name on every :meth:`apply` and :meth:`tell`, so a tensor the module holds in new storage
+            (``load_state_dict(..., assign=True)``, ``model.half()``) is followed; the default model of :meth:`apply`.
+        on_module_change (`str`): What :meth:`apply` and :meth:`tell` do first when the module's trained tensors no
+            longer hold what the strategy last wrote into them (:meth:`sync_with_module`): ``"reread"`` (default)
+            takes the module's weights as the new master, ``"raise"`` refuses with a ``ValueError`` naming the
+            tensors, ``"ignore"`` skips the check (the caller keeps the master in step itself, as ``ESTrainer`` does
+            through its checkpoint hooks).
 
+    Raises:
+        ValueError: for an unknown ``on_module_change``.
     """
 
     def __init__(self, params: TrainedParameters, noise: NoiseSource, population: PopulationBackend, sigma: float,
                  population_size: int, seed: int = 0, antithetic: bool = False, fitness_shaping: str = "zscore",
-                 awd_lambda: float = 0.0, awd_penalty: str = "l2", anchor: Mapping[str, torch.Tensor] | None = None):
+                 awd_lambda: float = 0.0, awd_penalty: str = "l2", anchor: Mapping[str, torch.Tensor] | None = None,
+                 module: nn.Module | None = None, on_module_change: str = "reread"):
+        if on_module_change not in MODULE_CHANGE_RULES:
+            raise ValueError(f"on_module_change must be one of {MODULE_CHANGE_RULES}, got {on_module_change!r}.")
         self.params, self.noise, self.population = params, noise, population
         self.sigma, self.population_size, self.seed, self.antithetic = sigma, population_size, seed, antithetic
         self.fitness_shaping, self.awd_lambda, self.awd_penalty = fitness_shaping, awd_lambda, awd_penalty
-        self.anchor = anchor
+        self.anchor, self.module, self.on_module_change = anchor, module, on_module_change
 
     @classmethod
     def for_module(cls, model: nn.Module, sigma: float, population_size: int, include: str | None = None,
                    noise_source: str = "gaussian", **kwargs) -> EvolutionStrategy:
-        """A sequential (in-place, full-rank) strategy on ``model``'s trainable tensors with an fp32 master; with
+        """A sequential (in-place, full-rank) strategy on ``model``'s trainable tensors with an fp32 master, following
+        ``model`` (``module=model``: weights loaded into it later are re-read, :meth:`sync_with_module`); with
         ``awd_lambda > 0`` the anchor is the master at construction. ``kwargs`` go to the constructor."""
         params = TrainedParameters(select_parameters(model, include), torch.float32)
         if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:
             kwargs["anchor"] = {n: t.clone() for n, t in params.master_state_dict().items()}
+        kwargs.setdefault("module", model)
         return cls(params, make_noise_source(0, noise_source), SequentialPopulation(), sigma, population_size,
                    **kwargs)
 
@@ -95,10 +142,81 @@ class EvolutionStrategy:
         """The member indices in the groups :meth:`apply` takes (one a group, or ``member_chunk_size`` stacked)."""
         return self.population.groups(indices)
 
+    def sync_with_module(self) -> list[str]:
+        """Make the master hold what the module holds, where the two parted outside the strategy; called first by
+        :meth:`apply` and :meth:`tell`.
+
+        The strategy writes the trained tensors only as ``cast(master)`` (plus a member's noise inside
+        :meth:`apply`). A tensor that, outside :meth:`apply`, does not hold ``cast(master)`` bitwise was written by
+        someone else (``load_state_dict``, ``p.data.copy_``, ``torch.no_grad(): p.add_``); the module's tensors are
+        compared, not version counters (``p.data.copy_`` bumps none). With ``on_module_change="reread"`` its master
+        becomes the module's values (a 16-bit tensor: exactly its value in fp32); unchanged tensors keep their fp32
+        master. With :attr:`module` set, a tensor the module now holds in new storage (``assign=True``,
+        ``model.to(dtype)``) is followed first. The AWD anchor is not changed. Masters that are their parameter
+        (``share_params``) hold the module's values already.
+
+        Returns:
+            `list[str]`: The names of the tensors whose master was re-read (empty when nothing changed, inside
+            :meth:`apply`, or with ``on_module_change="ignore"``).
+
+        Raises:
+            ValueError: with ``on_module_change="raise"``, naming the changed tensors; or, with :attr:`module` set,
+                naming a trained tensor the module no longer has, or holds with another shape or on another device
+                (nothing is changed then).
+        """
+        if self.on_module_change == "ignore" or self.params is None or self.params.perturbed:
+            return []
+        live = self._live_tensors()
+        moved, changed = [], []
+        for e in self.params.entries:
+            tensor = live[e.name]
+            if tensor.data_ptr() != e.param.data_ptr() or tensor.dtype != e.param.dtype:
+                moved.append((e, tensor))
+            if not e.master_is_param and not holds_render(tensor, e.master):
+                changed.append((e, tensor))
+        if changed and self.on_module_change == "raise":
+            names = [e.name for e, _ in changed]
+            raise ValueError(f"The module's trained tensors {names} no longer hold the strategy's weights: they were "
+                             "written outside the strategy (e.g. load_state_dict). Build a new strategy for the new "
+                             "weights, or use on_module_change='reread'.")
+        for e, tensor in moved:
+            self.params.rebind_(e.name, tensor)
+        with torch.no_grad():
+            for e, tensor in changed:
+                e.master.copy_(tensor)
+        return [e.name for e, _ in changed]
+
+    def _live_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors the module holds now, by entry name (the entries' own tensors without :attr:`module`).
+
+        Raises:
+            ValueError: naming a tensor the module no longer has, or holds with another shape or on another device.
+        """
+        if self.module is None:
+            return {e.name: e.param for e in self.params.entries}
+        named = dict(self.module.named_parameters())
+        live = {}
+        for e in self.params.entries:
+            param = named.get(e.name)
+            if param is None:
+                raise ValueError(f"The module no longer has the trained parameter {e.name!r}; build a new strategy.")
+            tensor = param.data
+            if tensor.shape != e.param.shape or tensor.device != e.master.device or not tensor.is_contiguous():
+                raise ValueError(
+                    f"The module's parameter {e.name!r} is now {tuple(tensor.shape)} on {tensor.device} "
+                    f"(contiguous: {tensor.is_contiguous()}); the strategy trains it as {tuple(e.param.shape)} on "
+                    f"{e.master.device}, contiguous. Build a new strategy after reshaping or moving the model.")
+            live[e.name] = tensor
+        return live
+
     @contextlib.contextmanager
     def apply(self, members: Sequence[Member], model: nn.Module | None = None) -> Iterator[None]:
-        """Context in which ``model`` computes with ``members`` applied (one group of :meth:`groups`; stacked
-        members own equal row blocks, in order); the weights are restored exactly on exit, also on an exception."""
+        """Context in which ``model`` (default :attr:`module`) computes with ``members`` applied (one group of
+        :meth:`groups`; stacked members own equal row blocks, in order); on exit the weights are restored bitwise to
+        what the module held on entry (:meth:`sync_with_module` runs first), also on an exception. Writes into the
+        weights inside the context are undone with the member."""
+        self.sync_with_module()
+        model = model if model is not None else self.module
         with self.population.apply(self.params, self.noise, members, self.sigma, model):
             yield
 
@@ -111,22 +229,32 @@ class EvolutionStrategy:
         (:func:`es_gradient_`), ``optimizer_step()`` steps a torch optimizer owning the masters, and the gradients
         are cleared. Then AWD (``awd_lambda > 0``) and the render of the master into the model.
 
+        The step starts from what the module holds (:meth:`sync_with_module` runs first, after the checks).
+
         Args:
-            members (`Sequence[Member]`): The ``N`` members of :meth:`ask`.
-            fitness (`torch.Tensor`): Shape ``(N,)``, float; NaN for an invalid member (ranked worst).
-            learning_rate (`float`): ``alpha``.
+            members (`Sequence[Member]`): The ``N`` members of :meth:`ask` (``N >= 2``).
+            fitness (`torch.Tensor`): Shape ``(N,)``, real (a list or array is converted), ``fitness[i]`` that of
+                ``members[i]``; a non-finite value (NaN: an invalid member; +-inf) is ranked worst, with a warning
+                (:func:`~trl_es.es.shaping.shape_fitness`).
+            learning_rate (`float`): ``alpha``, finite.
             optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer.
 
         Returns:
             `Told`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
 
         Raises:
-            ValueError: for a bad fitness shape or shaping name, or ``awd_lambda > 0`` without an anchor (raised
-                before the weights change).
+            ValueError: for members that are not :class:`Member`, a fitness that is not one real value per member, a
+                non-finite learning rate, an unknown shaping name, or ``awd_lambda > 0`` without an anchor (raised
+                before the weights change); see also :meth:`sync_with_module`.
         """
+        fitness = _check_fitness(members, fitness)
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+                or not math.isfinite(learning_rate):
+            raise ValueError(f"learning_rate must be a finite number, got {learning_rate!r}.")
         if self.awd_lambda > 0 and self.anchor is None:
             raise ValueError("awd_lambda > 0 needs an anchor (theta_0 of the trained tensors).")
         coefficients = shape_fitness(fitness, self.fitness_shaping).tolist()
+        self.sync_with_module()
         if optimizer_step is None:
             es_update_(self.params, self.perturbation, self.noise, members, coefficients, learning_rate)  # renders
         else:
@@ -141,3 +269,25 @@ class EvolutionStrategy:
         elif optimizer_step is not None:
             self.params.render_()
         return Told(coefficients, learning_rate, shrink)
+
+
+def _check_fitness(members: Sequence[Member], fitness) -> torch.Tensor:
+    """``fitness`` as a tensor of shape ``(len(members),)``, or a ``ValueError`` naming both (pycma's ``tell``)."""
+    members = list(members)
+    if len(members) < 2 or not all(isinstance(m, Member) for m in members):
+        kinds = sorted({type(m).__name__ for m in members})
+        raise ValueError(f"tell needs the members of ask(): a sequence of at least 2 Member, got {len(members)} "
+                         f"of {kinds}.")
+    if not isinstance(fitness, torch.Tensor):
+        try:
+            fitness = torch.as_tensor(fitness)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"fitness must be one real value per member ({len(members)} members), got "
+                             f"{fitness!r}: {error}") from error
+    if fitness.is_complex() or fitness.dtype == torch.bool:
+        raise ValueError(f"fitness must be real numbers, got dtype {fitness.dtype}.")
+    if fitness.dim() != 1 or fitness.numel() != len(members):
+        raise ValueError(f"fitness has shape {tuple(fitness.shape)} ({fitness.numel()} values) for {len(members)} "
+                         f"members: tell needs one value per member of ask(), shape ({len(members)},), fitness[i] "
+                         "that of members[i].")
+    return fitness

@@ -303,7 +303,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         args = self.args
         population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self.strategy = EvolutionStrategy(None, None, population, args.sigma, args.population_size, args.seed,
-                                          args.antithetic, args.fitness_shaping, args.awd_lambda, args.awd_penalty)
+                                          args.antithetic, args.fitness_shaping, args.awd_lambda, args.awd_penalty,
+                                          on_module_change="ignore")  # the checkpoint hooks keep the master in step
         self._build_es_state()
         lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
         device = self.es_params.entries[0].param.device
