@@ -317,6 +317,27 @@ def test_eval_loss_is_minus_eval_reward(tmp_path, tokenizer):
     assert metrics["eval_reward"] > 0
 
 
+def zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def cancelling_reward(completions, **kwargs):
+    return [(-1.0) ** j for j in range(len(completions))]  # +1, -1, ...: a mean of exactly 0.0
+
+
+@pytest.mark.parametrize("reward", [zero_reward, cancelling_reward])
+def test_a_zero_mean_reward_logs_a_loss_of_plus_zero(tmp_path, tokenizer, reward):
+    """-mean(reward) of a zero mean is logged as 0.0, never -0.0 (eval_loss, the training loss and train_loss)."""
+    trainer = ESTrainer(build_llama(tokenizer), reward, args=es_args(tmp_path, num_generations=2, logging_steps=1),
+                        train_dataset=prompts(), eval_dataset=prompts(4, offset=20), processing_class=tokenizer)
+    metrics = trainer.evaluate()
+    assert metrics["eval_reward"] == 0.0 and math.copysign(1.0, metrics["eval_loss"]) == 1.0
+    output = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == [0.0] and math.copysign(1.0, losses[0]) == 1.0
+    assert output.training_loss == 0.0 and math.copysign(1.0, output.training_loss) == 1.0
+
+
 def test_load_best_model_at_end_with_the_default_metric(tmp_path, tokenizer):
     """No metric_for_best_model: Trainer's default "loss" reads eval_loss; the best (lowest eval_loss = highest eval
     reward, at step 2 of 3) checkpoint is kept."""

@@ -980,7 +980,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             calls_seen = self.accelerator.reduce(calls_seen.to(self.accelerator.device), "sum").cpu()
         reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
         metrics = {
-            f"{metric_key_prefix}_loss": -reward if reward is not None else None,
+            f"{metric_key_prefix}_loss": 0.0 - reward if reward is not None else None,  # 0.0, not -0.0, at reward 0
             f"{metric_key_prefix}_reward": reward,
             f"{metric_key_prefix}_num_completions": int(len(dataset) * num_generations),
             f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
