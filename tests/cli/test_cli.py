@@ -281,6 +281,47 @@ def test_train_errors(tmp_path, tiny_model_dir):
         main([*base, "--generation_kwargs", "{repetition_penalty: 1.1}"])
 
 
+@pytest.mark.parametrize("flags,yaml,named,suggested,parsed", [
+    (["--dataset_name", "trl-lib/DeepMath-103K", "--reward_funcs", "accuracy_reward", "think_format_reward"], None,
+     "--dataset_name, --reward_funcs",
+     "--dataset_name trl-lib/DeepMath-103K --reward_funcs accuracy_reward think_format_reward",
+     ("trl-lib/DeepMath-103K", ["accuracy_reward", "think_format_reward"], None)),
+    (["--reward_model_name_or_path=my/rm"], None, "--reward_model_name_or_path", "--reward_model_name_or_path=my/rm",
+     (None, None, "my/rm")),
+    (["--dataset_config", "main"], "dataset_name: trl-lib/DeepMath-103K\nreward_funcs: [accuracy_reward]\n",
+     "--dataset_config, --dataset_name, --reward_funcs", "--config {yaml} --dataset_config main",
+     ("trl-lib/DeepMath-103K", ["accuracy_reward"], None)),
+])
+def test_train_points_dataset_and_reward_flags_to_the_es_script(tmp_path, flags, yaml, named, suggested, parsed):
+    """--dataset_name, --reward_funcs, ... (flags or YAML keys) are the TRL-style script's: the error names them and
+    gives the examples/scripts/es.py command, which that script's parser takes."""
+    from example_script import example_script
+
+    argv = ["--output_dir", str(tmp_path)]
+    if yaml is not None:
+        (tmp_path / "recipe.yaml").write_text(yaml)
+        argv += ["--config", str(tmp_path / "recipe.yaml")]
+    suggested = suggested.format(yaml=tmp_path / "recipe.yaml")
+    with pytest.raises(ValueError, match=re.escape(
+            f"trl-es train trains on a built-in task (--task countdown | arithmetic | gsm) and takes no {named}: a "
+            "dataset with reward functions is trained by the TRL-style script (TRL's grpo.py with ESTrainer), e.g. "
+            f"python examples/scripts/es.py {suggested} --output_dir <dir>")) as error:
+        main(["train", *argv, *flags])
+    command = str(error.value).split("e.g. python ")[1].split(" --output_dir <dir>")[0].split()
+    assert command[0] == "examples/scripts/es.py"
+    with example_script("scripts/es.py", "es_script_suggested") as script:
+        script_args, _, _ = script.make_parser().parse_args_and_config([*command[1:], "--output_dir", str(tmp_path)])
+    assert (script_args.dataset_name, script_args.reward_funcs, script_args.reward_model_name_or_path) == parsed
+
+
+def test_train_still_refuses_other_unknown_flags_and_keys(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("not used by the HfArgumentParser: ['--bogus', '1']")):
+        main(["train", "--output_dir", str(tmp_path), "--bogus", "1"])
+    (tmp_path / "recipe.yaml").write_text("bogus_key: 1\n")
+    with pytest.raises(ValueError, match=re.escape("Unknown arguments from config file: ['--bogus_key', '1']")):
+        main(["train", "--output_dir", str(tmp_path), "--config", str(tmp_path / "recipe.yaml")])
+
+
 def test_analyze_writes_report(tmp_path, tiny_model_dir):
     main(["analyze", "--base_model", tiny_model_dir, "--model_a", tiny_model_dir, "--task", "arithmetic",
           "--num_eval_prompts", "4", "--num_train_prompts", "4", "--num_kl_prompts", "2", "--max_new_tokens", "3",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 
 from trl import ModelConfig, get_peft_config
 
@@ -11,11 +12,57 @@ from ..files import write_json
 from ..reward_names import reward_func_names
 from ..trainer.es.es_config import ESConfig
 from ..trainer.time_budget import TrainingClock
-from .arguments import TaskArguments
+from .arguments import TASK_NAMES, TaskArguments
 from .loading import load_model_and_tokenizer
 from .plotting import plot_training_curves
 from .run_file import RUN_FILE, run_settings
 from .splits import task_splits
+
+
+SCRIPT_FLAGS = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
+                "reward_funcs", "reward_model_name_or_path")
+"""Flags of ``examples/scripts/es.py`` (TRL's ``ScriptArguments`` and the reward functions) that ``trl-es train``,
+which trains on a built-in task, does not take."""
+
+
+def _script_flags(unused: list[str]) -> list[str]:
+    """The :data:`SCRIPT_FLAGS` among the parser's unused strings, each with the values that follow it."""
+    given, taking = [], False
+    for arg in unused:
+        if arg.startswith("--"):
+            taking = arg[2:].split("=")[0] in SCRIPT_FLAGS
+        if taking:
+            given.append(arg)
+    return given
+
+
+def parse_train_arguments(argv: list[str]):
+    """``trl-es train``'s arguments: ``(TaskArguments, ESConfig, ModelConfig)`` from flags and ``--config`` YAML.
+
+    Raises:
+        ValueError: for an unknown flag or YAML key; for a dataset or reward flag of the TRL-style script
+            (:data:`SCRIPT_FLAGS`: ``--dataset_name``, ``--reward_funcs``, ...), one that names them and gives the
+            ``python examples/scripts/es.py`` command that takes them.
+    """
+    parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
+    *parsed, from_config, from_flags = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True)
+    in_config, in_flags = _script_flags(from_config), _script_flags(from_flags)
+    if in_config or in_flags:
+        names = sorted({arg[2:].split("=")[0] for arg in in_config + in_flags if arg.startswith("--")})
+        config = ["--config", argv[argv.index("--config") + 1]] if in_config else []  # es.py reads the YAML too
+        command = shlex.join(["python", "examples/scripts/es.py", *config, *in_flags])
+        raise ValueError(
+            f"trl-es train trains on a built-in task (--task {' | '.join(TASK_NAMES)}) and takes no "
+            f"{', '.join('--' + n for n in names)}: a dataset with reward functions is trained by the TRL-style "
+            f"script (TRL's grpo.py with ESTrainer), e.g. {command} "
+            "--output_dir <dir> (with the same ESConfig and ModelConfig flags)."
+        )
+    if from_config:
+        raise ValueError(f"Unknown arguments from config file: {from_config}.")
+    if from_flags:
+        raise ValueError(f"Some specified arguments are not used by the HfArgumentParser: {from_flags}")
+    return tuple(parsed)
 
 
 def _accuracy_name(task) -> str:
@@ -46,8 +93,7 @@ def train(argv: list[str]) -> dict:
 
     from ..trainer.es.es_trainer import ESTrainer
 
-    parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
-    task_args, es_args, model_args = parser.parse_args_and_config(argv)
+    task_args, es_args, model_args = parse_train_arguments(argv)
     hf_logging.set_verbosity_warning()
     task, splits = task_splits(task_args)
     split = task_args.eval_split
