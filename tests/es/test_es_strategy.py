@@ -367,6 +367,18 @@ def test_tell_refuses_a_learning_rate_that_is_not_a_finite_number(learning_rate)
     assert _same(_weights(model), base)
 
 
+def test_tell_takes_a_numpy_learning_rate_and_fitness_as_a_python_float_and_list():
+    import numpy as np
+
+    model, reference = _mlp(), _mlp()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=4)
+    members = strategy.ask(0)
+    strategy.tell(members, np.array([0.1, 0.7, -0.2, 0.4]), np.float32(0.25))
+    EvolutionStrategy.for_module(reference, sigma=0.05, population_size=4).tell(
+        members, torch.tensor([0.1, 0.7, -0.2, 0.4], dtype=torch.float64), float(np.float32(0.25)))
+    assert _same(_weights(model), _weights(reference))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_tell_ranks_a_non_finite_fitness_worst(bad, caplog):
     as_list = EvolutionStrategy.for_module(_mlp(), sigma=0.1, population_size=4, fitness_shaping="centered_rank")

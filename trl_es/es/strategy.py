@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -248,7 +249,7 @@ class EvolutionStrategy:
                 before the weights change); see also :meth:`sync_with_module`.
         """
         fitness = _check_fitness(members, fitness)
-        if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real) \
                 or not math.isfinite(learning_rate):
             raise ValueError(f"learning_rate must be a finite number, got {learning_rate!r}.")
         if self.awd_lambda > 0 and self.anchor is None:
