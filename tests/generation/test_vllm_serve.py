@@ -9,6 +9,9 @@ installed.
 - a server killed with SIGKILL fails the call naming the server, the trainer's weights untouched; a server started
   again is brought to the trainer's step from the base checkpoint and the seed log (seeds, not weights);
 - one process on two servers, one SIGKILLed mid-iteration: its member runs again on the other, and the run ends
+  bitwise where the HF run ends;
+- a server started with ``VLLM_API_KEY``: a request without the key is refused (401 on every route but ``/health``,
+  the extension's refusal on an ES call without its ``api_key``) and changes nothing; the run with the key ends
   bitwise where the HF run ends.
 """
 
@@ -32,7 +35,7 @@ from datasets import Dataset  # noqa: E402
 from tiny import build_vllm_llama  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer  # noqa: E402
-from trl_es.generation.vllm_server import ESServerClient, ServerError  # noqa: E402
+from trl_es.generation.vllm_server import ESServerClient, ServerError, ServerRefusedError  # noqa: E402
 
 START_SECONDS = 300
 
@@ -186,3 +189,41 @@ def test_one_process_on_two_servers_survives_a_sigkilled_server_at_the_cost_of_o
     assert [h["vllm_server/members_rerun"] for h in logs] == [0.0, 1.0]
     assert [h["vllm_server/live_servers"] for h in logs] == [2.0, 1.0]
     assert [h["reward"] for h in logs] == [h["reward"] for h in hf.state.log_history if "reward" in h]
+
+
+def test_a_server_with_a_key_refuses_calls_without_it_and_runs_bitwise_with_it(tokenizer, tmp_path, monkeypatch):
+    import requests
+
+    folder = str(tmp_path / "base")
+    build_vllm_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    hf = trainer_for(tokenizer, tmp_path, "hf")
+    hf.train()
+    key = "real-server-k3y"
+    monkeypatch.setenv("VLLM_API_KEY", key)  # the server's (its environment) and the trainer's
+    log = str(tmp_path / "server.log")
+    with es_server(folder, free_port(), log) as (_, url):
+        for wrong in ("", "wrong"):  # no key, another key: vLLM's own check of /v1
+            with pytest.raises(ServerRefusedError, match="refused the model list \\(HTTP 401\\)"):
+                ESServerClient(url, api_key=wrong)
+        client = ESServerClient(url)
+        assert client.step() == -1
+        rpc = {"method": "es_server_perturb", "args": ["5", "1", "0.5"], "kwargs": {}}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):  # the middleware: /collective_rpc needs the key
+            assert requests.post(url + "/collective_rpc", json=rpc, headers=headers, timeout=60).status_code == 401
+        assert requests.get(url + "/health", timeout=60).status_code == 200
+        on_server = trainer_for(tokenizer, tmp_path, "server", use_vllm=True, vllm_mode="server",
+                                vllm_server_base_url=url)
+        on_server.train()
+        for name, tensor in weights(hf.model).items():
+            assert torch.equal(weights(on_server.model)[name], tensor), name
+        for kwargs in ({}, {"api_key": "wrong"}):  # past the middleware: the extension refuses, names the call
+            answer = requests.post(url + "/collective_rpc", json={**rpc, "kwargs": kwargs}, timeout=60,
+                                   headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code != 200 and "es_server_perturb refused" in answer.text, answer.text
+        client.check(on_server.model)  # nothing moved
+        assert client.step() == 2
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "server") for f in fs] + [log]
+    for file in files:
+        with open(file, "rb") as f:
+            assert key.encode() not in f.read(), file

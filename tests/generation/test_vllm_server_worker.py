@@ -166,14 +166,26 @@ def test_a_checkpoint_without_safetensors_is_named(tmp_path, tokenizer):
 class StandInServer:
     """``vllm serve``'s ES surface over real HTTP on 127.0.0.1: ``/health``, ``/v1/models``, ``/collective_rpc``
     (the stand-in worker's methods; an exception -> HTTP 500 with its message) and ``/v1/completions`` (greedy
-    ``generate`` of the worker's model from token ids, ``return_token_ids``)."""
+    ``generate`` of the worker's model from token ids, ``return_token_ids``). With ``VLLM_API_KEY`` set, the ``/v1``
+    routes answer 401 without ``Authorization: Bearer <key>``, as vLLM's authentication middleware; ``/collective_rpc``
+    is not guarded (vLLM's GUARDED_PREFIX), so the extension's own check is what refuses there. ``headers`` records
+    each request's ``(path, Authorization header, collective_rpc kwargs)``."""
 
     def __init__(self, worker):
+        import os
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.worker, self.calls, self.dead = worker, [], False
+        self.worker, self.calls, self.dead, self.headers = worker, [], False, []
         server = self
+
+        def guarded(handler, kwargs=None):  # vLLM's AuthenticationMiddleware: /v1 needs the key when the server has one
+            key = os.environ.get("VLLM_API_KEY")
+            server.headers.append((handler.path, handler.headers.get("Authorization"), kwargs))
+            if key and handler.path.startswith("/v1") and handler.headers.get("Authorization") != f"Bearer {key}":
+                handler._send(401, {"error": "Unauthorized"})
+                return True
+            return False
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -192,6 +204,8 @@ class StandInServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if guarded(self):
+                    return
                 if self.path == "/health":
                     self._send(200, {})
                 elif self.path == "/v1/models":
@@ -201,6 +215,8 @@ class StandInServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if guarded(self, body.get("kwargs")):
+                    return
                 server.calls.append((self.path, body.get("method")))
                 try:
                     if self.path == "/collective_rpc":
@@ -545,3 +561,419 @@ def test_fewer_servers_than_processes_is_named(tmp_path, tokenizer):
 
     with pytest.raises(ValueError, match="at least one ES server"):
         VLLMServerEngine(tokenizer, [], lambda: None)
+
+
+# ------------------------------------------------------------------------------- checked numbers, atomic init
+def at_step_one(tmp_path, tokenizer, awd=False):
+    """A served stand-in worker and the trainer's model, both after one update; the record of step 2 to come."""
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    worker, model = served(model_fn, tmp_path), model_fn()
+    strategy = EvolutionStrategy.for_module(model, sigma=0.02, population_size=2, antithetic=True,
+                                            awd_lambda=0.5 if awd else 0.0)
+    header = header_of(strategy)
+    worker.es_server_init(spec_of(model, header, awd=awd))
+    members = strategy.ask(0)
+    told = strategy.tell(members, torch.tensor([1.0, -0.5]), learning_rate=0.05)
+    first = {"step": 1, "members": [[m.seed, m.sign] for m in members], "coefficients": told.coefficients,
+             "learning_rate": told.learning_rate, "awd_shrink": told.shrink}
+    worker.es_server_update(json.dumps(first))
+    second = {**first, "step": 2, "members": [[m.seed, m.sign] for m in strategy.ask(1)]}
+    return worker, model, header, first, second
+
+
+def assert_unchanged(worker, model, step, reloads, api_key=None):
+    """The server's step, masters-derived weights and engine weights are still the trainer's."""
+    assert worker.es_server_step(api_key=api_key) == step
+    assert worker.es_server_checksum(api_key=api_key) == server_checksum(model.named_parameters())
+    assert_bitwise(snapshot(worker.model_runner.model), snapshot(model))
+    assert worker.model_runner.reloads == reloads
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"coefficients": [NAN, 1.0]}, "coefficients\\[0\\]"),  # JSON NaN
+    ({"coefficients": [1.0, -INF]}, "coefficients\\[1\\]"),  # JSON -Infinity
+    ({"coefficients": [1.0, "x"]}, "coefficients\\[1\\]"),
+    ({"learning_rate": NAN}, "learning_rate"),
+    ({"learning_rate": INF}, "learning_rate"),
+    ({"learning_rate": -0.1}, "learning_rate"),
+    ({"learning_rate": True}, "learning_rate"),
+    ({"awd_shrink": NAN}, "awd_shrink"),
+    ({"awd_shrink": 1.0}, "awd_shrink"),  # l2: 0 <= shrink < 1
+    ({"awd_shrink": -0.1}, "awd_shrink"),
+    ({"members": [[2**63, 1], [7, -1]]}, "members\\[0\\]: seed"),
+    ({"members": [[1.5, 1], [7, -1]]}, "members\\[0\\]: seed"),
+    ({"members": [[NAN, 1], [7, -1]]}, "members\\[0\\]: seed"),
+    ({"members": [[3, 1], [7, 0]]}, "members\\[1\\]: sign"),
+    ({"members": [[3, 1], [7, NAN]]}, "members\\[1\\]: sign"),
+    ({"members": [[3, 1], [7]]}, "'members' \\(\\[seed, sign\\] pairs\\)"),
+    ({"step": True}, "so it takes the record of step 2; got step True"),
+])
+def test_a_non_finite_or_out_of_range_number_in_an_update_changes_nothing(tmp_path, tokenizer, change, field):
+    worker, model, _, _, second = at_step_one(tmp_path, tokenizer, awd=True)
+    reloads = worker.model_runner.reloads
+    with pytest.raises(ValueError, match=f"es_server_update.*{field}"):
+        worker.es_server_update(json.dumps({**second, **change}))  # JSON carries NaN and Infinity as such
+    assert_unchanged(worker, model, 1, reloads)
+    assert all(torch.isfinite(m).all() for m in worker._es_masters.values())
+    assert worker.es_server_update(json.dumps(second))["step"] == 2  # the good record still applies
+
+
+@pytest.mark.parametrize("sigma", ["inf", "-inf", "nan", "-0.01", "0", True, None])
+def test_a_non_finite_or_non_positive_sigma_loads_no_member(tmp_path, tokenizer, sigma):
+    worker, model, *_ = at_step_one(tmp_path, tokenizer)
+    reloads = worker.model_runner.reloads
+    with pytest.raises(ValueError, match="es_server_perturb: sigma must be a finite number in \\(0.0, inf\\)"):
+        worker.es_server_perturb("5", "1", sigma)
+    assert_unchanged(worker, model, 1, reloads)
+
+
+@pytest.mark.parametrize("seed, sign, field", [("-1", "1", "seed"), (str(2**63), "1", "seed"), ("1e3", "1", "seed"),
+                                               (True, "1", "seed"), ("5", "2", "sign"), ("5", "0", "sign"),
+                                               ("5", 1.5, "sign")])
+def test_a_bad_seed_or_sign_loads_no_member(tmp_path, tokenizer, seed, sign, field):
+    worker, model, *_ = at_step_one(tmp_path, tokenizer)
+    reloads = worker.model_runner.reloads
+    with pytest.raises(ValueError, match=f"es_server_perturb: {field}"):
+        worker.es_server_perturb(seed, sign, "0.02")
+    assert_unchanged(worker, model, 1, reloads)
+
+
+def broken_specs(model, header, first):
+    """Specs each with one bad field, and the field the error must name."""
+    weights = [n for n, _ in model.named_parameters()]
+    return [
+        ({"header": header, "weights": weights, "records": [{k: v for k, v in first.items() if k != "members"}]},
+         "records\\[0\\].*'members'"),
+        ({"header": header, "weights": weights, "records": [{**first, "coefficients": [NAN, 1.0]}]},
+         "records\\[0\\]: coefficients\\[0\\]"),
+        ({"header": header, "weights": weights, "records": [{**first, "learning_rate": INF}]},
+         "records\\[0\\]: learning_rate"),
+        ({"header": header, "weights": weights, "records": [first, {**first, "step": 2, "awd_shrink": NAN}]},
+         "records\\[1\\]: awd_shrink"),
+        ({"header": {k: v for k, v in header.items() if k != "noise"}, "weights": weights}, "header.noise"),
+        ({"header": {**header, "noise": {**header["noise"], "type": "table", "size": 1 << 20, "seed": NAN}},
+          "weights": weights}, "header.noise.seed"),
+        ({"header": {**header, "noise": {**header["noise"], "type": "table", "size": INF, "seed": 0}},
+          "weights": weights}, "header.noise.size"),
+        ({"header": {k: v for k, v in header.items() if k != "parameters"}, "weights": weights}, "header.parameters"),
+        ({"header": {**header, "awd_penalty": "l3"}, "weights": weights}, "header.awd_penalty"),
+        ({"header": {**header, "perturbation": {"kind": "x"}}, "weights": weights}, "header.perturbation"),
+        ({"header": header, "weights": weights, "records": ["step 1"]}, "steps 1..k"),
+        ({"header": header, "records": []}, "needs 'weights'"),
+        ({"header": header, "weights": weights[:-1] + ["nope"]}, "missing \\['nope'\\]"),
+        ("[1, 2]", "spec must be an object"),
+    ]
+
+
+def test_a_failed_reinitialisation_leaves_the_server_as_it_was(tmp_path, tokenizer):
+    """es_server_init builds the new state aside: every malformed spec is a ValueError naming the field, and the
+    server stays at step 1 with the trainer's weights (engine and masters), members and updates still working."""
+    worker, model, header, first, second = at_step_one(tmp_path, tokenizer)
+    reloads = worker.model_runner.reloads
+    for spec, field in broken_specs(model, header, first):
+        with pytest.raises(ValueError, match=field):
+            worker.es_server_init(spec if isinstance(spec, str) else json.dumps(spec))
+        assert_unchanged(worker, model, 1, reloads)
+    worker.es_server_perturb("3", "-1", "0.02")
+    worker.es_server_restore()
+    assert worker.es_server_update(json.dumps(second))["step"] == 2
+
+
+def test_an_engine_that_fails_the_reload_of_an_init_leaves_no_half_state(tmp_path, tokenizer):
+    worker, model, header, first, _ = at_step_one(tmp_path, tokenizer)
+    reload = worker.model_runner.reload_weights
+
+    def failing(weights_iterator, is_checkpoint_format=True):
+        raise RuntimeError("engine out of memory")
+
+    worker.model_runner.reload_weights = failing
+    with pytest.raises(RuntimeError, match="engine out of memory"):
+        worker.es_server_init(spec_of(model, header, [first]))
+    assert worker.es_server_step() == -1  # no ES state: the trainer's next sync re-initialises it
+    with pytest.raises(RuntimeError, match="es_server_init first"):
+        worker.es_server_checksum()
+    worker.model_runner.reload_weights = reload
+    assert worker.es_server_init(spec_of(model, header, [first]))["checksum"] == server_checksum(
+        model.named_parameters())
+
+
+def test_the_colocated_calls_are_refused_on_a_server(tmp_path, tokenizer):
+    """es_bind/es_perturb/es_load_current (and the reload helpers) would move the weights without the server's
+    checks; over /collective_rpc they are refused, and the state-changing helpers are not methods at all."""
+    worker, model, *_ = at_step_one(tmp_path, tokenizer)
+    reloads = worker.model_runner.reloads
+    for method, args in [("es_bind", ("a", "", "x")), ("es_perturb", ("5", "1", "0.5")), ("es_load_current", ()),
+                         ("_es_reload", ([],)), ("_es_reprocess_tied_heads", ())]:
+        with pytest.raises(RuntimeError, match=f"{method} is a colocated engine's call"):
+            getattr(worker, method)(*args)
+    assert not hasattr(worker, "_es_apply") and not hasattr(worker, "_es_build_and_apply")
+    assert_unchanged(worker, model, 1, reloads)
+
+
+# ------------------------------------------------------------------------------- URLs
+@pytest.mark.parametrize("spellings, normal", [
+    (["http://127.0.0.1:8011", "http://127.0.0.1:8011/", "HTTP://127.0.0.1:8011//", " 127.0.0.1:8011"],
+     "http://127.0.0.1:8011"),
+    (["http://Node1:80", "http://node1/", "node1:80", "HtTp://NODE1"], "http://node1"),
+    (["https://h:443/v1x/", "https://H/v1x"], "https://h/v1x"),
+    (["[::1]:8000", "http://[::1]:8000/"], "http://[::1]:8000"),
+    (["localhost:8000", "http://localhost:8000"], "http://localhost:8000"),  # TRL: host:port is http://host:port
+])
+def test_server_urls_have_one_spelling(spellings, normal):
+    from trl_es.generation.vllm_server import normalize_server_url
+
+    assert [normalize_server_url(u) for u in spellings] == [normal] * len(spellings)
+
+
+@pytest.mark.parametrize("url", ["ftp://h:1", "http://:8000", "http://h:99999", "http://h:8000/?a=1", "http://[::1",
+                                 "", "http://h:8000#x"])
+def test_a_url_that_is_not_a_server_url_is_named(tmp_path, url):
+    from trl_es.generation.vllm_server import normalize_server_url
+
+    with pytest.raises(ValueError, match="vllm_server_base_url must be"):
+        normalize_server_url(url, "vllm_server_base_url")
+    with pytest.raises(ValueError, match="vllm_server_base_url must be"):
+        ESConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+    with pytest.raises(ValueError, match="vllm_server_base_urls must be"):
+        ESConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, vllm_mode="server",
+                 vllm_server_base_urls=["http://ok:1", url])
+
+
+@pytest.mark.parametrize("urls", [["http://127.0.0.1:8011", "http://127.0.0.1:8011/"],
+                                  ["http://LocalHost:80", "localhost", "http://b:1"],
+                                  ["https://h:443", "HTTPS://h/"]])
+def test_one_server_under_two_spellings_is_refused(tmp_path, urls):
+    with pytest.raises(ValueError, match="vllm_server_base_urls must be None or a list of distinct URLs"):
+        ESConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, vllm_mode="server", vllm_server_base_urls=urls)
+    distinct = ["http://127.0.0.1:8011", "http://127.0.0.1:8012", "https://127.0.0.1:8011", "http://127.0.0.1:8011/a"]
+    assert ESConfig(output_dir=str(tmp_path), report_to=[], use_vllm=True, vllm_mode="server",
+                    vllm_server_base_urls=distinct).vllm_server_base_urls == distinct
+
+
+def test_a_url_without_a_scheme_reaches_the_server_at_once(tmp_path, tokenizer):
+    """host:port is http://host:port (TRL's VLLMClient): the client answers in well under the connection timeout,
+    and a run with it ends bitwise where the run with the full URL ends."""
+    import time
+
+    from trl_es.generation.vllm_server import ESServerClient
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    server = StandInServer(served(model_fn, tmp_path))
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        for url in (f"127.0.0.1:{port}", f"localhost:{port}/"):
+            start = time.monotonic()
+            client = ESServerClient(url, connection_timeout=30)
+            assert time.monotonic() - start < 10 and client.step() == -1
+            assert client.base_url == url.rstrip("/").join(["http://", ""])
+        data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(4)]})
+        args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=1, population_size=2, prompt_batch_size=2,
+                        max_completion_length=4, sigma=0.05, learning_rate=0.05, temperature=0.0, report_to=[],
+                        save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, use_vllm=True,
+                        vllm_mode="server", vllm_server_base_url=f"127.0.0.1:{port}", vllm_server_timeout=30)
+        trainer = ESTrainer(model_fn(), mean_code, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        assert trainer.generation_engine.describe()["base_urls"] == [server.url]
+        assert_bitwise(snapshot(server.worker.model_runner.model), snapshot(trainer.model))
+        base, trained = snapshot(model_fn()), snapshot(trainer.model)
+        assert any(not torch.equal(base[k], trained[k]) for k in base)  # it trained
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("url, error", [("http://a..b:8000", "LocationParseError"),
+                                        ("http://ho st:8000", "InvalidURL"),
+                                        ("http://exa\u00a0mple:8000", "InvalidURL")])
+def test_a_url_requests_cannot_use_is_named_at_once_not_after_the_timeout(url, error):
+    import time
+
+    from trl_es.generation.vllm_server import ESServerClient
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"ES server URL .* cannot be used: .*{error}"):
+        ESServerClient(url, connection_timeout=240)
+    assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------------------- the shared API key
+ES_CALLS = [("es_server_perturb", ("5", "1", "0.02")), ("es_server_restore", ()), ("es_server_checksum", ()),
+            ("es_server_step", ()), ("es_read_weights", ())]
+
+
+@pytest.mark.parametrize("key", [None, "", "wrong", "the-key ", "THE-KEY"])
+def test_a_call_without_the_servers_key_changes_nothing(tmp_path, tokenizer, monkeypatch, key):
+    worker, model, header, first, second = at_step_one(tmp_path, tokenizer)
+    monkeypatch.setenv("VLLM_API_KEY", "the-key")  # the server's key, from now on
+    reloads = worker.model_runner.reloads
+    refusal = "refused: this server requires its API key" if not key else "refused: wrong API key"
+    calls = ES_CALLS + [("es_server_update", (json.dumps(second),)),
+                        ("es_server_init", (spec_of(model, header, [first]),))]
+    for method, args in calls:
+        with pytest.raises(PermissionError, match=f"{method} {refusal}") as raised:
+            getattr(worker, method)(*args, api_key=key)
+        assert "the-key" not in str(raised.value)
+        assert_unchanged(worker, model, 1, reloads, api_key="the-key")
+    for method, args in calls[:-1]:  # with the key: as without one before
+        getattr(worker, method)(*args, api_key="the-key")
+    assert worker.es_server_step(api_key="the-key") == 2
+
+
+@pytest.mark.parametrize("key", ["some-key", "the-key"])
+def test_a_call_with_a_key_to_a_server_without_one_is_refused(tmp_path, tokenizer, monkeypatch, key):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    worker, model, *_ = at_step_one(tmp_path, tokenizer)
+    reloads = worker.model_runner.reloads
+    with pytest.raises(PermissionError, match="es_server_perturb refused: the call carries an API key, but this "
+                                              "server has none \\(VLLM_API_KEY is unset where it runs\\)"):
+        worker.es_server_perturb("5", "1", "0.02", api_key=key)
+    assert_unchanged(worker, model, 1, reloads)
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_the_client_is_refused_without_the_key_and_nothing_moves(tmp_path, tokenizer, monkeypatch, key):
+    """A server with a key: a client without it (or with another) is refused at its first /v1 request; a raw
+    /collective_rpc (which vLLM does not guard) without the key is refused by the extension; the weights stay."""
+    import requests
+
+    from trl_es.generation.vllm_server import ESServerClient, ServerRefusedError
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    server = StandInServer(served(model_fn, tmp_path))
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    try:
+        model = model_fn()
+        strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=2, antithetic=True)
+        ESServerClient(server.url).init(model, header_of(strategy))  # the key from VLLM_API_KEY
+        reloads = server.worker.model_runner.reloads
+        sent = "no key" if key is None else "a key that is not the server's"
+        with pytest.raises(ServerRefusedError, match=f"{server.url} refused the model list \\(HTTP 401\\): the "
+                                                     f"trainer sent {sent}") as raised:
+            ESServerClient(server.url, api_key=key or "")
+        assert "s3cret" not in str(raised.value)
+        body = {"method": "es_server_perturb", "args": ["5", "1", "0.5"], "kwargs": {} if key is None else
+                {"api_key": key}}
+        answer = requests.post(server.url + "/collective_rpc", json=body, timeout=30)
+        assert answer.status_code == 500 and "es_server_perturb refused" in answer.text
+        assert server.worker.model_runner.reloads == reloads
+        assert_bitwise(snapshot(server.worker.model_runner.model), snapshot(model))
+    finally:
+        server.close()
+
+
+def test_a_run_with_the_key_is_bitwise_the_run_without_and_the_key_is_written_nowhere(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """VLLM_API_KEY set where the trainer and the (stand-in) server run: every request carries the key (Bearer, and
+    api_key in every ES call), the run ends bitwise where the keyless run ends, and the key is in no file of the
+    output dir (seed log, checkpoint, training args) nor in the logs."""
+    import os
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    data = Dataset.from_dict({"prompt": [f"Write: {i}" for i in range(8)]})
+
+    def run(out, url):
+        args = ESConfig(output_dir=str(tmp_path / out), max_steps=2, population_size=4, prompt_batch_size=4,
+                        max_completion_length=6, sigma=0.05, learning_rate=0.05, temperature=0.0, awd_lambda=0.5,
+                        report_to=[], save_strategy="steps", save_steps=2, noise_table_size=1 << 20,
+                        disable_tqdm=True, use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+        trainer = ESTrainer(model_fn(), mean_code, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    servers = [StandInServer(served(model_fn, tmp_path / name)) for name in ("open", "keyed")]
+    try:
+        keyless = run("keyless", servers[0].url)
+        monkeypatch.setenv("VLLM_API_KEY", "k3y-0f-the-run")
+        keyed = run("keyed", servers[1].url)
+        assert_bitwise(snapshot(keyed.model), snapshot(keyless.model))
+        assert_bitwise(snapshot(servers[1].worker.model_runner.model), snapshot(keyless.model))
+        assert [m for _, m in servers[1].calls] == [m for _, m in servers[0].calls]  # the same calls
+        assert all(auth is None and kwargs in (None, {}) for _, auth, kwargs in servers[0].headers)
+        assert servers[1].headers and all(auth == "Bearer k3y-0f-the-run" for _, auth, _ in servers[1].headers)
+        assert all(kwargs == {"api_key": "k3y-0f-the-run"} for path, _, kwargs in servers[1].headers
+                   if path == "/collective_rpc")
+        files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "keyed") for f in fs]
+        assert any(f.endswith("es_seed_log.jsonl") for f in files) and any("checkpoint-2" in f for f in files)
+        for file in files:
+            with open(file, "rb") as f:
+                assert b"k3y-0f-the-run" not in f.read(), file
+        assert "k3y-0f-the-run" not in repr(keyed.state.log_history) + repr(keyed.args)
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_a_server_whose_key_changed_stops_the_run_instead_of_being_left_out(tmp_path, tokenizer, monkeypatch):
+    """A refusal is a configuration error, not a fault: sync_weights and map_groups raise ServerRefusedError
+    (the server is not left out and its member not re-run elsewhere)."""
+    from trl_es.es.seedlog import SeedLog
+    from trl_es.generation.vllm_server import ESServerClient, ServerRefusedError, VLLMServerEngine
+
+    model_fn = lambda: build_llama(tokenizer, dtype=torch.bfloat16)  # noqa: E731
+    servers = [StandInServer(served(model_fn, tmp_path / name)) for name in "ab"]
+    monkeypatch.setenv("VLLM_API_KEY", "old")
+    try:
+        model = model_fn()
+        strategy = EvolutionStrategy.for_module(model, sigma=0.05, population_size=2, antithetic=True)
+        log = SeedLog(header_of(strategy))
+        engine = VLLMServerEngine(tokenizer, [ESServerClient(s.url) for s in servers], lambda: log)
+        engine.sync_weights(model)
+        monkeypatch.setenv("VLLM_API_KEY", "new")  # the servers' key, not the trainer's any more
+        with pytest.raises(ServerRefusedError, match="es_server_step.*HTTP 500.*es_server_step refused: wrong API key"):
+            engine.sync_weights(model)
+        with pytest.raises(ServerRefusedError, match="es_server_perturb refused: wrong API key"):
+            engine.map_groups(lambda group: engine.perturb_(group[0], 0.05), [[m] for m in strategy.ask(0)])
+        assert engine.left_out == {} and engine.members_rerun == 0
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.mark.parametrize("path", ["/collective_rpc", "/v1/completions", "/sleep"])
+def test_the_middleware_needs_the_key_on_every_route_but_health(monkeypatch, path):
+    import asyncio
+
+    from trl_es.generation.vllm_server_worker import ESAuthenticationMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    def status(path, authorization=None):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        asyncio.run(ESAuthenticationMiddleware(app)(scope, None, send))
+        return sent[0]["status"]
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert status(path) == 200  # no key: open, as vLLM without --api-key
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert [status(path, a) for a in (None, "Bearer wrong", "Basic k", "Bearer k ", "Bearer k", "bearer k")] == [
+        401, 401, 401, 401, 200, 200]
+    assert status("/health") == 200
+
+
+def test_vllm_serve_takes_the_key_from_the_environment_only(tmp_path, tokenizer, capsys, monkeypatch):
+    from trl_es.cli import main
+
+    folder = str(tmp_path / "tiny")
+    build_llama(tokenizer).save_pretrained(folder)
+    monkeypatch.setenv("VLLM_API_KEY", "sh0wn-n0where")
+    assert main(["vllm-serve", folder, "--print_only"]) == 0
+    out = capsys.readouterr().out
+    assert "--middleware trl_es.generation.vllm_server_worker.ESAuthenticationMiddleware" in out
+    assert "VLLM_API_KEY is set (not shown)" in out and "sh0wn-n0where" not in out
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert main(["vllm-serve", folder, "--print_only"]) == 0
+    assert "No VLLM_API_KEY: /collective_rpc, which moves the weights, is open" in capsys.readouterr().out
+    for flag in (["--api-key", "k"], ["--api-key=k"]):
+        with pytest.raises(SystemExit):
+            main(["vllm-serve", folder, "--print_only", "--", *flag])
+        assert "pass the server's key in the environment" in capsys.readouterr().err

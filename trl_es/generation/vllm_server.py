@@ -8,6 +8,11 @@ Over ``POST /v1/completions`` go token-id prompts and come back completion token
 ``VLLMClient.generate``: ``return_token_ids``). After ``init`` and every ``update`` the server's checksum is compared
 with the trainer's weights; a mismatch raises :class:`ServerMismatchError` naming the server.
 
+With a shared key (``VLLM_API_KEY`` where the trainer and the servers run, as vLLM and OpenAI clients take it) every
+request carries it: in the ``Authorization: Bearer`` header (vLLM's ``--api-key`` check of the ``/v1`` routes) and
+as the ES calls' ``api_key`` argument (the extension's own check: vLLM does not guard ``/collective_rpc``). A refused
+key raises :class:`ServerRefusedError`. The key is never logged nor written into the seed log or a checkpoint.
+
 The session makes no automatic retries: whether a call may be repeated is the caller's decision (a perturbation
 or a restore may be: it is absolute, not relative; an update is refused by the server when repeated).
 """
@@ -17,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +38,7 @@ from torch import nn
 from ..es.update import Member
 from .base import GenerationEngine, encode_prompts
 from .vllm_engine import VLLMEngine, sampling_kwargs, with_model_defaults
-from .vllm_server_worker import server_checksum
+from .vllm_server_worker import API_KEY_ENV, server_checksum
 
 
 logger = logging.getLogger(__name__)
@@ -57,25 +64,80 @@ class ServerMismatchError(ServerError):
     """A server's weights are not the trainer's (its checksum differs): it must be re-initialised."""
 
 
+class ServerRefusedError(ServerError):
+    """A server refused the trainer's API key (none, or another than its ``VLLM_API_KEY``): a configuration error,
+    not a fault another server could absorb."""
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normalize_server_url(url: str, what: str = "base_url") -> str:
+    """``url`` in one spelling per server: ``scheme://host[:port][/path]`` with the scheme and host in lower case,
+    the scheme's default port dropped and no trailing ``/``. A URL without a scheme (``host:port``) is
+    ``http://host:port``, as TRL's ``VLLMClient`` takes it.
+
+    Args:
+        url (`str`): An ``http`` or ``https`` URL, or ``host:port``.
+        what (`str`): The name in the error (a config field).
+
+    Returns:
+        `str`: e.g. ``"HTTP://Node1:80/"`` -> ``"http://node1"``, ``"127.0.0.1:8000"`` -> ``"http://127.0.0.1:8000"``.
+
+    Raises:
+        ValueError: naming ``what`` for another scheme, no host, a bad port, a query or a fragment.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"{what} must be a server URL (http://host:port), got {url!r}.")
+    text = url.strip()
+    if "://" not in text:  # host:port, as TRL's VLLMClient takes it
+        text = "http://" + text
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError as error:
+        raise ValueError(f"{what} must be a server URL (http://host:port), got {url!r}: {error}.") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"{what} must be an http or https URL with a host and no query or fragment "
+                         f"(http://host:port), got {url!r}.")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # an IPv6 address keeps its brackets
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        host = f"{host}:{port}"
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{host}" if userinfo else host
+    return urllib.parse.urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
 class ESServerClient:
     """One ES vLLM server.
 
     Args:
-        base_url (`str`): The server's URL (``http://host:port``), as TRL's ``vllm_server_base_url``.
+        base_url (`str`): The server's URL (``http://host:port``, or ``host:port`` as TRL's ``VLLMClient`` takes it),
+            as TRL's ``vllm_server_base_url``; normalised by :func:`normalize_server_url`.
         timeout (`float`): Seconds one request may take (a generation included), then :class:`ServerError`.
         connection_timeout (`float`): Seconds to wait for the server's ``/health`` at construction (TRL's
             ``vllm_server_timeout``); ``0``: one try.
+        api_key (`str`, *optional*): The servers' shared key; ``None``: ``VLLM_API_KEY`` from the environment
+            (unset or empty: no key).
 
     Raises:
+        ValueError: for a URL that is not one (:func:`normalize_server_url`, or requests' URL handling), at once.
         ServerError: if the server does not answer ``/health`` within ``connection_timeout``.
+        ServerRefusedError: if the server refuses the key.
     """
 
-    def __init__(self, base_url: str, timeout: float = 600.0, connection_timeout: float = 0.0):
+    def __init__(self, base_url: str, timeout: float = 600.0, connection_timeout: float = 0.0,
+                 api_key: str | None = None):
         import requests
 
-        self.base_url = base_url.rstrip("/")
+        self.base_url = normalize_server_url(base_url)
         self.timeout = float(timeout)
         self.session = requests.Session()
+        api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self._api_key = api_key or None  # sent, never logged
+        if self._api_key:
+            self.session.headers["Authorization"] = f"Bearer {self._api_key}"  # vLLM's --api-key check of /v1
         self.rpc_bytes = 0  # request + response body bytes of the ES calls (/collective_rpc) so far
         self._wait_for_health(float(connection_timeout))
         self.model = self._request("GET", "/v1/models", "the model list")["data"][0]["id"]
@@ -93,6 +155,12 @@ class ESServerClient:
             raise ServerError(f"ES server {self.base_url}: {what} failed: {error}") from error
         if path == "/collective_rpc":
             self.rpc_bytes += len(body) + len(response.content)
+        if response.status_code == 401 or (response.status_code != 200 and "API key" in response.text
+                                           and " refused: " in response.text):  # the extension's refusal
+            sent = "a key that is not the server's" if self._api_key else f"no key ({API_KEY_ENV} is unset)"
+            raise ServerRefusedError(f"ES server {self.base_url} refused {what} (HTTP {response.status_code}): the "
+                                     f"trainer sent {sent}; set {API_KEY_ENV} to the servers' shared key where the "
+                                     f"trainer and the servers run. Server said: {response.text[:500]}")
         if response.status_code != 200:
             raise ServerError(f"ES server {self.base_url}: {what} failed with HTTP {response.status_code}: "
                               f"{response.text[:2000]}")
@@ -106,6 +174,9 @@ class ESServerClient:
             try:
                 if self.session.get(self.base_url + "/health", timeout=10).status_code == 200:
                     return
+            except ValueError as error:  # requests' URL handling (InvalidURL, InvalidSchema, urllib3's parse errors)
+                raise ValueError(f"ES server URL {self.base_url!r} cannot be used: {type(error).__module__}."
+                                 f"{type(error).__name__}: {error}") from None
             except requests.RequestException:
                 pass
             if time.monotonic() - start >= total_timeout:
@@ -128,8 +199,10 @@ class ESServerClient:
 
         Raises:
             ServerError: naming the server and ``method`` (the server's own message included).
+            ServerRefusedError: if the server refuses the key.
         """
-        body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.timeout}
+        kwargs = {"api_key": self._api_key} if self._api_key else {}  # the extension's own check
+        body = {"method": method, "args": list(args), "kwargs": kwargs, "timeout": self.timeout}
         return self._request("POST", "/collective_rpc", f"{method}", body)["results"]
 
     # ------------------------------------------------------------------ ES calls
@@ -297,8 +370,8 @@ class VLLMServerEngine(GenerationEngine):
         """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically.
 
         A :class:`ServerError` inside ``fn`` (its server failed: perturb, generate or restore) leaves that server
-        out and puts the group back for another server; any other exception stops the dispatch (the groups in
-        flight finish, their servers restored) and is raised.
+        out and puts the group back for another server; any other exception, a :class:`ServerRefusedError`
+        included, stops the dispatch (the groups in flight finish, their servers restored) and is raised.
 
         Raises:
             ServerError: if every server has been left out with groups still to score (naming each server's error).
@@ -314,6 +387,9 @@ class VLLMServerEngine(GenerationEngine):
                         j = pending.popleft()
                         try:
                             results[j] = fn(groups[j])
+                        except ServerRefusedError as error:  # configuration, not a fault: stop
+                            failure.append(error)
+                            return
                         except ServerError as error:
                             pending.appendleft(j)
                             self.members_rerun += len(groups[j])
@@ -345,6 +421,7 @@ class VLLMServerEngine(GenerationEngine):
 
         Raises:
             ServerMismatchError: if, after the catch-up, a server's checksum is not ``model``'s.
+            ServerRefusedError: if a server refuses the key.
             ServerError: if no server is left.
         """
         log = self._seed_log()
@@ -372,7 +449,7 @@ class VLLMServerEngine(GenerationEngine):
         for index, future in futures:
             try:
                 future.result()
-            except ServerMismatchError:
+            except (ServerMismatchError, ServerRefusedError):
                 raise
             except ServerError as error:
                 self._leave_out(index, error)

@@ -865,9 +865,19 @@ class ESConfig(_BaseConfig):
         check_int("vllm_server_port", self.vllm_server_port, 1)
         urls = self.vllm_server_base_urls
         if urls is not None and (not isinstance(urls, (list, tuple)) or not urls
-                                 or not all(isinstance(u, str) and u for u in urls) or len(set(urls)) != len(urls)):
+                                 or not all(isinstance(u, str) and u for u in urls)):
             raise ValueError(f"vllm_server_base_urls must be None or a list of distinct URLs, at least one per "
                              f"training process; got {urls!r}.")
+        if urls is not None or self.vllm_server_base_url is not None:  # one spelling per server, as the client's
+            from ...generation.vllm_server import normalize_server_url
+
+            if self.vllm_server_base_url is not None:
+                normalize_server_url(self.vllm_server_base_url, "vllm_server_base_url")
+            normalized = [normalize_server_url(u, "vllm_server_base_urls") for u in urls or ()]
+            if len(set(normalized)) != len(normalized):
+                raise ValueError(f"vllm_server_base_urls must be None or a list of distinct URLs, at least one per "
+                                 f"training process; got {urls!r}, that is {normalized} (scheme and host case, "
+                                 "default port and trailing '/' do not make another server).")
         if self.use_vllm and self.vllm_mode == "server" and self.population_backend != "sequential":
             raise ValueError("vllm_mode='server' writes full-rank members into the server's weights: use "
                              f"population_backend='sequential' (got {self.population_backend!r}).")
