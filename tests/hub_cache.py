@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -85,8 +86,10 @@ def add_dataset(home: str | os.PathLike, repo_id: str, splits: dict[str, Sequenc
                 config: str = "default") -> Path:
     """Cache ``splits`` (split name -> rows) as the hub dataset ``repo_id`` in ``home/datasets``.
 
-    ``datasets`` offline then answers ``load_dataset(repo_id, split=...)`` from it (its "cache" builder, the
-    fallback when the Hub cannot be reached).
+    ``datasets`` offline then answers ``load_dataset(repo_id, split=...)`` (``load_dataset(repo_id, config, ...)``
+    for a named ``config``) from it (its "cache" builder, the fallback when the Hub cannot be reached). The hub
+    cache gets the empty ``datasets--org--Name`` snapshot folder a download leaves (ESTrainer's model card reads the
+    id's case from it).
 
     Returns:
         `Path`: The cached ``<config>/0.0.0/<hash>`` folder.
@@ -115,4 +118,12 @@ def add_dataset(home: str | os.PathLike, repo_id: str, splits: dict[str, Sequenc
     for file in target.iterdir():
         if file.name.startswith("parquet-"):
             file.rename(target / (snake_name + file.name[len("parquet"):]))
+    snapshot = Path(home) / "hub" / f"datasets--{namespace}--{name}" / "snapshots" / fake_commit(repo_id)
+    snapshot.mkdir(parents=True, exist_ok=True)  # the hub cache folder a download leaves (it keeps the id's case)
+    (snapshot.parent.parent / "refs").mkdir(exist_ok=True)
+    (snapshot.parent.parent / "refs" / "main").write_text(fake_commit(repo_id))
+    info_path = target / "dataset_info.json"  # the cache builder matches a named config by the info's config_name
+    info = json.loads(info_path.read_text())
+    info.update(config_name=config, dataset_name=snake_name)
+    info_path.write_text(json.dumps(info))
     return target
