@@ -54,7 +54,8 @@ def fake_commit(repo_id: str) -> str:
     return hashlib.sha1(repo_id.encode()).hexdigest()
 
 
-def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama", seed: int = 0) -> Path:
+def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama", seed: int = 0,
+              chat_template: str | None = None) -> Path:
     """Save a tiny model and tokenizer as the cached snapshot of the hub model ``repo_id`` under ``home``.
 
     Args:
@@ -65,6 +66,8 @@ def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama"
             byte-level BPE and so does not reproduce :func:`tiny.build_tokenizer` (spaces dropped, one token more
             than the model's vocabulary); a ``llama`` checkpoint's loads as the saved ``TokenizersBackend``.
         seed: Seed of the tiny model's random weights.
+        chat_template: A chat template for the tokenizer (e.g. TRL's ``qwen2_5.jinja``, which renders and parses tool
+            calls); the model then takes 4096 positions (a prompt with a tool schema is ~900 characters).
 
     Returns:
         `Path`: The snapshot folder.
@@ -77,6 +80,9 @@ def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama"
     (repo / "refs" / "main").write_text(commit)
     tokenizer = build_tokenizer()
     model = BUILDERS[architecture](tokenizer, seed=seed)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        model.config.max_position_embeddings = 4096
     model.save_pretrained(snapshot)
     tokenizer.save_pretrained(snapshot)
     return snapshot

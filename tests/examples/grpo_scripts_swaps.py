@@ -1,6 +1,9 @@
 """The name swaps that turn each GRPO script of examples/grpo_scripts/ into its ES version (``old`` -> ``new``, each
 ``old`` found in the verbatim source, tests/data/grpo_scripts/<script>.py.txt). Only class names and the import of
-them change: ``GRPOConfig`` -> ``ESConfig``, ``GRPOTrainer`` -> ``ESTrainer``, imported from ``trl_es``."""
+them change: ``GRPOConfig`` -> ``ESConfig``, ``GRPOTrainer`` -> ``ESTrainer``, imported from ``trl_es``.
+
+:data:`PORTS` holds the changes TRL 1.16 itself needs (the script fails on GRPOTrainer too without them), each with
+the reason; they are applied after the swaps."""
 
 SWAPS = {
     "trl_grpo": [
@@ -24,7 +27,8 @@ SWAPS = {
     ],
     "grpo_continuous_batching": [
         ("from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config\n",
-         "from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config\nfrom trl_es import ESConfig, ESTrainer\n"),
+         "from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config\n"
+         "from trl_es import ESConfig, ESTrainer\n"),
         ("    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))\n",
          "    parser = TrlParser((ScriptArguments, ESConfig, ModelConfig))\n"),
         ("    trainer = GRPOTrainer(\n", "    trainer = ESTrainer(\n"),
@@ -43,5 +47,13 @@ SWAPS = {
         ("    trainer = GRPOTrainer(\n", "    trainer = ESTrainer(\n"),
         ("    parser = TrlParser((ModelConfig, ScriptArguments, GRPOConfig))\n",
          "    parser = TrlParser((ModelConfig, ScriptArguments, ESConfig))\n"),
+    ],
+}
+
+PORTS = {
+    "countdown_r1_grpo": [
+        ("        trust_remote_code=model_args.trust_remote_code,\n",
+         "        trust_remote_code=training_args.trust_remote_code,\n",
+         "TRL 1.x moved trust_remote_code from ModelConfig to the trainer config (GRPOConfig / ESConfig)"),
     ],
 }
