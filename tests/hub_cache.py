@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -53,7 +54,8 @@ def fake_commit(repo_id: str) -> str:
     return hashlib.sha1(repo_id.encode()).hexdigest()
 
 
-def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama", seed: int = 0) -> Path:
+def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama", seed: int = 0,
+              chat_template: str | None = None) -> Path:
     """Save a tiny model and tokenizer as the cached snapshot of the hub model ``repo_id`` under ``home``.
 
     Args:
@@ -64,6 +66,8 @@ def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama"
             byte-level BPE and so does not reproduce :func:`tiny.build_tokenizer` (spaces dropped, one token more
             than the model's vocabulary); a ``llama`` checkpoint's loads as the saved ``TokenizersBackend``.
         seed: Seed of the tiny model's random weights.
+        chat_template: A chat template for the tokenizer (e.g. TRL's ``qwen2_5.jinja``, which renders and parses tool
+            calls); the model then takes 4096 positions (a prompt with a tool schema is ~900 characters).
 
     Returns:
         `Path`: The snapshot folder.
@@ -76,6 +80,9 @@ def add_model(home: str | os.PathLike, repo_id: str, architecture: str = "llama"
     (repo / "refs" / "main").write_text(commit)
     tokenizer = build_tokenizer()
     model = BUILDERS[architecture](tokenizer, seed=seed)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        model.config.max_position_embeddings = 4096
     model.save_pretrained(snapshot)
     tokenizer.save_pretrained(snapshot)
     return snapshot
@@ -85,8 +92,10 @@ def add_dataset(home: str | os.PathLike, repo_id: str, splits: dict[str, Sequenc
                 config: str = "default") -> Path:
     """Cache ``splits`` (split name -> rows) as the hub dataset ``repo_id`` in ``home/datasets``.
 
-    ``datasets`` offline then answers ``load_dataset(repo_id, split=...)`` from it (its "cache" builder, the
-    fallback when the Hub cannot be reached).
+    ``datasets`` offline then answers ``load_dataset(repo_id, split=...)`` (``load_dataset(repo_id, config, ...)``
+    for a named ``config``) from it (its "cache" builder, the fallback when the Hub cannot be reached). The hub
+    cache gets the empty ``datasets--org--Name`` snapshot folder a download leaves (ESTrainer's model card reads the
+    id's case from it).
 
     Returns:
         `Path`: The cached ``<config>/0.0.0/<hash>`` folder.
@@ -115,4 +124,12 @@ def add_dataset(home: str | os.PathLike, repo_id: str, splits: dict[str, Sequenc
     for file in target.iterdir():
         if file.name.startswith("parquet-"):
             file.rename(target / (snake_name + file.name[len("parquet"):]))
+    snapshot = Path(home) / "hub" / f"datasets--{namespace}--{name}" / "snapshots" / fake_commit(repo_id)
+    snapshot.mkdir(parents=True, exist_ok=True)  # the hub cache folder a download leaves (it keeps the id's case)
+    (snapshot.parent.parent / "refs").mkdir(exist_ok=True)
+    (snapshot.parent.parent / "refs" / "main").write_text(fake_commit(repo_id))
+    info_path = target / "dataset_info.json"  # the cache builder matches a named config by the info's config_name
+    info = json.loads(info_path.read_text())
+    info.update(config_name=config, dataset_name=snake_name)
+    info_path.write_text(json.dumps(info))
     return target

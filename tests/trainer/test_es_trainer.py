@@ -419,7 +419,7 @@ def test_success_diversity_and_module_drift_are_logged(tmp_path, tokenizer):
         calls["n"] += 1
         return per_member[calls["n"]]
 
-    trainer = ESTrainer(build_llama(tokenizer), scripted, args=es_args(tmp_path, max_steps=1),
+    trainer = ESTrainer(build_llama(tokenizer), scripted, args=es_args(tmp_path, max_steps=1, log_module_drift=True),
                         train_dataset=prompts(), processing_class=tokenizer)
     trainer.train()
     logs = trainer.state.log_history[0]

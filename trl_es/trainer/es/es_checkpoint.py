@@ -33,6 +33,7 @@ from ...es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
 from ...es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
 from ...files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
 from ..distributed import SHARD_PATTERN, read_flat_ranges
+from .model_card import model_card_name, write_model_card
 
 
 logger = logging.get_logger(__name__)
@@ -146,10 +147,11 @@ class ESCheckpointMixin:
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``); in a checkpoint
-        (``_internal_call``, the first thing ``Trainer._save_checkpoint`` writes) also the ES state: the fp32 master
-        and theta_0 (:meth:`_save_es_state`), so they are on disk before ``trainer_state.json`` marks the checkpoint
-        and old checkpoints are rotated away.
+        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``) and, outside a checkpoint,
+        the model card (``README.md``, :meth:`create_model_card`'s, after ``save_pretrained``, whose PEFT adapter
+        card it replaces); in a checkpoint (``_internal_call``, the first thing ``Trainer._save_checkpoint`` writes)
+        also the ES state: the fp32 master and theta_0 (:meth:`_save_es_state`), so they are on disk before
+        ``trainer_state.json`` marks the checkpoint and old checkpoints are rotated away.
 
         Under ZeRO-3 ``Trainer`` gathers the partitions into one ``from_pretrained``-loadable model (DeepSpeed's
         ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
@@ -169,6 +171,27 @@ class ESCheckpointMixin:
             self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
         if _internal_call:
             self._save_es_state(output_dir)
+        else:  # a checkpoint's card is written in output_dir by _save_checkpoint; a saved model gets its own
+            write_model_card(self, output_dir, model_card_name(self.args, output_dir))
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's ``create_model_card``: ``output_dir/README.md``, with the ES settings, the seed-log note and the
+        papers to cite (:func:`~trl_es.trainer.es.model_card.write_model_card`; main process only).
+
+        Args:
+            model_name (`str`, *optional*): The trained model's name.
+            dataset_name (`str`, *optional*): The training dataset's hub id; default: the train dataset's, where it
+                can be told (:func:`~trl_es.trainer.es.model_card.hub_dataset_id`).
+            tags (`str` or `list[str]`, *optional*): Tags besides ``trl``, ``trl-es``, ``evolution-strategies``.
+        """
+        write_model_card(self, self.args.output_dir, model_name, dataset_name, tags)
+
+    def _save_checkpoint(self, model, trial):
+        """As GRPOTrainer: the model card in ``output_dir`` first (so ``hub_strategy="every_save"`` pushes it), then
+        the checkpoint."""
+        self.create_model_card(model_name=model_card_name(self.args, self.args.output_dir))
+        super()._save_checkpoint(model, trial)
 
     def _keep_anchor_out_of(self, folder: str) -> None:
         """Before writing a model into ``folder``: if theta_0 is read from a file there, hold it in memory first (the

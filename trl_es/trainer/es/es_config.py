@@ -63,7 +63,7 @@ def _collect(errors: list[str], check, *args) -> None:
         "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
         "vllm_server_base_urls"),
     "Parameters that control Anchored Weight Decay (AWD)": (
-        "awd_lambda", "awd_penalty", "log_parameter_drift", "success_threshold"),
+        "awd_lambda", "awd_penalty", "log_parameter_drift", "log_module_drift", "success_threshold"),
     "Parameters that control generation (GRPO's names and meanings)": (
         "num_generations", "max_completion_length", "temperature", "top_p", "generation_kwargs",
         "chat_template_kwargs", "reward_weights", "top_k", "min_p", "repetition_penalty",
@@ -419,6 +419,14 @@ class ESConfig(_BaseConfig):
             "(drift/l2) and its ratio to ||theta_0|| (drift/relative) at every log."
         },
     )
+    log_module_drift: bool = field(
+        default=False,
+        metadata={
+            "help": "Also log the drift of each module type (drift/l2/<module>, drift/relative/<module>: q_proj, "
+            "down_proj, embed_tokens, ...; two keys per type, about 20 on a Llama) at every log. Needs "
+            "log_parameter_drift=True."
+        },
+    )
 
     success_threshold: float = field(
         default=1.0,
@@ -661,6 +669,9 @@ class ESConfig(_BaseConfig):
         if self.log_completions_hub_repo is not None and not self.log_completions:
             errors.append("log_completions_hub_repo is set, but log_completions is False: set log_completions=True "
                           "to push the completion logs to the Hub, or unset log_completions_hub_repo.")
+        if self.log_module_drift and not self.log_parameter_drift:
+            errors.append("log_module_drift=True logs the drift per module type, but log_parameter_drift=False logs "
+                          "no drift: set log_parameter_drift=True, or unset log_module_drift.")
         if self.temperature < 0:
             errors.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:

@@ -180,11 +180,14 @@ def drift_sums(masters: Mapping[str, torch.Tensor],
     return groups, sums
 
 
-def drift_metrics(groups: Sequence[str], sums: torch.Tensor) -> dict[str, float]:
+def drift_metrics(groups: Sequence[str], sums: torch.Tensor, per_module: bool = True) -> dict[str, float]:
     """``drift/l2`` = ``||theta - theta_0||`` and ``drift/relative`` = ``||theta - theta_0|| / ||theta_0||``, for the
-    whole model and per module type (``drift/l2/q_proj``, ...), from :func:`drift_sums` (summed over processes)."""
+    whole model and, with ``per_module``, per module type (``drift/l2/q_proj``, ...), from :func:`drift_sums` (summed
+    over processes)."""
     drift = {}
-    for key, (diff_sq, base_sq) in zip(["", *[f"/{g}" for g in groups]], sums.tolist(), strict=True):
+    keys, rows = ["", *[f"/{g}" for g in groups]], sums.tolist()
+    rows = rows if per_module else rows[:1]  # row 0: the whole model
+    for key, (diff_sq, base_sq) in zip(keys[: len(rows)], rows, strict=True):
         norm = math.sqrt(diff_sq)
         drift[f"drift/l2{key}"] = norm
         drift[f"drift/relative{key}"] = norm / math.sqrt(base_sq) if base_sq > 0 else 0.0

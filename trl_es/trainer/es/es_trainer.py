@@ -663,14 +663,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             self.completion_log.write()  # once per iteration's table, after the metrics (as GRPOTrainer)
 
     def _parameter_drift(self) -> dict[str, float]:
-        """``drift/l2`` and ``drift/relative`` of the trained parameters from theta_0, whole and per module type
-        (:func:`~trl_es.trainer.es.es_metrics.drift_sums`; summed over processes under ZeRO-3, where each holds a
-        partition)."""
+        """``drift/l2`` and ``drift/relative`` of the trained parameters from theta_0, whole and, with
+        ``log_module_drift``, per module type (:func:`~trl_es.trainer.es.es_metrics.drift_sums`; summed over processes
+        under ZeRO-3, where each holds a partition)."""
         groups, sums = drift_sums(self.es_params.master_state_dict(), self.anchor)
         if self.sharded and self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += tensor_bytes(sums)
-        return drift_metrics(groups, sums)
+        return drift_metrics(groups, sums, per_module=self.args.log_module_drift)
 
     # ------------------------------------------------------------------ optimizer hooks (es_optimizer="torch")
     def create_optimizer(self, model=None):

@@ -1,0 +1,211 @@
+"""examples/grpo_scripts/: public GRPO training scripts run on ESTrainer with only the names swapped (issue 63).
+
+Per script: its text is the verbatim source (tests/data/grpo_scripts/<script>.py.txt) with the swaps of
+:mod:`grpo_scripts_swaps` (names only) and its TRL 1.16 ports applied; and it runs, as a subprocess, with its
+documented command scaled down (``--max_steps 1 --population_size 2 --max_completion_length 8 --report_to none``;
+a script without a command line gets the same values forced into ``ESConfig`` by a ``sitecustomize`` module),
+offline against a fake Hugging Face cache (:mod:`hub_cache`) holding a tiny model under each hub model id and a few
+rows in each hub dataset's format. A run must exit 0, print the train summary and leave the model (or adapter), a
+seed log of one step and the model card in its output_dir.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trl
+from grpo_scripts_swaps import PORTS, SWAPS
+from hub_cache import add_dataset, add_model, offline_env
+from paths import REPO, TESTS
+
+
+ROOT = Path(REPO)
+SCRIPTS_DIR = ROOT / "examples" / "grpo_scripts"
+SOURCES_DIR = Path(TESTS) / "data" / "grpo_scripts"
+SHORT = ["--max_steps", "1", "--population_size", "2", "--max_completion_length", "8", "--report_to", "none"]
+FORCED = {"max_steps": 1, "population_size": 2, "max_completion_length": 8, "report_to": "none"}
+FORCED_ENV = "TRL_ES_TEST_ESCONFIG_FORCED"
+DROP_IN = ("issue 63 drop-in mapping (branch i63-dropin): GRPO's batch fields (per_device_train_batch_size, "
+           "gradient_accumulation_steps, steps_per_generation) and loss-only fields (beta, epsilon, loss_type, ...) "
+           "are refused by ESConfig on this branch; with i63-dropin merged this script runs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    args: tuple[str, ...]  # the documented command's arguments, scaled down (SHORT last: its values win)
+    output_dir: str  # where the run leaves the model
+    forced: bool = False  # no command line: FORCED goes into ESConfig through sitecustomize
+    saves_model: bool = True  # the script calls save_model(output_dir) after train()
+
+
+SCRIPTS = {
+    # TRL docs (clis.md, "GRPO"): trl grpo --model_name_or_path Qwen/Qwen2.5-0.5B
+    #   --dataset_name HuggingFaceH4/Polaris-Dataset-53K --reward_funcs accuracy_reward
+    "trl_grpo": Script(("--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--dataset_name",
+                        "HuggingFaceH4/Polaris-Dataset-53K", "--reward_funcs", "accuracy_reward",
+                        "--output_dir", "Qwen2.5-0.5B-GRPO", *SHORT), "Qwen2.5-0.5B-GRPO"),
+    # gspo.py's docstring command (accelerate launch ... on one process)
+    "gspo": Script(("--model_name_or_path", "Qwen/Qwen3-0.6B", "--output_dir", "gspo-Qwen3-0.6B",
+                    "--learning_rate", "1e-5", "--dtype", "bfloat16", "--max_completion_length", "1024",
+                    "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--log_completions",
+                    "--per_device_train_batch_size", "8", "--num_generations", "8",
+                    "--importance_sampling_level", "sequence", "--epsilon", "3e-4", "--epsilon_high", "4e-4",
+                    "--beta", "0.0", "--loss_type", "grpo", "--gradient_accumulation_steps", "2",
+                    "--steps_per_generation", "8", *SHORT), "gspo-Qwen3-0.6B"),
+    # grpo_continuous_batching.py's docstring command (python ...)
+    "grpo_continuous_batching": Script(("--model_name_or_path", "Qwen/Qwen3-1.7B", "--output_dir",
+                                        "grpo-gsm8k-continuous-batching", "--num_generations", "32",
+                                        "--max_completion_length", "1024", "--use_peft", "--log_completions",
+                                        *SHORT), "grpo-gsm8k-continuous-batching"),
+    # grpo_2048.py: no command line (python grpo_2048.py); GRPOConfig's default output_dir
+    "grpo_2048": Script((), "trainer_output", forced=True, saves_model=False),
+    # philschmid's recipe grpo-qwen-2.5-3b-deepseek-r1-countdown.yaml as flags, the fields TRL 1.16 on a CPU has
+    "countdown_r1_grpo": Script(("--model_name_or_path", "Qwen/Qwen2.5-1.5B-Instruct", "--output_dir",
+                                 "runs/qwen-r1-aha-moment", "--dataset_id_or_path", "Jiayi-Pan/Countdown-Tasks-3to4",
+                                 "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "8",
+                                 "--learning_rate", "1.0e-5", "--lr_scheduler_type", "cosine", "--beta", "0.04",
+                                 "--max_completion_length", "768", "--num_generations", "8", "--logging_steps", "2",
+                                 "--save_strategy", "steps", "--save_steps", "25", "--seed", "42", *SHORT),
+                                "runs/qwen-r1-aha-moment"),
+}
+XFAIL = {
+    "gspo": DROP_IN,
+    "grpo_2048": DROP_IN,
+    "countdown_r1_grpo": DROP_IN,
+    "grpo_continuous_batching": "use_transformers_continuous_batching=True (the script sets it) is refused by "
+                                "ESConfig: ES has no transformers continuous-batching engine (not a drop-in issue)",
+}
+
+TOOL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+HUB_MODELS = {"Qwen/Qwen2.5-0.5B": None, "Qwen/Qwen3-0.6B": None, "Qwen/Qwen3-1.7B": None,
+              "Qwen/Qwen3-4B": TOOL_TEMPLATE, "Qwen/Qwen2.5-1.5B-Instruct": None}
+
+
+def _conversation(question):
+    return [{"role": "user", "content": question}]
+
+
+def hub_datasets():
+    """(id, splits, config) of each hub dataset the scripts load, in its real columns."""
+    numina = [{"problem": f"What is {i} * 3?", "solution": f"{i} * 3 = $\\boxed{{{3 * i}}}$",
+               "messages": [{"role": "user", "content": f"What is {i} * 3?"},
+                            {"role": "assistant", "content": f"$\\boxed{{{3 * i}}}$"}]} for i in range(40)]
+    rng = random.Random(0)
+    countdown = [{"target": rng.randint(10, 99), "nums": [rng.randint(1, 99) for _ in range(3)]} for _ in range(50000)]
+    return [
+        ("HuggingFaceH4/Polaris-Dataset-53K",
+         {"train": [{"prompt": _conversation(f"What is {i} + {i}?"), "solution": f"${2 * i}$"} for i in range(4)]},
+         "default"),
+        ("AI-MO/NuminaMath-TIR", {"train": numina, "test": numina[:20]}, "default"),  # gspo takes train[:5%]: 2 rows
+        ("openai/gsm8k", {"train": [{"question": f"Tom has {i} apples and buys 2. How many has he?",
+                                     "answer": f"{i} + 2 = <<{i}+2={i + 2}>>{i + 2}\n#### {i + 2}"}
+                                    for i in range(4)]}, "main"),
+        # run_r1_grpo.py selects 50000 rows of the shuffled dataset
+        ("Jiayi-Pan/Countdown-Tasks-3to4", {"train": countdown}, "default"),
+    ]
+
+
+SITECUSTOMIZE = textwrap.dedent(f'''\
+    """Written by tests/examples/test_grpo_scripts.py: ESConfig values from ${FORCED_ENV} (JSON) forced into every
+    ESConfig, for scripts without a command line."""
+    import functools, json, os, sys
+    _forced = json.loads(os.environ.get("{FORCED_ENV}") or "{{}}")
+    if _forced:
+        from trl_es import ESConfig
+        _init = ESConfig.__init__
+
+        @functools.wraps(_init)
+        def __init__(self, *args, **kwargs):
+            _init(self, *args, **{{**kwargs, **_forced}})
+
+        ESConfig.__init__ = __init__
+        print(f"[test harness] ESConfig values forced: {{_forced}}", file=sys.stderr)
+''')
+
+
+# ---------------------------------------------------------------------------------------------------- the text
+
+
+def _tokens(text: str) -> collections.Counter:
+    """Names and symbols, commas left out (a name moved between import lists moves a comma)."""
+    return collections.Counter(t for t in re.findall(r"[A-Za-z_][\w.]*|\S", text) if t != ",")
+
+
+def test_scripts_sources_and_swaps_agree():
+    assert {p.stem for p in SCRIPTS_DIR.glob("*.py")} == set(SCRIPTS) == set(SWAPS)
+    assert {p.name.removesuffix(".py.txt") for p in SOURCES_DIR.glob("*.py.txt")} == set(SCRIPTS)
+    readme = (SCRIPTS_DIR / "README.md").read_text()
+    for name in SCRIPTS:
+        assert f"`{name}.py`" in readme
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_script_is_the_source_with_the_names_swapped(name):
+    source = text = (SOURCES_DIR / f"{name}.py.txt").read_text()
+    for old, new in SWAPS[name]:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    # the swaps rename GRPOConfig/GRPOTrainer and move them to a trl_es import: nothing else
+    renamed = text.replace("ESConfig", "GRPOConfig").replace("ESTrainer", "GRPOTrainer").replace("trl_es", "trl")
+    assert not _tokens(source) - _tokens(renamed)
+    assert set(_tokens(renamed) - _tokens(source)) <= {"from", "trl", "import"}
+    for old, new, reason in PORTS.get(name, []):
+        assert text.count(old) == 1 and reason, old
+        text = text.replace(old, new)
+    script = (SCRIPTS_DIR / f"{name}.py").read_text()
+    assert script == text
+    assert "GRPOConfig" not in script and "GRPOTrainer" not in script
+    assert re.search(r"^\s*from trl_es import ES(Config, ESTrainer|Trainer|Config)$", script, flags=re.M)
+
+
+# ---------------------------------------------------------------------------------------------------- the runs
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf_home")
+    for model, template in HUB_MODELS.items():
+        add_model(home, model, chat_template=template)
+    for dataset, splits, config in hub_datasets():
+        add_dataset(home, dataset, splits, config=config)
+    (home / "harness").mkdir()
+    (home / "harness" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return home
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
+                                  if n in XFAIL else n for n in sorted(SCRIPTS)])
+def test_script_runs(name, hf_home, tmp_path):
+    spec = SCRIPTS[name]
+    env = {
+        **os.environ,
+        **offline_env(hf_home),
+        "PYTHONPATH": os.pathsep.join(p for p in [str(hf_home / "harness"), str(ROOT), os.environ.get("PYTHONPATH")]
+                                      if p),
+        FORCED_ENV: json.dumps(FORCED) if spec.forced else "",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / f"{name}.py"), *spec.args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name}.py failed:\n{proc.stderr[-4000:]}"
+    assert "train_loss" in proc.stdout, proc.stdout[-2000:]  # Trainer's summary of the run (or log_metrics' table)
+    output_dir = tmp_path / spec.output_dir
+    for file in ("es_seed_log.jsonl", "README.md"):
+        assert (output_dir / file).is_file(), file
+    records = (output_dir / "es_seed_log.jsonl").read_text().splitlines()[1:]
+    assert [json.loads(r)["step"] for r in records] == [1]  # one ES step
+    if spec.saves_model:
+        assert (output_dir / "model.safetensors").is_file() or (output_dir / "adapter_model.safetensors").is_file()
+    card = (output_dir / "README.md").read_text()
+    assert "| `population_size` | `2` |" in card and "arXiv:2509.24372" in card

@@ -1,0 +1,210 @@
+"""ESTrainer's model card: TRL's card with ES's settings, the seed-log note and the papers to cite.
+
+As GRPOTrainer, ESTrainer writes ``README.md`` in ``output_dir`` before every checkpoint (so ``push_to_hub`` with
+``hub_strategy="every_save"`` pushes it) and on ``push_to_hub``, and also beside every model ``save_model`` writes
+(the hooks are in :class:`~trl_es.trainer.es.es_checkpoint.ESCheckpointMixin`). The card is TRL's
+(:func:`trl.trainer.utils.generate_model_card`, TRL's ``lm_model_card.md`` template: base model, dataset, framework
+versions, the method's paper and BibTeX, TRL's citation) with two sections added before "Framework versions": the ES
+settings of the run and what ``es_seed_log.jsonl`` is; and, when ``awd_lambda > 0``, AWD's BibTeX after ES's. It is
+written by the main process only, atomically (:func:`trl_es.files.atomic_path`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+from transformers import is_wandb_available
+from trl.trainer.utils import (
+    generate_model_card,
+    get_comet_experiment_url,
+    get_config_model_id,
+    get_trackio_space_url,
+)
+
+from ...es.seedlog import SEED_LOG_NAME
+from ...files import atomic_path
+
+
+__all__ = ["AWD_PAPER", "CARD_SETTINGS", "es_card_sections", "es_card_text", "hub_dataset_id", "model_card_name",
+           "write_model_card"]
+
+#: The ESConfig fields the card lists, in this order (``awd_penalty`` only with ``awd_lambda > 0``).
+CARD_SETTINGS = (
+    "population_size", "sigma", "learning_rate", "lr_scheduler_type", "prompt_batch_size", "num_generations",
+    "temperature", "max_completion_length", "fitness_shaping", "per_prompt_shaping", "antithetic", "es_optimizer",
+    "noise_source", "population_backend", "awd_lambda", "awd_penalty", "max_steps", "num_train_epochs", "seed",
+)
+
+#: Anchored Weight Decay (``awd_lambda > 0``): Schweighofer et al. 2026.
+AWD_PAPER = {
+    "title": "Overcoming Forgetting in LLM Fine-Tuning with Evolution Strategies",
+    "id": "2605.30148",
+    "citation": textwrap.dedent("""\
+        @article{schweighofer2026overcoming,
+            title   = {{Overcoming Forgetting in LLM Fine-Tuning with Evolution Strategies}},
+            author  = {Kajetan Schweighofer and Conor F. Hayes and Roberto Dailey and Risto Miikkulainen and Xin Qiu},
+            year    = 2026,
+            eprint  = {arXiv:2605.30148}
+        }"""),
+}
+
+_HUB_URL = re.compile(r"^hf://datasets/([^/@]+/[^/@]+)@")
+
+
+def hub_dataset_id(dataset) -> str | None:
+    """The hub id (``org/Name``) a ``datasets`` dataset was loaded from, where the dataset tells it exactly.
+
+    From the hub URLs of its source files (``info.download_checksums``, recorded when ``datasets`` records
+    checksums), else from its cache folder ``<org>___<snake_name>`` matched against the hub cache's
+    ``datasets--<org>--<Name>`` folders, which keep the id's case (``datasets`` snake-cases the name of its own cache
+    folder: ``trl-lib/DeepMath-103K`` -> ``trl-lib___deep_math-103_k``).
+
+    Returns:
+        `str` or `None`: ``None`` for a dataset built in memory (``Dataset.from_list``), from local files, or whose
+        id cannot be told.
+    """
+    from datasets.naming import camelcase_to_snakecase
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    info = getattr(dataset, "info", None)
+    for url in (getattr(info, "download_checksums", None) or {}):
+        if match := _HUB_URL.match(str(url)):
+            return match[1]
+    files = getattr(dataset, "cache_files", None) or []
+    parts = [part for part in Path(files[0]["filename"]).parts if "___" in part] if files else []
+    if not parts:
+        return None
+    org, snake_name = parts[-1].split("___", 1)
+    hub = Path(HF_HUB_CACHE)
+    prefix = f"datasets--{org}--"
+    names = [p.name[len(prefix):] for p in hub.glob(f"{prefix}*")] if hub.is_dir() else []
+    matches = [name for name in names if camelcase_to_snakecase(name) == snake_name]
+    return f"{org}/{matches[0]}" if len(matches) == 1 else None
+
+
+def _value(value) -> str:
+    """A setting as the card shows it, in code: an enum's value; strings quoted."""
+    value = getattr(value, "value", value)
+    return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
+
+
+def es_card_sections(args, base_model: str | None, peft: bool) -> str:
+    """The card's ES sections (markdown): a table of :data:`CARD_SETTINGS` and the seed-log note.
+
+    Args:
+        args (`ESConfig`): The run's config.
+        base_model (`str` or `None`): The base model's hub id (for the replay snippet).
+        peft (`bool`): Whether ES trained a PEFT adapter.
+    """
+    names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]
+    rows = "\n".join(f"| `{name}` | {_value(getattr(args, name))} |" for name in names)
+    trained = "the PEFT adapter's parameters (the base weights are frozen)" if peft else "the model's weights"
+    model = f'"{base_model}"' if base_model else '"<base model>"'
+    adapter = ", wrapped with its initial PEFT adapter" if peft else ""
+    if args.es_optimizer == "es":
+        replay = textwrap.dedent(f"""\
+            With `es_optimizer="es"` the trained weights are the base model plus this log, bitwise:
+
+            ```python
+            from transformers import AutoModelForCausalLM
+            from trl_es import replay
+
+            model = AutoModelForCausalLM.from_pretrained({model})  # the base model{adapter}
+            replay(model, "{SEED_LOG_NAME}")
+            ```""")
+    else:
+        replay = ("This run stepped a torch optimizer (`es_optimizer=\"torch\"`), whose state is not in the log: "
+                  "`trl_es.replay` cannot rebuild it; the checkpoints hold the weights and `optimizer.pt`.")
+    return textwrap.dedent("""\
+        ### Evolution Strategies settings
+
+        Each training step is one ES iteration: `population_size` perturbed copies `theta + sigma * eps_i` of
+        {trained} generate for the same `prompt_batch_size` prompts and are scored by the reward functions; the
+        shaped rewards weight the update `theta += learning_rate / population_size * sum_i z_i eps_i`.
+
+        | Setting | Value |
+        |---|---|
+        {rows}
+
+        ### Seed log
+
+        `{log}` (in this folder and in every checkpoint) records the whole run in a few kilobytes: a header (noise
+        source, sigma, the trained parameters' names, the settings a resumed run is checked against) and one line per
+        ES step with the members' seeds and signs, their shaped coefficients and the learning rate.
+        {replay}
+        """).format(trained=trained, rows=rows, log=SEED_LOG_NAME, replay=replay)
+
+
+def model_card_name(args, folder: str) -> str:
+    """The card's model name, as GRPOTrainer names it: ``hub_model_id``'s last part, else the folder's name."""
+    return Path(folder).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+
+
+def write_model_card(trainer, folder: str, model_name: str | None = None, dataset_name: str | None = None,
+                     tags: str | list[str] | None = None) -> None:
+    """Write ``folder/README.md`` for ``trainer`` (an ESTrainer): TRL's card with the ES sections.
+
+    The arguments of :func:`trl.trainer.utils.generate_model_card` are built as ``_BaseTrainer.create_model_card``
+    builds them (base model from the model's config unless it is a local folder, TRL's tags, tracker urls, the
+    trainer's ``_name`` and ``_paper``); then :func:`es_card_sections` go before "### Framework versions" and, with
+    ``awd_lambda > 0``, AWD's BibTeX before TRL's. Written by the main process only, atomically.
+
+    Args:
+        trainer (`ESTrainer`): The trainer.
+        folder (`str`): Where ``README.md`` goes.
+        model_name (`str`, *optional*): The trained model's name.
+        dataset_name (`str`, *optional*): The training dataset's hub id; default: the train dataset's where it can be
+            told (:func:`hub_dataset_id`), else none.
+        tags (`str` or `list[str]`, *optional*): Tags besides the trainer's ``_tag_names``.
+    """
+    if not trainer.is_world_process_zero():
+        return
+    from peft import PeftModel
+
+    model_id = get_config_model_id(trainer.model.config)
+    base_model = model_id if model_id and not os.path.isdir(model_id) else None
+    if dataset_name is None:
+        dataset_name = hub_dataset_id(getattr(trainer.train_dataset, "dataset", trainer.train_dataset))
+    tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)
+    if hasattr(trainer.model.config, "unsloth_version"):
+        tags.add("unsloth")
+    if "JOB_ID" in os.environ:
+        tags.add("hf_jobs")
+    tags.update(trainer._tag_names)
+    trackio_url = get_trackio_space_url()
+    if trackio_url is not None:  # TRL's: the Trackio tag carries the run's url
+        tags = {tag for tag in tags if not tag.startswith("trackio:")} | {f"trackio:{trackio_url}"}
+    wandb_url = None
+    if is_wandb_available():
+        import wandb
+
+        wandb_url = wandb.run.url if wandb.run is not None else None
+    card = generate_model_card(
+        base_model=base_model, model_name=model_name, hub_model_id=trainer.hub_model_id, dataset_name=dataset_name,
+        tags=sorted(tags), wandb_url=wandb_url, trackio_url=trackio_url, comet_url=get_comet_experiment_url(),
+        trainer_name=trainer._name, trainer_citation=trainer._paper.get("citation"),
+        template_file=trainer._template_file, paper_title=trainer._paper.get("title"),
+        paper_id=trainer._paper.get("id"),
+    )
+    peft = isinstance(trainer.accelerator.unwrap_model(trainer.model), PeftModel)
+    card.text = es_card_text(card.text, trainer.args, base_model, peft)
+    with atomic_path(os.path.join(folder, "README.md")) as tmp:
+        card.save(tmp)
+
+
+def es_card_text(text: str, args, base_model: str | None, peft: bool) -> str:
+    """TRL's card body with :func:`es_card_sections` before "### Framework versions" and, with ``awd_lambda > 0``,
+    AWD's BibTeX before TRL's (each at the end where the template has no such heading)."""
+    sections = es_card_sections(args, base_model, peft)
+    head, sep, tail = text.partition("### Framework versions")
+    text = f"{head}{sections}\n{sep}{tail}" if sep else f"{text}\n{sections}"
+    if args.awd_lambda > 0:
+        awd = (f"The weights were anchored with AWD (`awd_lambda={args.awd_lambda}`), introduced in "
+               f"[{AWD_PAPER['title']}](https://huggingface.co/papers/{AWD_PAPER['id']}). Cite AWD as:\n\n"
+               f"```bibtex\n{AWD_PAPER['citation']}\n```\n\n")
+        head, sep, tail = text.partition("Cite TRL as:")
+        text = f"{head}{awd}{sep}{tail}" if sep else f"{text}\n{awd}"
+    return text
