@@ -7,12 +7,19 @@ a script without a command line gets the same values forced into ``ESConfig`` by
 offline against a fake Hugging Face cache (:mod:`hub_cache`) holding a tiny model under each hub model id and a few
 rows in each hub dataset's format. A run must exit 0, print the train summary and leave the model (or adapter), a
 seed log of one step and the model card in its output_dir.
+
+open-r1's ``grpo.py`` imports its ``open_r1`` package and reads a recipe (``--config``): both are vendored beside it
+(:data:`grpo_scripts_swaps.VENDORED`), each file checked against its upstream git blob id (its verbatim text for the
+few with swaps or ports). Its command line passes the recipe and overrides what only a GPU runs (bf16, vLLM, flash
+attention, Liger kernels) and what needs the Hub (push_to_hub); the recipe's GRPO fields reach ESConfig as written.
 """
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -24,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import trl
-from grpo_scripts_swaps import PORTS, SWAPS
+from grpo_scripts_swaps import PORTS, SWAPS, VENDORED, VENDORED_PORTS, VENDORED_SWAPS
 from hub_cache import add_dataset, add_model, offline_env
 from paths import REPO, TESTS
 
@@ -35,6 +42,7 @@ SOURCES_DIR = Path(TESTS) / "data" / "grpo_scripts"
 SHORT = ["--max_steps", "1", "--population_size", "2", "--max_completion_length", "8", "--report_to", "none"]
 FORCED = {"max_steps": 1, "population_size": 2, "max_completion_length": 8, "report_to": "none"}
 FORCED_ENV = "TRL_ES_TEST_ESCONFIG_FORCED"
+OPEN_R1_RECIPE = SCRIPTS_DIR / "recipes" / "DeepSeek-R1-Distill-Qwen-1.5B" / "grpo" / "config_demo.yaml"
 DROP_IN = ("issue 63 drop-in mapping (branch i63-dropin): GRPO's batch fields (per_device_train_batch_size, "
            "gradient_accumulation_steps, steps_per_generation) and loss-only fields (beta, epsilon, loss_type, ...) "
            "are refused by ESConfig on this branch; with i63-dropin merged this script runs")
@@ -69,6 +77,11 @@ SCRIPTS = {
                                         *SHORT), "grpo-gsm8k-continuous-batching"),
     # grpo_2048.py: no command line (python grpo_2048.py); GRPOConfig's default output_dir
     "grpo_2048": Script((), "trainer_output", forced=True, saves_model=False),
+    # open-r1's README: accelerate launch ... src/open_r1/grpo.py --config <demo recipe> --vllm_mode colocate; on a CPU,
+    # less what needs a GPU or the Hub
+    "open_r1_grpo": Script(("--config", str(OPEN_R1_RECIPE), "--vllm_mode", "colocate", "--bf16", "false",
+                            "--use_vllm", "false", "--attn_implementation", "eager", "--use_liger_kernel", "false",
+                            "--push_to_hub", "false", *SHORT), "data/DeepSeek-R1-Distill-Qwen-1.5B-GRPO"),
     # philschmid's recipe grpo-qwen-2.5-3b-deepseek-r1-countdown.yaml as flags, the fields TRL 1.16 on a CPU has
     "countdown_r1_grpo": Script(("--model_name_or_path", "Qwen/Qwen2.5-1.5B-Instruct", "--output_dir",
                                  "runs/qwen-r1-aha-moment", "--dataset_id_or_path", "Jiayi-Pan/Countdown-Tasks-3to4",
@@ -82,13 +95,15 @@ XFAIL = {
     "gspo": DROP_IN,
     "grpo_2048": DROP_IN,
     "countdown_r1_grpo": DROP_IN,
+    "open_r1_grpo": DROP_IN,
     "grpo_continuous_batching": "use_transformers_continuous_batching=True (the script sets it) is refused by "
                                 "ESConfig: ES has no transformers continuous-batching engine (not a drop-in issue)",
 }
 
 TOOL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
 HUB_MODELS = {"Qwen/Qwen2.5-0.5B": None, "Qwen/Qwen3-0.6B": None, "Qwen/Qwen3-1.7B": None,
-              "Qwen/Qwen3-4B": TOOL_TEMPLATE, "Qwen/Qwen2.5-1.5B-Instruct": None}
+              "Qwen/Qwen3-4B": TOOL_TEMPLATE, "Qwen/Qwen2.5-1.5B-Instruct": None,
+              "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": None}
 
 
 def _conversation(question):
@@ -100,6 +115,14 @@ def hub_datasets():
     numina = [{"problem": f"What is {i} * 3?", "solution": f"{i} * 3 = $\\boxed{{{3 * i}}}$",
                "messages": [{"role": "user", "content": f"What is {i} * 3?"},
                             {"role": "assistant", "content": f"$\\boxed{{{3 * i}}}$"}]} for i in range(40)]
+    # open-r1/OpenR1-Math-220k's columns (its "default" config); the script reads "problem", accuracy_reward "solution"
+    openr1_math = [{"problem": f"Find $x$ if $x - {i} = {i}$.", "solution": f"Adding {i}: $x = \\boxed{{{2 * i}}}$",
+                    "answer": f"{2 * i}", "problem_type": "Algebra", "question_type": "math-word-problem",
+                    "source": "olympiads", "uuid": f"00000000-0000-0000-0000-{i:012d}",
+                    "is_reasoning_complete": [True], "generations": [f"<think>\n{i} + {i}\n</think>\n{2 * i}"],
+                    "correctness_math_verify": [True], "correctness_count": 1,
+                    "messages": [{"role": "user", "content": f"Find $x$ if $x - {i} = {i}$."},
+                                 {"role": "assistant", "content": f"$x = {2 * i}$"}]} for i in range(8)]
     rng = random.Random(0)
     countdown = [{"target": rng.randint(10, 99), "nums": [rng.randint(1, 99) for _ in range(3)]} for _ in range(50000)]
     return [
@@ -110,6 +133,7 @@ def hub_datasets():
         ("openai/gsm8k", {"train": [{"question": f"Tom has {i} apples and buys 2. How many has he?",
                                      "answer": f"{i} + 2 = <<{i}+2={i + 2}>>{i + 2}\n#### {i + 2}"}
                                     for i in range(4)]}, "main"),
+        ("open-r1/OpenR1-Math-220k", {"train": openr1_math}, "default"),
         # run_r1_grpo.py selects 50000 rows of the shuffled dataset
         ("Jiayi-Pan/Countdown-Tasks-3to4", {"train": countdown}, "default"),
     ]
@@ -141,6 +165,22 @@ def _tokens(text: str) -> collections.Counter:
     return collections.Counter(t for t in re.findall(r"[A-Za-z_][\w.]*|\S", text) if t != ",")
 
 
+def _trl_grpo_names(text: str) -> list[str]:
+    """TRL's GRPOConfig/GRPOTrainer as a script names them: imported from trl, or as ``trl.GRPO...``."""
+    names = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trl":
+            names += [a.name for a in node.names if a.name in ("GRPOConfig", "GRPOTrainer")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trl":
+            names += [node.attr] if node.attr in ("GRPOConfig", "GRPOTrainer") else []
+    return names
+
+
+def _git_blob(data: bytes) -> str:
+    """The git blob id of a file's bytes (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def test_scripts_sources_and_swaps_agree():
     assert {p.stem for p in SCRIPTS_DIR.glob("*.py")} == set(SCRIPTS) == set(SWAPS)
     assert {p.name.removesuffix(".py.txt") for p in SOURCES_DIR.glob("*.py.txt")} == set(SCRIPTS)
@@ -164,8 +204,34 @@ def test_script_is_the_source_with_the_names_swapped(name):
         text = text.replace(old, new)
     script = (SCRIPTS_DIR / f"{name}.py").read_text()
     assert script == text
-    assert "GRPOConfig" not in script and "GRPOTrainer" not in script
+    assert "GRPOTrainer" not in script and _trl_grpo_names(script) == []  # open-r1's own GRPOConfig keeps its name
     assert re.search(r"^\s*from trl_es import ES(Config, ESTrainer|Trainer|Config)$", script, flags=re.M)
+
+
+def test_vendored_files_are_upstream_with_the_names_swapped():
+    """open-r1's files beside its script: the upstream bytes (git blob id), or, for the few with swaps or ports, the
+    verbatim upstream text (kept in tests/data) with only those applied."""
+    vendored = {p.relative_to(SCRIPTS_DIR).as_posix() for d in ("open_r1", "recipes")
+                for p in (SCRIPTS_DIR / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert vendored == set(VENDORED)
+    assert set(VENDORED_SWAPS) | set(VENDORED_PORTS) <= set(VENDORED)
+    for path, (_, blob) in VENDORED.items():
+        if path not in VENDORED_SWAPS and path not in VENDORED_PORTS:
+            assert _git_blob((SCRIPTS_DIR / path).read_bytes()) == blob, path
+            continue
+        source = text = (SOURCES_DIR / f"{path}.txt").read_text()
+        assert _git_blob(source.encode()) == blob, path
+        for old, new in VENDORED_SWAPS.get(path, []):
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        renamed = text.replace("ESConfig", "GRPOConfig").replace("trl_es", "trl")
+        assert not _tokens(source) - _tokens(renamed) and set(_tokens(renamed) - _tokens(source)) <= {"import", "trl"}
+        for old, new, reason in VENDORED_PORTS.get(path, []):
+            assert text.count(old) == 1 and reason, old
+            text = text.replace(old, new)
+        assert (SCRIPTS_DIR / path).read_text() == text, path
+        if path.endswith(".py") and path in VENDORED_SWAPS:
+            assert _trl_grpo_names(text) == [], path
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
