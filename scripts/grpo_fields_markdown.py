@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, REFUSED, refused_fields
+from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, IGNORED, MAPPED, ignored_fields, refused_fields
 
 _BY_NAME = {entry.name: entry for entry in GRPO_FIELDS}
 
@@ -79,6 +79,8 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
     grpo_fields = {f.name: f for f in dataclasses.fields(grpo_cls)}
     native = native_shared_fields(es_cls, grpo_cls)
     honoured = [e for e in GRPO_FIELDS if e.status == HONOURED]
+    mapped = [e for e in GRPO_FIELDS if e.status == MAPPED]
+    ignored = ignored_fields()
     refused = refused_fields()
     out = [
         "# GRPOConfig fields in ESConfig",
@@ -89,24 +91,73 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
         "",
         f"`ESConfig` takes every field of TRL's `GRPOConfig` (TRL {trl.__version__}) under its own name, as a keyword "
         "argument, a YAML key or a command-line flag, so a GRPO script runs with only the import and the config class "
-        "changed. A field is either *honoured* (same name, same meaning) or *refused*: set to a value ES cannot "
-        "give it, it raises a `ValueError` that names the field, says why ES has no such thing, and names the ES "
-        "counterpart, e.g.",
+        "changed. Each field is one of:",
+        "",
+        "- *honoured*: same name, same meaning;",
+        "- *mapped*: GRPO's batch fields, translated onto ES's `prompt_batch_size` (GRPO's prompts per optimizer "
+        "step) and logged once: [Batch fields](#batch-fields);",
+        "- *ignored*: a setting of GRPO's policy-gradient loss (or of how GRPO spends memory) that ES does not have: "
+        "accepted, never read, and named with its ES counterpart in one warning at start, e.g.",
         "",
         "```python",
         ">>> ESConfig(output_dir=\"out\", beta=0.04)",
-        "ValueError: " + _BY_NAME["beta"].error(0.04),
+        "UserWarning: " + _BY_NAME["beta"].notice(0.04),
         "```",
         "",
-        "A refused field accepts `None` (its `ESConfig` default) and the values under which GRPO does what ES does "
-        "(`beta=0.0`: no KL term; `log_completions=False`). *Not yet* marks refusals of things ES could do but does "
-        "not implement yet; the others have no meaning for ES.",
+        "  Several of them (and the torch-optimizer settings `es_optimizer=\"es\"` never reads: `weight_decay`, "
+        "`adam_beta1/2`, `max_grad_norm`) come as a numbered list in that one warning. The values under which GRPO "
+        "does what ES does (`beta=0.0`: no KL term; `num_iterations=1`) are accepted silently;",
+        "- *refused*: a value ES cannot honour and that would change the results: a `ValueError` that names the "
+        "field, says why, and what to do instead (every such field of a config in one error). *Not yet* marks things "
+        "ES could do but does not implement yet. Also refused: an explicit `temperature=0` with `num_generations > "
+        "1` (identical copies of each completion).",
         "",
         f"Of the {len([n for n in grpo_fields if n not in ta])} `GRPOConfig` fields that are not `TrainingArguments` "
-        f"fields: {len(native)} are `ESConfig` fields of its own, {len(honoured)} more are honoured and "
-        f"{len(refused)} refused ({sum(e.not_yet for e in refused)} of them not yet supported). The "
-        f"{len([n for n in grpo_fields if n in ta])} `TrainingArguments` fields work as in any `Trainer`, with the "
-        "exceptions listed under [Defaults that differ](#defaults-that-differ).",
+        f"fields: {len(native)} are `ESConfig` fields of its own, {len(honoured)} more are honoured, {len(mapped)} "
+        f"mapped, {len(ignored)} ignored with a warning and {len(refused)} refused ({sum(e.not_yet for e in refused)} "
+        f"of them not yet supported). The {len([n for n in grpo_fields if n in ta])} `TrainingArguments` fields work "
+        "as in any `Trainer`, with the exceptions listed under [Batch fields](#batch-fields) and [Defaults that "
+        "differ](#defaults-that-differ).",
+        "",
+        "## Batch fields",
+        "",
+        "GRPO (TRL 1.16) takes one optimizer step on `per_device_train_batch_size x processes x "
+        "gradient_accumulation_steps` completions, `num_generations` of each prompt. ES's counterpart of that step is "
+        "one iteration, scored on `prompt_batch_size` prompts by every member, so when any of GRPO's batch fields is "
+        "set:",
+        "",
+        "```text",
+        "prompt_batch_size = per_device_train_batch_size x processes x gradient_accumulation_steps / num_generations",
+        "```",
+        "",
+        "with `processes` the number of processes the config sees (`world_size`), `num_generations` ES's (default 1: "
+        "a GRPO recipe that leaves it unset gets one greedy completion per prompt, which `train()`'s plan says), and "
+        "an unset `per_device_train_batch_size` GRPO's default 8. The mapping is logged once at construction; then "
+        "`per_device_train_batch_size` holds `prompt_batch_size / processes` (the prompts each process's dataloader "
+        "loads) and `gradient_accumulation_steps` 1 (`to_dict()` keeps the values as given, so a config rebuilt from "
+        "it is the same). `steps_per_generation` / `generation_batch_size` only say over how many optimizer steps "
+        "GRPO spends one generation batch (TRL: `generation_batch_size = per_device_train_batch_size x processes x "
+        "steps_per_generation`, `steps_per_generation` defaulting to `gradient_accumulation_steps`); ES generates "
+        "afresh for every iteration, so they are checked as GRPO checks them and do not change `prompt_batch_size`.",
+        "",
+        "| GRPO fields (processes) | `prompt_batch_size` |",
+        "|---|---|",
+        "| open-r1: `per_device_train_batch_size=16`, `gradient_accumulation_steps=4`, `num_generations=16` (1) | "
+        "16 x 1 x 4 / 16 = 4 |",
+        "| the same on 2 processes | 16 x 2 x 4 / 16 = 8 |",
+        "| `per_device_train_batch_size=8`, `num_generations=8` (TRL's defaults) (1) | 8 x 1 x 1 / 8 = 1 |",
+        "| `per_device_train_batch_size=8` alone (ES's `num_generations=1`) (1) | 8 |",
+        "| `per_device_train_batch_size=8`, `num_generations=8`, `generation_batch_size=32` (1) | 1 (GRPO: 4 "
+        "optimizer steps per generation batch) |",
+        "| none of them | 8 (ES's default), or `prompt_batch_size` as set |",
+        "",
+        "Refused, naming the fields: what GRPO refuses too (`generation_batch_size` not divisible by "
+        "`per_device_train_batch_size x processes` or by `num_generations`; both `generation_batch_size` and "
+        "`steps_per_generation` set); a GRPO step that is not a whole number of prompts (e.g. "
+        "`per_device_train_batch_size=2`, `steps_per_generation=4`, `num_generations=8`: GRPO spreads a prompt's 8 "
+        "completions over 4 optimizer steps); a `prompt_batch_size` not divisible by the processes (each process "
+        "loads whole prompts); and `prompt_batch_size` set together with GRPO's batch fields to another value than "
+        "they give (both named: set one of them). Set together and equal, they are accepted.",
         "",
         "## Fields ESConfig declares with GRPO's name and meaning",
         "",
@@ -120,7 +171,15 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
     for e in honoured:
         out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name])) if e.name in grpo_fields else ''} | "
                    f"{_code(_default(es_fields[e.name])) if e.name in es_fields else ''} | {_cell(e.reason)} |")
-    out += ["", "## Refused", "", "| GRPOConfig field | Why ES has no such thing | ES counterpart | Accepted values |",
+    out += ["", "## Mapped", "", "| GRPOConfig field | GRPO default | How ES maps it |", "|---|---|---|"]
+    for e in mapped:
+        out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name]))} | {_cell(e.reason)} |")
+    out += ["", "## Ignored, with a warning", "",
+            "| GRPOConfig field | Why it has no effect on ES | ES counterpart | Accepted silently |", "|---|---|---|---|"]
+    for e in ignored:
+        out.append(f"| `{e.name}` | {_cell(e.reason)} | {_cell(e.counterpart or '(none)')} | "
+                   f"{_cell(e.accepted_text())} |")
+    out += ["", "## Refused", "", "| GRPOConfig field | Why | What to do instead | Accepted values |",
             "|---|---|---|---|"]
     for e in refused:
         tag = " (not yet)" if e.not_yet else ""
@@ -133,15 +192,14 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
             "(several greedy completions of a prompt would be identical copies), `num_generations_eval > 1`, `top_k` "
             "or `min_p`; so a GRPO config that sets `num_generations` samples as in GRPO. An explicit "
             "`temperature=0` with `num_generations > 1` is refused by name. Set `num_generations=8` for GRPO's "
-            "group size. Two `TrainingArguments` "
-            "fields are not settings in ES: `per_device_train_batch_size` is derived (`prompt_batch_size` / number of "
-            "processes; set `prompt_batch_size`) and `gradient_accumulation_steps` is fixed at 1 (one step is one ES "
-            "iteration). Every field both configs hold whose dataclass default differs:",
+            "group size. `per_device_train_batch_size` and `gradient_accumulation_steps` keep GRPO's meaning and "
+            "are mapped onto `prompt_batch_size` ([Batch fields](#batch-fields)). Every field both configs hold whose "
+            "dataclass default differs:",
             "",
             "| Field | GRPO default | ES default | ES meaning |",
             "|---|---|---|---|"]
     for name, f in grpo_fields.items():
-        if name not in es_fields or name in _BY_NAME and _BY_NAME[name].status == REFUSED:
+        if name not in es_fields or name in _BY_NAME and _BY_NAME[name].status != HONOURED:
             continue
         grpo_default, es_default = _default(f), _default(es_fields[name])
         if grpo_default == es_default and type(grpo_default) is type(es_default):

@@ -36,6 +36,8 @@ import pytest
 from hub_cache import add_dataset, add_model, offline_env
 from paths import REPO, TESTS
 
+from trl_es.trainer.es.es_config import DEFAULT_PROMPT_BATCH_SIZE  # prompt_batch_size left unset (None) resolves to it
+
 ROOT = Path(REPO)
 SCRIPTS_DIR = ROOT / "examples" / "trl_docs"
 BLOCKS_DIR = Path(TESTS) / "data" / "trl_docs_blocks"
@@ -265,7 +267,7 @@ def printed_logs(stdout: str) -> list[dict]:
 def test_script_trains(name, hf_home, tmp_path):
     spec = SCRIPTS[name]
     assert not default("dataloader_drop_last")  # a last partial batch of prompts is a step
-    steps = math.ceil(spec.rows / default("prompt_batch_size")) * int(default("num_train_epochs"))
+    steps = math.ceil(spec.rows / DEFAULT_PROMPT_BATCH_SIZE) * int(default("num_train_epochs"))
     env = {
         **os.environ,
         **offline_env(hf_home),

@@ -117,71 +117,65 @@ def test_trainer_samples_when_a_grpo_config_sets_num_generations(tmp_path, token
 # ---------------------------------------------------------------------------------------------- 12: one error
 def test_several_refused_fields_are_reported_in_one_error(tmp_path):
     with pytest.raises(ValueError) as info:
-        config(tmp_path, beta=0.1, loss_type="dapo", scale_rewards="group")
+        config(tmp_path, cast_lm_head_to_fp32=True, multi_objective_aggregation="normalize_then_sum",
+               log_multimodal="yes")
     message = str(info.value)
     assert message.startswith("3 fields of this config are refused or invalid")
-    for text in ("beta=0.1 ", "awd_lambda", "loss_type='dapo' ", "es_optimizer", "scale_rewards='group' ",
-                 "fitness_shaping"):
+    for text in ("cast_lm_head_to_fp32=True ", "model_init_kwargs", "multi_objective_aggregation='normalize_then_sum' ",
+                 "fitness_shaping", "log_multimodal='yes' "):
         assert text in message, text
 
 
 def test_a_single_refused_field_keeps_its_own_message(tmp_path):
     with pytest.raises(ValueError) as info:
-        config(tmp_path, beta=0.1)
+        config(tmp_path, cast_lm_head_to_fp32=True)
     message = str(info.value)
-    assert message.startswith("beta=0.1 is a GRPOConfig setting with no meaning for ES") and "awd_lambda" in message
+    assert message.startswith("cast_lm_head_to_fp32=True is not supported by ES yet") and "float32" in message
     assert "fields of this config" not in message
-    with pytest.raises(ValueError, match=r"^loss_type='dapo' is a GRPOConfig setting.*es_optimizer"):
-        config(tmp_path, loss_type="dapo")
+    with pytest.raises(ValueError, match=r"^multi_objective_aggregation='normalize_then_sum' is not supported by ES "
+                                         r"yet.*fitness_shaping"):
+        config(tmp_path, multi_objective_aggregation="normalize_then_sum")
 
 
 def test_refused_and_invalid_fields_are_reported_together(tmp_path):
     with pytest.raises(ValueError) as info:
-        config(tmp_path, beta=0.3, gradient_accumulation_steps=2, population_size=1, fitness_shaping="bogus")
+        config(tmp_path, cast_lm_head_to_fp32=True, per_device_train_batch_size=2, prompt_batch_size=3,
+               population_size=1, fitness_shaping="bogus")
     message = str(info.value)
     assert message.startswith("4 fields of this config are refused or invalid")
-    for text in ("beta=0.3", "gradient_accumulation_steps=2 is not an ES setting", "population_size must be >= 2",
-                 "fitness_shaping must be one of"):
+    for text in ("cast_lm_head_to_fp32=True", "prompt_batch_size=3 contradicts GRPO's batch fields",
+                 "population_size must be >= 2", "fitness_shaping must be one of"):
         assert text in message, text
-
-
-def test_a_gspo_command_line_gets_every_refusal_in_one_run(tmp_path):
-    """The flags of a GSPO command line (TRL's gspo.py docstring): one run names them all."""
-    argv = ["--importance_sampling_level", "sequence", "--epsilon", "3e-4", "--epsilon_high", "4e-4", "--beta", "0.0",
-            "--loss_type", "grpo", "--gradient_accumulation_steps", "2", "--steps_per_generation", "8",
-            "--num_generations", "4"]
-    with pytest.raises(ValueError) as info:
-        parse(tmp_path, argv)
-    message = str(info.value)
-    assert message.startswith("6 fields of this config are refused or invalid")
-    for name in ("importance_sampling_level='sequence'", "epsilon=0.0003", "epsilon_high=0.0004", "loss_type='grpo'",
-                 "gradient_accumulation_steps=2", "steps_per_generation=8"):
-        assert f". {name} " in message, name
-    assert "beta" not in message  # beta=0.0 is GRPO doing what ES does
 
 
 def test_train_command_and_yaml_recipe_report_all_refused_fields(tmp_path):
     from trl_es.cli.train_command import train
 
-    with pytest.raises(ValueError, match=r"^2 fields of this config.*\n  1\. beta=0\.1 .*\n  2\. loss_type='dapo' "):
-        train(["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--beta", "0.1", "--loss_type", "dapo"])
+    with pytest.raises(ValueError, match=r"^2 fields of this config.*\n  1\. cast_lm_head_to_fp32=True .*\n  2\. "
+                                         r"multi_objective_aggregation='normalize_then_sum' "):
+        train(["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--cast_lm_head_to_fp32", "true",
+               "--multi_objective_aggregation", "normalize_then_sum"])
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("beta: 0.04\nscale_rewards: batch\nnum_iterations: 2\n")
+    recipe.write_text("cast_lm_head_to_fp32: true\nmulti_objective_aggregation: normalize_then_sum\n"
+                      "use_transformers_paged: true\nbeta: 0.04\n")
     with pytest.raises(ValueError) as info:
         parse(tmp_path, ["--config", str(recipe)])
     message = str(info.value)
     assert message.startswith("3 fields of this config")
-    assert all(text in message for text in ("beta=0.04", "scale_rewards='batch'", "num_iterations=2"))
+    for text in ("cast_lm_head_to_fp32=True", "multi_objective_aggregation='normalize_then_sum'",
+                 "use_transformers_paged=True"):
+        assert text in message, text
+    assert "beta" not in message  # accepted (no effect on ES, warned about)
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 # ---------------------------------------------------------------------------------------------- 13: set after parsing
 @pytest.mark.parametrize("name, value, match", [
     ("use_transformers_continuous_batching", True, r"^use_transformers_continuous_batching=True is not supported"),
-    ("beta", 0.04, r"^beta=0.04 is a GRPOConfig setting"),
+    ("cast_lm_head_to_fp32", True, r"^cast_lm_head_to_fp32=True is not supported by ES yet"),
     ("fitness_shaping", "bogus", r"^fitness_shaping must be one of"),
     ("population_size", 0, r"^population_size must be >= 2, got 0"),
-    ("gradient_accumulation_steps", 4, r"^gradient_accumulation_steps=4 is not an ES setting"),
+    ("prompt_batch_size", 0, r"^prompt_batch_size must be an integer >= 1, got 0"),
 ])
 def test_a_field_set_after_construction_is_checked_when_the_trainer_is_built(tmp_path, tokenizer, name, value,
                                                                                match):
@@ -203,6 +197,8 @@ def test_fields_set_after_construction_are_reported_together(tmp_path):
     dict(), dict(num_generations=3), dict(top_k=5, repetition_penalty=1.2), dict(shuffle_dataset=False),
     dict(trust_remote_code=True), dict(per_device_train_batch_size=8), dict(temperature=0.7, top_k=3,
                                                                              generation_kwargs={"top_k": 2}),
+    dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=16), dict(beta=0.1),
+    dict(generation_batch_size=64, num_generations=8),
 ])
 def test_checking_again_changes_nothing_on_a_built_config(tmp_path, kwargs):
     """check_fields (run by ESTrainer) re-does __post_init__'s derivations idempotently."""
@@ -218,8 +214,9 @@ def test_checking_again_follows_fields_set_after_construction(tmp_path, caplog):
     args.prompt_batch_size = 4  # the derived per_device_train_batch_size follows
     args.check_fields()
     assert args.per_device_train_batch_size == 4
-    args.per_device_train_batch_size = 16  # an explicit value that differs is refused, as at construction
-    with pytest.raises(ValueError, match=r"^per_device_train_batch_size=16 is not an ES setting"):
+    args.per_device_train_batch_size = 16  # GRPO's meaning: 16 prompts, against prompt_batch_size=4 set above
+    with pytest.raises(ValueError, match=r"^prompt_batch_size=4 contradicts GRPO's batch fields, "
+                                         r"per_device_train_batch_size=16 x 1 process"):
         args.check_fields()
     args = config(tmp_path)
     args.num_generations = 4  # temperature left unset: GRPO's sampling, as if set at construction
@@ -291,15 +288,9 @@ def test_num_completions_to_print_zero_prints_none(tmp_path, tokenizer, capsys, 
     assert (tmp_path / "out" / "completions" / "completions_00001.parquet").exists()
 
 
-@pytest.mark.parametrize("world_size, prompts, processes", [(1, 2, ""), (4, 8, " x 4 processes")])
-def test_per_device_train_batch_size_message_converts_grpos_completion_count(tmp_path, monkeypatch, world_size,
-                                                                                prompts, processes):
-    """GRPO's per_device_train_batch_size=16 with num_generations=8: 16 completions per process, 2 prompts."""
+@pytest.mark.parametrize("world_size, prompts", [(1, 2), (4, 8)])
+def test_per_device_train_batch_size_counts_grpos_completions(tmp_path, monkeypatch, world_size, prompts):
+    """GRPO's per_device_train_batch_size=16 with num_generations=8: 16 completions per process, 2 prompts each."""
     monkeypatch.setattr(ESConfig, "world_size", property(lambda self: world_size))
-    with pytest.raises(ValueError) as info:
-        config(tmp_path, per_device_train_batch_size=16, num_generations=8)
-    message = str(info.value)
-    assert message.startswith("per_device_train_batch_size=16 is not an ES setting")
-    assert f"set prompt_batch_size={prompts}, GRPO's prompts per step" in message
-    assert f"16 per process{processes} / num_generations=8 = {prompts} prompts" in message
-    assert "prompt_batch_size=16 " not in message and "prompt_batch_size=64" not in message
+    args = config(tmp_path, per_device_train_batch_size=16, num_generations=8)
+    assert (args.prompt_batch_size, args.per_device_train_batch_size) == (prompts, 2)

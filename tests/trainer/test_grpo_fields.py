@@ -1,5 +1,5 @@
-"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/es/grpo_fields.py); num_generations > 1 with an explicit
-greedy temperature refused."""
+"""Every GRPOConfig field answered by ESConfig (trl_es/trainer/es/grpo_fields.py): honoured, mapped, ignored with a
+warning, or refused; num_generations > 1 with an explicit greedy temperature refused."""
 
 import dataclasses
 import os
@@ -13,7 +13,7 @@ from trl import GRPOConfig
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.arguments import TrlESParser
-from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, REFUSED, refused_fields
+from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, IGNORED, STATUSES, added_fields
 from paths import TESTS
 
 sys.path.insert(0, os.path.join(TESTS, os.pardir, "scripts"))
@@ -22,7 +22,7 @@ from grpo_fields_markdown import grpo_fields_markdown, native_shared_fields  # n
 DOCS_PAGE = os.path.join(TESTS, os.pardir, "docs", "grpo_fields.md")
 TA_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 ES_FIELDS = {f.name for f in dataclasses.fields(ESConfig)}
-ES_OWN = set(ESConfig.__dict__["__annotations__"]) - {e.name for e in refused_fields()}  # declared in es_config.py
+ES_OWN = set(ESConfig.__dict__["__annotations__"]) - {e.name for e in added_fields()}  # declared in es_config.py
 
 
 def test_every_grpo_field_is_a_training_argument_an_es_field_or_answered_in_the_table():
@@ -40,7 +40,7 @@ def test_every_grpo_field_is_a_training_argument_an_es_field_or_answered_in_the_
 def test_every_table_entry_is_an_es_config_field_and_honoured_ones_are_declared():
     for entry in GRPO_FIELDS:
         assert entry.name in ES_FIELDS, entry.name  # so ESConfig(name=...) and --name reach __post_init__
-        assert entry.status in (HONOURED, REFUSED)
+        assert entry.status in STATUSES
         assert entry.reason
         if entry.status == HONOURED:
             assert entry.name in ES_OWN, f"{entry.name} is honoured but not declared in es_config.py"
@@ -63,20 +63,36 @@ def test_docs_page_is_the_generated_table():
 
 
 @pytest.mark.parametrize("name, value, counterpart", [
-    ("beta", 0.04, "awd_lambda"),
-    ("loss_type", "grpo", "es_optimizer"),
-    ("scale_rewards", "batch", "fitness_shaping"),
-    ("epsilon", 0.2, "sigma and learning_rate"),
-    ("num_iterations", 2, "ES has no counterpart"),
+    ("cast_lm_head_to_fp32", True, "model_init_kwargs={'dtype': 'float32'}"),
+    ("multi_objective_aggregation", "normalize_then_sum", "fitness_shaping"),
     ("log_multimodal", "yes", "ES has no counterpart"),
-    ("vllm_group_port", 51216, "no weight-update group"),
+    ("use_transformers_continuous_batching", True, "delete the line or flag that sets it"),
+    ("transformers_continuous_batching_config", "{}", "delete the line or flag that sets it"),
 ])
-def test_refused_field_raises_value_error_naming_it_and_its_counterpart(tmp_path, name, value, counterpart):
+def test_refused_field_raises_value_error_naming_it_and_what_to_do(tmp_path, name, value, counterpart):
     with pytest.raises(ValueError) as info:
         ESConfig(output_dir=str(tmp_path), **{name: value})
     message = str(info.value)
     assert message.startswith(f"{name}={value!r} ") and counterpart in message
     assert "GRPOConfig setting with no meaning for ES" in message or "not supported by ES yet" in message
+
+
+@pytest.mark.parametrize("name, value, counterpart", [
+    ("beta", 0.04, "ES counterpart: awd_lambda"),
+    ("loss_type", "grpo", "ES counterpart: es_optimizer"),
+    ("scale_rewards", "batch", "ES counterpart: fitness_shaping"),
+    ("epsilon", 0.2, "ES counterpart: sigma and learning_rate"),
+    ("num_iterations", 2, "ES has no counterpart"),
+    ("vllm_group_port", 51216, "no weight-update group"),
+    ("disable_dropout", False, "eval mode"),
+])
+def test_ignored_field_is_kept_and_warned_about_with_its_counterpart(tmp_path, name, value, counterpart):
+    with pytest.warns(UserWarning) as record:
+        args = ESConfig(output_dir=str(tmp_path), **{name: value})
+    (message,) = [str(w.message) for w in record if "no effect" in str(w.message)]
+    assert message.startswith(f"{name}={value!r} has no effect on ES (accepted, not used): ") and counterpart in message
+    assert getattr(args, name) == value
+    assert next(e for e in GRPO_FIELDS if e.name == name).status == IGNORED
 
 
 @pytest.mark.parametrize("argv, name", [
@@ -85,13 +101,23 @@ def test_refused_field_raises_value_error_naming_it_and_its_counterpart(tmp_path
     (["--scale_rewards", "none"], "scale_rewards='none'"),
     (["--epsilon", "0.3"], "epsilon=0.3"),
 ])
+def test_ignored_field_on_the_command_line_gives_the_same_warning(tmp_path, argv, name):
+    parser = TrlESParser((ESConfig,))
+    with pytest.warns(UserWarning, match=f"^{name} has no effect on ES"):
+        parser.parse_args_and_config(["--output_dir", str(tmp_path)] + argv)
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--cast_lm_head_to_fp32", "true"], "cast_lm_head_to_fp32=True"),
+    (["--multi_objective_aggregation", "normalize_then_sum"], "multi_objective_aggregation='normalize_then_sum'"),
+])
 def test_refused_field_on_the_command_line_gives_the_same_error(tmp_path, argv, name):
     parser = TrlESParser((ESConfig,))
-    with pytest.raises(ValueError, match=f"^{name} is a GRPOConfig setting with no meaning for ES"):
+    with pytest.raises(ValueError, match=f"^{name} is not supported by ES yet"):
         parser.parse_args_and_config(["--output_dir", str(tmp_path)] + argv)
     from trl_es.cli.train_command import train
 
-    with pytest.raises(ValueError, match=f"^{name} is a GRPOConfig setting"):
+    with pytest.raises(ValueError, match=f"^{name} is not supported by ES yet"):
         train(["--output_dir", str(tmp_path), "--max_steps", "1"] + argv)
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
@@ -101,8 +127,6 @@ def test_values_under_which_grpo_does_what_es_does_are_accepted(tmp_path):
     args = ESConfig(output_dir=str(tmp_path), beta=0.0, num_iterations=1, entropy_coef=0.0,
                     multi_objective_aggregation="sum_then_normalize", disable_dropout=True)
     assert args.beta == 0.0
-    with pytest.raises(ValueError, match="^disable_dropout=False "):
-        ESConfig(output_dir=str(tmp_path), disable_dropout=False)
     with pytest.raises(ValueError, match=r"^multi_objective_aggregation='normalize_then_sum' is not supported by "
                                          r"ES yet.*fitness_shaping"):
         ESConfig(output_dir=str(tmp_path), multi_objective_aggregation="normalize_then_sum")

@@ -5,9 +5,9 @@ Precision: with mixed precision (``bf16=True`` on the CPU) every forward pass of
 ``evaluate()`` after it, the SFT step of ES + SFT averaging, and Hyper-ES's fitness and ``evaluate``. ``fp16=True``,
 which accelerate does not apply on the CPU, is refused instead of running fp32 silently.
 
-Derived fields: a config field ES derives from another (``per_device_train_batch_size``) or fixes
-(``gradient_accumulation_steps``) is refused by name when it is set to another value than ES's, and accepted when it
-is left unset or set to ES's value.
+Derived fields: GRPO's batch fields (``per_device_train_batch_size``, ``gradient_accumulation_steps``) keep GRPO's
+meaning and are mapped onto ``prompt_batch_size`` (issue 63; tests/trainer/test_grpo_recipes.py); set together with a
+``prompt_batch_size`` they disagree with, both are named in the error.
 """
 
 import copy
@@ -190,14 +190,16 @@ def four_processes(monkeypatch):
 
 
 @pytest.mark.parametrize("config_class", [ESConfig, ESParallelAveragingConfig])
-def test_explicit_per_device_train_batch_size_that_es_would_replace_is_refused(tmp_path, four_processes,
-                                                                                 config_class):
-    """The issue's input: 16 prompts per process asked, prompt_batch_size=32 on 4 processes gives 8."""
-    message = (r"^per_device_train_batch_size=16 is not an ES setting: ES derives it from prompt_batch_size \(32\) / "
-               r"number of processes \(4\) = 8\. Leave it unset \(or 8\) and set prompt_batch_size=64 for 16 prompts "
-               r"per process\.$")
+def test_per_device_train_batch_size_that_contradicts_prompt_batch_size_is_refused(tmp_path, four_processes,
+                                                                                    config_class):
+    """16 completions per process on 4 processes (num_generations=1) are 64 prompts, not prompt_batch_size=32."""
+    message = (r"^prompt_batch_size=32 contradicts GRPO's batch fields, per_device_train_batch_size=16 x 4 processes x "
+               r"gradient_accumulation_steps=1 / num_generations=1 = 64 prompts per optimizer step\. Set "
+               r"prompt_batch_size alone \(ES's prompts per iteration\) or GRPO's batch fields alone, or make them "
+               r"agree\.$")
     with pytest.raises(ValueError, match=message):
         config_class(output_dir=str(tmp_path), report_to=[], prompt_batch_size=32, per_device_train_batch_size=16)
+    assert config_class(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=16).prompt_batch_size == 64
 
 
 def test_per_device_train_batch_size_unset_or_equal_is_accepted_silently(tmp_path, four_processes):
@@ -212,23 +214,21 @@ def test_per_device_train_batch_size_unset_or_equal_is_accepted_silently(tmp_pat
 
 def test_per_device_train_batch_size_on_one_process(tmp_path):
     assert ESConfig(output_dir=str(tmp_path), report_to=[]).per_device_train_batch_size == 8  # prompt_batch_size
-    with pytest.raises(ValueError, match=r"^per_device_train_batch_size=2 is not an ES setting: .* = 8\. .* set "
-                                         r"prompt_batch_size=2 for 2 prompts per process\.$"):
-        ESConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=2)
+    args = ESConfig(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=2)
+    assert (args.prompt_batch_size, args.per_device_train_batch_size) == (2, 2)  # 2 completions, 1 each
 
 
-def test_per_device_train_batch_size_on_the_command_line_is_refused(tmp_path):
+def test_per_device_train_batch_size_on_the_command_line_is_mapped(tmp_path):
     from trl_es.arguments import TrlESParser
 
-    with pytest.raises(ValueError, match=r"^per_device_train_batch_size=16 is not an ES setting"):
-        TrlESParser((ESConfig,)).parse_args_into_dataclasses(
-            ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "16"])
+    (args,) = TrlESParser((ESConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "16", "--num_generations", "4"])
+    assert (args.prompt_batch_size, args.per_device_train_batch_size) == (4, 4)
 
 
-@pytest.mark.parametrize("value", [2, 4])
-def test_gradient_accumulation_steps_other_than_one_is_refused_by_name(tmp_path, value):
-    message = (rf"^gradient_accumulation_steps={value} is not an ES setting: ES fixes it at 1 .* set prompt_batch_size "
-               r"to score more prompts per iteration\.$")
-    with pytest.raises(ValueError, match=message):
-        ESConfig(output_dir=str(tmp_path), report_to=[], gradient_accumulation_steps=value)
+@pytest.mark.parametrize("value, prompts", [(2, 16), (4, 32)])
+def test_gradient_accumulation_steps_is_mapped_and_then_one(tmp_path, value, prompts):
+    """GRPO's per_device_train_batch_size default 8 x 1 process x gradient_accumulation_steps / num_generations=1."""
+    args = ESConfig(output_dir=str(tmp_path), report_to=[], gradient_accumulation_steps=value)
+    assert (args.prompt_batch_size, args.gradient_accumulation_steps) == (prompts, 1)
     assert ESConfig(output_dir=str(tmp_path), report_to=[], gradient_accumulation_steps=1).gradient_accumulation_steps == 1

@@ -14,8 +14,9 @@ How the TRL tests translate:
   ``trl-internal-testing/zen`` is :func:`zen`: the same two formats (``standard_prompt_only``,
   ``conversational_prompt_only``), a 17-row train split and a 2-row test split.
 * TRL's common ``GRPOConfig(learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
-  max_completion_length=8)`` is :func:`grpo_args`: ``prompt_batch_size=3`` (``per_device_train_batch_size=3`` is kept:
-  ESConfig accepts it when it equals the derived ``prompt_batch_size / processes``), ``num_generations=3`` with
+  max_completion_length=8)`` is :func:`grpo_args`: ``prompt_batch_size=3`` (GRPO's ``per_device_train_batch_size=3``
+  would map to its one prompt per step, ``3 / num_generations``; 3 prompts give the members more to differ on),
+  ``num_generations=3`` with
   ``temperature=1.0`` (what an unset temperature resolves to with ``num_generations > 1``, GRPO's default; kept
   explicit so the cases that override ``num_generations`` still sample), a population of 4, ES's ``sigma`` /
   ``learning_rate``, and ``max_steps`` (TRL trains 3 epochs).
@@ -136,17 +137,19 @@ NOT_PORTED = {
     "test_generate_batch_accepts_continuous_batching_config": _CB_CONTRACT,
     # TestGRPOTrainer
     "test_train_loss_types": "loss_type (bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo): ES computes no loss; "
-                             "ESConfig refuses loss_type (counterpart: es_optimizer and fitness_shaping).",
+                             "ESConfig accepts loss_type with a warning (no effect; counterpart: es_optimizer and "
+                             "fitness_shaping).",
     "test_train_multiple_iterations": "num_iterations=2 (several optimizer passes over one generation batch): ES "
-                                      "scores each prompt batch once and steps once; ESConfig accepts only 1.",
+                                      "scores each prompt batch once and steps once; another value than 1 is "
+                                      "accepted with a warning (no effect).",
     "test_liger_kernel_with_peft_lm_head_raises": _LIGER,
     "test_liger_kernel_with_peft_non_lm_head_target_allowed": _LIGER,
     "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": _LIGER,
     "test_liger_kernel_with_peft_prompt_learning_raises": _LIGER,
     "test_train_with_sync_ref_model": "sync_ref_model / beta: ES has no reference model and no KL term (counterpart: "
                                       "awd_lambda).",
-    "test_train_beta_non_zero": "beta > 0 (KL to a reference model): ES has no KL term; ESConfig accepts only 0.0 "
-                                "(counterpart: awd_lambda).",
+    "test_train_beta_non_zero": "beta > 0 (KL to a reference model): ES has no KL term; ESConfig accepts it with a "
+                                "warning (no effect; counterpart: awd_lambda).",
     "test_get_off_policy_mask": _OFF_POLICY,
     "test_get_off_policy_mask_padding": _OFF_POLICY,
     "test_train_with_off_policy_mask": _OFF_POLICY,
@@ -366,7 +369,7 @@ def zen(config_name="standard_prompt_only", split=None, streaming=False):
 
 def grpo_args(tmp_path, **kwargs):
     """TRL's common test GRPOConfig in ES terms (module docstring)."""
-    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, prompt_batch_size=3,
+    defaults = dict(output_dir=str(tmp_path / "out"), prompt_batch_size=3,
                     num_generations=3, temperature=1.0, max_completion_length=8, population_size=4, sigma=0.02,
                     learning_rate=0.02, max_steps=1, noise_table_size=SMALL_TABLE, report_to="none",
                     save_strategy="no", disable_tqdm=True, seed=0)
@@ -671,7 +674,7 @@ def test_train_with_num_generations_eval(tmp_path, qwen2_dir, reward_model_dir):
 
 def test_train_eval_on_start(tmp_path, qwen2_dir, reward_model_dir):
     """TRL: TestGRPOTrainer.test_train_eval_on_start. eval_on_start=True evaluates before the first step (then at
-    step 2). Changed: without loss_type="grpo" (ES computes no loss; ESConfig refuses loss_type)."""
+    step 2). Changed: without loss_type="grpo" (ES computes no loss; loss_type has no effect on ES)."""
     dataset = zen()
     trainer = ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir,
                         args=grpo_args(tmp_path, per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2,
@@ -1180,8 +1183,9 @@ def test_train_with_chat_template_kwargs(tmp_path, policy_tokenizer, reward_mode
 
 def test_train_num_generations_larger_than_batch_size(tmp_path, qwen2_dir, reward_model_dir):
     """TRL: TestGRPOTrainer.test_train_num_generations_larger_than_batch_size. num_generations=6 with 3 prompts per
-    batch. Changed: without gradient_accumulation_steps=2 (ES fixes it at 1: a member's completions of every prompt
-    are generated within the iteration, so no accumulation is needed)."""
+    batch. Changed: without gradient_accumulation_steps=2 (it would map GRPO's 3 x 2 completions to 1 prompt per
+    iteration; a member's completions of every prompt are generated within the iteration, so no accumulation is
+    needed)."""
     trainer = ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=grpo_args(tmp_path, num_generations=6),
                         train_dataset=zen(split="train"))
     previous = params(trainer.model)
@@ -1208,12 +1212,13 @@ def test_train_multiple_dataloader_workers(tmp_path, qwen2_dir, reward_model_dir
 
 def test_prepare_input_called_with_correct_data(tmp_path, qwen2_dir, reward_model_dir):
     """TRL: TestGRPOTrainer.test_prepare_input_called_with_correct_data. shuffle_dataset=False: the prompt batches
-    are the dataset's rows in order. Changed: ES has no generation batch reused over steps (steps_per_generation,
-    num_iterations and gradient_accumulation_steps are refused or fixed at 1): one batch of prompt_batch_size=6 rows
-    per iteration, each prompt once (its num_generations=4 copies are made inside the rollout)."""
+    are the dataset's rows in order. Changed: ES has no generation batch reused over steps (steps_per_generation
+    and gradient_accumulation_steps map onto prompt_batch_size; num_iterations has no effect): one batch of
+    prompt_batch_size=6 rows per iteration, each prompt once (its num_generations=4 copies are made inside the
+    rollout)."""
     trainer = ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir,
-                        args=grpo_args(tmp_path, prompt_batch_size=6, per_device_train_batch_size=6,
-                                       num_generations=4, shuffle_dataset=False, max_steps=2),
+                        args=grpo_args(tmp_path, prompt_batch_size=6, num_generations=4, shuffle_dataset=False,
+                                       max_steps=2),
                         train_dataset=zen(split="train"))
     expected_first_batch = [{"prompt": p} for p in ["Beautiful is better than", "Explicit is", "Simple is better",
                                                     "Complex", "Flat is better than", "Sparse is better"]]

@@ -14,15 +14,34 @@ from trl.trainer.base_config import _BaseConfig
 from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
 from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
 from ...generation import resolve_pad_to_multiple_of
-from .grpo_fields import answer_grpo_fields, grpo_field_errors, raise_field_errors, refused_fields
+from .grpo_fields import (
+    GRPO_FIELDS,
+    MAPPED,
+    added_fields,
+    answer_grpo_fields,
+    grpo_field_errors,
+    grpo_field_notices,
+    ignored_fields,
+    notices_message,
+    raise_field_errors,
+    refused_fields,
+)
 
 
 #: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
 GRPO_TEMPERATURE = 1.0
 #: Below this, ``learning_rate`` under ``es_optimizer="es"`` is an AdamW-scale value, warned about at start.
 ES_STEP_SIZE_WARNING_BELOW = 1e-4
+#: ``prompt_batch_size`` of a config that sets neither it nor any of GRPO's batch fields.
+DEFAULT_PROMPT_BATCH_SIZE = 8
+#: GRPO's ``per_device_train_batch_size`` (``TrainingArguments``' default), used in the mapping of GRPO's batch fields
+#: when another of them is set and it is not.
+GRPO_PER_DEVICE_TRAIN_BATCH_SIZE = 8
 
 logger = logging.getLogger(__name__)
+
+#: The batch fields ESConfig derives (``prompt_batch_size`` from GRPO's when those are set; the other two from it).
+_BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "prompt_batch_size")
 
 
 def check_fp16_device(config) -> None:
@@ -72,6 +91,10 @@ def _collect(errors: list[str], check, *args) -> None:
     "Parameters of evaluation and completion logs (GRPO's names and meanings)": (
         "num_generations_eval", "mask_truncated_completions", "log_completions", "num_completions_to_print",
         "log_unique_prompts", "log_completions_hub_repo"),
+    "Parameters of TRL's GRPOConfig that ES maps onto prompt_batch_size (docs/grpo_fields.md)": tuple(
+        e.name for e in GRPO_FIELDS if e.status == MAPPED),
+    "Parameters of TRL's GRPOConfig that have no effect on ES, named in one warning at start (docs/grpo_fields.md)":
+        tuple(e.name for e in ignored_fields()),
     "Parameters of TRL's GRPOConfig that ES refuses (docs/grpo_fields.md)": tuple(e.name for e in refused_fields()),
 })
 @dataclass
@@ -95,9 +118,13 @@ class ESConfig(_BaseConfig):
     since that checkpoint (docs/scaling.md, "Preemption and elastic restarts").
 
     Only the parameters specific to ES (or whose defaults ES changes) are listed here; see
-    [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too,
-    honoured under GRPO's name or refused with a ``ValueError`` that says why and names the ES counterpart
-    (``beta`` -> ``awd_lambda``, ``scale_rewards`` -> ``fitness_shaping``, ...; see docs/grpo_fields.md).
+    [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too
+    (docs/grpo_fields.md): honoured under GRPO's name; GRPO's batch fields (``per_device_train_batch_size``,
+    ``gradient_accumulation_steps``, ``steps_per_generation`` / ``generation_batch_size``) mapped onto
+    ``prompt_batch_size``, GRPO's prompts per optimizer step (logged once); the settings of GRPO's loss (``beta``,
+    ``epsilon``, ``loss_type``, ...) accepted and named in one warning with their ES counterpart (``beta`` ->
+    ``awd_lambda``, the clipping fields -> ``sigma`` / ``learning_rate``); or refused with a ``ValueError`` that says
+    why and what to do instead, where ES would give other results than the field asks for.
     """
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
@@ -152,9 +179,11 @@ class ESConfig(_BaseConfig):
     per_device_train_batch_size: int | None = field(
         default=None,
         metadata={
-            "help": "Derived by ES, not a setting: the prompts each process loads per iteration, prompt_batch_size / "
-            "number of processes. Leave it unset; an explicit value that differs from the derived one is refused (set "
-            "prompt_batch_size instead)."
+            "help": "GRPO's meaning: completions per process per micro-step. Set, it is mapped with "
+            "gradient_accumulation_steps and num_generations onto prompt_batch_size = per_device_train_batch_size x "
+            "processes x gradient_accumulation_steps / num_generations (GRPO's prompts per optimizer step; logged "
+            "once). After construction it holds what the Trainer's dataloader loads: prompt_batch_size / processes "
+            "prompts per process."
         },
     )
 
@@ -206,11 +235,13 @@ class ESConfig(_BaseConfig):
             "help": "Mirrored sampling: members come in pairs +eps/-eps sharing a seed (population_size must be even)."
         },
     )
-    prompt_batch_size: int = field(
-        default=8,
+    prompt_batch_size: int | None = field(
+        default=None,
         metadata={
             "help": "Prompts every member is scored on in one iteration (all members see the same prompts, so "
-            "fitness values are comparable). Must be divisible by the number of processes."
+            "fitness values are comparable). Must be divisible by the number of processes. Unset (None): GRPO's "
+            "prompts per optimizer step when GRPO's batch fields are set (per_device_train_batch_size x processes x "
+            "gradient_accumulation_steps / num_generations), else 8. Set together with them, it must agree."
         },
     )
     es_optimizer: Literal["es", "torch"] = field(
@@ -576,7 +607,7 @@ class ESConfig(_BaseConfig):
         # Every field error is collected and raised at the end in one ValueError (raise_field_errors): a GRPO command
         # line with several refused fields is fixed in one run, not one rerun per field.
         errors = self._grpo_user_errors()
-        explicit_batch_size = self.per_device_train_batch_size  # None unless the user set it (derived below)
+        batch = {name: getattr(self, name) for name in _BATCH_FIELDS}  # as given (None: unset), mapped below
         self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
         from ..distributed import resolve_cpu_world
 
@@ -588,36 +619,36 @@ class ESConfig(_BaseConfig):
                 raise
             raise_field_errors(errors + [str(error)])
         self._temperature_unset = self.temperature is None  # resolved in _check_and_derive (again in check_fields)
-        self._check_and_derive(errors, explicit_batch_size)
+        self._check_and_derive(errors, batch)
         self._warn_about_grpo_scale_values()
 
     def check_fields(self) -> None:
         """Check the config again, as at construction, for fields set on a built config (TRL's
         ``grpo_continuous_batching.py`` sets ``training_args.use_transformers_continuous_batching = True`` after
         ``parse_args``); ``ESTrainer`` calls it when it is built. The derivations of ``__post_init__`` are redone
-        idempotently: ``per_device_train_batch_size`` still at its derived value counts as unset (it follows a
-        changed ``prompt_batch_size``), a ``temperature`` left unset at construction (and not assigned since) is
-        resolved again, and ``generation_kwargs`` gets the GRPO fields it took from them replaced, not merged twice.
-        ``TrainingArguments.__post_init__`` is not run again.
+        idempotently: a batch field (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+        ``prompt_batch_size``) still at the value ES derived counts as given at construction (so the mapping of
+        GRPO's batch fields follows a changed field), a ``temperature`` left unset at construction (and not assigned
+        since) is resolved again, and ``generation_kwargs`` gets the GRPO fields it took from them replaced, not
+        merged twice. ``TrainingArguments.__post_init__`` is not run again. Ignored GRPO fields set since construction
+        are warned about (what was warned about once is not repeated).
 
         Raises:
             ValueError: naming every refused or invalid field, in one message as ``__post_init__``.
         """
         check_finite_floats(self)
         errors = self._grpo_user_errors()
-        batch_size = self.per_device_train_batch_size
-        explicit = None if batch_size == getattr(self, "_derived_per_device_batch_size", None) else batch_size
-        self._check_and_derive(errors, explicit)
+        given, derived = getattr(self, "_batch_given", {}), getattr(self, "_batch_derived", {})
+        batch = {name: given[name] if name in derived and getattr(self, name) == derived[name] else getattr(self, name)
+                 for name in _BATCH_FIELDS}
+        self._check_and_derive(errors, batch)
+        self._warn_about_grpo_scale_values()
 
     def _grpo_user_errors(self) -> list[str]:
-        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field (beta,
-        loss_type, ...: named with their ES counterpart), the ``TrainingArguments`` field ES fixes
-        (``gradient_accumulation_steps``) and what ``es_optimizer='torch'`` cannot go with."""
+        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field
+        (``cast_lm_head_to_fp32=True``, continuous batching, ...: named with what to do instead) and what
+        ``es_optimizer='torch'`` cannot go with."""
         errors = grpo_field_errors(self)
-        if self.gradient_accumulation_steps != 1:
-            errors.append(f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not an ES setting: ES "
-                          "fixes it at 1 (one step is one ES iteration, scored on prompt_batch_size prompts). Leave "
-                          "it at 1 and set prompt_batch_size to score more prompts per iteration.")
         if self.es_optimizer == "torch":
             if self.fp16:
                 errors.append("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
@@ -631,9 +662,10 @@ class ESConfig(_BaseConfig):
                               "'sgd'.")
         return errors
 
-    def _check_and_derive(self, errors: list[str], explicit_batch_size: int | None) -> None:
+    def _check_and_derive(self, errors: list[str], batch: dict[str, Any]) -> None:
         """The checks and derivations after ``TrainingArguments.__post_init__`` (and in :meth:`check_fields`): each
-        error is appended to ``errors``, then all of them are raised in one ``ValueError``."""
+        error is appended to ``errors``, then all of them are raised in one ``ValueError``. ``batch``: the batch
+        fields as given (:data:`_BATCH_FIELDS`; ``None``: unset), mapped by :meth:`_map_grpo_batch`."""
         self._resolve_temperature()
         if self.population_size < 2:
             errors.append(f"population_size must be >= 2, got {self.population_size}.")
@@ -658,7 +690,7 @@ class ESConfig(_BaseConfig):
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
         _collect(errors, self._check_vllm_settings)
-        for name in ("num_generations", "max_completion_length", "prompt_batch_size"):
+        for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
         _collect(errors, self._check_optional_counts, "num_generations_eval")
@@ -682,19 +714,7 @@ class ESConfig(_BaseConfig):
         except ValueError as error:
             errors.append(str(error))
         _collect(errors, self._apply_grpo_model_and_data_fields)
-        world_size = self.world_size
-        if self.prompt_batch_size % world_size:
-            errors.append(
-                f"prompt_batch_size ({self.prompt_batch_size}) must be divisible by the number of processes "
-                f"({world_size}): each process loads prompt_batch_size / {world_size} prompts, then all share them."
-            )
-        else:
-            # The Trainer's dataloader gives each process its share of the prompt batch; ESTrainer gathers them.
-            try:
-                self.per_device_train_batch_size = self._derived_batch_size(explicit_batch_size, world_size)
-                self._derived_per_device_batch_size = self.per_device_train_batch_size
-            except ValueError as error:
-                errors.append(str(error))
+        _collect(errors, self._map_grpo_batch, batch)
         if self.save_on_each_node:
             errors.append("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
                           "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
@@ -730,27 +750,42 @@ class ESConfig(_BaseConfig):
         self.temperature = resolved
         self._resolved_temperature = resolved
 
-    def _warn_about_grpo_scale_values(self) -> None:
-        """Warn once, at construction, about values a GRPO recipe brings that mean something else, or nothing, under
-        ``es_optimizer='es'``: an AdamW-scale ``learning_rate`` (it is ES's step size alpha) and the torch-optimizer
-        settings the ES update never reads (:attr:`_es_inert_optimizer_fields`), each set to another value than its
-        ``ESConfig`` default. Nothing with ``es_optimizer='torch'``, where they configure the torch optimizer."""
+    def _inert_optimizer_fields(self) -> list[str]:
+        """The torch-optimizer settings (:attr:`_es_inert_optimizer_fields`) set to another value than their
+        ``ESConfig`` default under ``es_optimizer='es'``, which never reads them."""
         if self.es_optimizer != "es":
-            return
-        if 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
-            warnings.warn(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "
-                          "z_i * eps_i; ES's default 5e-4), not an AdamW learning rate: an AdamW-scale value "
-                          "(GRPO's default 1e-6, a GRPO recipe's 5e-7 .. 5e-5) moves the weights by next to nothing. "
-                          "Use an ES step size (5e-4 .. 1e-2), or es_optimizer='torch' to hand the ES gradient "
-                          "estimate to AdamW at this learning rate.", UserWarning, stacklevel=4)
+            return []
         defaults = {f.name: f.default for f in dataclasses.fields(type(self))}
-        for name, instead in self._es_inert_optimizer_fields.items():
-            value = getattr(self, name)
-            if name in self._optimizer_fields_read_elsewhere or value == defaults.get(name):
-                continue
-            warnings.warn(f"{name}={value} has no effect with es_optimizer='es' (the ES update uses no torch "
-                          f"optimizer): {instead}. With es_optimizer='torch' it configures the torch optimizer that "
-                          f"receives the ES gradient estimate.", UserWarning, stacklevel=4)
+        return [name for name in self._es_inert_optimizer_fields
+                if name not in self._optimizer_fields_read_elsewhere and getattr(self, name) != defaults.get(name)]
+
+    def _warn_about_grpo_scale_values(self) -> None:
+        """Warn about values a GRPO recipe brings that mean something else, or nothing, in ES: an AdamW-scale
+        ``learning_rate`` under ``es_optimizer='es'`` (it is ES's step size alpha), and in one warning every setting
+        that has no effect: the ignored ``GRPOConfig`` fields (GRPO's loss: ``beta``, ``epsilon``, ``loss_type``,
+        ...; :func:`~.grpo_fields.grpo_field_notices`) and, under ``es_optimizer='es'``, the torch-optimizer settings
+        the ES update never reads (:meth:`_inert_optimizer_fields`), each with its ES counterpart. Called at
+        construction and by :meth:`check_fields`; what was said once is not said again."""
+        said = self.__dict__.setdefault("_warned", set())
+        messages = []
+        if self.es_optimizer == "es" and 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
+            messages.append(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "
+                            "z_i * eps_i; ES's default 5e-4), not an AdamW learning rate: an AdamW-scale value "
+                            "(GRPO's default 1e-6, a GRPO recipe's 5e-7 .. 5e-5) moves the weights by next to "
+                            "nothing. Use an ES step size (5e-4 .. 1e-2), or es_optimizer='torch' to hand the ES "
+                            "gradient estimate to AdamW at this learning rate.")
+        notices = grpo_field_notices(self)
+        notices += [f"{name}={getattr(self, name)} has no effect with es_optimizer='es' (the ES update uses no torch "
+                    f"optimizer): {self._es_inert_optimizer_fields[name]}. With es_optimizer='torch' it configures the "
+                    "torch optimizer that receives the ES gradient estimate."
+                    for name in self._inert_optimizer_fields()]
+        notices = [notice for notice in notices if notice not in said]
+        if notices:
+            messages.append(notices_message(notices))
+        for message in messages:
+            if message not in said:
+                warnings.warn(message, UserWarning, stacklevel=4)
+        said.update(messages, notices)
 
     def _apply_grpo_generation_fields(self, errors: list[str]) -> None:
         """GRPO's ``top_k``, ``min_p`` and ``repetition_penalty``, merged into ``generation_kwargs`` (what the trainer
@@ -818,39 +853,145 @@ class ESConfig(_BaseConfig):
             self.train_sampling_strategy = wanted
 
     def to_dict(self) -> dict[str, Any]:
-        """``TrainingArguments.to_dict``, without the refused ``GRPOConfig`` fields left unset (``None``), so logs
-        and trackers show the ES settings only."""
+        """``TrainingArguments.to_dict``, without the mapped, ignored and refused ``GRPOConfig`` fields left unset
+        (``None``), so logs and trackers show the ES settings only; ``per_device_train_batch_size`` and
+        ``gradient_accumulation_steps`` as given (GRPO's meaning, ``None``: unset), next to the ``prompt_batch_size``
+        they were mapped to, so ``ESConfig(**config.to_dict())`` is the same config."""
         d = super().to_dict()
-        for entry in refused_fields():
+        for entry in added_fields():
             if d.get(entry.name, 0) is None:
                 del d[entry.name]
+        given = getattr(self, "_batch_given", {})
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if name in given and getattr(self, name) == self._batch_derived[name]:
+                d[name] = given[name]
         return d
 
-    def _derived_batch_size(self, explicit: int | None, world_size: int) -> int:
-        """``per_device_train_batch_size``: ``prompt_batch_size / world_size``, the prompts each process loads per
-        iteration. ``explicit`` is what the user gave (``None``: unset); a value that differs is refused, as ES would
-        otherwise silently train with another batch than the one asked for.
+    def _map_grpo_batch(self, batch: dict[str, Any]) -> None:
+        """``prompt_batch_size``, from GRPO's batch fields when any is set, and the per-process batch.
+
+        GRPO (TRL 1.16) takes one optimizer step on ``per_device_train_batch_size x processes x
+        gradient_accumulation_steps`` completions, ``num_generations`` of each prompt: that number divided by
+        ``num_generations`` prompts. ES's counterpart is the prompts of one iteration, so ``prompt_batch_size`` is
+        that; ``steps_per_generation`` / ``generation_batch_size`` (how many optimizer steps GRPO spends one
+        generation batch on; ES generates afresh for every iteration) are checked as GRPO checks them. An unset
+        ``per_device_train_batch_size`` is GRPO's default 8 there; with none of GRPO's batch fields set,
+        ``prompt_batch_size`` unset is 8. The mapping is logged once (:meth:`grpo_fields_plan` has it for the plan
+        of ``train()``). Then ``per_device_train_batch_size`` is ``prompt_batch_size / processes`` (what the Trainer's
+        dataloader loads on each process; ESTrainer gathers them) and ``gradient_accumulation_steps`` 1 (one step is
+        one ES iteration).
+
+        Args:
+            batch (`dict`): ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and
+                ``prompt_batch_size`` as given (``None``: unset).
 
         Raises:
-            ValueError: naming the field, the value ES derives and the field to set instead.
+            ValueError: naming the fields: a value GRPO refuses too (not divisible), a GRPO batch that is not a whole
+                number of prompts per optimizer step, a ``prompt_batch_size`` given with GRPO's batch fields that
+                disagrees with them (both named), or one not divisible by the number of processes.
         """
-        derived = self.prompt_batch_size // world_size
-        if explicit is not None and explicit != derived:
-            lead = (f"per_device_train_batch_size={explicit} is not an ES setting: ES derives it from "
-                    f"prompt_batch_size ({self.prompt_batch_size}) / number of processes ({world_size}) = {derived}. "
-                    f"Leave it unset (or {derived}) and set ")
-            generations = self.num_generations if isinstance(self.num_generations, int) else 1
-            if generations <= 1:
-                raise ValueError(lead + f"prompt_batch_size={explicit * world_size} for {explicit} prompts per "
-                                 "process.")
-            # GRPO's per_device_train_batch_size counts completions: num_generations of each prompt
-            prompts = max(1, explicit * world_size // generations)
-            processes = f" x {world_size} processes" if world_size > 1 else ""
-            raise ValueError(lead + f"prompt_batch_size={prompts}, GRPO's prompts per step: its "
-                             f"per_device_train_batch_size counts completions, {explicit} per process{processes} / "
-                             f"num_generations={generations} = {prompts} prompts (each member generates "
-                             f"num_generations completions of each of ES's prompt_batch_size prompts).")
-        return derived
+        per_device, accumulation, prompts = (batch[name] for name in _BATCH_FIELDS)
+        if prompts is not None:
+            check_int("prompt_batch_size", prompts, 1)
+        world, mapping = self.world_size, None
+        if (per_device is not None or accumulation != 1 or self.generation_batch_size is not None
+                or self.steps_per_generation is not None):
+            mapped, mapping = self._grpo_prompts(per_device, accumulation, world)
+            if prompts is not None and prompts != mapped:
+                raise ValueError(f"prompt_batch_size={prompts} contradicts GRPO's batch fields, {mapping[0]} = "
+                                 f"{mapped} prompts per optimizer step. Set prompt_batch_size alone (ES's prompts per "
+                                 "iteration) or GRPO's batch fields alone, or make them agree.")
+            prompts = mapped
+        elif prompts is None:
+            prompts = DEFAULT_PROMPT_BATCH_SIZE
+        if prompts % world:
+            source = f" (GRPO's batch fields: {mapping[0]})" if mapping else ""
+            raise ValueError(f"prompt_batch_size ({prompts}{source}) must be divisible by the number of processes "
+                             f"({world}): each process loads prompt_batch_size / {world} whole prompts, then all "
+                             "share them (GRPO may split a prompt's completions over processes; ES cannot).")
+        self.prompt_batch_size = prompts
+        self.per_device_train_batch_size = prompts // world
+        self.gradient_accumulation_steps = 1
+        self._batch_given = dict(batch)
+        self._batch_derived = {name: getattr(self, name) for name in _BATCH_FIELDS}
+        self._grpo_batch_mapping = mapping
+        if mapping is not None and mapping != getattr(self, "_logged_batch_mapping", None):
+            logger.warning(f"GRPO's batch fields mapped to prompt_batch_size={prompts}: {mapping[1]}")
+            self._logged_batch_mapping = mapping
+
+    def _grpo_prompts(self, per_device: int | None, accumulation: int, world: int) -> tuple[int, tuple[str, str]]:
+        """GRPO's prompts per optimizer step, and the mapping in words: ``(formula, explanation)``.
+
+        Raises:
+            ValueError: as :meth:`_map_grpo_batch`.
+        """
+        if per_device is not None:
+            check_int("per_device_train_batch_size", per_device, 1)
+        check_int("gradient_accumulation_steps", accumulation, 1)
+        self._check_optional_counts("generation_batch_size", "steps_per_generation")
+        generations = self.num_generations
+        check_int("num_generations", generations, 1)
+        size = per_device if per_device is not None else GRPO_PER_DEVICE_TRAIN_BATCH_SIZE
+        global_batch = size * world
+        steps, generation = self.steps_per_generation, self.generation_batch_size
+        if generation is not None and steps is not None:
+            raise ValueError(f"generation_batch_size={generation} and steps_per_generation={steps} cannot both be set "
+                             "(GRPO refuses it too): set one of them.")
+        if generation is not None:
+            if generation % global_batch:
+                raise ValueError(f"generation_batch_size ({generation}) must be divisible by the global batch size "
+                                 f"per_device_train_batch_size x processes = {size} x {world} = {global_batch} (GRPO "
+                                 "refuses it too).")
+            steps = generation // global_batch
+        elif steps is None:
+            steps = accumulation  # GRPO's default: one generation batch per optimizer step
+        generation = global_batch * steps
+        if generation % generations:
+            raise ValueError(f"generation_batch_size ({generation} = per_device_train_batch_size {size} x {world} "
+                             f"processes x steps_per_generation {steps}) must be divisible by num_generations "
+                             f"({generations}) (GRPO refuses it too): a generation batch holds whole prompts.")
+        completions = global_batch * accumulation
+        processes = f"{world} process{'es' if world > 1 else ''}"
+        grpo_step = (f"per_device_train_batch_size={size}{'' if per_device is not None else ' (unset: GRPO default)'}"
+                     f" x {processes} x gradient_accumulation_steps={accumulation}")
+        if completions % generations:
+            raise ValueError(f"GRPO's batch fields cannot be mapped: one GRPO optimizer step holds {grpo_step} = "
+                             f"{completions} completions, not a whole number of prompts at num_generations="
+                             f"{generations} (GRPO spreads a prompt's completions over optimizer steps here), but an "
+                             "ES iteration scores whole prompts. Make that product a multiple of num_generations, or "
+                             "set prompt_batch_size instead of GRPO's batch fields.")
+        prompts = completions // generations
+        formula = f"{grpo_step} / num_generations={generations}"
+        words = (f"one GRPO optimizer step holds {grpo_step} = {completions} completions, {completions} / "
+                 f"num_generations={generations} = {prompts} prompts; each ES iteration scores every member on "
+                 f"{prompts} prompts, {generations} completion(s) each. per_device_train_batch_size is now "
+                 f"{prompts // world if prompts % world == 0 else '-'} (prompts per process) and "
+                 "gradient_accumulation_steps 1.")
+        if self.generation_batch_size is not None or self.steps_per_generation is not None:
+            words += (f" generation_batch_size={generation} (steps_per_generation={steps}): GRPO generates "
+                      f"{generation} completions at a time and spends them over {steps}/{accumulation} optimizer "
+                      "step(s); ES generates afresh for every iteration, with the same prompts per update.")
+        return prompts, (formula, words)
+
+    def grpo_fields_plan(self) -> dict[str, list[str]]:
+        """GRPO's fields this config mapped or ignores, for the plan ``ESTrainer.train()`` prints.
+
+        Returns:
+            `dict`: ``"mapped"``: the batch mapping (``"per_device_train_batch_size=16 x 1 process x
+            gradient_accumulation_steps=4 / num_generations=16 -> prompt_batch_size=4"``), empty when none of GRPO's
+            batch fields was set; ``"ignored"``: ``name=value`` of each ignored GRPO field and inert optimizer field
+            that was warned about at start.
+        """
+        mapping = getattr(self, "_grpo_batch_mapping", None)
+        mapped = [f"{mapping[0]} -> prompt_batch_size={self.prompt_batch_size}"] if mapping else []
+        for name in ("generation_batch_size", "steps_per_generation"):
+            if mapping and getattr(self, name) is not None:
+                mapped.append(f"{name}={getattr(self, name)} (how GRPO reuses a generation batch: ES generates "
+                              "afresh every iteration)")
+        ignored = [f"{e.name}={getattr(self, e.name)!r}" for e in ignored_fields()
+                   if not e.accepts(getattr(self, e.name), self)]
+        ignored += [f"{name}={getattr(self, name)!r}" for name in self._inert_optimizer_fields()]
+        return {"mapped": mapped, "ignored": ignored}
 
     def _check_optional_counts(self, *names: str) -> None:
         """Each of ``names`` is ``None`` or an integer >= 1 (a bool is not a count).

@@ -484,6 +484,60 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                             max_model_len=getattr(self.generation_engine, "max_model_len", None))
 
     # ------------------------------------------------------------------ the ES iteration
+    # ------------------------------------------------------------------ the run's plan
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """Train (``Trainer.train`` with ES's checkpoints and seed log, :class:`ESCheckpointMixin`), after the main
+        process logged the run's plan (:meth:`plan`; at warning level, so it shows unless ``log_level`` is
+        ``"error"`` or above)."""
+        if self.is_world_process_zero():
+            logger.warning(self.plan())
+        return super().train(resume_from_checkpoint, trial, **kwargs)
+
+    def plan(self) -> str:
+        """What one iteration of this run does, in the spirit of Trainer's ``***** Running training *****``:
+        processes, members per iteration and per process, prompts per iteration, completions per prompt and their
+        decoding (greedy, or sampled at a temperature), completions per iteration, sigma, the step size and its
+        schedule, the trained parameters, the generation engine, and the ``GRPOConfig`` fields that were mapped or
+        have no effect (:meth:`ESConfig.grpo_fields_plan`). One line each, under a ``***** ES plan *****`` header."""
+        args, world = self.args, self.accelerator.num_processes
+        members = args.population_size
+        if self.sharded and world > 1:  # ZeRO-3: all processes score every member together, each on its prompts
+            per_process = f"{members} on every process, DeepSpeed ZeRO-3"
+        else:
+            counts = sorted({len(member_indices(members, rank, world)) for rank in range(world)}, reverse=True)
+            per_process = " or ".join(map(str, counts)) + " per process"
+        config = self.generation_config
+        decoding = f"sampled at temperature {config.temperature}" if config.do_sample else "greedy"
+        generations = args.num_generations
+        schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if args.es_optimizer == "es":
+            step = f"alpha (learning_rate) = {args.learning_rate}, {schedule} schedule"
+        else:
+            optim = getattr(args.optim, "value", args.optim)
+            step = (f"learning_rate = {args.learning_rate} ({optim} on the ES gradient estimate), {schedule} "
+                    "schedule")
+        entries = self.es_params.entries
+        engine = self.generation_engine.describe()
+        grpo = args.grpo_fields_plan()
+        lines = [
+            "***** ES plan *****",
+            f"  Processes = {world}",
+            f"  Members per iteration = {members} ({per_process})",
+            f"  Prompts per iteration = {args.prompt_batch_size} ({args.per_device_train_batch_size} per process)",
+            f"  Completions per prompt = {generations}, {decoding}",
+            f"  Completions per iteration = {members * args.prompt_batch_size * generations} ({members} members x "
+            f"{args.prompt_batch_size} prompts x {generations})",
+            f"  Sigma = {args.sigma}",
+            f"  Step: {step}",
+            f"  Trained parameters = {sum(e.numel for e in entries):,} in {len(entries)} tensors "
+            f"({args.population_backend}, {self.population.perturbation.describe()['type']} noise)",
+            f"  Generation engine = {engine.get('name')}",
+            f"  GRPO fields mapped = {'; '.join(grpo['mapped']) or 'none'}",
+            "  GRPO fields ignored = " + (", ".join(grpo["ignored"]) + " (no effect on ES: see the warning at start)"
+                                           if grpo["ignored"] else "none"),
+        ]
+        return "\n".join(lines)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One ES iteration: ask the strategy for its members, score them, tell it their fitness.
 
