@@ -43,10 +43,6 @@ SHORT = ["--max_steps", "1", "--population_size", "2", "--max_completion_length"
 FORCED = {"max_steps": 1, "population_size": 2, "max_completion_length": 8, "report_to": "none"}
 FORCED_ENV = "TRL_ES_TEST_ESCONFIG_FORCED"
 OPEN_R1_RECIPE = SCRIPTS_DIR / "recipes" / "DeepSeek-R1-Distill-Qwen-1.5B" / "grpo" / "config_demo.yaml"
-DROP_IN = ("issue 63 drop-in mapping (branch i63-dropin): GRPO's batch fields (per_device_train_batch_size, "
-           "gradient_accumulation_steps, steps_per_generation) and loss-only fields (beta, epsilon, loss_type, ...) "
-           "are refused by ESConfig on this branch; with i63-dropin merged this script runs")
-
 
 @dataclasses.dataclass(frozen=True)
 class Script:
@@ -92,10 +88,6 @@ SCRIPTS = {
                                 "runs/qwen-r1-aha-moment"),
 }
 XFAIL = {
-    "gspo": DROP_IN,
-    "grpo_2048": DROP_IN,
-    "countdown_r1_grpo": DROP_IN,
-    "open_r1_grpo": DROP_IN,
     "grpo_continuous_batching": "use_transformers_continuous_batching=True (the script sets it) is refused by "
                                 "ESConfig: ES has no transformers continuous-batching engine (not a drop-in issue)",
 }
