@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # script's name never shadows an installed module)
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "studies"))
 
+from example_script import StudyRun, example_script  # noqa: E402
 from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
 
 # Tests run their jobs on tiny local models: trl_es.launch must not build the embedded model's cache in the user's
@@ -38,6 +39,21 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     build_llama(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def study(request):
+    """``examples/studies/<STUDY>.py``, the study script the test module names in ``STUDY``, imported as a module."""
+    name = request.module.STUDY
+    with example_script(f"studies/{name}.py", name) as module:
+        yield module
+
+
+@pytest.fixture
+def run_study(study, tiny_model_dir, tmp_path):
+    """The study's ``main`` run in-process on the tiny model: ``run_study(*argv)`` writes into ``run_study.output_dir``
+    (``tmp_path / "run"``)."""
+    return StudyRun(study, tiny_model_dir, tmp_path / "run")
 
 
 @pytest.fixture

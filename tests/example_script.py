@@ -1,5 +1,5 @@
 """Load a script of examples/ (``scripts/<name>.py`` or ``studies/<name>.py``) as a module, for tests of its functions
-and dataclasses."""
+and dataclasses, and run a study's ``main`` in-process (the ``study`` and ``run_study`` fixtures of conftest.py)."""
 
 import importlib.util
 import os
@@ -28,3 +28,14 @@ def example_script(path: str, module_name: str):
         yield module
     finally:
         sys.modules.pop(module_name, None)
+
+
+class StudyRun:
+    """``run(*argv)``: ``module.main`` with ``--model_name_or_path model --output_dir output_dir`` before ``argv`` (a
+    later flag of the same name wins), in-process; returns what ``main`` returns."""
+
+    def __init__(self, module, model: str, output_dir):
+        self.module, self.model, self.output_dir = module, model, output_dir
+
+    def __call__(self, *argv: str):
+        return self.module.main(["--model_name_or_path", self.model, "--output_dir", str(self.output_dir), *argv])

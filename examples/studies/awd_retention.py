@@ -44,7 +44,6 @@ import copy
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
@@ -52,7 +51,9 @@ from transformers import TrainerCallback
 from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.cli import es_config_kwargs as recipe_es_config_kwargs
 from trl_es.cli import load_recipe
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import is_main_process, save_figure, write_json
+
+from _study.arms import JobArguments, Jobs, parse_arguments, write_results
 
 #: Prior tasks: name -> (operator, low, high) of make_arithmetic_dataset_dict.
 PRIOR_TASKS = {
@@ -68,7 +69,7 @@ DEFAULT_RECIPE = os.path.normpath(
 
 
 @dataclass
-class AWDArguments:
+class AWDArguments(JobArguments):
     """Arguments of the AWD retention experiment (every field is also a key of the YAML recipe)."""
 
     output_dir: str = field(default="runs/awd_retention", metadata={"help": "Where runs, tables and the plot go."})
@@ -106,12 +107,6 @@ class AWDArguments:
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per greedy generate call."})
     num_kl_prompts: int = field(default=16, metadata={"help": "Off-task (Countdown) prompts for the KL."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
-    eval_workers: int | None = field(default=None, metadata={
-        "help": "Tracking jobs at once, one process each (default: GPUs, else physical cores)."})
-    in_process: bool = field(default=False, metadata={"help": "Run everything in this process (tests; one GPU)."})
-    reuse: bool = field(default=True, metadata={
-        "help": "Skip a run or tracking job whose result file holds the same spec (resume an interrupted run)."})
-    worker: str | None = field(default=None, metadata={"help": "Internal: run one job from a spec file."})
 
     def __post_init__(self):
         if not self.prior_tasks or any(t not in PRIOR_TASKS for t in self.prior_tasks):
@@ -319,40 +314,26 @@ def track(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
-#: Arguments that choose which runs exist and which are reported, not what a run or its tracking computes: a saved
-#: result stays reusable when they change (adding a candidate lambda trains and tracks only the new run).
-NOT_IN_RESULT = ("awd_lambdas", "num_chosen", "target_tolerance", "reuse", "worker")
-
-
-def _reusable(spec: dict, reuse: bool) -> dict | None:
-    from trl_es.launch import reusable_result
-
-    return reusable_result(spec, reuse, NOT_IN_RESULT)
+# the arguments that choose which runs exist and which are reported: adding a candidate lambda trains and tracks only
+# the new run
+JOBS = Jobs(__file__, "awd", not_in_result=("awd_lambdas", "num_chosen", "target_tolerance"))
 
 
 def train_all(args: AWDArguments) -> list[dict]:
-    from trl_es.launch import run_worker
-
     results = []
     for run in runs_of(args):
         folder = os.path.join(args.output_dir, run["run"])
         os.makedirs(folder, exist_ok=True)
         spec = {"kind": "train", **run, "output_dir": folder, "args": dataclasses.asdict(args),
                 "result": os.path.join(folder, "result.json")}
-        result = _reusable(spec, args.reuse)
-        if result is None:
-            print(f"[awd] training {run['run']}: awd_lambda {run['awd_lambda']:g}, population "
-                  f"{run['population_size']}, {args.max_steps} iterations", flush=True)
-            result = train_run(spec) if args.in_process else run_worker(os.path.abspath(__file__), spec,
-                                                                        args.es_num_processes)
-        results.append(result)
+        results.append(JOBS.run(args, spec, train_run, args.es_num_processes,
+                                f"training {run['run']}: awd_lambda {run['awd_lambda']:g}, population "
+                                f"{run['population_size']}, {args.max_steps} iterations"))
     return results
 
 
 def track_all(args: AWDArguments, runs: list[dict], split: str) -> dict[str, dict]:
     """Track ``runs`` (and the base model) on ``split``; returns results by run name (``"base"`` included)."""
-    from trl_es.launch import run_workers
-
     points = sorted({*range(args.eval_every, args.max_steps + 1, args.eval_every), args.max_steps})
     specs = [{"kind": "track", "run": "base", "split": split, "seed_log": None, "args": dataclasses.asdict(args),
               "result": os.path.join(args.output_dir, f"base_{split}.json")}]
@@ -361,14 +342,8 @@ def track_all(args: AWDArguments, runs: list[dict], split: str) -> dict[str, dic
                       "points": [p for p in points if p <= run["iterations"]], "iterations": run["iterations"],
                       "final_fingerprint": run["final_fingerprint"], "args": dataclasses.asdict(args),
                       "result": os.path.join(args.output_dir, run["run"], f"tracking_{split}.json")})
-    todo = [s for s in specs if _reusable(s, args.reuse) is None]
-    print(f"[awd] tracking {len(todo)} job(s) on the {split} split", flush=True)
-    if args.in_process:
-        for spec in todo:
-            track(spec)
-    elif todo:
-        run_workers(os.path.abspath(__file__), todo, args.eval_workers)
-    return {s["run"]: _reusable(s, True) for s in specs}
+    results = JOBS.run_all(args, specs, track, f"tracking {{}} job(s) on the {split} split")
+    return {s["run"]: result for s, result in zip(specs, results)}
 
 
 def select(args: AWDArguments, runs: list[dict], validation: dict[str, dict]) -> dict:
@@ -473,10 +448,7 @@ def plot(args: AWDArguments, shown: list[str], test: dict[str, dict], path: str)
 
 
 def parse_args(argv: list[str] | None = None) -> AWDArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((AWDArguments,)).parse_args_and_config(args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(AWDArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -497,12 +469,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = report_rows(args, reported, test)
     output = {"arguments": dataclasses.asdict(args), "es_config": es_config_kwargs(args), "runs": runs,
               "selection": selection, "validation": validation, "report": rows, "test": test}
-    text = markdown(args, selection, rows)
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), output)
-        write_text(os.path.join(args.output_dir, "results.md"), text)
-        plot(args, shown, test, os.path.join(args.output_dir, "awd_retention.png"))
-        print(text)
+    write_results(args.output_dir, output, markdown(args, selection, rows),
+                  lambda: plot(args, shown, test, os.path.join(args.output_dir, "awd_retention.png")))
     return output
 
 

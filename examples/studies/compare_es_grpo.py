@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser, TrainerCallback
 
 from trl_es.cli import es_config_kwargs, load_recipe
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import save_figure, write_json
 
+from _study.arms import write_results
 from _study.spread import mean_and_std
 
 DEFAULT_RECIPE = os.path.normpath(
@@ -675,12 +676,12 @@ def main(argv: list[str] | None = None) -> dict:
               "es_config": race_es_kwargs(race, load_recipe(race.es_recipe), "<arm>") if "es" in race.methods else None,
               "table": rows, "runs": results}
     table = markdown_table(race, rows, sum(starts) / len(starts) if starts else None)
-    if is_main_process():
-        write_json(os.path.join(race.output_dir, "results.json"), output)
-        write_text(os.path.join(race.output_dir, "results.md"), table)
+
+    def plots():
         plot_curves(race, results, rows, os.path.join(race.output_dir, "accuracy_vs_time.png"))
         plot_pass_at_k(race, rows, os.path.join(race.output_dir, "pass_at_k.png"))
-        print(table)
+
+    write_results(race.output_dir, output, table, plots)
     return output
 
 

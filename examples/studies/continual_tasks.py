@@ -32,15 +32,14 @@ Writes ``--output_dir``/``results.json`` (every seed and the mean / std), ``resu
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import is_main_process, save_figure, write_json
 
 from _study import load_script
+from _study.arms import parse_arguments, saved_result, settings_of, write_results
 from _study.spread import format_mean_std, mean_std
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,13 +146,11 @@ def run_seed(args: ContinualArguments, seed: int, splits: dict) -> dict:
     geo = load_script("geometry")
     folder = os.path.join(args.output_dir, f"seed{seed}")
     result_path = os.path.join(folder, "result.json")
-    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("seeds", "reuse", "output_dir")}
-    if args.reuse and os.path.exists(result_path):
-        with open(result_path) as f:
-            saved = json.load(f)
-        if saved.get("settings") == settings:
-            print(f"[continual] seed {seed}: reusing {result_path}", flush=True)
-            return saved
+    settings = settings_of(args, ("seeds",))
+    saved = saved_result(result_path, settings, args.reuse)
+    if saved is not None:
+        print(f"[continual] seed {seed}: reusing {result_path}", flush=True)
+        return saved
     base, tokenizer = load_model_and_tokenizer(args.model_name_or_path)
     eval_args = stage_arguments(args, args.model_name_or_path, 1, args.task_a_ops)
     loss = lm_loss_fn(tokenizer, geo.lm_texts(eval_args, [] if args.lm_loss_texts else geo.off_task_prompts(eval_args)))
@@ -248,11 +245,7 @@ def plot(args: ContinualArguments, summary: dict, folder: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> ContinualArguments:
-    from trl_es.arguments import TrlESParser
-
-    parser = TrlESParser((ContinualArguments,))
-    (args,) = parser.parse_args_and_config(args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(ContinualArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -263,11 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [run_seed(args, seed, splits) for seed in args.seeds]
     summary = summarize(args, seeds)
     results = {"args": dataclasses.asdict(args), "seeds": seeds, "summary": summary}
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), results)
-        write_text(os.path.join(args.output_dir, "results.md"), markdown(args, summary))
-        plot(args, summary, args.output_dir)
-    print(markdown(args, summary), flush=True)
+    write_results(args.output_dir, results, markdown(args, summary), lambda: plot(args, summary, args.output_dir))
     return results
 
 

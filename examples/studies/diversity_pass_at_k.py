@@ -20,17 +20,16 @@ Writes ``--output_dir``/``results.json``, ``results.md`` and ``js_succ_vs_pass_a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 from trl_es.analysis.protocol import PAPER_PROTOCOL
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import is_main_process, save_figure, write_json
 
+from _study.arms import parse_arguments, saved_result, settings_of, write_results
 from _study.spread import format_mean_std, mean_std
 
 DEFAULT_RECIPE = os.path.normpath(
@@ -180,27 +179,20 @@ def plot(args: DiversityArguments, runs: list[dict], path: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> DiversityArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((DiversityArguments,)).parse_args_and_config(
-        args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(DiversityArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    settings = {k: v for k, v in dataclasses.asdict(args).items()
-                if k not in ("population_sizes", "seeds", "reuse", "output_dir")}
+    settings = settings_of(args, ("population_sizes", "seeds"))
     runs = []
     grid = [(n, s) for n in args.population_sizes for s in args.seeds]
     for i, (n, seed) in enumerate(grid):
         path = os.path.join(args.output_dir, "runs", f"pop{n}_seed{seed}.json")
-        if args.reuse and os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if saved.get("settings") == settings:
-                runs.append(saved["run"])
-                continue
+        saved = saved_result(path, settings, args.reuse)
+        if saved is not None:
+            runs.append(saved["run"])
+            continue
         print(f"[diversity] run {i + 1}/{len(grid)}: population {n}, seed {seed}", flush=True)
         run = run_one(args, n, seed)
         if is_main_process():
@@ -208,11 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(run)
     summary = summarize(args, runs)
     results = {"args": dataclasses.asdict(args), "runs": runs, "summary": summary}
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), results)
-        write_text(os.path.join(args.output_dir, "results.md"), markdown(args, summary))
-        plot(args, runs, os.path.join(args.output_dir, "js_succ_vs_pass_at_k.png"))
-    print(markdown(args, summary), flush=True)
+    write_results(args.output_dir, results, markdown(args, summary),
+                  lambda: plot(args, runs, os.path.join(args.output_dir, "js_succ_vs_pass_at_k.png")))
     return results
 
 

@@ -37,12 +37,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import is_main_process, save_figure, write_json
 
+from _study.arms import parse_arguments, saved_result, settings_of, write_results
 from _study.spread import format_mean_std, mean_std
 
 METHODS = ("es", "grpo")
@@ -411,13 +411,11 @@ def plots(summary: dict, folder: str) -> None:
 def run_seed(args: GeometryArguments, seed: int, splits: dict) -> dict:
     folder = os.path.join(args.output_dir, f"seed{seed}")
     result_path = os.path.join(folder, "result.json")
-    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("seeds", "reuse", "output_dir")}
-    if args.reuse and os.path.exists(result_path):
-        with open(result_path) as f:
-            saved = json.load(f)
-        if saved.get("settings") == settings:
-            print(f"[geometry] seed {seed}: reusing {result_path}", flush=True)
-            return saved
+    settings = settings_of(args, ("seeds",))
+    saved = saved_result(result_path, settings, args.reuse)
+    if saved is not None:
+        print(f"[geometry] seed {seed}: reusing {result_path}", flush=True)
+        return saved
     from trl_es.models import load_model_and_tokenizer
 
     start = time.monotonic()
@@ -446,10 +444,7 @@ def run_seed(args: GeometryArguments, seed: int, splits: dict) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> GeometryArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((GeometryArguments,)).parse_args_and_config(args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(GeometryArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -460,11 +455,8 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = [run_seed(args, seed, splits) for seed in args.seeds]
     summary = summarize(seeds)
     results = {"args": dataclasses.asdict(args), "seeds": seeds, "summary": summary}
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), results)
-        write_text(os.path.join(args.output_dir, "results.md"), markdown(args, seeds, summary, splits))
-        plots(summary, args.output_dir)
-    print(markdown(args, seeds, summary, splits), flush=True)
+    write_results(args.output_dir, results, markdown(args, seeds, summary, splits),
+                  lambda: plots(summary, args.output_dir))
     return results
 
 

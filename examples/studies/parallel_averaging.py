@@ -35,12 +35,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 from trl_es.analysis.protocol import PAPER_PROTOCOL
-from trl_es.files import is_main_process, require_files, write_json, write_text
+from trl_es.files import is_main_process, require_files, write_json
+
+from _study.arms import JobArguments, Jobs, parse_arguments, write_results
 
 ARMS = ("base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft")
 ARM_LABELS = {"base": "base model", "rl": "RL only (GRPO)", "sft": "SFT only", "sft_rl": "SFT -> RL",
@@ -50,7 +51,7 @@ DEFAULT_RECIPE = os.path.normpath(
 
 
 @dataclass
-class ParallelRecipeArguments:
+class ParallelRecipeArguments(JobArguments):
     """Arguments of the parallel-averaging demonstration (every field is also a key of the YAML recipe)."""
 
     output_dir: str = field(default="runs/parallel_averaging", metadata={"help": "Where models and tables go."})
@@ -103,12 +104,6 @@ class ParallelRecipeArguments:
         "help": "JSON file with a list of held-out general texts: each arm's mean token NLL on them is reported as "
                 "lm_loss (the general-ability measure of arXiv 2606.04272; trl_es.analysis.lm_loss_fn)."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
-    eval_workers: int | None = field(default=None, metadata={
-        "help": "Arms evaluated at once, one process each (default: GPUs, else physical cores)."})
-    in_process: bool = field(default=False, metadata={"help": "Evaluate in this process too (tests)."})
-    reuse: bool = field(default=True, metadata={
-        "help": "Skip an arm or evaluation whose result.json holds the same spec (resume an interrupted run)."})
-    worker: str | None = field(default=None, metadata={"help": "Internal: run one evaluation from a spec file."})
 
     def __post_init__(self):
         if not self.arms or any(a not in ARMS for a in self.arms):
@@ -269,15 +264,7 @@ def evaluate_arm(spec: dict) -> dict:
     return result
 
 
-#: Arguments that choose which arms run, not what an arm computes: a saved result stays reusable when they change
-#: (adding arms to a finished run trains and evaluates only the new ones).
-NOT_IN_RESULT = ("arms", "reuse", "worker")
-
-
-def _reusable(spec: dict, reuse: bool) -> dict | None:
-    from trl_es.launch import reusable_result
-
-    return reusable_result(spec, reuse, NOT_IN_RESULT)
+JOBS = Jobs(__file__, "parallel_averaging", not_in_result=("arms",))  # adding arms runs only the new ones
 
 
 def _fmt(value, digits=3) -> str:
@@ -312,17 +299,11 @@ def plot_pass_at_k(args: ParallelRecipeArguments, rows: list[dict], path: str) -
 
 
 def parse_args(argv: list[str] | None = None) -> ParallelRecipeArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((ParallelRecipeArguments,)).parse_args_and_config(
-        args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(ParallelRecipeArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train every arm (in this process), evaluate them, write the table, the JSON and the plot."""
-    from trl_es.launch import run_workers
-
     args = parse_args(argv)
     if args.worker:
         with open(args.worker) as f:
@@ -334,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         os.makedirs(folder, exist_ok=True)
         spec = {"kind": "train", "arm": arm, "args": dataclasses.asdict(args),
                 "result": os.path.join(folder, "result.json")}
-        result = _reusable(spec, args.reuse)
+        result = JOBS.reusable(spec, args.reuse)
         if result is None:
             print(f"[parallel_averaging] training {arm}", flush=True)
             record = train_arm(args, arm, folder) if arm != "base" else \
@@ -345,14 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         trained[arm] = result
     specs = [{"kind": "evaluate", "arm": arm, "model": trained[arm]["model_dir"], "args": dataclasses.asdict(args),
               "result": os.path.join(args.output_dir, arm, "evaluation.json")} for arm in args.arms]
-    todo = [s for s in specs if _reusable(s, args.reuse) is None]
-    print(f"[parallel_averaging] evaluating {len(todo)} arm(s) on the test split", flush=True)
-    if args.in_process:
-        for spec in todo:
-            evaluate_arm(spec)
-    elif todo:
-        run_workers(os.path.abspath(__file__), todo, args.eval_workers)
-    evaluations = [_reusable(s, True) for s in specs]
+    evaluations = JOBS.run_all(args, specs, evaluate_arm, "evaluating {} arm(s) on the test split")
     rows = []
     for arm, ev in zip(args.arms, evaluations):
         stages = trained[arm]["stages"]
@@ -361,12 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "training_minutes": trained[arm]["training_minutes"],
                      **{k: v for k, v in ev.items() if k not in ("spec", "arm", "correct_per_prompt")}})
     output = {"arguments": dataclasses.asdict(args), "table": rows, "evaluations": evaluations}
-    table = markdown_table(args, rows)
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), output)
-        write_text(os.path.join(args.output_dir, "results.md"), table)
-        plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
-        print(table)
+    write_results(args.output_dir, output, markdown_table(args, rows),
+                  lambda: plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png")))
     return output
 
 

@@ -56,11 +56,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 from trl_es.files import write_json
+
+from _study.arms import parse_arguments
 
 
 @dataclass
@@ -109,10 +110,7 @@ class PretrainArguments:
 
 def parse_args(argv: list[str] | None = None) -> PretrainArguments:
     """Parse ``argv`` (default: ``sys.argv[1:]``), with ``--config file.yaml`` support."""
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((PretrainArguments,)).parse_args_and_config(args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(PretrainArguments, argv)
 
 
 def load_tokenizer(args: PretrainArguments, texts):

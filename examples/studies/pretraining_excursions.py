@@ -32,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
-from trl_es.files import is_main_process, save_figure, write_json, write_text
+from trl_es.files import save_figure
 
 from _study import load_script
+from _study.arms import parse_arguments, write_results
 from _study.spread import format_mean_std, mean_std
 
 ARM_ORDER = load_script("parallel_averaging").ARMS  # the arms parallel_averaging.py runs, in its table order
@@ -170,11 +170,7 @@ def plot(rows: list[dict], pass_k: list[int], labels: dict, path: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> ExcursionArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((ExcursionArguments,)).parse_args_and_config(
-        args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(ExcursionArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -201,11 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  if k != "checkpoints"},
                "checkpoints": checkpoints, "runs": runs, "table": rows}
     table = markdown(rows, pass_k, labels, pretraining)
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), results)
-        write_text(os.path.join(args.output_dir, "results.md"), table)
-        plot(rows, pass_k, labels, os.path.join(args.output_dir, "excursions.png"))
-    print(table, flush=True)
+    write_results(args.output_dir, results, table,
+                  lambda: plot(rows, pass_k, labels, os.path.join(args.output_dir, "excursions.png")))
     return results
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
@@ -52,7 +51,9 @@ from transformers import TrainerCallback
 from trl_es.analysis.protocol import PAPER_PROTOCOL
 from trl_es.analysis import weights_fingerprint as fingerprint
 from trl_es.cli import es_config_kwargs, load_recipe
-from trl_es.files import is_main_process, write_json, write_text
+from trl_es.files import is_main_process, write_json
+
+from _study.arms import JobArguments, Jobs, parse_arguments, write_results
 
 ARMS = {
     "base": (),
@@ -70,7 +71,7 @@ DEFAULT_RECIPE = os.path.normpath(
 
 
 @dataclass
-class SequentialArguments:
+class SequentialArguments(JobArguments):
     """Arguments of the sequential-recipes comparison (every field is also a key of the YAML recipe)."""
 
     output_dir: str = field(default="runs/sequential", metadata={"help": "Where models, tables and the plot go."})
@@ -86,10 +87,6 @@ class SequentialArguments:
                                                                        "which problems train holds)."})
     num_test_prompts: int = field(default=200, metadata={"help": "Test prompts: every figure of the table."})
     seed: int = field(default=0, metadata={"help": "Training seed of every phase and the evaluation's sampling seed."})
-    in_process: bool = field(default=False, metadata={
-        "help": "Run every phase and evaluation in this process (tests; one GPU) instead of fresh process trees."})
-    reuse: bool = field(default=True, metadata={
-        "help": "Skip a phase or evaluation whose result.json holds the same spec (resume an interrupted run)."})
     # ES
     es_recipe: str = field(default=DEFAULT_RECIPE, metadata={"help": "YAML recipe whose ESConfig keys configure ES."})
     es_overrides: list[str] = field(default_factory=list,
@@ -123,9 +120,6 @@ class SequentialArguments:
                 "call, one prompt a call from 64 samples on). 1: each prompt computed once for its samples."})
     num_kl_prompts: int = field(default=32, metadata={"help": "Off-task (Countdown) prompts for the KL."})
     kl_max_new_tokens: int = field(default=16, metadata={"help": "New tokens per off-task KL sample."})
-    eval_workers: int | None = field(default=None, metadata={
-        "help": "Arms evaluated at once, one process each (default: GPUs, else physical cores)."})
-    worker: str | None = field(default=None, metadata={"help": "Internal: run one phase or evaluation from a spec."})
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -289,21 +283,11 @@ def evaluate_arm(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
-#: Arguments that choose which arms run, not what an arm computes: a saved result stays reusable when they change
-#: (adding arms to a finished run trains and evaluates only the new ones).
-NOT_IN_RESULT = ("arms", "reuse", "worker")
-
-
-def _reusable(spec: dict, reuse: bool) -> dict | None:
-    from trl_es.launch import reusable_result
-
-    return reusable_result(spec, reuse, NOT_IN_RESULT)
+JOBS = Jobs(__file__, "sequential", not_in_result=("arms",))  # adding arms runs only the new ones
 
 
 def run_arm(args: SequentialArguments, arm: str) -> dict:
     """Train one arm phase after phase; each phase starts from the previous phase's saved model."""
-    from trl_es.launch import run_worker
-
     model_path, phases = args.model_name_or_path, []
     for index, (method, fraction) in enumerate(ARMS[arm]):
         folder = os.path.join(args.output_dir, arm, f"phase{index + 1}_{method}")
@@ -311,37 +295,22 @@ def run_arm(args: SequentialArguments, arm: str) -> dict:
         spec = {"kind": "train", "arm": arm, "method": method, "model": model_path, "output_dir": folder,
                 "budget_seconds": 60.0 * args.budget_minutes * fraction, "args": dataclasses.asdict(args),
                 "result": os.path.join(folder, "result.json")}
-        result = _reusable(spec, args.reuse)
-        if result is None:
-            print(f"[sequential] {arm}: phase {index + 1} {method} for {spec['budget_seconds'] / 60:.2f} min from "
-                  f"{model_path}", flush=True)
-            if args.in_process:
-                result = train_phase(spec)
-            else:
-                processes = args.es_num_processes if method == "es" else args.grpo_num_processes
-                result = run_worker(os.path.abspath(__file__), spec, processes)
+        processes = args.es_num_processes if method == "es" else args.grpo_num_processes
+        result = JOBS.run(args, spec, train_phase, processes, f"{arm}: phase {index + 1} {method} for "
+                          f"{spec['budget_seconds'] / 60:.2f} min from {model_path}")
         phases.append(result)
         model_path = result["model_dir"]
     return {"arm": arm, "model": model_path, "phases": phases}
 
 
 def evaluate_arms(args: SequentialArguments, trained: list[dict]) -> list[dict]:
-    from trl_es.launch import run_workers
-
     specs = []
     for item in trained:
         folder = os.path.join(args.output_dir, item["arm"])
         os.makedirs(folder, exist_ok=True)
         specs.append({"kind": "evaluate", "arm": item["arm"], "model": item["model"], "args": dataclasses.asdict(args),
                       "result": os.path.join(folder, "evaluation.json")})
-    todo = [s for s in specs if _reusable(s, args.reuse) is None]
-    print(f"[sequential] evaluating {len(todo)} arm(s) on the test split", flush=True)
-    if args.in_process:
-        for spec in todo:
-            evaluate_arm(spec)
-    elif todo:
-        run_workers(os.path.abspath(__file__), todo, args.eval_workers)
-    return [_reusable(s, True) for s in specs]
+    return JOBS.run_all(args, specs, evaluate_arm, "evaluating {} arm(s) on the test split")
 
 
 TABLE_COLUMNS = ("greedy Pass@1", "Pass@K", "JS_succ", "token entropy", "off-task KL", "drift L2", "drift rel.")
@@ -397,11 +366,7 @@ def plot_pass_at_k(args: SequentialArguments, rows: list[dict], path: str) -> No
 
 
 def parse_args(argv: list[str] | None = None) -> SequentialArguments:
-    from trl_es.arguments import TrlESParser
-
-    (args,) = TrlESParser((SequentialArguments,)).parse_args_and_config(
-        args=list(sys.argv[1:] if argv is None else argv))
-    return args
+    return parse_arguments(SequentialArguments, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -416,12 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluations = evaluate_arms(args, trained)
     rows = table_rows(args, trained, evaluations)
     output = {"arguments": dataclasses.asdict(args), "table": rows, "arms": trained, "evaluations": evaluations}
-    table = markdown_table(args, rows)
-    if is_main_process():
-        write_json(os.path.join(args.output_dir, "results.json"), output)
-        write_text(os.path.join(args.output_dir, "results.md"), table)
-        plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png"))
-        print(table)
+    write_results(args.output_dir, output, markdown_table(args, rows),
+                  lambda: plot_pass_at_k(args, rows, os.path.join(args.output_dir, "pass_at_k.png")))
     return output
 
 

@@ -1,7 +1,6 @@
 """Fitness that sees the sampling distribution (issue 22): per-prompt shaping of the members x prompts fitness
 matrix, sampled rollouts reproducible from the seed, batched low-rank rows == materialized members when sampling."""
 
-import copy
 import json
 import math
 import os
@@ -9,19 +8,19 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from oracles import LINEARS, materialized, members3
 from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
 from trl_es.es.fitness import MemberScores, PopulationScores
-from trl_es.es.noise import NoiseTable, full_noise
+from trl_es.es.noise import NoiseTable
 from trl_es.es.population import BatchedLowRankPopulation
 from trl_es.es.shaping import shape_fitness
-from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.es.update import TrainedParameters, select_parameters
 from trl_es.rollout import build_generation_config, generate_completions
 
 NAN = math.nan
-LINEARS = r"(proj|lm_head)\.weight$"
 SMALL_TABLE = 1 << 20
 
 
@@ -211,24 +210,13 @@ def test_sampled_fitness_run_is_reproducible_from_the_seed_and_replays(tmp_path,
 
 
 # ------------------------------------------------------------------------------------------- low-rank rows, sampled
-def materialized(model, noise, member, sigma, rank):
-    """``W + sign * sigma / sqrt(r) * A @ B^T`` in every targeted weight, read from the noise source directly."""
-    copy_ = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in select_parameters(copy_, LINEARS):
-            a = full_noise(noise, member.seed, name + ".lowrank_A", (p.shape[0], rank)).double()
-            b = full_noise(noise, member.seed, name + ".lowrank_B", (p.shape[1], rank)).double()
-            p.add_((member.sign * sigma / math.sqrt(rank) * (a @ b.T)).to(p.dtype))
-    return copy_
-
-
 def test_batched_lowrank_rows_sample_as_the_materialized_members(tokenizer):
     """One sampled generate over 3 members' row blocks == each materialized member sampled alone with the same seed
     and the same batch shape (HF's sampler draws per row from one stream: row j's draw is the same slice of it)."""
     model = build_llama(tokenizer).eval()
     noise = NoiseTable(SMALL_TABLE)
     params = TrainedParameters(select_parameters(model, LINEARS))
-    members, sigma, rank = [Member(11, 1), Member(11, -1), Member(29, 1)], 0.05, 2
+    members, sigma, rank = members3(), 0.05, 2
     texts = ["Write: 1", "Hello there, friend"]
     config = build_generation_config(tokenizer, 8, temperature=1.0, top_p=0.95)
     backend = BatchedLowRankPopulation(noise_rank=rank)

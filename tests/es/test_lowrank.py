@@ -1,8 +1,6 @@
 """Batched low-rank population (EGGROLL, arXiv 2511.16652): batched forward == materialized W + E_i, update, replay."""
 
-import copy
 import json
-import math
 import os
 
 import pytest
@@ -12,8 +10,9 @@ from tiny import build_llama, build_qwen2
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
-from trl_es.es.noise import NoiseTable, full_noise
+from trl_es.es.noise import NoiseTable
 from trl_es.es.perturbation import LowRankPerturbation, linear_weight_names, lowrank_perturbation
+from oracles import LINEARS, materialized, members3
 from population_loop import score_population
 
 from trl_es.es.population import BatchedLowRankPopulation, make_population_backend
@@ -21,34 +20,12 @@ from trl_es.es.update import Member, TrainedParameters, es_gradient_, es_update_
 from trl_es.rollout import build_generation_config, generate_completions
 
 SMALL_TABLE = 1 << 20
-LINEARS = r"(proj|lm_head)\.weight$"
 PROMPTS = ["Write: 1", "Hello there, friend"]  # different lengths: left padding is exercised
 
 
 @pytest.fixture(scope="module")
 def noise():
     return NoiseTable(SMALL_TABLE)
-
-
-def members3():
-    """An antithetic pair and a third member: 3 members, so 3 row blocks."""
-    return [Member(11, 1), Member(11, -1), Member(29, 1)]
-
-
-def materialized(model, noise, member, sigma, rank, include=LINEARS):
-    """A copy of ``model`` with ``W + sign * (sigma / sqrt(r)) * A @ B^T`` written into every targeted weight.
-
-    ``A`` and ``B`` are read straight from the noise source (the documented tensor names), independently of
-    the backend's own factor code.
-    """
-    copy_ = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in select_parameters(copy_, include):
-            out_features, in_features = p.shape
-            a = full_noise(noise, member.seed, name + ".lowrank_A", (out_features, rank)).double()
-            b = full_noise(noise, member.seed, name + ".lowrank_B", (in_features, rank)).double()
-            p.add_((member.sign * sigma / math.sqrt(rank) * (a @ b.T)).to(p.dtype))
-    return copy_
 
 
 class StackedRollout:

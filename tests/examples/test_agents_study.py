@@ -4,15 +4,10 @@ GRPO, ES at GRPO's completions and minutes) on the tiny Llama with TRL's Qwen2.5
 import json
 import os
 
-import pytest
-from example_script import example_script
 from tiny_tools import tool_model, tool_tokenizer
 
 
-@pytest.fixture(scope="module")
-def study():
-    with example_script("studies/agents_es_vs_grpo.py", "agents_es_vs_grpo") as module:
-        yield module
+STUDY = "agents_es_vs_grpo"
 
 
 def test_product_reward_grades_the_final_assistant_message(study):

@@ -4,31 +4,27 @@ import json
 import os
 
 import pytest
-from example_script import example_script
 from tiny import content_reward
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def awd():
-    with example_script("studies/awd_retention.py", "awd_retention") as module:
-        yield module
+STUDY = "awd_retention"
 
 
-def test_tiny_end_to_end_tracks_every_column(awd, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(awd, "task_reward_funcs", lambda: [content_reward])
-    out = tmp_path / "awd"
+def test_tiny_end_to_end_tracks_every_column(study, run_study, monkeypatch):
+    monkeypatch.setattr(study, "task_reward_funcs", lambda: [content_reward])
+    out = run_study.output_dir
     argv = [
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
+        "--in_process", "true",
         "--num_train_prompts", "16", "--num_validation_prompts", "3", "--num_test_prompts", "3",
         "--num_prior_prompts", "3", "--max_steps", "3", "--eval_every", "2", "--awd_lambdas", "1", "5",
         "--num_chosen", "1", "--large_population_size", "8", "--num_kl_prompts", "2", "--kl_max_new_tokens", "4",
         "--eval_max_new_tokens", "6", "--es_overrides", "population_size=4", "prompt_batch_size=2",
         "noise_table_size=1048576", "max_completion_length=6", "sigma=0.1", "learning_rate=0.05",
     ]
-    results = awd.main(argv)
+    results = run_study(*argv)
     assert [r["run"] for r in results["runs"]] == ["awd_0", "awd_1", "awd_5", "pop_8"]
     assert [r["completions_generated"] for r in results["runs"]] == [3 * 4 * 2] * 3 + [3 * 8 * 2]
     selection = results["selection"]
@@ -57,35 +53,35 @@ def test_tiny_end_to_end_tracks_every_column(awd, tiny_model_dir, tmp_path, monk
     assert json.loads((out / "results.json").read_text())["selection"] == selection
 
     # the same run with only the chosen candidate listed: every run and tracking is reused, the report is the same
-    monkeypatch.setattr(awd, "train_run", lambda *a, **k: pytest.fail("a run was trained again"))
-    monkeypatch.setattr(awd, "track", lambda *a, **k: pytest.fail("a run was tracked again"))
+    monkeypatch.setattr(study, "train_run", lambda *a, **k: pytest.fail("a run was trained again"))
+    monkeypatch.setattr(study, "track", lambda *a, **k: pytest.fail("a run was tracked again"))
     lam = selection["chosen"][0].removeprefix("awd_")
     i = argv.index("--awd_lambdas")
-    again = awd.main([*argv[:i + 1], lam, *argv[i + 3:]])
+    again = run_study(*argv[:i + 1], lam, *argv[i + 3:])
     assert again["report"] == json.loads(json.dumps(results["report"]))
 
 
-def test_selection_rule(awd):
-    args = awd.parse_args(["--awd_lambdas", "3", "10", "30", "--num_chosen", "2", "--target_tolerance", "0.05"])
+def test_selection_rule(study):
+    args = study.parse_args(["--awd_lambdas", "3", "10", "30", "--num_chosen", "2", "--target_tolerance", "0.05"])
     runs = [{"run": name, "awd_lambda": lam} for name, lam in
             (("awd_0", 0.0), ("awd_3", 3.0), ("awd_10", 10.0), ("awd_30", 30.0))]
     final = {"awd_0": (0.60, 0.40), "awd_3": (0.58, 0.45), "awd_10": (0.56, 0.55), "awd_30": (0.40, 0.70)}
     validation = {name: {"points": [{"target": t, "prior_mean": p, "mul_1_12": p, "sub_1_12": p}]}
                   for name, (t, p) in final.items()}
-    selection = awd.select(args, runs, validation)
+    selection = study.select(args, runs, validation)
     # awd_30 keeps the most prior accuracy but loses 0.20 of target accuracy (> 0.05): not eligible
     assert [c["eligible"] for c in selection["candidates"]] == [True, True, False]
     assert selection["chosen"] == ["awd_10", "awd_3"]  # by prior accuracy among the eligible
-    args = awd.parse_args(["--awd_lambdas", "3", "10", "30", "--num_chosen", "2", "--target_tolerance", "0.01"])
-    assert awd.select(args, runs, validation)["chosen"] == ["awd_3", "awd_10"]  # none eligible: by target accuracy
+    args = study.parse_args(["--awd_lambdas", "3", "10", "30", "--num_chosen", "2", "--target_tolerance", "0.01"])
+    assert study.select(args, runs, validation)["chosen"] == ["awd_3", "awd_10"]  # none eligible: by target accuracy
 
 
-def test_recipe_parses(awd):
+def test_recipe_parses(study):
     root = os.path.join(REPO, "examples", "recipes")
-    args = awd.parse_args(["--config", os.path.join(root, "awd_retention_cpu.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "awd_retention_cpu.yaml")])
     assert args.awd_lambdas == [3.0, 10.0, 30.0] and args.prior_tasks == ["mul_1_12", "sub_1_12"]
-    kwargs = awd.es_config_kwargs(args)
+    kwargs = study.es_config_kwargs(args)
     assert kwargs["lr_scheduler_type"] == "constant" and "lr_scheduler_kwargs" not in kwargs
     assert max(args.awd_lambdas) * kwargs["learning_rate"] < 1  # AWD l2 stays a shrink
     with pytest.raises(ValueError, match="prior_tasks"):
-        awd.parse_args(["--prior_tasks", "div"])
+        study.parse_args(["--prior_tasks", "div"])

@@ -5,16 +5,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from example_script import example_script
 
 
-@pytest.fixture(scope="module")
-def race():
-    with example_script("studies/compare_es_grpo.py", "compare_es_grpo") as module:
-        yield module
+STUDY = "compare_es_grpo"
 
 
-def test_clock_excludes_evaluation_time_and_stops_at_budget(race):
+def test_clock_excludes_evaluation_time_and_stops_at_budget(study):
     calls = []
 
     def slow_eval(model):
@@ -22,7 +18,7 @@ def test_clock_excludes_evaluation_time_and_stops_at_budget(race):
         time.sleep(0.2)  # evaluation time: must not count towards the training clock
         return 0.5
 
-    clock = race.EvalClockCallback(slow_eval, budget_seconds=0.25, eval_every_seconds=0.1)
+    clock = study.EvalClockCallback(slow_eval, budget_seconds=0.25, eval_every_seconds=0.1)
     args, state = SimpleNamespace(), SimpleNamespace(global_step=0)
     control = SimpleNamespace(should_training_stop=False)
     clock.on_train_begin(args, state, control, model="m")
@@ -47,39 +43,39 @@ def test_clock_excludes_evaluation_time_and_stops_at_budget(race):
     assert abs((wall - eval_seconds) - clock.training_seconds) < 0.05
 
 
-def test_es_config_kwargs_drops_task_keys_and_applies_overrides(race):
+def test_es_config_kwargs_drops_task_keys_and_applies_overrides(study):
     recipe = {"model_name_or_path": "x", "task": "arithmetic", "num_train_prompts": 400, "sigma": 0.003,
               "population_size": 16}
-    kwargs = race.es_config_kwargs(recipe, ["population_size=8", "antithetic=false"])
+    kwargs = study.es_config_kwargs(recipe, ["population_size=8", "antithetic=false"])
     assert kwargs == {"sigma": 0.003, "population_size": 8, "antithetic": False}
     with pytest.raises(ValueError, match="key=value"):
-        race.es_config_kwargs(recipe, ["not_a_field=1"])
+        study.es_config_kwargs(recipe, ["not_a_field=1"])
 
 
-def test_race_es_kwargs_per_schedule(race, tmp_path):
+def test_race_es_kwargs_per_schedule(study, tmp_path):
     from trl_es import ESConfig
 
-    recipe = race.load_recipe(race.DEFAULT_RECIPE)
-    args = race.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe"])
-    kwargs = race.race_es_kwargs(args, recipe, str(tmp_path / "es"))
+    recipe = study.load_recipe(study.DEFAULT_RECIPE)
+    args = study.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe"])
+    kwargs = study.race_es_kwargs(args, recipe, str(tmp_path / "es"))
     config = ESConfig(**kwargs)
     assert config.eval_strategy == "no" and config.max_steps == recipe["max_steps"]
     assert config.lr_scheduler_type == recipe["lr_scheduler_type"] and config.output_dir == str(tmp_path / "es")
     # the time schedule (default): the budget stops the run; alpha comes from TimeScheduleCallback
-    timed = race.race_es_kwargs(race.parse_args(["--output_dir", str(tmp_path)]), recipe, str(tmp_path))
-    assert timed["max_steps"] == race.NO_LIMIT_STEPS and timed["lr_scheduler_type"] == "constant"
+    timed = study.race_es_kwargs(study.parse_args(["--output_dir", str(tmp_path)]), recipe, str(tmp_path))
+    assert timed["max_steps"] == study.NO_LIMIT_STEPS and timed["lr_scheduler_type"] == "constant"
     assert "lr_scheduler_kwargs" not in timed
-    unset = race.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe", "--es_overrides", "max_steps=-1"])
-    assert race.race_es_kwargs(unset, recipe, str(tmp_path))["max_steps"] == race.NO_LIMIT_STEPS
+    unset = study.parse_args(["--output_dir", str(tmp_path), "--es_schedule", "recipe", "--es_overrides", "max_steps=-1"])
+    assert study.race_es_kwargs(unset, recipe, str(tmp_path))["max_steps"] == study.NO_LIMIT_STEPS
     for bad in ("0", "-3", "2.5", "true"):
-        wrong = race.parse_args(["--output_dir", str(tmp_path), "--es_overrides", f"max_steps={bad}"])
+        wrong = study.parse_args(["--output_dir", str(tmp_path), "--es_overrides", f"max_steps={bad}"])
         with pytest.raises(ValueError, match="max_steps"):
-            race.race_es_kwargs(wrong, recipe, str(tmp_path))
+            study.race_es_kwargs(wrong, recipe, str(tmp_path))
 
 
-def test_arms_and_summary(race, tmp_path):
-    args = race.parse_args(["--output_dir", str(tmp_path), "--budgets_minutes", "4", "8", "--task_seeds", "0", "1"])
-    arms = race.arms(args)
+def test_arms_and_summary(study, tmp_path):
+    args = study.parse_args(["--output_dir", str(tmp_path), "--budgets_minutes", "4", "8", "--task_seeds", "0", "1"])
+    arms = study.arms(args)
     # ES with the time schedule: one run per budget; GRPO (constant lr): one run scored at every mark
     assert [(a["method"], a["task_seed"], a["budget_minutes"], a["marks_minutes"]) for a in arms] == [
         ("es", 0, 4.0, []), ("es", 0, 8.0, [4.0]), ("grpo", 0, 8.0, [4.0]),
@@ -95,29 +91,29 @@ def test_arms_and_summary(race, tmp_path):
                run("es", 1, 4.0, [(0, 0.3), (4.0, 0.7)], **{"sampled_pass@1": 0.5}),
                run("es", 1, 8.0, [(0, 0.3), (4.1, 0.5), (8.0, 0.8)]),
                run("grpo", 1, 8.0, [(0, 0.3), (4.0, 0.65), (8.3, 0.55)])]
-    rows = {(r["method"], r["budget_minutes"]): r for r in race.summarize(args, results)}
+    rows = {(r["method"], r["budget_minutes"]): r for r in study.summarize(args, results)}
     assert rows[("es", 4.0)]["per_seed"] == {0: 0.5, 1: 0.7}  # the 4-minute runs' ends, not the 8-minute runs' marks
     assert rows[("es", 4.0)]["mean"] == pytest.approx(0.6) and rows[("es", 4.0)]["std"] == pytest.approx(0.1414, abs=1e-4)
     assert rows[("es", 4.0)]["sampled_pass@1"] == pytest.approx(0.4)
     assert rows[("es", 4.0)]["sampled_pass@1_std"] == pytest.approx(0.1414, abs=1e-4)
     assert rows[("grpo", 4.0)]["per_seed"] == {0: 0.55, 1: 0.65}  # the 8-minute run scored at its 4-minute mark
     assert rows[("grpo", 8.0)]["mean"] == pytest.approx(0.5)
-    table = race.markdown_table(args, list(rows.values()), 0.25)
+    table = study.markdown_table(args, list(rows.values()), 0.25)
     assert "| ES (ESTrainer) | 4 | 0.500, 0.700 | 0.600 | 0.141 | 0.400 +- 0.141 |" in table
     assert "| GRPO (TRL GRPOTrainer) | 8 | 0.450, 0.550 | 0.500 | 0.071 | - |" in table
 
 
-def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
-    out = tmp_path / "race"
-    results = race.main([
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--task_seeds", "0",
+def test_race_on_tiny_model(run_study):
+    out = run_study.output_dir
+    results = run_study(
+        "--task_seeds", "0",
         "--budgets_minutes", "0.02", "0.04", "--num_train_prompts", "16", "--num_validation_prompts", "4",
         "--num_test_prompts", "6", "--eval_batch_size", "6", "--sampled_samples", "2", "--final_max_new_tokens", "8",
         "--entropy_prompts", "2",
         "--es_num_processes", "1", "--threads_per_process", "1",
         "--es_overrides", "population_size=4", "prompt_batch_size=4", "noise_table_size=1048576",
         "max_completion_length=6",
-    ])
+    )
     with open(out / "results.json") as f:
         saved = json.load(f)
     assert [(r["method"], r["budget_minutes"]) for r in saved["table"]] == [
@@ -136,7 +132,7 @@ def test_race_on_tiny_model(race, tiny_model_dir, tmp_path):
     assert saved["table"] == json.loads(json.dumps(results["table"]))
 
 
-def test_reuse_results_reads_back_an_arm_run_with_the_same_settings(race, tmp_path, monkeypatch):
+def test_reuse_results_reads_back_an_arm_run_with_the_same_settings(study, tmp_path, monkeypatch):
     import trl_es.launch
 
     calls = []
@@ -150,22 +146,22 @@ def test_reuse_results_reads_back_an_arm_run_with_the_same_settings(race, tmp_pa
 
     monkeypatch.setattr(trl_es.launch, "run_worker", fake_worker)
     argv = ["--output_dir", str(tmp_path), "--budgets_minutes", "4", "--task_seeds", "0", "--methods", "es"]
-    args = race.parse_args([*argv, "--reuse_results"])
-    (spec,) = race.arms(args)
-    assert race.launch_arm(args, spec)["run"] == 1  # nothing saved yet: runs
+    args = study.parse_args([*argv, "--reuse_results"])
+    (spec,) = study.arms(args)
+    assert study.launch_arm(args, spec)["run"] == 1  # nothing saved yet: runs
     saved = json.loads((tmp_path / "seed0" / "es_4min" / "arm.json").read_text())
     assert saved["arm"] == {"method": "es", "task_seed": 0, "budget_minutes": 4.0, "marks_minutes": []}
-    assert saved["es_config"]["population_size"] == race.race_es_kwargs(args, race.load_recipe(args.es_recipe),
+    assert saved["es_config"]["population_size"] == study.race_es_kwargs(args, study.load_recipe(args.es_recipe),
                                                                         "<arm>")["population_size"]
-    assert race.launch_arm(args, spec)["run"] == 1 and calls == [0]  # same settings: read back, not run
+    assert study.launch_arm(args, spec)["run"] == 1 and calls == [0]  # same settings: read back, not run
     # Another run's output folder or arm list does not matter; any setting of the arm does.
-    wider = race.parse_args([*argv, "--reuse_results", "--task_seeds", "0", "1", "--save_models"])
-    assert race.launch_arm(wider, race.arms(wider)[0])["run"] == 1 and calls == [0]
-    changed = race.parse_args([*argv, "--reuse_results", "--es_overrides", "sigma=0.01"])
-    assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2
+    wider = study.parse_args([*argv, "--reuse_results", "--task_seeds", "0", "1", "--save_models"])
+    assert study.launch_arm(wider, study.arms(wider)[0])["run"] == 1 and calls == [0]
+    changed = study.parse_args([*argv, "--reuse_results", "--es_overrides", "sigma=0.01"])
+    assert study.launch_arm(changed, study.arms(changed)[0])["run"] == 2
     arm_dir = tmp_path / "seed0" / "es_4min"
     assert json.loads((arm_dir / "result.replaced.json").read_text())["run"] == 1  # the earlier result is kept
     assert json.loads((arm_dir / "arm.replaced.json").read_text()) == saved
-    assert race.launch_arm(changed, race.arms(changed)[0])["run"] == 2  # now saved with the new settings
-    no_reuse = race.parse_args([*argv, "--es_overrides", "sigma=0.01"])
-    assert race.launch_arm(no_reuse, race.arms(no_reuse)[0])["run"] == 3 and calls == [0, 0, 0]
+    assert study.launch_arm(changed, study.arms(changed)[0])["run"] == 2  # now saved with the new settings
+    no_reuse = study.parse_args([*argv, "--es_overrides", "sigma=0.01"])
+    assert study.launch_arm(no_reuse, study.arms(no_reuse)[0])["run"] == 3 and calls == [0, 0, 0]

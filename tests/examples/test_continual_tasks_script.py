@@ -4,26 +4,22 @@ import json
 import os
 
 import pytest
-from example_script import example_script
 from tiny import content_reward
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def cont():
-    with example_script("studies/continual_tasks.py", "continual_tasks") as module:
-        yield module
+STUDY = "continual_tasks"
 
 
-def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
-    geo = cont.load_script("geometry")
+def test_tiny_end_to_end(study, run_study, tiny_model_dir, monkeypatch):
+    geo = study.load_script("geometry")
     monkeypatch.setattr(geo, "reward_funcs", lambda: [content_reward])
-    out = tmp_path / "continual"
+    out = run_study.output_dir
     argv = [
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--seeds", "0", "1",
-        "--es_budgets", "1", "2", "--grpo_max_steps", "1", "--num_train_prompts", "8", "--num_validation_prompts", "4",
+        "--seeds", "0", "1", "--es_budgets", "1", "2", "--grpo_max_steps", "1", "--num_train_prompts", "8",
+        "--num_validation_prompts", "4",
         "--num_test_prompts", "6", "--max_completion_length", "4", "--num_generations", "4", "--prompts_per_step", "1",
         "--learning_rate", "1e-2", "--num_kl_prompts", "2", "--eval_batch_size", "6",
         "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576", "sigma=0.1",
@@ -38,7 +34,7 @@ def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
         return real_train(args, method, seed, folder, splits)
 
     monkeypatch.setattr(geo, "train_method", spy)
-    results = cont.main(argv)
+    results = run_study(*argv)
     # per seed and arm: task A ("+") from the base, then task B ("-") from the stage-A checkpoint
     for seed in (0, 1):
         for method, updates, arm in (("grpo", 1, "grpo"), ("es", 1, "es1"), ("es", 2, "es2")):
@@ -66,17 +62,17 @@ def test_tiny_end_to_end(cont, tiny_model_dir, tmp_path, monkeypatch):
 
     # a finished seed is reused: nothing is trained again
     monkeypatch.setattr(geo, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
-    assert json.loads(json.dumps(cont.main(argv)["summary"])) == json.loads(json.dumps(summary))
+    assert json.loads(json.dumps(run_study(*argv)["summary"])) == json.loads(json.dumps(summary))
 
 
-def test_tasks_split_one_grid_by_operator(cont):
+def test_tasks_split_one_grid_by_operator(study):
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(REPO, "examples", "recipes")
-    args = cont.parse_args(["--config", os.path.join(root, "continual_tiny.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "continual_tiny.yaml")])
     assert (args.task_a_ops, args.task_b_ops, args.es_budgets, args.grpo_max_steps) == (["+"], ["-"], [30, 90], 60)
     assert list(args.arms()) == ["grpo", "es30", "es90"]
-    splits = cont.task_splits(args)
+    splits = study.task_splits(args)
     held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
     key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
     for name in ("test", "validation"):
@@ -86,12 +82,12 @@ def test_tasks_split_one_grid_by_operator(cont):
     assert len(splits["A"]["train_dataset"]) + len(splits["B"]["train_dataset"]) == 400
 
 
-def test_bad_arguments_name_the_field(cont):
+def test_bad_arguments_name_the_field(study):
     with pytest.raises(ValueError, match="share none"):
-        cont.parse_args(["--task_a_ops", "+", "-", "--task_b_ops", "-"])
+        study.parse_args(["--task_a_ops", "+", "-", "--task_b_ops", "-"])
     with pytest.raises(ValueError, match="es_budgets must be an integer >= 1"):
-        cont.parse_args(["--es_budgets", "0"])
+        study.parse_args(["--es_budgets", "0"])
     with pytest.raises(ValueError, match="no arm to train"):
-        cont.ContinualArguments(es_budgets=[], grpo_max_steps=0)
+        study.ContinualArguments(es_budgets=[], grpo_max_steps=0)
     with pytest.raises(ValueError, match="must not repeat"):
-        cont.parse_args(["--es_budgets", "5", "5"])
+        study.parse_args(["--es_budgets", "5", "5"])

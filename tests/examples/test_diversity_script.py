@@ -5,34 +5,30 @@ import math
 import os
 
 import pytest
-from example_script import example_script
 from tiny import content_reward
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def div():
-    with example_script("studies/diversity_pass_at_k.py", "diversity_pass_at_k") as module:
-        yield module
+STUDY = "diversity_pass_at_k"
 
 
-def test_spearman_is_the_rank_correlation(div):
-    assert div.spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 25.0, 100.0]) == pytest.approx(1.0)
-    assert div.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
-    assert div.spearman([1.0, 2.0], [1.0, 2.0]) is None  # fewer than 3 runs
-    assert div.spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # a constant series has no rank correlation
+def test_spearman_is_the_rank_correlation(study):
+    assert study.spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 25.0, 100.0]) == pytest.approx(1.0)
+    assert study.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert study.spearman([1.0, 2.0], [1.0, 2.0]) is None  # fewer than 3 runs
+    assert study.spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None  # a constant series has no rank correlation
 
 
-def test_tiny_end_to_end(div, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(div, "reward_funcs", lambda: [content_reward])
-    out = tmp_path / "div"
-    argv = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--population_sizes", "2", "4",
+def test_tiny_end_to_end(study, run_study, monkeypatch):
+    monkeypatch.setattr(study, "reward_funcs", lambda: [content_reward])
+    out = run_study.output_dir
+    argv = ["--population_sizes", "2", "4",
             "--seeds", "0", "1", "--es_max_steps", "2", "--num_train_prompts", "8", "--num_test_prompts", "3",
             "--max_completion_length", "5", "--num_samples", "4", "--pass_k", "1", "4", "--eval_batch_size", "3",
             "--es_overrides", "prompt_batch_size=2", "noise_table_size=1048576", "sigma=0.1"]
-    results = div.main(argv)
+    results = run_study(*argv)
     runs = results["runs"]
     assert [(r["population_size"], r["seed"]) for r in runs] == [(2, 0), (2, 1), (4, 0), (4, 1)]
     for r in runs:
@@ -47,20 +43,20 @@ def test_tiny_end_to_end(div, tiny_model_dir, tmp_path, monkeypatch):
     markdown = (out / "results.md").read_text()
     assert "Spearman correlation of mean JS_succ with pass@4 over 4 runs" in markdown
     assert (out / "js_succ_vs_pass_at_k.png").stat().st_size > 0
-    monkeypatch.setattr(div, "run_one", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    again = div.main(argv)
+    monkeypatch.setattr(study, "run_one", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    again = run_study(*argv)
     assert json.loads(json.dumps(again["runs"])) == json.loads(json.dumps(runs))
 
 
-def test_recipe_parses(div):
+def test_recipe_parses(study):
     root = os.path.join(REPO, "examples", "recipes")
-    args = div.parse_args(["--config", os.path.join(root, "diversity_tiny.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "diversity_tiny.yaml")])
     assert args.population_sizes == [4, 8, 24] and args.seeds == [0, 1, 2] and args.pass_k == [1, 4, 8]
     assert args.model_name_or_path == "runs/pretrain_from_scratch/checkpoint-2000" and args.conversational is False
 
 
-def test_bad_arguments_name_the_field(div):
+def test_bad_arguments_name_the_field(study):
     with pytest.raises(ValueError, match="population_sizes must be integers >= 2"):
-        div.parse_args(["--population_sizes", "1", "4"])
+        study.parse_args(["--population_sizes", "1", "4"])
     with pytest.raises(ValueError, match="pass_k values must be in"):
-        div.parse_args(["--num_samples", "4", "--pass_k", "8"])
+        study.parse_args(["--num_samples", "4", "--pass_k", "8"])

@@ -12,10 +12,7 @@ from paths import REPO
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def geo():
-    with example_script("studies/geometry.py", "geometry") as module:
-        yield module
+STUDY = "geometry"
 
 
 def test_match_picks_the_earliest_checkpoint_at_the_lower_best():
@@ -29,14 +26,14 @@ def test_match_picks_the_earliest_checkpoint_at_the_lower_best():
         assert not geo.match(0.45, es, grpo)["matched"]  # no gain over the base: nothing to match
 
 
-def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(geo, "reward_funcs", lambda: [content_reward])
-    real_match = geo.match
+def test_tiny_end_to_end(study, run_study, tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "reward_funcs", lambda: [content_reward])
+    real_match = study.match
     # a random tiny model may not beat its own base on validation: analyse the pair the rule picks anyway
-    monkeypatch.setattr(geo, "match", lambda base, es, grpo: {**real_match(base, es, grpo), "matched": True})
-    out = tmp_path / "geometry"
+    monkeypatch.setattr(study, "match", lambda base, es, grpo: {**real_match(base, es, grpo), "matched": True})
+    out = run_study.output_dir
     argv = [
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--seeds", "0", "1",
+        "--seeds", "0", "1",
         "--es_max_steps", "2", "--grpo_max_steps", "2", "--eval_every", "1", "--lmc_points", "3",
         "--num_train_prompts", "8", "--num_validation_prompts", "6", "--num_test_prompts", "8",
         "--analysis_prompts", "3", "--max_completion_length", "5", "--num_generations", "4", "--prompts_per_step", "1",
@@ -45,7 +42,7 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
         "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576", "sigma=0.1",
         "learning_rate=0.05",
     ]
-    results = geo.main(argv)
+    results = run_study(*argv)
     assert [s["seed"] for s in results["seeds"]] == [0, 1]
     for s in results["seeds"]:
         assert [c["step"] for c in s["checkpoints"]["es"]] == [1, 2]
@@ -76,14 +73,14 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text())["summary"] == json.loads(json.dumps(summary))
 
     # a finished seed is reused: nothing is trained again
-    real_train = geo.train_method
-    monkeypatch.setattr(geo, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
-    again = geo.main(argv)
+    real_train = study.train_method
+    monkeypatch.setattr(study, "train_method", lambda *a, **k: pytest.fail("a finished seed was trained again"))
+    again = run_study(*argv)
     assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(summary))
 
     # the sparsity curves of each run's last checkpoint: its full update at fraction 1, scored on the same prompts
-    monkeypatch.setattr(geo, "train_method", real_train)
-    last = geo.main([*argv, "--seeds", "0", "--sparsity_checkpoint", "last", "--output_dir", str(tmp_path / "last")])
+    monkeypatch.setattr(study, "train_method", real_train)
+    last = run_study(*argv, "--seeds", "0", "--sparsity_checkpoint", "last", "--output_dir", str(tmp_path / "last"))
     a = last["seeds"][0]["analysis"]
     assert a["sparsity_steps"] == {"es": 2, "grpo": 2}
     assert results["seeds"][0]["analysis"]["sparsity_steps"] == {m: results["seeds"][0]["match"][m]["step"]
@@ -91,32 +88,32 @@ def test_tiny_end_to_end(geo, tiny_model_dir, tmp_path, monkeypatch):
     assert "Sparsity curves of the last checkpoints" in (tmp_path / "last" / "results.md").read_text()
 
 
-def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(geo):
+def test_recipe_parses_and_tests_on_the_problems_pre_training_held_out(study):
     from trl_es import ESConfig
     from trl_es.cli import es_config_kwargs, load_recipe
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(REPO, "examples", "recipes")
-    args = geo.parse_args(["--config", os.path.join(root, "geometry_tiny.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "geometry_tiny.yaml")])
     assert args.seeds == [0, 1, 2, 3, 4] and args.held_out_ops == [] and args.conversational is False
     assert (args.es_max_steps, args.grpo_max_steps, args.learning_rate, args.prompts_per_step) == (30, 60, 1e-4, 4)
     es = ESConfig(**{**es_config_kwargs(load_recipe(args.es_recipe), args.es_overrides), "output_dir": "x"})
     assert (es.population_backend, es.sigma, es.learning_rate, es.population_size) == ("sequential", 0.01, 0.01, 24)
-    splits = geo.splits_of(args)
+    splits = study.splits_of(args)
     held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
     key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
     assert key(splits["test"]) == key(held["test"]) and key(splits["validation"]) == key(held["validation"])
 
 
-def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(geo):
+def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(study):
     from _study.pretraining_corpus import pretraining_arithmetic_splits
 
     root = os.path.join(REPO, "examples", "recipes")
-    args = geo.parse_args(["--config", os.path.join(root, "geometry_addition_tiny.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "geometry_addition_tiny.yaml")])
     assert (args.task_ops, args.held_out_ops, args.es_max_steps, args.grpo_max_steps) == (["+"], ["-"], 90, 60)
     assert args.sparsity_checkpoint == "last"
     assert args.model_name_or_path.endswith("checkpoint-1500")
-    splits = geo.splits_of(args)
+    splits = study.splits_of(args)
     held = pretraining_arithmetic_splits(num_validation=100, num_test=200)  # the pre-training script's defaults
     key = lambda rows: [(r["a"], r["op"], r["b"]) for r in rows]  # noqa: E731
     assert {op for _, op, _ in key(splits["test"])} == {"+"} and {op for _, op, _ in key(splits["held_out"])} == {"-"}
@@ -125,12 +122,12 @@ def test_addition_recipe_trains_plus_and_holds_out_minus_of_the_same_split(geo):
     assert {r["op"] for r in splits["train_dataset"]} == {"+"} and {r["op"] for r in splits["validation"]} == {"+"}
 
 
-def test_bad_arguments_name_the_field(geo):
+def test_bad_arguments_name_the_field(study):
     with pytest.raises(ValueError, match="held_out_ops"):
-        geo.parse_args(["--task_ops", "+", "--held_out_ops", "+", "-"])
+        study.parse_args(["--task_ops", "+", "--held_out_ops", "+", "-"])
     with pytest.raises(ValueError, match="analysis_prompts must be in"):
-        geo.parse_args(["--num_test_prompts", "10", "--analysis_prompts", "11"])
+        study.parse_args(["--num_test_prompts", "10", "--analysis_prompts", "11"])
     with pytest.raises(ValueError, match="sparsity_checkpoint must be 'matched' or 'last'"):
-        geo.GeometryArguments(sparsity_checkpoint="best")
+        study.GeometryArguments(sparsity_checkpoint="best")
     with pytest.raises(ValueError, match="lmc_points must be >= 2"):
-        geo.parse_args(["--lmc_points", "1"])
+        study.parse_args(["--lmc_points", "1"])

@@ -5,27 +5,23 @@ import math
 import os
 
 import pytest
-from example_script import example_script
 from tiny import content_reward
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def pa():
-    with example_script("studies/parallel_averaging.py", "parallel_averaging") as module:
-        yield module
+STUDY = "parallel_averaging"
 
 
-def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(pa, "task_reward_funcs", lambda: [content_reward])
-    out = tmp_path / "pa"
+def test_tiny_end_to_end_every_arm(study, run_study, tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "task_reward_funcs", lambda: [content_reward])
+    out = run_study.output_dir
     texts = tmp_path / "general.json"
     texts.write_text(json.dumps(["the red fox runs in the park", "a small cat sleeps at noon"]))
     argv = [
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--in_process", "true",
-        "--arms", "base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft", "--max_steps", "4", "--es_max_steps", "1",
+        "--in_process", "true", "--arms", "base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft",
+        "--max_steps", "4", "--es_max_steps", "1",
         "--num_train_prompts", "16", "--num_validation_prompts", "0", "--num_test_prompts", "3",
         "--max_completion_length", "6", "--num_generations", "4", "--prompts_per_step", "1", "--sft_batch_size", "4",
         "--learning_rate", "1e-3", "--sft_learning_rate", "1e-3", "--num_samples", "4", "--pass_k", "1", "4",
@@ -33,7 +29,7 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
         "--es_overrides", "population_size=4", "prompt_batch_size=2", "noise_table_size=1048576",
         "max_completion_length=6", "sigma=0.1",
     ]
-    results = pa.main(argv)
+    results = run_study(*argv)
     rows = {row["arm"]: row for row in results["table"]}
     assert list(rows) == ["base", "rl", "sft", "sft_rl", "rl_sft", "es", "es_sft"]
     # equal steps: N updates for every gradient arm, split 2 + 2 for SFT -> RL
@@ -56,15 +52,15 @@ def test_tiny_end_to_end_every_arm(pa, tiny_model_dir, tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text())["table"] == json.loads(json.dumps(results["table"]))
 
     # a finished run with fewer arms listed: nothing is trained or evaluated again, the table is the same
-    monkeypatch.setattr(pa, "train_arm", lambda *a, **k: pytest.fail("an arm was trained again"))
-    monkeypatch.setattr(pa, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
-    again = pa.main([*argv[:argv.index("--arms") + 1], "rl", "es_sft", *argv[argv.index("--max_steps"):]])
+    monkeypatch.setattr(study, "train_arm", lambda *a, **k: pytest.fail("an arm was trained again"))
+    monkeypatch.setattr(study, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
+    again = run_study(*argv[:argv.index("--arms") + 1], "rl", "es_sft", *argv[argv.index("--max_steps"):])
     assert [row["arm"] for row in again["table"]] == ["rl", "es_sft"]
     assert again["table"] == [row for row in json.loads(json.dumps(results["table"])) if row["arm"] in ("rl", "es_sft")]
 
 
-def test_recipe_parses(pa):
+def test_recipe_parses(study):
     root = os.path.join(REPO, "examples", "recipes")
-    args = pa.parse_args(["--config", os.path.join(root, "parallel_averaging_arithmetic_cpu.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "parallel_averaging_arithmetic_cpu.yaml")])
     assert args.arms == ["base", "rl", "sft", "sft_rl", "rl_sft"] and args.rl_weight == args.sft_weight == 0.5
-    assert pa.grpo_kwargs(args, "x", args.max_steps)["per_device_train_batch_size"] == 16
+    assert study.grpo_kwargs(args, "x", args.max_steps)["per_device_train_batch_size"] == 16

@@ -5,25 +5,21 @@ import math
 import os
 
 import pytest
-from example_script import example_script
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def exc():
-    with example_script("studies/pretraining_excursions.py", "pretraining_excursions") as module:
-        yield module
+STUDY = "pretraining_excursions"
 
 
-def test_key_value_arguments(exc):
-    assert exc.as_argv(["max_steps=32", "pass_k=1 4"], "x") == ["--max_steps", "32", "--pass_k", "1", "4"]
+def test_key_value_arguments(study):
+    assert study.as_argv(["max_steps=32", "pass_k=1 4"], "x") == ["--max_steps", "32", "--pass_k", "1", "4"]
     with pytest.raises(ValueError, match="parallel_args items must be key=value"):
-        exc.parse_args(["--parallel_args", "max_steps"])
+        study.parse_args(["--parallel_args", "max_steps"])
 
 
-def test_tiny_end_to_end(exc, tmp_path):
+def test_tiny_end_to_end(study, tmp_path):
     out, pre = tmp_path / "exc", tmp_path / "pre"
     argv = ["--output_dir", str(out), "--pretrain_dir", str(pre), "--seeds", "0", "1",
             "--arms", "base", "rl", "sft", "es", "--num_train_prompts", "8",
@@ -34,7 +30,7 @@ def test_tiny_end_to_end(exc, tmp_path):
             "--parallel_args", "in_process=true", "max_steps=2", "es_max_steps=1", "max_completion_length=4",
             "num_generations=4", "prompts_per_step=1", "sft_batch_size=4", "num_samples=2", "pass_k=1 2",
             "num_kl_prompts=0", "es_overrides=population_size=4 prompt_batch_size=2 noise_table_size=1048576"]
-    results = exc.main(argv)
+    results = study.main(argv)
     pretraining = json.loads((pre / "pretraining.json").read_text())
     assert [c["step"] for c in pretraining["checkpoints"]] == [2, 4]
     assert len(json.loads(open(pretraining["corpus"]["general_eval_file"]).read())) == 4
@@ -54,14 +50,14 @@ def test_tiny_end_to_end(exc, tmp_path):
     assert (out / "excursions.png").stat().st_size > 0
 
 
-def test_recipe_parses_into_parallel_averaging_arguments(exc):
+def test_recipe_parses_into_parallel_averaging_arguments(study):
     root = os.path.join(REPO, "examples", "recipes")
-    args = exc.parse_args(["--config", os.path.join(root, "excursions_tiny.yaml")])
+    args = study.parse_args(["--config", os.path.join(root, "excursions_tiny.yaml")])
     assert args.checkpoints == [500, 1500, 3000] and args.seeds == [0, 1, 2]
     pretraining = {"arithmetic_splits": {"kwargs": {"seed": 0, "low": 0, "high": 20, "ops": ["+", "-"],
                                                     "num_validation": 100, "num_test": 200}}}
-    argv = exc.parallel_argv(args, pretraining, {"step": 500, "path": "ckpt"}, 1, "texts.json")
-    parallel = exc.load_script("parallel_averaging").parse_args(argv)
+    argv = study.parallel_argv(args, pretraining, {"step": 500, "path": "ckpt"}, 1, "texts.json")
+    parallel = study.load_script("parallel_averaging").parse_args(argv)
     assert (parallel.max_steps, parallel.learning_rate, parallel.es_max_steps, parallel.pass_k) == (32, 1e-4, 30,
                                                                                                    [1, 2, 4, 8])
     assert parallel.es_overrides[:2] == ["population_backend=sequential", "sigma=0.01"]

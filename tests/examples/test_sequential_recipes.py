@@ -4,17 +4,13 @@ import json
 
 import pytest
 import torch
-from example_script import example_script
 from tiny import content_reward
 from paths import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def seq():
-    with example_script("studies/sequential_recipes.py", "sequential_recipes") as module:
-        yield module
+STUDY = "sequential_recipes"
 
 
 TINY = ["--in_process", "true", "--num_train_prompts", "16", "--num_validation_prompts", "0",
@@ -24,12 +20,10 @@ TINY = ["--in_process", "true", "--num_train_prompts", "16", "--num_validation_p
         "noise_table_size=1048576", "max_completion_length=6", "sigma=0.1"]
 
 
-def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq, tiny_model_dir, tmp_path,
-                                                                           monkeypatch):
-    monkeypatch.setattr(seq, "task_reward_funcs", lambda: [content_reward])
-    out = tmp_path / "run"
-    results = seq.main(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--budget_minutes",
-                        "0.01", *TINY])
+def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(study, run_study, monkeypatch):
+    monkeypatch.setattr(study, "task_reward_funcs", lambda: [content_reward])
+    out = run_study.output_dir
+    results = run_study("--budget_minutes", "0.01", *TINY)
     arms = {item["arm"]: item for item in results["arms"]}
     assert list(arms) == ["base", "grpo", "es", "grpo_es", "es_grpo"]
     for name in ("grpo_es", "es_grpo"):
@@ -44,7 +38,7 @@ def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq,
 
     first = arms["grpo_es"]["phases"][0]
     loaded = AutoModelForCausalLM.from_pretrained(first["model_dir"], dtype=torch.float32)
-    assert seq.fingerprint(loaded) == first["final_fingerprint"]
+    assert study.fingerprint(loaded) == first["final_fingerprint"]
 
     table = {row["arm"]: row for row in results["table"]}
     assert table["base"]["drift_l2"] == 0.0 and table["base"]["off_task_kl"] == 0.0
@@ -64,22 +58,21 @@ def test_tiny_end_to_end_hands_over_exact_weights_and_writes_table_and_plot(seq,
     assert (out / "pass_at_k.png").stat().st_size > 0
 
     # listing only some arms of a finished run reuses their phases and evaluations: nothing runs again
-    monkeypatch.setattr(seq, "train_phase", lambda *a, **k: pytest.fail("a phase was trained again"))
-    monkeypatch.setattr(seq, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
-    again = seq.main(["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--budget_minutes", "0.01",
-                      *TINY, "--arms", "es_grpo", "base"])
+    monkeypatch.setattr(study, "train_phase", lambda *a, **k: pytest.fail("a phase was trained again"))
+    monkeypatch.setattr(study, "evaluate_arm", lambda *a, **k: pytest.fail("an arm was evaluated again"))
+    again = run_study("--budget_minutes", "0.01", *TINY, "--arms", "es_grpo", "base")
     assert [row["arm"] for row in again["table"]] == ["es_grpo", "base"]
     assert again["table"] == [table["es_grpo"], table["base"]]
 
 
-def test_recipes_parse_into_valid_arguments(seq):
+def test_recipes_parse_into_valid_arguments(study):
     import os
 
     root = os.path.join(REPO, "examples", "recipes")
     for name in ("sequential_arithmetic_cpu.yaml", "sequential_arithmetic_gpu.yaml"):
-        args = seq.parse_args(["--config", os.path.join(root, name)])
+        args = study.parse_args(["--config", os.path.join(root, name)])
         assert args.arms == ["base", "grpo", "es", "grpo_es", "es_grpo"]
         assert args.num_samples == 16 and args.pass_k == [1, 2, 4, 8, 16]
-        seq.es_config_kwargs(seq.load_recipe(args.es_recipe), args.es_overrides)  # the ES overrides are ESConfig keys
+        study.es_config_kwargs(study.load_recipe(args.es_recipe), args.es_overrides)  # ES overrides are ESConfig keys
     with pytest.raises(ValueError, match="arms"):
-        seq.parse_args(["--arms", "nope"])
+        study.parse_args(["--arms", "nope"])

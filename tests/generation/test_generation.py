@@ -1,16 +1,16 @@
 """Generation engines: eager (with and without a shared prompt prefix), compiled static cache; stacked members."""
 
 import copy
-import math
 
 import pytest
 import torch
 from datasets import Dataset
 from conftest import needs_inductor_vectorized_cpu
+from oracles import LINEARS, materialized, members3, nucleus_probabilities
 from tiny import build_llama, build_qwen2
 
 from trl_es import ESConfig, ESTrainer
-from trl_es.es.noise import NoiseTable, full_noise
+from trl_es.es.noise import NoiseTable
 from trl_es.es.population import BatchedLowRankPopulation
 from trl_es.es.update import Member, TrainedParameters, select_parameters
 from trl_es.rewards import completion_text
@@ -24,7 +24,6 @@ from trl_es.generation import (
 )
 from trl_es.rollout import build_generation_config
 
-LINEARS = r"(proj|lm_head)\.weight$"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -68,24 +67,13 @@ def test_shared_prefix_is_skipped_where_unsafe(tokenizer):
     assert not engine.can_share(model, config, {"synced_gpus": True})
 
 
-def materialized(model, noise, member, sigma, rank):
-    twin = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in select_parameters(twin, LINEARS):
-            out_features, in_features = p.shape
-            a = full_noise(noise, member.seed, name + ".lowrank_A", (out_features, rank)).double()
-            b = full_noise(noise, member.seed, name + ".lowrank_B", (in_features, rank)).double()
-            p.add_((member.sign * sigma / math.sqrt(rank) * (a @ b.T)).to(p.dtype))
-    return twin
-
-
 def test_stacked_members_with_a_shared_prefix_equal_materialized_members(tokenizer):
     """The prefix forward runs one row per member (each sees its own adapters), then every member's cache is
     repeated for its rows: each row block still equals a model with W + E_i written into the weights."""
     model = build_llama(tokenizer).eval()
     params = TrainedParameters(select_parameters(model, LINEARS))
     noise, sigma, rank = NoiseTable(1 << 20), 0.05, 2
-    members = [Member(11, 1), Member(11, -1), Member(29, 1)]
+    members = members3()
     prompts = chat_prompts(tokenizer, 3)
     config = build_generation_config(tokenizer, 8)
     engine = EagerEngine(share_prompt_prefix=True)
@@ -303,17 +291,6 @@ def test_sampling_with_top_p_gives_transformers_tokens(tokenizer):
 
 
 # ------------------------------------------------------------------------------- sampling without multinomial
-def nucleus_probabilities(scores, temperature, top_p):
-    """transformers' own sampling distribution: temperature, then TopPLogitsWarper, then softmax."""
-    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
-
-    ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
-    warped = TemperatureLogitsWarper(temperature)(ids, scores.clone())
-    if top_p < 1:
-        warped = TopPLogitsWarper(top_p)(ids, warped)
-    return warped.softmax(dim=-1)
-
-
 @pytest.mark.parametrize("temperature, top_p, candidates, fallback", [
     (0.6, 0.95, 256, False),  # the papers' protocol: nucleus among the candidates
     (1.0, 0.9, 3, True),      # nucleus wider than 3 candidates: transformers' warper, then the full cumulative sum

@@ -3,6 +3,7 @@
 The study scripts import this package as ``_study``: ``python examples/studies/<script>.py`` puts
 ``examples/studies/`` on ``sys.path`` (as do the worker processes ``trl_es.launch`` starts from a script's path).
 
+- :mod:`_study.arms`: the arm orchestration: job arguments, reusing saved results, running jobs, writing results.
 - :mod:`_study.pretraining`: pre-train a tiny Llama from scratch with intermediate checkpoints.
 - :mod:`_study.pretraining_corpus`: the synthetic corpus it trains on (arithmetic + English-like text).
 - :mod:`_study.spread`: mean ± sample std over seeds, as every study table reports a figure.
