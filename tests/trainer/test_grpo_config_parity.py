@@ -177,7 +177,7 @@ def test_train_command_and_yaml_recipe_report_all_refused_fields(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- 13: set after parsing
 @pytest.mark.parametrize("name, value, match", [
-    ("use_transformers_continuous_batching", True, r"^use_transformers_continuous_batching=True is not supported"),
+    ("transformers_continuous_batching_config", {"seed": 1}, r"^transformers_continuous_batching_config=.*remove 'seed'"),
     ("beta", 0.04, r"^beta=0.04 is a GRPOConfig setting"),
     ("fitness_shaping", "bogus", r"^fitness_shaping must be one of"),
     ("population_size", 0, r"^population_size must be >= 2, got 0"),
@@ -193,9 +193,10 @@ def test_a_field_set_after_construction_is_checked_when_the_trainer_is_built(tmp
 
 def test_fields_set_after_construction_are_reported_together(tmp_path):
     args = config(tmp_path)
-    args.use_transformers_continuous_batching = True
+    args.transformers_continuous_batching_config = {"seed": 1}
     args.sigma = -1.0
-    with pytest.raises(ValueError, match=r"(?s)^2 fields .*use_transformers_continuous_batching=True.*sigma must be > 0"):
+    with pytest.raises(ValueError, match=r"(?s)^2 fields .*sigma must be > 0.*transformers_continuous_batching_config=.*"
+                                         r"remove 'seed'"):
         args.check_fields()
 
 

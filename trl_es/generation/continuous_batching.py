@@ -95,6 +95,18 @@ class ContinuousBatchingEngine(GenerationEngine):
     def describe(self) -> dict:
         return {"name": self.name, "config": dict(self.config)} if self.config else {"name": self.name}
 
+    def check_generation_config(self, model, generation_config: GenerationConfig) -> None:
+        """Refuse generation settings continuous batching would not apply (:func:`unsupported_processors`).
+
+        Raises:
+            ValueError: naming them.
+        """
+        unsupported = unsupported_processors(model, generation_config)
+        if unsupported:
+            raise ValueError(f"use_transformers_continuous_batching: transformers' continuous batching does not apply "
+                             f"{', '.join(unsupported)} as generate does (it drops them, or they read packed rows): "
+                             "unset those generation settings, or generate with generation_engine='eager'.")
+
     def batching_config(self, model, encoded: list[list[int]], max_new_tokens: int, do_sample: bool):
         """A fresh :class:`~transformers.generation.ContinuousBatchingConfig` for one call (transformers resolves it
         in place): the user's keys, GRPO's memory default, the CPU sizing, and the sampling seed."""
@@ -120,11 +132,7 @@ class ContinuousBatchingEngine(GenerationEngine):
         if generate_kwargs:
             raise ValueError(f"the continuous-batching engine takes no generate keyword arguments, got "
                              f"{sorted(generate_kwargs)} (synced_gpus: DeepSpeed ZeRO-3 needs the eager engine).")
-        unsupported = unsupported_processors(model, generation_config)
-        if unsupported:
-            raise ValueError(f"use_transformers_continuous_batching: transformers' continuous batching does not apply "
-                             f"{', '.join(unsupported)} as generate does (it drops them, or they read packed rows): "
-                             "unset those generation settings, or generate with generation_engine='eager'.")
+        self.check_generation_config(model, generation_config)
         encoded = encode_prompts(processing_class, texts, add_special_tokens)
         config = copy.deepcopy(generation_config)  # transformers writes into the one it gets
         batching = self.batching_config(model, encoded, int(config.max_new_tokens or 0), bool(config.do_sample))

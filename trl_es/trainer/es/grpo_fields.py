@@ -226,17 +226,17 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _honoured("log_completions_hub_repo", "The completion parquet files are pushed to this Hub dataset repo "
                                           "(huggingface_hub CommitScheduler, every 2 minutes, as GRPO)."),
     # ------------------------------------------------------------------ transformers continuous batching
-    _refused("use_transformers_continuous_batching", "transformers' continuous batching engine is not implemented.",
-             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True", type="bool",
-             accepted=(False,), not_yet=True),
-    _refused("transformers_continuous_batching_config", "transformers' continuous batching engine is not "
-                                                        "implemented.",
-             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True",
-             not_yet=True),
-    _refused("use_transformers_paged", "deprecated in TRL (use_transformers_continuous_batching); transformers' "
-                                       "continuous batching engine is not implemented.",
-             "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True", type="bool",
-             accepted=(False,), not_yet=True),
+    _honoured("use_transformers_continuous_batching", "Generates with transformers' continuous batching "
+                                                      "(model.generate_batch), as GRPO: generation_engine="
+                                                      "'continuous_batching', one member a call on the live weights "
+                                                      "(population_backend='sequential'; not with use_vllm, ZeRO-3 or "
+                                                      "tools); sampling seeded per member."),
+    _honoured("transformers_continuous_batching_config", "Keyword arguments of transformers' "
+                                                         "ContinuousBatchingConfig (max_memory_percent defaults to "
+                                                         "GRPO's 0.5; on the CPU the cache is sized to each call); "
+                                                         "'seed' is refused: ES seeds each member's sampling."),
+    _honoured("use_transformers_paged", "Deprecated, as in TRL: True turns use_transformers_continuous_batching on "
+                                        "(FutureWarning)."),
     _refused("vllm_importance_sampling_cap", "deprecated in TRL (vllm_importance_sampling_clip_max). " + _VLLM_IS,
              type="float"),
 )
