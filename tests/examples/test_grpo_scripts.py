@@ -82,8 +82,6 @@ XFAIL = {
     "gspo": DROP_IN,
     "grpo_2048": DROP_IN,
     "countdown_r1_grpo": DROP_IN,
-    "grpo_continuous_batching": "use_transformers_continuous_batching=True (the script sets it) is refused by "
-                                "ESConfig: ES has no transformers continuous-batching engine (not a drop-in issue)",
 }
 
 TOOL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
