@@ -88,8 +88,6 @@ SCRIPTS = {
                                 "runs/qwen-r1-aha-moment"),
 }
 XFAIL = {
-    "grpo_continuous_batching": "use_transformers_continuous_batching=True (the script sets it) is refused by "
-                                "ESConfig: ES has no transformers continuous-batching engine (not a drop-in issue)",
 }
 
 TOOL_TEMPLATE = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()

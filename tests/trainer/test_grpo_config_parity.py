@@ -157,13 +157,13 @@ def test_train_command_and_yaml_recipe_report_all_refused_fields(tmp_path):
                "--multi_objective_aggregation", "normalize_then_sum"])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("cast_lm_head_to_fp32: true\nmulti_objective_aggregation: normalize_then_sum\n"
-                      "use_transformers_paged: true\nbeta: 0.04\n")
+                      "temperature: 0.0\nnum_generations: 4\nbeta: 0.04\n")
     with pytest.raises(ValueError) as info:
         parse(tmp_path, ["--config", str(recipe)])
     message = str(info.value)
     assert message.startswith("3 fields of this config")
     for text in ("cast_lm_head_to_fp32=True", "multi_objective_aggregation='normalize_then_sum'",
-                 "use_transformers_paged=True"):
+                 "num_generations=4 with greedy decoding"):
         assert text in message, text
     assert "beta" not in message  # accepted (no effect on ES, warned about)
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -171,7 +171,7 @@ def test_train_command_and_yaml_recipe_report_all_refused_fields(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- 13: set after parsing
 @pytest.mark.parametrize("name, value, match", [
-    ("use_transformers_continuous_batching", True, r"^use_transformers_continuous_batching=True is not supported"),
+    ("transformers_continuous_batching_config", {"seed": 1}, r"^transformers_continuous_batching_config=.*remove 'seed'"),
     ("cast_lm_head_to_fp32", True, r"^cast_lm_head_to_fp32=True is not supported by ES yet"),
     ("fitness_shaping", "bogus", r"^fitness_shaping must be one of"),
     ("population_size", 0, r"^population_size must be >= 2, got 0"),
@@ -187,9 +187,10 @@ def test_a_field_set_after_construction_is_checked_when_the_trainer_is_built(tmp
 
 def test_fields_set_after_construction_are_reported_together(tmp_path):
     args = config(tmp_path)
-    args.use_transformers_continuous_batching = True
+    args.transformers_continuous_batching_config = {"seed": 1}
     args.sigma = -1.0
-    with pytest.raises(ValueError, match=r"(?s)^2 fields .*use_transformers_continuous_batching=True.*sigma must be > 0"):
+    with pytest.raises(ValueError, match=r"(?s)^2 fields .*sigma must be > 0.*transformers_continuous_batching_config=.*"
+                                         r"remove 'seed'"):
         args.check_fields()
 
 

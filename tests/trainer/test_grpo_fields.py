@@ -66,8 +66,6 @@ def test_docs_page_is_the_generated_table():
     ("cast_lm_head_to_fp32", True, "model_init_kwargs={'dtype': 'float32'}"),
     ("multi_objective_aggregation", "normalize_then_sum", "fitness_shaping"),
     ("log_multimodal", "yes", "ES has no counterpart"),
-    ("use_transformers_continuous_batching", True, "delete the line or flag that sets it"),
-    ("transformers_continuous_batching_config", "{}", "delete the line or flag that sets it"),
 ])
 def test_refused_field_raises_value_error_naming_it_and_what_to_do(tmp_path, name, value, counterpart):
     with pytest.raises(ValueError) as info:

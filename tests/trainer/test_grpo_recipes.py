@@ -279,13 +279,15 @@ def test_settings_that_would_change_the_results_stay_refused(tmp_path, kwargs, m
         config(tmp_path, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["use_transformers_continuous_batching", "use_transformers_paged"])
-def test_continuous_batching_forced_on_after_parsing_says_what_to_delete(tmp_path, tokenizer, name):
+@pytest.mark.parametrize("name, value, match", [
+    ("cast_lm_head_to_fp32", True, r"^cast_lm_head_to_fp32=True is not supported by ES yet: .*delete it"),
+    ("multi_objective_aggregation", "normalize_then_sum",
+     r"^multi_objective_aggregation='normalize_then_sum' is not supported by ES yet"),
+])
+def test_a_refused_setting_forced_on_after_parsing_says_what_to_do(tmp_path, tokenizer, name, value, match):
     args = trainer_args(tmp_path)
-    setattr(args, name, True)  # as TRL's grpo_continuous_batching.py does after parse_args
-    with pytest.raises(ValueError, match=rf"^{name}=True is not supported by ES yet: .*delete the line or flag that "
-                                         r"sets it \(TRL's grpo_continuous_batching.py sets training_args."
-                                         r"use_transformers_continuous_batching = True after parse_args\)"):
+    setattr(args, name, value)  # as TRL's grpo_continuous_batching.py sets a field after parse_args
+    with pytest.raises(ValueError, match=match):
         build_trainer(args, tokenizer)
 
 

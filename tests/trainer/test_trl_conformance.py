@@ -110,8 +110,8 @@ TRL_TEST_NAMES = (  # every `def test_...` of trl tests/test_grpo_trainer.py (al
 _ENTROPY_MASK = ("TestGetHighEntropyMask (GRPOTrainer.get_high_entropy_mask): ES computes no token entropies; its "
                  "exploration is sigma (and sampling).")
 _CB_CONTRACT = ("TestTransformersContinuousBatchingContract (transformers' continuous batching returning GRPO's "
-                "logprobs): ES does not generate with continuous batching (use_transformers_continuous_batching is "
-                "refused, not yet) and needs no log-probabilities.")
+                "logprobs): ES needs no log-probabilities; its continuous-batching engine reads generated_tokens only "
+                "(use_transformers_continuous_batching: test_train_with_transformers_continuous_batching).")
 _LIGER = "Liger's fused GRPO loss: ES computes no loss (use_liger_kernel has nothing to fuse)."
 _ENTROPY = "Entropy regularization / filtering of the GRPO loss: ES computes no loss and no token entropies."
 _OFF_POLICY = "Off-policy masking of the GRPO loss (KL to the generation policy): ES keeps no old policy and no KL."
@@ -200,9 +200,6 @@ NOT_PORTED = {
     "test_train_with_liger_grpo_kernel": _LIGER + " (GPU test.)",
     "test_train_with_liger_grpo_kernel_and_peft": _LIGER + " (GPU test.)",
     "test_liger_grpo_kernel_importance_sampling": _LIGER + " (GPU test.)",
-    "test_train_with_transformers_continuous_batching": "use_transformers_continuous_batching (GPU test): not "
-                                                        "supported by ES yet (refused; counterpart: "
-                                                        "generation_engine or use_vllm).",
     "test_vlm_training": _VLM + " (GPU test.)",
     "test_vlm_processor_vllm_colocate_mode": _VLM + " (GPU, vLLM.)",
     "test_train_vllm": "GPU + vLLM + Qwen2.5-0.5B from the hub: ES's colocated vLLM engine is tested in "
@@ -223,8 +220,8 @@ def test_every_trl_case_is_ported_or_listed():
     assert sorted(listed - set(TRL_TEST_NAMES)) == []
     assert all(reason.strip() for reason in NOT_PORTED.values())
     for name in ported:  # each port names its TRL test first thing in its docstring
-        assert (module[name].__doc__ or "").startswith(f"TRL: TestGRPOTrainer.{name}."), name
-    assert len(ported) == 58 and len(listed) == 58
+        assert re.match(rf"TRL: TestGRPOTrainer(Slow)?\.{name}[. ]", module[name].__doc__ or ""), name
+    assert len(ported) == 59 and len(listed) == 57
 
 
 # ---------------------------------------------------------------------------------------------- tiny stand-ins
@@ -711,6 +708,19 @@ def test_train_peft_config(tmp_path, qwen2_dir, reward_model_dir):
     previous = params(trainer.model)
     trainer.train()
     assert_adapter_trained(trainer, previous, base_param_names)
+
+
+def test_train_with_transformers_continuous_batching(tmp_path, qwen2_dir, reward_model_dir):
+    """TRL: TestGRPOTrainerSlow.test_train_with_transformers_continuous_batching (a GPU test there; the CPU here).
+    ``use_transformers_continuous_batching=True`` generates with ``model.generate_batch``: it trains and every
+    parameter moves."""
+    args = grpo_args(tmp_path, use_transformers_continuous_batching=True,
+                     transformers_continuous_batching_config={"use_cuda_graph": False})
+    trainer = ESTrainer(model=qwen2_dir, reward_funcs=reward_model_dir, args=args, train_dataset=zen(split="train"))
+    assert trainer.generation_engine.name == "continuous_batching"
+    previous = params(trainer.model)
+    trainer.train()
+    assert_trained(trainer, previous, [QWEN2_RM])
 
 
 def test_train_peft_model(tmp_path, qwen2_dir, reward_model_dir):

@@ -3,6 +3,8 @@
 - ``"eager"`` (:class:`EagerEngine`): ``model.generate`` as transformers runs it; optionally with the shared prompt
   prefix computed once per row group (``share_prompt_prefix``, the default in ``ESConfig``).
 - ``"compiled"`` (:class:`CompiledEngine`): static KV cache + compiled decoding step on fixed batch buckets.
+- ``"continuous_batching"`` (:class:`ContinuousBatchingEngine`): transformers' ``model.generate_batch`` (paged KV
+  cache, requests scheduled as they finish), as GRPO's ``use_transformers_continuous_batching=True``.
 - ``"auto"``: the compiled engine on CUDA when the model supports a static cache, else eager.
 """
 
@@ -21,10 +23,11 @@ from .base import (
     stop_token_ids,
 )
 from .compiled import CompiledEngine, supports_static_cache
+from .continuous_batching import ContinuousBatchingEngine, check_continuous_batching_config
 from .eager import EagerEngine, common_prefix_length
 
 
-GENERATION_ENGINES = ("auto", "eager", "compiled")
+GENERATION_ENGINES = ("auto", "eager", "compiled", "continuous_batching")
 
 
 def resolve_engine_name(name: str, model: nn.Module | None = None) -> str:
@@ -43,17 +46,22 @@ def resolve_engine_name(name: str, model: nn.Module | None = None) -> str:
 
 
 def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt_prefix: bool = False,
-                pad_to_multiple_of: int | None = None) -> GenerationEngine:
+                pad_to_multiple_of: int | None = None,
+                continuous_batching_config: dict | None = None) -> GenerationEngine:
     """Build an engine by name (``ESConfig.generation_engine``); ``"auto"`` is resolved against ``model``.
 
     Args:
-        name (`str`): ``"auto"``, ``"eager"`` or ``"compiled"``.
+        name (`str`): ``"auto"``, ``"eager"``, ``"compiled"`` or ``"continuous_batching"``.
         model (`nn.Module` or `None`): The model the engine will run (for ``"auto"``).
         share_prompt_prefix (`bool`): For the eager engine: compute the shared prompt prefix once per row group.
-        pad_to_multiple_of (`int`, *optional*): GRPO's: pad each prompt batch to a multiple of it.
+        pad_to_multiple_of (`int`, *optional*): GRPO's: pad each prompt batch to a multiple of it (the
+            continuous-batching engine pads nothing, as GRPO's continuous batching).
+        continuous_batching_config (`dict`, *optional*): For ``"continuous_batching"``: GRPO's
+            ``transformers_continuous_batching_config``.
 
     Raises:
-        ValueError: for an unknown name, or ``"compiled"`` with a model that has no static-cache support.
+        ValueError: for an unknown name, ``"compiled"`` with a model that has no static-cache support, or an invalid
+            ``continuous_batching_config``.
     """
     name = resolve_engine_name(name, model)
     if name == "compiled":
@@ -61,6 +69,8 @@ def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt
             raise ValueError(f"generation_engine='compiled' needs a model with static-cache support "
                              f"(_can_compile_fullgraph); {type(model).__name__} has none: use 'eager' or 'auto'.")
         return CompiledEngine(pad_to_multiple_of=pad_to_multiple_of)
+    if name == "continuous_batching":
+        return ContinuousBatchingEngine(continuous_batching_config)
     return EagerEngine(share_prompt_prefix=share_prompt_prefix, pad_to_multiple_of=pad_to_multiple_of)
 
 
@@ -88,8 +98,10 @@ __all__ = [
     "GENERATION_ENGINES",
     "CompiledEngine",
     "Completions",
+    "ContinuousBatchingEngine",
     "EagerEngine",
     "GenerationEngine",
+    "check_continuous_batching_config",
     "common_prefix_length",
     "eos_token_ids",
     "generate_completions",

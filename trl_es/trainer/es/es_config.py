@@ -13,7 +13,7 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
 from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
-from ...generation import resolve_pad_to_multiple_of
+from ...generation import check_continuous_batching_config, resolve_pad_to_multiple_of
 from .grpo_fields import (
     GRPO_FIELDS,
     MAPPED,
@@ -81,6 +81,8 @@ def _collect(errors: list[str], check, *args) -> None:
     "Parameters for \"server\" vLLM mode": (
         "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
         "vllm_server_base_urls"),
+    "Parameters that control generation acceleration powered by transformers continuous batching": (
+        "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
     "Parameters that control Anchored Weight Decay (AWD)": (
         "awd_lambda", "awd_penalty", "log_parameter_drift", "log_module_drift", "success_threshold"),
     "Parameters that control generation (GRPO's names and meanings)": (
@@ -313,11 +315,12 @@ class ESConfig(_BaseConfig):
         },
     )
 
-    generation_engine: Literal["auto", "eager", "compiled"] = field(
+    generation_engine: Literal["auto", "eager", "compiled", "continuous_batching"] = field(
         default="auto",
         metadata={
             "help": "How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled "
-            "decoding step on fixed batch buckets; for GPUs) or 'auto' ('compiled' on CUDA when the model supports a "
+            "decoding step on fixed batch buckets; for GPUs), 'continuous_batching' (transformers' generate_batch; "
+            "set by use_transformers_continuous_batching) or 'auto' ('compiled' on CUDA when the model supports a "
             "static cache, else 'eager'). The choice is logged at start."
         },
     )
@@ -427,6 +430,27 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    # ------------------------------------------------------------------ transformers continuous batching (GRPO's)
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate with transformers' continuous batching engine (model.generate_batch: paged KV cache, "
+            "requests scheduled as they finish), as GRPO does; sets generation_engine='continuous_batching'. One "
+            "member a call on the live weights: population_backend='sequential' only, not with use_vllm, DeepSpeed "
+            "ZeRO-3 or tools (docs/generation.md)."
+        },
+    )
+    transformers_continuous_batching_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `transformers.generation.ContinuousBatchingConfig` (GRPO's; "
+            "max_memory_percent defaults to GRPO's 0.5). Not 'seed': ES seeds each member's sampling."
+        },
+    )
+    use_transformers_paged: bool = field(
+        default=False,
+        metadata={"help": "Deprecated (as in TRL). Use `use_transformers_continuous_batching` instead."},
+    )
     # ------------------------------------------------------------------ AWD
     awd_lambda: float = field(
         default=0.0,
@@ -690,6 +714,7 @@ class ESConfig(_BaseConfig):
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
         _collect(errors, self._check_vllm_settings)
+        _collect(errors, self._apply_continuous_batching)
         for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -1003,6 +1028,37 @@ class ESConfig(_BaseConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+
+    def _apply_continuous_batching(self) -> None:
+        """GRPO's continuous-batching fields: ``use_transformers_paged`` (deprecated) turns
+        ``use_transformers_continuous_batching`` on with a ``FutureWarning``, as in TRL; either that field or
+        ``generation_engine='continuous_batching'`` sets the other. ``transformers_continuous_batching_config`` is
+        checked whether or not the engine is on (GRPO ignores it when off).
+
+        Raises:
+            ValueError: naming the fields, for an invalid config, or the engine with ``use_vllm``, another
+                ``generation_engine`` or ``population_backend='batched_lowrank'``.
+        """
+        if self.use_transformers_paged and not self.use_transformers_continuous_batching:
+            warnings.warn("`use_transformers_paged` is deprecated and will be removed in TRL v2.0.0. Use "
+                          "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=5)
+            self.use_transformers_continuous_batching = True
+        check_continuous_batching_config(self.transformers_continuous_batching_config)
+        if not (self.use_transformers_continuous_batching or self.generation_engine == "continuous_batching"):
+            return
+        name = "use_transformers_continuous_batching=True" if self.use_transformers_continuous_batching \
+            else "generation_engine='continuous_batching'"
+        if self.use_vllm:
+            raise ValueError(f"{name} and use_vllm=True name two generation engines: set one of them.")
+        if self.generation_engine not in ("auto", "continuous_batching"):
+            raise ValueError(f"{name} contradicts generation_engine={self.generation_engine!r}: set one of them.")
+        if self.population_backend == "batched_lowrank":
+            raise ValueError(f"{name} generates one member a call on the live weights; population_backend="
+                             "'batched_lowrank' (per-row low-rank members in one call) needs generation_engine "
+                             "'eager' or 'compiled': use population_backend='sequential', or unset "
+                             "use_transformers_continuous_batching.")
+        self.generation_engine = "continuous_batching"
+        self.use_transformers_continuous_batching = True
 
     def _check_vllm_settings(self) -> None:
         """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run;

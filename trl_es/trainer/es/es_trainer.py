@@ -778,14 +778,26 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     def _make_generation_engine(self):
         """The generation engine: vLLM with ``use_vllm`` (:meth:`_make_vllm_engine`), else that of
         ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
-        otherwise and under ZeRO-3)."""
+        otherwise and under ZeRO-3; ``"continuous_batching"``: GRPO's ``use_transformers_continuous_batching``,
+        refused under ZeRO-3 and with tools, environments or a ``rollout_func``)."""
         if self.args.use_vllm:
             return self._make_vllm_server_engine() if self.args.vllm_mode == "server" else self._make_vllm_engine()
         name = self.args.generation_engine
         if name == "auto" and self.sharded:
             name = "eager"
-        return make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix,
-                           resolve_pad_to_multiple_of(getattr(self.args, "pad_to_multiple_of", None)))
+        if name == "continuous_batching":  # one member a call on the live weights, whole in this process
+            unsupported = [what for what, on in (("DeepSpeed ZeRO-3", self.sharded),
+                                                 ("tools, environment_factory or rollout_func", self._agents)) if on]
+            if unsupported:
+                raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
+                                 f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "
+                                 "use_transformers_continuous_batching).")
+        engine = make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix,
+                             resolve_pad_to_multiple_of(getattr(self.args, "pad_to_multiple_of", None)),
+                             self.args.transformers_continuous_batching_config)
+        if name == "continuous_batching":  # settings it would not apply, refused before the first member
+            engine.check_generation_config(self.accelerator.unwrap_model(self.model), self.generation_config)
+        return engine
 
     def _make_vllm_engine(self):
         """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA

@@ -151,11 +151,6 @@ _CLIP = "sigma and learning_rate (the size of an ES step: members at theta + sig
         "sum_i z_i eps_i)"
 _AWD = "awd_lambda (Anchored Weight Decay: after each step the drift from theta_0 shrinks, pulling the weights " \
        "toward the initial model instead of a KL penalty)"
-_CONTINUOUS = "transformers' continuous batching engine is not implemented, and ES's engines decode otherwise."
-_DELETE_CONTINUOUS = "delete the line or flag that sets it (TRL's grpo_continuous_batching.py sets " \
-                     "training_args.use_transformers_continuous_batching = True after parse_args); ES generates with " \
-                     "generation_engine ('compiled': static KV cache, 'eager') or use_vllm=True"
-
 #: The ``GRPOConfig`` fields that are neither ``TrainingArguments`` fields nor ``ESConfig``'s own fields of the same
 #: name and meaning, in ``GRPOConfig``'s order: each honoured, mapped, ignored or refused, with the reason and the ES
 #: counterpart.
@@ -276,11 +271,17 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _honoured("log_completions_hub_repo", "The completion parquet files are pushed to this Hub dataset repo "
                                           "(huggingface_hub CommitScheduler, every 2 minutes, as GRPO)."),
     # ------------------------------------------------------------------ transformers continuous batching
-    _refused("use_transformers_continuous_batching", _CONTINUOUS, _DELETE_CONTINUOUS, type="bool", accepted=(False,),
-             not_yet=True),
-    _refused("transformers_continuous_batching_config", _CONTINUOUS, _DELETE_CONTINUOUS, not_yet=True),
-    _refused("use_transformers_paged", "deprecated in TRL (use_transformers_continuous_batching); " + _CONTINUOUS,
-             _DELETE_CONTINUOUS, type="bool", accepted=(False,), not_yet=True),
+    _honoured("use_transformers_continuous_batching", "Generates with transformers' continuous batching "
+                                                      "(model.generate_batch), as GRPO: generation_engine="
+                                                      "'continuous_batching', one member a call on the live weights "
+                                                      "(population_backend='sequential'; not with use_vllm, ZeRO-3 or "
+                                                      "tools); sampling seeded per member."),
+    _honoured("transformers_continuous_batching_config", "Keyword arguments of transformers' "
+                                                         "ContinuousBatchingConfig (max_memory_percent defaults to "
+                                                         "GRPO's 0.5; on the CPU the cache is sized to each call); "
+                                                         "'seed' is refused: ES seeds each member's sampling."),
+    _honoured("use_transformers_paged", "Deprecated, as in TRL: True turns use_transformers_continuous_batching on "
+                                        "(FutureWarning)."),
     _ignored("vllm_importance_sampling_cap", "deprecated in TRL (vllm_importance_sampling_clip_max). " + _VLLM_IS,
              type="float"),
 )
