@@ -42,6 +42,11 @@ SWAPS = {
         ("    trainer = GRPOTrainer(\n", "    trainer = ESTrainer(\n"),
         ("        args=GRPOConfig(\n", "        args=ESConfig(\n"),
     ],
+    "grpo_demo": [
+        ("from trl import GRPOConfig, GRPOTrainer\n", "from trl_es import ESConfig, ESTrainer\n"),
+        ("training_args = GRPOConfig(\n", "training_args = ESConfig(\n"),
+        ("trainer = GRPOTrainer(\n", "trainer = ESTrainer(\n"),
+    ],
     "open_r1_grpo": [
         ("from trl import GRPOTrainer, ModelConfig, TrlParser, get_peft_config\n",
          "from trl import ModelConfig, TrlParser, get_peft_config\nfrom trl_es import ESTrainer\n"),
@@ -60,6 +65,17 @@ SWAPS = {
 }
 
 PORTS = {
+    # willccbb's gist predates TRL 0.15 (GRPO's batch semantics) and transformers 5
+    "grpo_demo": [
+        ("    warmup_ratio = 0.1,\n", "    warmup_steps = 0.1,\n",
+         "transformers 5 dropped warmup_ratio: a warmup_steps in [0, 1) is the ratio"),
+        ("    per_device_train_batch_size=1,\n", "    per_device_train_batch_size=16,\n",
+         "TRL 0.15 (huggingface/trl PR #2776) made per_device_train_batch_size count completions, not prompts: the "
+         "gist's 1 prompt x num_generations=16 per device step is 16 (TRL 1.16's GRPOConfig refuses 1: "
+         "'generation_batch_size (4) must be divisible by num_generations (16)')"),
+        ("    max_prompt_length=256,\n", "",
+         "TRL 1.x's GRPOConfig has no max_prompt_length (GRPOConfig(max_prompt_length=...) is a TypeError)"),
+    ],
     "countdown_r1_grpo": [
         ("        trust_remote_code=model_args.trust_remote_code,\n",
          "        trust_remote_code=training_args.trust_remote_code,\n",

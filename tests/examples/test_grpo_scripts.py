@@ -3,7 +3,9 @@
 Per script: its text is the verbatim source (tests/data/grpo_scripts/<script>.py.txt) with the swaps of
 :mod:`grpo_scripts_swaps` (names only) and its TRL 1.16 ports applied; and it runs, as a subprocess, with its
 documented command scaled down (``--max_steps 1 --population_size 2 --max_completion_length 8 --report_to none``;
-a script without a command line gets the same values forced into ``ESConfig`` by a ``sitecustomize`` module),
+a script without a command line gets the same values forced into ``ESConfig`` by a ``sitecustomize`` module, which
+also moves a GPU-only script body to the CPU: ``use_cpu=True`` forced too (its ``bf16=True`` is then bf16 autocast on
+the CPU), ``attn_implementation="flash_attention_2"`` -> ``"eager"`` and ``.to("cuda")`` -> ``.to("cpu")``),
 offline against a fake Hugging Face cache (:mod:`hub_cache`) holding a tiny model under each hub model id and a few
 rows in each hub dataset's format. A run must exit 0, print the train summary and leave the model (or adapter), a
 seed log of one step and the model card in its output_dir.
@@ -42,6 +44,7 @@ SOURCES_DIR = Path(TESTS) / "data" / "grpo_scripts"
 SHORT = ["--max_steps", "1", "--population_size", "2", "--max_completion_length", "8", "--report_to", "none"]
 FORCED = {"max_steps": 1, "population_size": 2, "max_completion_length": 8, "report_to": "none"}
 FORCED_ENV = "TRL_ES_TEST_ESCONFIG_FORCED"
+CPU_ENV = "TRL_ES_TEST_CPU_SHIM"
 OPEN_R1_RECIPE = SCRIPTS_DIR / "recipes" / "DeepSeek-R1-Distill-Qwen-1.5B" / "grpo" / "config_demo.yaml"
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Script:
     output_dir: str  # where the run leaves the model
     forced: bool = False  # no command line: FORCED goes into ESConfig through sitecustomize
     saves_model: bool = True  # the script calls save_model(output_dir) after train()
+    cpu: bool = False  # a GPU-only body (bf16, flash_attention_2, .to("cuda")): sitecustomize moves it to the CPU
 
 
 SCRIPTS = {
@@ -73,6 +77,8 @@ SCRIPTS = {
                                         *SHORT), "grpo-gsm8k-continuous-batching"),
     # grpo_2048.py: no command line (python grpo_2048.py); GRPOConfig's default output_dir
     "grpo_2048": Script((), "trainer_output", forced=True, saves_model=False),
+    # willccbb's GSM8K gist (python grpo_demo.py): no command line; flash attention and .to("cuda") in its body
+    "grpo_demo": Script((), "outputs/Qwen-1.5B-GRPO", forced=True, saves_model=False, cpu=True),
     # open-r1's README: accelerate launch ... src/open_r1/grpo.py --config <demo recipe> --vllm_mode colocate; on a CPU,
     # less what needs a GPU or the Hub
     "open_r1_grpo": Script(("--config", str(OPEN_R1_RECIPE), "--vllm_mode", "colocate", "--bf16", "false",
@@ -131,7 +137,7 @@ def hub_datasets():
 
 SITECUSTOMIZE = textwrap.dedent(f'''\
     """Written by tests/examples/test_grpo_scripts.py: ESConfig values from ${FORCED_ENV} (JSON) forced into every
-    ESConfig, for scripts without a command line."""
+    ESConfig, for scripts without a command line; with ${CPU_ENV} set, a GPU-only script body runs on the CPU."""
     import functools, json, os, sys
     _forced = json.loads(os.environ.get("{FORCED_ENV}") or "{{}}")
     if _forced:
@@ -144,6 +150,24 @@ SITECUSTOMIZE = textwrap.dedent(f'''\
 
         ESConfig.__init__ = __init__
         print(f"[test harness] ESConfig values forced: {{_forced}}", file=sys.stderr)
+    if os.environ.get("{CPU_ENV}"):
+        import transformers
+        _from_pretrained = transformers.AutoModelForCausalLM.from_pretrained
+
+        def from_pretrained(*args, **kwargs):
+            if kwargs.get("attn_implementation") == "flash_attention_2":
+                kwargs["attn_implementation"] = "eager"  # flash-attn runs on GPUs only
+            return _from_pretrained(*args, **kwargs)
+
+        transformers.AutoModelForCausalLM.from_pretrained = from_pretrained
+        _to = transformers.PreTrainedModel.to
+
+        @functools.wraps(_to)
+        def to(self, *args, **kwargs):
+            return _to(self, *("cpu" if a == "cuda" else a for a in args), **kwargs)
+
+        transformers.PreTrainedModel.to = to
+        print("[test harness] flash_attention_2 -> eager, .to('cuda') -> .to('cpu')", file=sys.stderr)
 ''')
 
 
@@ -248,7 +272,8 @@ def test_script_runs(name, hf_home, tmp_path):
         **offline_env(hf_home),
         "PYTHONPATH": os.pathsep.join(p for p in [str(hf_home / "harness"), str(ROOT), os.environ.get("PYTHONPATH")]
                                       if p),
-        FORCED_ENV: json.dumps(FORCED) if spec.forced else "",
+        FORCED_ENV: json.dumps({**FORCED, **({"use_cpu": True} if spec.cpu else {})}) if spec.forced else "",
+        CPU_ENV: "1" if spec.cpu else "",
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
