@@ -41,7 +41,8 @@ from trl.chat_template_utils import (
 from trl.data_utils import is_conversational
 
 from .generation import generate_completions
-from .rollout import Rollout, await_all, ended_ids, terminated
+from .rewards import RolloutResult, await_all
+from .rollout import Rollout, ended_ids, terminated
 
 
 __all__ = [
@@ -383,32 +384,31 @@ class AgentRollout(Rollout):
     seed: int = 0
     max_model_len: int | None = None
 
-    def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
-                 reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None, **generate_kwargs) -> dict:
+    def __call__(self, model: nn.Module, rows: Sequence[dict], num_members: int = 1,
+                 reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None,
+                 **generate_kwargs) -> RolloutResult:
         """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times, a rollout per copy) and score it.
 
         Args:
             model (`nn.Module`): The (possibly perturbed) model; every turn of the tool loop generates with it.
             rows (`Sequence[dict]`): Dataset rows (``prompt`` optional with environments).
-            num_row_groups (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members
-                cannot share.
+            num_members (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members cannot
+                share.
             reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; its ``trainer_state``'s
                 ``global_step`` keys the environments' random numbers.
             row_ids (`Sequence[int]`, *optional*): One id per row for :func:`task_seeds` (default: the positions).
             **generate_kwargs (`Any`): Passed to ``model.generate``.
 
         Returns:
-            `dict`: :func:`~trl_es.rollout.score_model`'s keys (``completions`` the decoded completion texts, tool
-            turns included; ``num_tokens`` the model's tokens only), plus ``messages`` (the completions as reward
-            functions saw them), ``prompts`` (the prompts they saw: after ``reset``), ``completion_lengths`` (the
-            model's tokens of each completion), ``tool_calls`` and ``tool_failures`` (counts) and ``seconds``.
+            `RolloutResult`: ``reward_completions`` the multi-turn completions (messages) and ``prompts`` the prompts
+            after ``reset``, as the reward functions saw them; the tool counts and ``seconds`` set.
 
         Raises:
-            ValueError: ``num_row_groups != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
+            ValueError: ``num_members != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
         """
-        if num_row_groups != 1:
+        if num_members != 1:
             raise ValueError("tools, environment_factory and rollout_func roll out one member per call "
-                             f"(num_row_groups=1), got {num_row_groups}.")
+                             f"(num_members=1), got {num_members}.")
         start = time.perf_counter()
         reward_kwargs = dict(reward_kwargs or {})
         tok = self.processing_class
@@ -469,22 +469,21 @@ class AgentRollout(Rollout):
                       for j, row in enumerate(rows)]
         per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
         ends = ended_ids(self.generation_config, model, tok)
-        return {
-            "rewards_per_func": per_func,
-            "invalid": invalid,
-            "rewards": self.scorer.weighted(per_func),
-            "completions": tok.batch_decode(completion_ids, skip_special_tokens=True),
-            "completion_ids": completion_ids,
-            "messages": messages,
-            "num_tokens": sum(len(ids) for ids in completion_ids) - sum(tool_tokens),
-            "completion_lengths": [len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
-            "prompts": prompts,
-            "terminated": terminated(completion_ids, ends),
-            "prompt_lengths": [len(ids) for ids in prompt_ids],
-            "tool_calls": calls,
-            "tool_failures": failures,
-            "seconds": time.perf_counter() - start,
-        }
+        return RolloutResult(
+            rewards_per_func=per_func,
+            invalid=invalid,
+            rewards=self.scorer.weighted(per_func),
+            completions=tok.batch_decode(completion_ids, skip_special_tokens=True),
+            completion_ids=completion_ids,
+            prompts=prompts,
+            reward_completions=messages,
+            completion_lengths=[len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
+            prompt_lengths=[len(ids) for ids in prompt_ids],
+            terminated=terminated(completion_ids, ends),
+            tool_calls=calls,
+            tool_failures=failures,
+            seconds=time.perf_counter() - start,
+        )
 
     def _generate(self, model, prompt_ids: list[list[int]], **generate_kwargs) -> list[list[int]]:
         """One completion per token-id prompt, cut after its end-of-turn id (the engine's rule)."""
@@ -574,11 +573,10 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
                                 f"dict of them), got {factory!r:.80}: pass the class, not an instance.")
 
 
-def tool_counts(rollout: dict) -> torch.Tensor:
+def tool_counts(rollout: RolloutResult) -> torch.Tensor:
     """``[tool calls, failed calls, rollouts]`` of an :class:`AgentRollout` result, float64 (summed over calls and
     processes before :func:`tool_metrics`)."""
-    return torch.tensor([rollout["tool_calls"], rollout["tool_failures"], len(rollout["completions"])],
-                        dtype=torch.float64)
+    return torch.tensor([rollout.tool_calls, rollout.tool_failures, len(rollout.completions)], dtype=torch.float64)
 
 
 def tool_metrics(counts: torch.Tensor, prefix: str = "") -> dict[str, float]:
