@@ -24,7 +24,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from .rollout import Rollout, ended_ids, terminated
 
 __all__ = [
     "AgentRollout",
+    "Agents",
     "Environments",
     "MemberVLLMGeneration",
     "bind_rollout_func",
@@ -596,7 +598,7 @@ def warn_experimental(rollout_func, environment_factory) -> None:
         if value is not None:
             warnings.warn(f"You are using '{name}', which is an experimental feature. This API may change or be "
                           "removed at any time without prior notice. Silence this warning by setting environment "
-                          "variable TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=3)
+                          "variable TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=4)  # at the trainer's call
 
 
 def environment_placeholder_dataset(environments: Environments, args):
@@ -681,7 +683,7 @@ def warn_member_independent_rollouts() -> None:
                   "with trainer.model, which holds each member's weights while rollout_func runs (an external server "
                   "that ES does not drive scores the base model for every member). ES then learns nothing but "
                   "noise; generate with trainer.model inside rollout_func (with use_vllm=True: "
-                  "trainer.vllm_generation.generate).", UserWarning, stacklevel=3)
+                  "trainer.vllm_generation.generate).", UserWarning, stacklevel=4)  # at training_step
     _warned_member_independent = True
 
 
@@ -693,3 +695,132 @@ def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
     """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``
     (with ``use_vllm=True``: in the engine behind ``trainer.vllm_generation``)."""
     return functools.partial(_call_rollout_func, rollout_func, trainer)
+
+
+@dataclass(eq=False)
+class Agents:
+    """GRPO's agent arguments of one trainer as one object: ``tools=``, ``environment_factory=``, ``rollout_func=``.
+
+    Built once by :meth:`build`; the trainer asks it for its reward functions, its data, its rollout and its tool
+    metrics, and keeps GRPO's attribute names (``trainer.tools``, ``.environments``, ``.rollout_func``,
+    ``.chat_template``) pointing at these fields.
+
+    Attributes:
+        tools (`list[Callable]`): The standalone tools, then the environments' public methods (GRPO's
+            ``trainer.tools``).
+        environments (`Environments`, *optional*): ``environment_factory``'s pools.
+        rollout_func (`Callable`, *optional*): GRPO's ``rollout_func(prompts, trainer)``, unbound.
+        chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
+        counts (`torch.Tensor`): ``[tool calls, failed calls, rollouts]`` of the iteration so far (:meth:`record`).
+    """
+
+    tools: list = field(default_factory=list)
+    environments: Environments | None = None
+    rollout_func: Callable | None = None
+    chat_template: str | None = None
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    _completions_seen: set = field(default_factory=set)
+
+    @classmethod
+    def build(cls, processing_class, tools=None, rollout_func=None, environment_factory=None) -> tuple[Agents, Any]:
+        """Check the arguments, warn as GRPO does for the experimental ones, make the environments and the
+        tool-calling tokenizer.
+
+        Returns:
+            `tuple`: ``(agents, processing_class)``, the tokenizer with a response schema when there are tools.
+
+        Raises:
+            TypeError / ValueError: from :func:`check_agent_arguments` and :func:`prepare_tool_calling`.
+        """
+        check_agent_arguments(tools, rollout_func, environment_factory)
+        warn_experimental(rollout_func, environment_factory)
+        environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
+        all_tools = list(tools or [])
+        for env_tools in (environments.tools.values() if environments else ()):
+            methods = [tool for tool in env_tools if tool not in all_tools]
+            check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
+            all_tools += methods
+        processing_class, chat_template = prepare_tool_calling(processing_class, all_tools)
+        return cls(all_tools, environments, rollout_func, chat_template), processing_class
+
+    @property
+    def active(self) -> bool:
+        """Any agent feature given: rollouts go through :class:`AgentRollout`."""
+        return bool(self.tools) or self.environments is not None or self.rollout_func is not None
+
+    @property
+    def prompt_required(self) -> bool:
+        """Datasets need a ``prompt`` column unless an environment supplies the prompt (GRPO's rule)."""
+        return self.environments is None
+
+    def reward_setup(self, reward_funcs, reward_weights, reward_processing_classes) -> tuple[list, Any, Any]:
+        """The scorer's functions, weights and reward tokenizers: an environment's ``get_reward`` last, weight 1.
+
+        Raises:
+            ValueError: no reward source at all, or ``reward_weights`` not one per given function.
+        """
+        env_rewards = self.environments.reward_funcs if self.environments else []
+        funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not funcs + env_rewards:
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
+        weights, classes = reward_weights, reward_processing_classes
+        if weights is not None and env_rewards:
+            if len(weights) != len(funcs):
+                raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
+                                 "functions; give one weight per reward function (an environment's get_reward gets "
+                                 "weight 1).")
+            weights = list(weights) + [1.0] * len(env_rewards)
+        if classes is not None and env_rewards:
+            classes = (classes if isinstance(classes, list) else [classes]) + [None] * len(env_rewards)
+        return funcs + env_rewards, weights, classes
+
+    def train_dataset(self, train_dataset, args):
+        """``train_dataset``, or GRPO's placeholder rows when an environment owns the data
+        (:func:`environment_placeholder_dataset`)."""
+        if train_dataset is None and self.environments is not None:
+            return environment_placeholder_dataset(self.environments, args)
+        return train_dataset
+
+    def check_population(self, sharded: bool, stacked_chunks: bool) -> None:
+        """Refuse what agent rollouts cannot do: the tool loop regenerates some rows of one member, so one member a
+        generate call.
+
+        Raises:
+            ValueError: under ZeRO-3 (``sharded``) or with stacked low-rank members (``stacked_chunks``).
+        """
+        if not self.active:
+            return
+        limits = (("DeepSpeed ZeRO-3", sharded), ("stacked low-rank members (member_chunk_size > 1)", stacked_chunks))
+        unsupported = [what for what, on in limits if on]
+        if unsupported:
+            raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
+                             f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
+                             "(member_chunk_size=1).")
+
+    def rollout(self, base: Rollout, args, trainer) -> AgentRollout:
+        """``base``'s settings with GRPO's agent features (``rollout_func`` bound to ``trainer``)."""
+        rollout_func = bind_rollout_func(self.rollout_func, trainer) if self.rollout_func is not None else None
+        return AgentRollout(**{f.name: getattr(base, f.name) for f in fields(Rollout)}, tools=self.tools,
+                            environments=self.environments, rollout_func=rollout_func,
+                            chat_template=self.chat_template,
+                            max_tool_calling_iterations=args.max_tool_calling_iterations,
+                            max_completion_length=args.max_completion_length, seed=args.seed,
+                            max_model_len=getattr(base.engine, "max_model_len", None))
+
+    def start_iteration(self) -> None:
+        """Zero the tool counts and forget the completions seen (at the start of a member loop)."""
+        self.counts = torch.zeros(3, dtype=torch.float64)
+        self._completions_seen = set()
+
+    def record(self, out: RolloutResult) -> None:
+        """Count one member rollout's tool calls, and keep its completions to tell if ``rollout_func`` ignores the
+        member (:meth:`finish_iteration`)."""
+        self.counts += tool_counts(out)
+        if self.rollout_func is not None:
+            self._completions_seen.add(repr(out.completion_ids))
+
+    def finish_iteration(self, num_members: int) -> None:
+        """Warn once when every one of ``num_members`` members got the same ``rollout_func`` completions."""
+        if self.rollout_func is not None and num_members > 1 and len(self._completions_seen) == 1:
+            warn_member_independent_rollouts()

@@ -25,19 +25,7 @@ from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
-from ...agents import (
-    AgentRollout,
-    Environments,
-    MemberVLLMGeneration,
-    bind_rollout_func,
-    check_agent_arguments,
-    environment_placeholder_dataset,
-    prepare_tool_calling,
-    tool_counts,
-    tool_metrics,
-    warn_experimental,
-    warn_member_independent_rollouts,
-)
+from ...agents import Agents, MemberVLLMGeneration, tool_counts, tool_metrics
 from ...es.anchor import checkpoint_files, make_anchor
 from ...es.fitness import MemberScores, PopulationScores
 from ...es.noise import make_noise_source
@@ -207,51 +195,27 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
 
         # Agents: GRPO's tools, environments (their methods are tools, get_reward a reward) and rollout_func
-        check_agent_arguments(tools, rollout_func, environment_factory)
-        warn_experimental(rollout_func, environment_factory)
-        self.environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
-        self.tools = list(tools or [])
-        for env_tools in (self.environments.tools.values() if self.environments else ()):
-            methods = [tool for tool in env_tools if tool not in self.tools]
-            check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
-            self.tools += methods
-        processing_class, self.chat_template = prepare_tool_calling(processing_class, self.tools)
-        self.rollout_func = rollout_func
-        self._agents = bool(self.tools) or self.environments is not None or rollout_func is not None
+        self.agents, processing_class = Agents.build(processing_class, tools, rollout_func, environment_factory)
+        self.tools, self.environments = self.agents.tools, self.agents.environments  # GRPOTrainer's attributes
+        self.rollout_func, self.chat_template = rollout_func, self.agents.chat_template
 
         # Rewards (an environment's get_reward last, weight 1, as in GRPO)
-        env_rewards = self.environments.reward_funcs if self.environments else []
-        funcs = ([] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
-        if not funcs + env_rewards:
-            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
-                             "environment defines a `get_reward` method.")
-        weights = args.reward_weights
-        if weights is not None and env_rewards:
-            if len(weights) != len(funcs):
-                raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
-                                 "functions; give one weight per reward function (an environment's get_reward gets "
-                                 "weight 1).")
-            weights = list(weights) + [1.0] * len(env_rewards)
-        if reward_processing_classes is not None and env_rewards:
-            classes = reward_processing_classes if isinstance(reward_processing_classes, list) else [
-                reward_processing_classes]
-            reward_processing_classes = classes + [None] * len(env_rewards)
-        self.reward_scorer = RewardScorer(funcs + env_rewards, weights, reward_processing_classes,
-                                          args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs)
+        funcs, weights, classes = self.agents.reward_setup(reward_funcs, args.reward_weights, reward_processing_classes)
+        self.reward_scorer = RewardScorer(funcs, weights, classes, args.model_init_kwargs, args.trust_remote_code,
+                                          args.chat_template_kwargs)
         self.reward_func_names = self.reward_scorer.names
 
         # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
-        if train_dataset is None and self.environments is not None:
-            train_dataset = environment_placeholder_dataset(self.environments, args)
-        validate_dataset(train_dataset, "train_dataset", prompt_required=self.environments is None)
+        train_dataset = self.agents.train_dataset(train_dataset, args)
+        validate_dataset(train_dataset, "train_dataset", prompt_required=self.agents.prompt_required)
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
             train_dataset = SharedStream(train_dataset)
         if isinstance(eval_dataset, dict):
             for key, dataset in eval_dataset.items():
-                validate_dataset(dataset, f"eval_dataset[{key!r}]", prompt_required=self.environments is None)
+                validate_dataset(dataset, f"eval_dataset[{key!r}]", prompt_required=self.agents.prompt_required)
         else:
-            validate_dataset(eval_dataset, "eval_dataset", prompt_required=self.environments is None)
+            validate_dataset(eval_dataset, "eval_dataset", prompt_required=self.agents.prompt_required)
 
         # Generation
         self.generation_config = build_generation_config(
@@ -304,15 +268,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
-        if self._agents:  # the tool loop regenerates some rows of one member, so one member a generate call
-            unsupported = [what for what, on in (
-                ("DeepSpeed ZeRO-3", self.sharded),
-                ("stacked low-rank members (member_chunk_size > 1)",
-                 population.stacked and args.member_chunk_size != 1)) if on]
-            if unsupported:
-                raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
-                                 f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
-                                 "(member_chunk_size=1).")
+        self.agents.check_population(self.sharded, population.stacked and args.member_chunk_size != 1)
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
@@ -463,17 +419,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         the trainer's current tokenizer, reward scorer, generation config and engine; with tools, environments or a
         ``rollout_func``, an :class:`~trl_es.agents.AgentRollout` (``rollout_func`` bound to this trainer)."""
         args = self.args
-        if not self._agents:
-            return Rollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
-                           args.chat_template_kwargs, self.generation_engine)
-        rollout_func = bind_rollout_func(self.rollout_func, self) if self.rollout_func is not None else None
-        return AgentRollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
-                            args.chat_template_kwargs, self.generation_engine, tools=self.tools,
-                            environments=self.environments, rollout_func=rollout_func,
-                            chat_template=self.chat_template,
-                            max_tool_calling_iterations=args.max_tool_calling_iterations,
-                            max_completion_length=args.max_completion_length, seed=args.seed,
-                            max_model_len=getattr(self.generation_engine, "max_model_len", None))
+        rollout = Rollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
+                          args.chat_template_kwargs, self.generation_engine)
+        return self.agents.rollout(rollout, args, self) if self.agents.active else rollout
 
     # ------------------------------------------------------------------ the ES iteration
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -539,8 +487,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
         scores, log = {}, self.completion_log
-        self._tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
-        completions_seen = set()  # rollout_func: the members' completions, to tell if they depend on the member
+        self.agents.start_iteration()  # tool counts, and rollout_func's completions (do they depend on the member?)
 
         def roll(chunk):  # one chunk's rollout, its stacked members applied (a server's, with vllm_mode="server")
             kwargs = {**reward_kwargs, "log_extra": log.log_extra_for_call()} if log is not None else reward_kwargs
@@ -553,9 +500,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         chunks = list(self.strategy.groups(indices))
         for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_groups(roll, chunks), strict=True):
             warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
-            self._tool_counts += tool_counts(out)
-            if self.rollout_func is not None:
-                completions_seen.add(repr(out.completion_ids))
+            self.agents.record(out)
             if args.mask_truncated_completions:
                 out = out.mask_truncated()
             if log is not None:
@@ -563,14 +508,13 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for index, member_rows in zip(chunk, out.split_member_rows(len(chunk)), strict=True):
                 scores[index] = MemberScores.from_rollout(member_rows, args.success_threshold, per_prompt,
                                                           group_size=args.num_generations)
-        if self.rollout_func is not None and len(indices) > 1 and len(completions_seen) == 1:
-            warn_member_independent_rollouts()
+        self.agents.finish_iteration(len(indices))
         return scores
 
     def _tool_metrics(self) -> dict[str, float]:
         """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls) of
         the iteration's members, summed over processes (population parallelism)."""
-        counts = self._tool_counts
+        counts = self.agents.counts
         if self.accelerator.num_processes > 1 and not self.sharded:
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += counts.numel() * 8
@@ -913,7 +857,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for key, subset in dataset.items():
                 metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
             return metrics
-        validate_dataset(dataset, "eval_dataset", prompt_required=self.environments is None)
+        validate_dataset(dataset, "eval_dataset", prompt_required=self.agents.prompt_required)
         if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
             dataset = list(dataset)
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
@@ -946,7 +890,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                                      add_special_tokens=prompt_add_special_tokens([dataset[0]["prompt"]]))
                 continue
             # an environment's task follows the row's index in the dataset, however the rows are split
-            agent_kwargs = {"row_ids": indices[first : first + batch]} if self._agents else {}
+            agent_kwargs = {"row_ids": indices[first : first + batch]} if self.agents.active else {}
             out = rollout(unwrapped, chunk, reward_kwargs={
                 "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
                 **agent_kwargs)
