@@ -248,8 +248,8 @@ def test_pad_to_multiple_of_pads_prompt_batches_with_the_same_completions(tmp_pa
     for engine in (EagerEngine(share_prompt_prefix=True, pad_to_multiple_of=multiple),
                    EagerEngine(pad_to_multiple_of=multiple), CompiledEngine(compile=False, pad_to_multiple_of=multiple)):
         calls.clear()
-        assert score_model(model, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)[
-            "completion_ids"] == reference
+        out = score_model(model, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)
+        assert out.completion_ids == reference
         assert len(calls[0]["input_ids"][0]) % multiple == 0
     assert EagerEngine(share_prompt_prefix=True).can_share(model, config, {})
 
