@@ -882,8 +882,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         rollout = dataclasses.replace(self.rollout, num_generations=num_generations)
         start = time.perf_counter()
         for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
-            chunk = rows[first : first + batch]
-            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
+            batch_rows = rows[first : first + batch]
+            if not batch_rows:  # ZeRO-3 only: take part in the others' forwards, score nothing
                 placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
                 generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
                                      engine=self.generation_engine,
@@ -891,7 +891,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 continue
             # an environment's task follows the row's index in the dataset, however the rows are split
             agent_kwargs = {"row_ids": indices[first : first + batch]} if self.agents.active else {}
-            out = rollout(unwrapped, chunk, reward_kwargs={
+            out = rollout(unwrapped, batch_rows, reward_kwargs={
                 "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
                 **agent_kwargs)
             warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
