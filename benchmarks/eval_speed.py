@@ -47,7 +47,8 @@ from trl_es.es.population import BatchedLowRankPopulation
 from trl_es.es.update import Member, TrainedParameters
 from trl_es.files import write_json
 from trl_es.generation import EagerEngine
-from trl_es.rollout import RewardScorer, Rollout, build_generation_config, score_model
+from trl_es.rewards import RewardScorer
+from trl_es.rollout import Rollout, build_generation_config, score_model
 
 
 def main(argv=None) -> dict:
@@ -91,8 +92,8 @@ def main(argv=None) -> dict:
 
     def training():
         with backend.apply(params, noise, members, 0.005, model):
-            out = rollout(model, train_rows * len(members), num_row_groups=len(members))
-        return len(out["completions"])
+            out = rollout(model, train_rows * len(members), num_members=len(members))
+        return len(out.completions)
 
     def evaluation(rows, sample_batch_size, candidate_sampling=True):
         out = sample_policy(model, tokenizer, rows, scorer, sampled, args.num_samples, sample_batch_size,
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
         done = 0
         for first in range(0, len(rows), 32):
             done += len(score_model(model, tokenizer, rows[first : first + 32], scorer, sampled, args.num_samples)
-                        ["completions"])
+                        .completions)
         return done
 
     variants = {"training": (training, training)}

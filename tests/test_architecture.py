@@ -19,7 +19,7 @@ FORBIDDEN = {
     "metrics": ("trainer", "cli", "analysis"),
     "files": ("trainer", "cli"),
     "fingerprint": ("trainer", "cli"),
-    "reward_names": ("trainer", "cli"),
+    "rewards": ("trainer", "cli", "analysis", "merging", "tasks", "rollout", "generation", "es", "agents"),
     "arguments": ("trainer", "cli"),
     "models": ("trainer", "cli"),
     "trainer": ("cli",),

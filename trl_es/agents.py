@@ -24,7 +24,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +42,13 @@ from trl.chat_template_utils import (
 from trl.data_utils import is_conversational
 
 from .generation import generate_completions
-from .rollout import Rollout, await_all, ended_ids, terminated
+from .rewards import RolloutResult, await_all
+from .rollout import Rollout, ended_ids, terminated
 
 
 __all__ = [
     "AgentRollout",
+    "Agents",
     "Environments",
     "MemberVLLMGeneration",
     "bind_rollout_func",
@@ -383,32 +386,31 @@ class AgentRollout(Rollout):
     seed: int = 0
     max_model_len: int | None = None
 
-    def __call__(self, model: nn.Module, rows: Sequence[dict], num_row_groups: int = 1,
-                 reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None, **generate_kwargs) -> dict:
+    def __call__(self, model: nn.Module, rows: Sequence[dict], num_members: int = 1,
+                 reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None,
+                 **generate_kwargs) -> RolloutResult:
         """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times, a rollout per copy) and score it.
 
         Args:
             model (`nn.Module`): The (possibly perturbed) model; every turn of the tool loop generates with it.
             rows (`Sequence[dict]`): Dataset rows (``prompt`` optional with environments).
-            num_row_groups (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members
-                cannot share.
+            num_members (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members cannot
+                share.
             reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; its ``trainer_state``'s
                 ``global_step`` keys the environments' random numbers.
             row_ids (`Sequence[int]`, *optional*): One id per row for :func:`task_seeds` (default: the positions).
             **generate_kwargs (`Any`): Passed to ``model.generate``.
 
         Returns:
-            `dict`: :func:`~trl_es.rollout.score_model`'s keys (``completions`` the decoded completion texts, tool
-            turns included; ``num_tokens`` the model's tokens only), plus ``messages`` (the completions as reward
-            functions saw them), ``prompts`` (the prompts they saw: after ``reset``), ``completion_lengths`` (the
-            model's tokens of each completion), ``tool_calls`` and ``tool_failures`` (counts) and ``seconds``.
+            `RolloutResult`: ``reward_completions`` the multi-turn completions (messages) and ``prompts`` the prompts
+            after ``reset``, as the reward functions saw them; the tool counts and ``seconds`` set.
 
         Raises:
-            ValueError: ``num_row_groups != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
+            ValueError: ``num_members != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
         """
-        if num_row_groups != 1:
+        if num_members != 1:
             raise ValueError("tools, environment_factory and rollout_func roll out one member per call "
-                             f"(num_row_groups=1), got {num_row_groups}.")
+                             f"(num_members=1), got {num_members}.")
         start = time.perf_counter()
         reward_kwargs = dict(reward_kwargs or {})
         tok = self.processing_class
@@ -469,22 +471,21 @@ class AgentRollout(Rollout):
                       for j, row in enumerate(rows)]
         per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
         ends = ended_ids(self.generation_config, model, tok)
-        return {
-            "rewards_per_func": per_func,
-            "invalid": invalid,
-            "rewards": self.scorer.weighted(per_func),
-            "completions": tok.batch_decode(completion_ids, skip_special_tokens=True),
-            "completion_ids": completion_ids,
-            "messages": messages,
-            "num_tokens": sum(len(ids) for ids in completion_ids) - sum(tool_tokens),
-            "completion_lengths": [len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
-            "prompts": prompts,
-            "terminated": terminated(completion_ids, ends),
-            "prompt_lengths": [len(ids) for ids in prompt_ids],
-            "tool_calls": calls,
-            "tool_failures": failures,
-            "seconds": time.perf_counter() - start,
-        }
+        return RolloutResult(
+            rewards_per_func=per_func,
+            invalid=invalid,
+            rewards=self.scorer.weighted(per_func),
+            completions=tok.batch_decode(completion_ids, skip_special_tokens=True),
+            completion_ids=completion_ids,
+            prompts=prompts,
+            reward_completions=messages,
+            completion_lengths=[len(ids) - t for ids, t in zip(completion_ids, tool_tokens, strict=True)],
+            prompt_lengths=[len(ids) for ids in prompt_ids],
+            terminated=terminated(completion_ids, ends),
+            tool_calls=calls,
+            tool_failures=failures,
+            seconds=time.perf_counter() - start,
+        )
 
     def _generate(self, model, prompt_ids: list[list[int]], **generate_kwargs) -> list[list[int]]:
         """One completion per token-id prompt, cut after its end-of-turn id (the engine's rule)."""
@@ -574,11 +575,10 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
                                 f"dict of them), got {factory!r:.80}: pass the class, not an instance.")
 
 
-def tool_counts(rollout: dict) -> torch.Tensor:
+def tool_counts(rollout: RolloutResult) -> torch.Tensor:
     """``[tool calls, failed calls, rollouts]`` of an :class:`AgentRollout` result, float64 (summed over calls and
     processes before :func:`tool_metrics`)."""
-    return torch.tensor([rollout["tool_calls"], rollout["tool_failures"], len(rollout["completions"])],
-                        dtype=torch.float64)
+    return torch.tensor([rollout.tool_calls, rollout.tool_failures, len(rollout.completions)], dtype=torch.float64)
 
 
 def tool_metrics(counts: torch.Tensor, prefix: str = "") -> dict[str, float]:
@@ -598,7 +598,7 @@ def warn_experimental(rollout_func, environment_factory) -> None:
         if value is not None:
             warnings.warn(f"You are using '{name}', which is an experimental feature. This API may change or be "
                           "removed at any time without prior notice. Silence this warning by setting environment "
-                          "variable TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=3)
+                          "variable TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=4)  # at the trainer's call
 
 
 def environment_placeholder_dataset(environments: Environments, args):
@@ -683,7 +683,7 @@ def warn_member_independent_rollouts() -> None:
                   "with trainer.model, which holds each member's weights while rollout_func runs (an external server "
                   "that ES does not drive scores the base model for every member). ES then learns nothing but "
                   "noise; generate with trainer.model inside rollout_func (with use_vllm=True: "
-                  "trainer.vllm_generation.generate).", UserWarning, stacklevel=3)
+                  "trainer.vllm_generation.generate).", UserWarning, stacklevel=4)  # at training_step
     _warned_member_independent = True
 
 
@@ -695,3 +695,132 @@ def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
     """``prompts -> rollout_func(prompts, trainer)``: GRPO's call, with the member's weights in ``trainer.model``
     (with ``use_vllm=True``: in the engine behind ``trainer.vllm_generation``)."""
     return functools.partial(_call_rollout_func, rollout_func, trainer)
+
+
+@dataclass(eq=False)
+class Agents:
+    """GRPO's agent arguments of one trainer as one object: ``tools=``, ``environment_factory=``, ``rollout_func=``.
+
+    Built once by :meth:`build`; the trainer asks it for its reward functions, its data, its rollout and its tool
+    metrics, and keeps GRPO's attribute names (``trainer.tools``, ``.environments``, ``.rollout_func``,
+    ``.chat_template``) pointing at these fields.
+
+    Attributes:
+        tools (`list[Callable]`): The standalone tools, then the environments' public methods (GRPO's
+            ``trainer.tools``).
+        environments (`Environments`, *optional*): ``environment_factory``'s pools.
+        rollout_func (`Callable`, *optional*): GRPO's ``rollout_func(prompts, trainer)``, unbound.
+        chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
+        counts (`torch.Tensor`): ``[tool calls, failed calls, rollouts]`` of the iteration so far (:meth:`record`).
+    """
+
+    tools: list = field(default_factory=list)
+    environments: Environments | None = None
+    rollout_func: Callable | None = None
+    chat_template: str | None = None
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    _completions_seen: set = field(default_factory=set)
+
+    @classmethod
+    def build(cls, processing_class, tools=None, rollout_func=None, environment_factory=None) -> tuple[Agents, Any]:
+        """Check the arguments, warn as GRPO does for the experimental ones, make the environments and the
+        tool-calling tokenizer.
+
+        Returns:
+            `tuple`: ``(agents, processing_class)``, the tokenizer with a response schema when there are tools.
+
+        Raises:
+            TypeError / ValueError: from :func:`check_agent_arguments` and :func:`prepare_tool_calling`.
+        """
+        check_agent_arguments(tools, rollout_func, environment_factory)
+        warn_experimental(rollout_func, environment_factory)
+        environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
+        all_tools = list(tools or [])
+        for env_tools in (environments.tools.values() if environments else ()):
+            methods = [tool for tool in env_tools if tool not in all_tools]
+            check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
+            all_tools += methods
+        processing_class, chat_template = prepare_tool_calling(processing_class, all_tools)
+        return cls(all_tools, environments, rollout_func, chat_template), processing_class
+
+    @property
+    def active(self) -> bool:
+        """Any agent feature given: rollouts go through :class:`AgentRollout`."""
+        return bool(self.tools) or self.environments is not None or self.rollout_func is not None
+
+    @property
+    def prompt_required(self) -> bool:
+        """Datasets need a ``prompt`` column unless an environment supplies the prompt (GRPO's rule)."""
+        return self.environments is None
+
+    def reward_setup(self, reward_funcs, reward_weights, reward_processing_classes) -> tuple[list, Any, Any]:
+        """The scorer's functions, weights and reward tokenizers: an environment's ``get_reward`` last, weight 1.
+
+        Raises:
+            ValueError: no reward source at all, or ``reward_weights`` not one per given function.
+        """
+        env_rewards = self.environments.reward_funcs if self.environments else []
+        funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not funcs + env_rewards:
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
+        weights, classes = reward_weights, reward_processing_classes
+        if weights is not None and env_rewards:
+            if len(weights) != len(funcs):
+                raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
+                                 "functions; give one weight per reward function (an environment's get_reward gets "
+                                 "weight 1).")
+            weights = list(weights) + [1.0] * len(env_rewards)
+        if classes is not None and env_rewards:
+            classes = (classes if isinstance(classes, list) else [classes]) + [None] * len(env_rewards)
+        return funcs + env_rewards, weights, classes
+
+    def train_dataset(self, train_dataset, args):
+        """``train_dataset``, or GRPO's placeholder rows when an environment owns the data
+        (:func:`environment_placeholder_dataset`)."""
+        if train_dataset is None and self.environments is not None:
+            return environment_placeholder_dataset(self.environments, args)
+        return train_dataset
+
+    def check_population(self, sharded: bool, stacked_chunks: bool) -> None:
+        """Refuse what agent rollouts cannot do: the tool loop regenerates some rows of one member, so one member a
+        generate call.
+
+        Raises:
+            ValueError: under ZeRO-3 (``sharded``) or with stacked low-rank members (``stacked_chunks``).
+        """
+        if not self.active:
+            return
+        limits = (("DeepSpeed ZeRO-3", sharded), ("stacked low-rank members (member_chunk_size > 1)", stacked_chunks))
+        unsupported = [what for what, on in limits if on]
+        if unsupported:
+            raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
+                             f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
+                             "(member_chunk_size=1).")
+
+    def rollout(self, base: Rollout, args, trainer) -> AgentRollout:
+        """``base``'s settings with GRPO's agent features (``rollout_func`` bound to ``trainer``)."""
+        rollout_func = bind_rollout_func(self.rollout_func, trainer) if self.rollout_func is not None else None
+        return AgentRollout(**{f.name: getattr(base, f.name) for f in fields(Rollout)}, tools=self.tools,
+                            environments=self.environments, rollout_func=rollout_func,
+                            chat_template=self.chat_template,
+                            max_tool_calling_iterations=args.max_tool_calling_iterations,
+                            max_completion_length=args.max_completion_length, seed=args.seed,
+                            max_model_len=getattr(base.engine, "max_model_len", None))
+
+    def start_iteration(self) -> None:
+        """Zero the tool counts and forget the completions seen (at the start of a member loop)."""
+        self.counts = torch.zeros(3, dtype=torch.float64)
+        self._completions_seen = set()
+
+    def record(self, out: RolloutResult) -> None:
+        """Count one member rollout's tool calls, and keep its completions to tell if ``rollout_func`` ignores the
+        member (:meth:`finish_iteration`)."""
+        self.counts += tool_counts(out)
+        if self.rollout_func is not None:
+            self._completions_seen.add(repr(out.completion_ids))
+
+    def finish_iteration(self, num_members: int) -> None:
+        """Warn once when every one of ``num_members`` members got the same ``rollout_func`` completions."""
+        if self.rollout_func is not None and num_members > 1 and len(self._completions_seen) == 1:
+            warn_member_independent_rollouts()

@@ -162,7 +162,7 @@ class SplitAccuracy:
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 50):
         from trl_es.generation import EagerEngine
         from trl_es.tasks.arithmetic import arithmetic_reward
-        from trl_es.rollout import RewardScorer
+        from trl_es.rewards import RewardScorer
 
         self.tokenizer, self.rows, self.batch_size = tokenizer, rows, batch_size
         self.max_new_tokens = max_new_tokens
@@ -184,7 +184,7 @@ class SplitAccuracy:
         for first in range(0, len(mine), self.batch_size):
             batch = mine[first : first + self.batch_size]
             out = score_model(model, self.tokenizer, batch, self.scorer, config, samples, engine=self.engine)
-            correct += float(out["rewards"].nan_to_num(0.0).sum())
+            correct += float(out.rewards.nan_to_num(0.0).sum())
         total_correct, total = _all_reduce([correct, float(len(mine) * samples)])
         return total_correct / total
 
@@ -195,7 +195,7 @@ class HeldOutEntropy:
     arXiv 2608.27351)."""
 
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, samples: int = 2):
-        from trl_es.rollout import RewardScorer
+        from trl_es.rewards import RewardScorer
         from trl_es.tasks.arithmetic import arithmetic_reward
 
         self.tokenizer, self.rows, self.samples = tokenizer, rows, samples

@@ -68,8 +68,8 @@ def main():
     for first in tqdm(range(0, len(rows), args.batch_size), desc="rollouts"):
         batch = rows[first : first + args.batch_size]
         out = trainer.rollout(trainer.model, batch)
-        counts["tool_calls"] += out["tool_calls"]
-        for row, messages in zip(batch, out["messages"], strict=True):
+        counts["tool_calls"] += out.tool_calls
+        for row, messages in zip(batch, out.reward_completions, strict=True):
             calls = [c["function"] for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
             counts["rollouts"] += 1
             counts["with_call"] += bool(calls)

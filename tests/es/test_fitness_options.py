@@ -17,7 +17,8 @@ from trl_es.es.fitness import MemberScores, PopulationScores
 from trl_es.es.noise import NoiseTable
 from trl_es.es.population import BatchedLowRankPopulation
 from trl_es.es.shaping import shape_fitness
-from trl_es.es.update import TrainedParameters, select_parameters
+from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.rewards import RolloutResult
 from trl_es.rollout import build_generation_config, generate_completions
 
 NAN = math.nan
@@ -25,10 +26,11 @@ SMALL_TABLE = 1 << 20
 
 
 def rollout(rewards):
-    """A scored rollout as score_model returns it: one reward function, the given weighted rewards (NaN = None)."""
-    r = torch.tensor(rewards, dtype=torch.float32)
-    return {"rewards": r.double(), "rewards_per_func": r[:, None], "invalid": torch.zeros(len(rewards), 1, dtype=torch.bool),
-            "completions": ["x"] * len(rewards), "num_tokens": len(rewards)}
+    """A scored rollout as score_model returns it: one reward function, the given weighted rewards (NaN = None), one
+    token per completion."""
+    r, n = torch.tensor(rewards, dtype=torch.float32), len(rewards)
+    return RolloutResult(r[:, None], torch.zeros(n, 1, dtype=torch.bool), r.double(), ["x"] * n, [[1]] * n, ["p"] * n,
+                         ["x"] * n, [1] * n, [1] * n, [True] * n)
 
 
 # ------------------------------------------------------------------------------------------- arithmetic

@@ -516,7 +516,8 @@ def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings(
     with a default generation config."""
     from test_grpo_generation_parity import PLAIN, Recorder, bos_tokenizer
 
-    from trl_es.rollout import RewardScorer, score_model
+    from trl_es.rewards import RewardScorer
+    from trl_es.rollout import score_model
 
     tokenizer = bos_tokenizer()
     model = build_vllm_llama(tokenizer)
@@ -537,5 +538,5 @@ def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings(
     out = score_model(model, tokenizer, [{"prompt": p} for p in PLAIN], RewardScorer(Recorder()), config,
                       engine=engine)
     assert seen == tokenizer(text=PLAIN)["input_ids"] and all(ids[0] == tokenizer.bos_token_id for ids in seen)
-    assert out["completion_ids"] == reference["completion_ids"]
+    assert out.completion_ids == reference.completion_ids
     engine.close()

@@ -97,8 +97,8 @@ def test_max_tool_calling_iterations_and_the_completion_budget(tmp_path):
     trainer = ESTrainer(model, reward, args=args, train_dataset=task_prompts(), processing_class=tok,
                         tools=[multiply_tool])
     out = trainer.rollout(trainer.model, [task_prompts()[0]])
-    assert max(len(ids) for ids in out["completion_ids"]) <= 250
-    assert len(out["messages"][0]) == 3  # one call and its result fit; the second result does not
+    assert max(len(ids) for ids in out.completion_ids) <= 250
+    assert len(out.reward_completions[0]) == 3  # one call and its result fit; the second result does not
 
 
 def test_a_template_without_tool_calling_is_refused(tmp_path):
@@ -246,7 +246,7 @@ def test_multi_environment_dict_routes_rows_by_their_environment_column(tmp_path
     assert trainer.reward_func_names == ["reward", "CounterEnvironment", "Other"]
     out = trainer.rollout(trainer.model, list(data), reward_kwargs={})
     assert seen[-1] == ["CounterEnvironment", "Other", "CounterEnvironment"]
-    rewards = out["rewards_per_func"]
+    rewards = out.rewards_per_func
     assert math.isnan(rewards[1, 1]) and not math.isnan(rewards[0, 1])  # None -> NaN: another class's row
     assert rewards[1, 2].item() == 5.0
     bad = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]], "environment": ["missing"]})
@@ -406,7 +406,7 @@ def test_evaluation_tasks_follow_the_dataset_index_however_it_is_batched(tmp_pat
     again = ESTrainer(model, None, args=es_args(tmp_path), train_dataset=data, processing_class=tok,
                       environment_factory=DrawEnvironment)
     out = again.rollout(again.model, list(data), row_ids=list(range(6)))
-    assert len(set(out["rewards_per_func"][:, 0].tolist())) == 6
+    assert len(set(out.rewards_per_func[:, 0].tolist())) == 6
 
 
 def test_length_metrics_and_completion_logs_count_the_models_tokens_and_turns(tmp_path):
@@ -418,7 +418,7 @@ def test_length_metrics_and_completion_logs_count_the_models_tokens_and_turns(tm
                         tools=[multiply_tool])
     out = trainer.rollout(trainer.model, [task_prompts(1)[0]])
     model_tokens = len(tok(tool_call("multiply_tool", a=2, b=3) + "6<|im_end|>", add_special_tokens=False)["input_ids"])
-    assert out["completion_lengths"] == [model_tokens] < [len(out["completion_ids"][0])]  # tool tokens left out
+    assert out.completion_lengths == [model_tokens] < [len(out.completion_ids[0])]  # tool tokens left out
     trainer.train()
     logged = [h for h in trainer.state.log_history if "completions/mean_length" in h][0]
     assert logged["completions/mean_length"] == model_tokens and logged["completion_tokens"] == 2 * model_tokens

@@ -13,6 +13,7 @@ from datasets import Dataset
 from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer
+from trl_es.rewards import RolloutResult
 from trl_es.trainer.es import completion_logs
 
 SMALL_TABLE = 1 << 20
@@ -225,12 +226,20 @@ def test_mask_truncated_completions_with_every_completion_cut_leaves_the_weights
     assert all(c == 0.0 for record in seed_log(tmp_path / "out")[1:] for c in record["coefficients"])
 
 
+def scored(prompts, completions, rewards_per_func):
+    """A RolloutResult of the given prompts, completions and rewards (one token per completion)."""
+    n = len(completions)
+    return RolloutResult(rewards_per_func, torch.zeros(rewards_per_func.shape, dtype=torch.bool),
+                         rewards_per_func.double().sum(dim=1), list(completions), [[1]] * n, list(prompts),
+                         list(completions), [1] * n, [1] * n, [True] * n)
+
+
 def test_completion_log_unit_orders_rows_by_member():
     log = completion_logs.CompletionLog(["r"], "/nonexistent")
     log.log_extra_for_call()
-    log.add_call([3], [{"prompt": "p"}] * 2, ["a", "b"], torch.tensor([[1.0], [math.nan]]))
+    log.add_call([3], scored(["p"] * 2, ["a", "b"], torch.tensor([[1.0], [math.nan]])))
     log.log_extra_for_call()
-    log.add_call([1], [{"prompt": "q"}] * 2, ["c", "d"], torch.tensor([[2.0], [3.0]]))
+    log.add_call([1], scored(["q"] * 2, ["c", "d"], torch.tensor([[2.0], [3.0]])))
     log.finish_iteration(7, [0.0, -1.0, 0.0, 1.0])
     assert log.table() == {"step": [7] * 4, "prompt": ["q", "q", "p", "p"], "completion": ["c", "d", "a", "b"],
                            "r": [2.0, 3.0, 1.0, None], "advantage": [-1.0, -1.0, 1.0, 1.0], "member": [1, 1, 3, 3]}

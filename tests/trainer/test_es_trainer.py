@@ -479,6 +479,31 @@ def test_non_finite_rewards_never_reach_the_weights(tmp_path, tokenizer, shaping
         assert all(math.isfinite(c) for c in record["coefficients"])
 
 
+def test_evaluate_sums_invalid_rewards_by_the_training_rule(tmp_path, tokenizer):
+    """evaluate() sums its rollouts with MemberScores: an invalid reward is skipped as a None is, a completion with no
+    valid reward left has no weighted reward, and eval_reward is training's ``reward`` of the same rollout."""
+    from trl_es.es.fitness import MemberScores
+
+    def first(completions, **kwargs):  # completions 0..3: 1, inf, nan, None
+        return [1.0, float("inf"), float("nan"), None][: len(completions)]
+
+    def second(completions, **kwargs):  # 0.5, 0.25, None, 0.125
+        return [0.5, 0.25, None, 0.125][: len(completions)]
+
+    args = es_args(tmp_path, per_device_eval_batch_size=4, reward_weights=[1.0, 2.0])
+    trainer = ESTrainer(build_llama(tokenizer), [first, second], args=args, train_dataset=prompts(),
+                        eval_dataset=prompts(4, offset=20), processing_class=tokenizer)
+    with pytest.warns(UserWarning, match="non-finite reward"):
+        metrics = trainer.evaluate()
+    # weighted: 1 + 2 * 0.5 = 2.0; 2 * 0.25 = 0.5 (inf skipped); none (nan invalid, None); 2 * 0.125 = 0.25
+    assert metrics["eval_reward"] == (2.0 + 0.5 + 0.25) / 3 and metrics["eval_loss"] == -metrics["eval_reward"]
+    assert metrics["eval_num_invalid_rewards"] == 2 and metrics["eval_num_completions"] == 4
+    assert metrics["eval_rewards/first/mean"] == 1.0 and metrics["eval_rewards/second/mean"] == 0.875 / 3
+    out = trainer.rollout(trainer.model, list(prompts(4, offset=20)))
+    member = MemberScores.from_rollout(out, args.success_threshold)
+    assert (member.reward_sum / member.reward_count, member.invalid) == (metrics["eval_reward"], 2)
+
+
 def test_non_finite_reward_model_is_flagged_in_training_and_evaluation(tmp_path, tokenizer):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -494,7 +519,9 @@ def test_non_finite_reward_model_is_flagged_in_training_and_evaluation(tmp_path,
                         reward_processing_classes=[tokenizer, None])
     with pytest.warns(UserWarning, match="LlamaForSequenceClassification"):
         metrics = trainer.evaluate()
-    assert metrics["eval_num_invalid_rewards"] == 4 and metrics["eval_reward"] is None
+    # training's rule: the invalid reward is left out as a None is, the completion keeps share_a's (weight 1)
+    assert metrics["eval_num_invalid_rewards"] == 4 and metrics["eval_reward"] == metrics["eval_rewards/share_a/mean"]
+    assert metrics["eval_loss"] == -metrics["eval_reward"]
     assert "eval_rewards/LlamaForSequenceClassification/mean" not in metrics
     assert math.isfinite(metrics["eval_rewards/share_a/mean"])
     base = snapshot(trainer.model)
@@ -583,7 +610,7 @@ def test_saving_into_the_base_model_folder_keeps_theta_0(tmp_path, tokenizer, ti
 
 
 def test_weighted_rewards_do_not_overflow(tmp_path, tokenizer):
-    from trl_es.rollout import RewardScorer
+    from trl_es.rewards import RewardScorer
 
     def big(completions, **kwargs):
         return [3e38] * len(completions)

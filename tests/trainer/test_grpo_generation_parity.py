@@ -22,7 +22,8 @@ from transformers import GenerationConfig
 from trl_es import ESConfig, ESTrainer
 from trl_es.generation import CompiledEngine, EagerEngine
 from trl_es.generation.vllm_engine import sampling_kwargs, with_model_defaults
-from trl_es.rollout import RewardScorer, build_generation_config, prompt_texts, score_model
+from trl_es.rewards import RewardScorer
+from trl_es.rollout import build_generation_config, prompt_texts, score_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,7 +121,7 @@ def test_every_engine_feeds_grpos_prompt_ids(name):
     rows = [{"prompt": p} for p in PLAIN]
     out = score_model(model, tokenizer, rows, scorer, config, engine=engine)
     grpo = tokenizer(text=PLAIN)["input_ids"]
-    assert out["prompt_lengths"] == [len(ids) for ids in grpo]  # BOS counted
+    assert out.prompt_lengths == [len(ids) for ids in grpo]  # BOS counted
     if name == "eager_shared":  # the shared prefix ("<s>Write ") ran as a separate forward: rows hold it too
         assert engine.last_shared_prefix >= 2
     assert unpadded(calls[0])[: len(PLAIN)] == grpo
@@ -130,7 +131,7 @@ def test_every_engine_feeds_grpos_prompt_ids(name):
     grpo = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert all(row[0] != tokenizer.bos_token_id for row in grpo)
     assert unpadded(calls[0])[: len(CHAT)] == grpo
-    assert out["prompt_lengths"] == [len(ids) for ids in grpo]
+    assert out.prompt_lengths == [len(ids) for ids in grpo]
 
 
 def test_a_tokenizer_without_post_processor_is_unchanged(tmp_path, tokenizer):
@@ -167,7 +168,7 @@ def test_a_models_repetition_penalty_does_not_leak(tmp_path, tokenizer):
     config = build_generation_config(tokenizer, 12, model_generation_config=penalized.generation_config)
     for engine in engines().values():
         out = score_model(penalized, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)
-        assert out["completion_ids"] == default
+        assert out.completion_ids == default
     vllm = sampling_kwargs(with_model_defaults(config, penalized.generation_config), 1)[0]
     assert vllm["repetition_penalty"] == 1.0 and vllm["temperature"] == 0.0
 
@@ -223,9 +224,9 @@ def test_min_new_tokens_reaches_every_engine(tokenizer):
     rows = [{"prompt": p} for p in PLAIN]
     for engine in engines().values():
         out = score_model(model, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)
-        assert all(len(ids) == 4 and tokenizer.eos_token_id not in ids for ids in out["completion_ids"])
-        assert out["terminated"] == [ids[-1] in (tokenizer.eos_token_id, tokenizer.pad_token_id)
-                                     for ids in out["completion_ids"]]
+        assert all(len(ids) == 4 and tokenizer.eos_token_id not in ids for ids in out.completion_ids)
+        assert out.terminated == [ids[-1] in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+                                  for ids in out.completion_ids]
     assert sampling_kwargs(config, 1)[0]["min_tokens"] == 4
 
 
@@ -243,12 +244,12 @@ def test_pad_to_multiple_of_pads_prompt_batches_with_the_same_completions(tmp_pa
     assert padded == unpadded_completions
     rows = [{"prompt": p} for p in CHAT]  # a long shared prefix: the shared path pads prefix + padding + suffix
     config = build_generation_config(tokenizer, 6, model_generation_config=model.generation_config)
-    reference = score_model(model, tokenizer, rows, RewardScorer(Recorder()), config)["completion_ids"]
+    reference = score_model(model, tokenizer, rows, RewardScorer(Recorder()), config).completion_ids
     for engine in (EagerEngine(share_prompt_prefix=True, pad_to_multiple_of=multiple),
                    EagerEngine(pad_to_multiple_of=multiple), CompiledEngine(compile=False, pad_to_multiple_of=multiple)):
         calls.clear()
-        assert score_model(model, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)[
-            "completion_ids"] == reference
+        out = score_model(model, tokenizer, rows, RewardScorer(Recorder()), config, engine=engine)
+        assert out.completion_ids == reference
         assert len(calls[0]["input_ids"][0]) % multiple == 0
     assert EagerEngine(share_prompt_prefix=True).can_share(model, config, {})
 
@@ -293,7 +294,7 @@ def test_trl_es_eval_seeds_a_greedy_pass_that_samples(tmp_path, tiny_model_dir, 
 
     def recording(*args, **kwargs):
         out = score(*args, **kwargs)
-        seen.append(out["completion_ids"])
+        seen.append(out.completion_ids)
         return out
 
     monkeypatch.setattr(trl_es.rollout, "score_model", recording)

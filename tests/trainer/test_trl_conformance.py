@@ -1117,7 +1117,7 @@ def test_train_reward_func_with_log_metric(tmp_path, qwen2_dir):
 
 def test_warning_raised_all_rewards_none(tmp_path, qwen2_dir, caplog):
     """TRL: TestGRPOTrainer.test_warning_raised_all_rewards_none. Every reward None: GRPO's warning (logged by
-    trl_es.rollout, once per run). Added: ES's own warning (no member has a fitness), and the step is bitwise zero."""
+    trl_es.rewards.scoring, once per run). Added: ES's own warning (no member has a fitness), and the step is bitwise zero."""
     def always_none_reward_func(completions, **kwargs):
         """Reward function that always returns None."""
         return [None] * len(completions)
@@ -1835,8 +1835,8 @@ def test_generate_prefers_rollout_func(tmp_path, monkeypatch):
     trainer = rollout_func_trainer(tmp_path, rollout_func, reward)
     result = trainer.rollout(trainer.model, [{"prompt": "prompt"}])
 
-    assert result["prompt_lengths"] == [1]  # prompt_ids
-    assert result["completion_ids"] == [[2]]  # completion_ids
+    assert result.prompt_lengths == [1]  # prompt_ids
+    assert result.completion_ids == [[2]]  # completion_ids
     rollout_func.assert_called_once_with(["prompt"], trainer)
     trainer.model.generate.assert_not_called()
     (completions, kwargs), = seen
@@ -1852,7 +1852,7 @@ def test_generate_rollout_func_raises_when_required_keys_are_missing(tmp_path, m
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]]})
     trainer = rollout_func_trainer(tmp_path, rollout_func, lambda completions, **kwargs: [0.0] * len(completions))
-    assert trainer.rollout(trainer.model, [{"prompt": "prompt"}])["completion_ids"] == [[2]]
+    assert trainer.rollout(trainer.model, [{"prompt": "prompt"}]).completion_ids == [[2]]
 
     rollout_func.return_value = {"prompt_ids": [[1]]}
     with pytest.raises(ValueError, match=re.escape("rollout_func must return keys ['completion_ids']")):

@@ -50,7 +50,7 @@ def auto_sample_batch_size(num_samples: int) -> int:
 
 
 def _scorer(reward_funcs):
-    from ..rollout import RewardScorer
+    from ..rewards import RewardScorer
 
     return RewardScorer(list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
 
@@ -103,8 +103,8 @@ def greedy_accuracy(
         for first in range(0, len(rows), batch_size):
             out = score_model(model, tokenizer, rows[first : first + batch_size], scorer, config, 1,
                               chat_template_kwargs, engine=engine)
-            correct += int((out["rewards_per_func"][:, -1].nan_to_num(0.0) > success_threshold).sum())
-            bar.update(len(out["completions"]))
+            correct += int((out.rewards_per_func[:, -1].nan_to_num(0.0) > success_threshold).sum())
+            bar.update(len(out.completions))
     return correct / len(rows)
 
 
@@ -143,7 +143,7 @@ def sample_policy(
         tokenizer (`PreTrainedTokenizerBase`): Its tokenizer (with a pad token).
         rows (`Sequence[dict]`): Dataset rows (``prompt`` and the columns the reward functions read); may be empty.
         reward_funcs (`Callable | list | RewardScorer`): TRL-style reward functions (or a ready
-            :class:`trl_es.rollout.RewardScorer`); the last one decides correctness.
+            :class:`trl_es.rewards.RewardScorer`); the last one decides correctness.
         generation_config (`GenerationConfig`): A sampling config (``do_sample=True``, ``temperature > 0``), e.g.
             :func:`trl_es.rollout.build_generation_config` with a temperature and the model's
             ``generation_config`` (so that its end-of-turn ids end the completions).
@@ -171,7 +171,8 @@ def sample_policy(
             sample.
     """
     from ..generation import EagerEngine
-    from ..rollout import RewardScorer, score_model
+    from ..rewards import RewardScorer
+    from ..rollout import score_model
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
@@ -204,14 +205,14 @@ def sample_policy(
                 kwargs["logits_processor"] = [recorder]
             out = score_model(model, tokenizer, chunk, scorer, generation_config, num_samples, chat_template_kwargs,
                               engine=engine, **kwargs)
-            rewards = out["rewards_per_func"].view(len(chunk), num_samples, -1)
+            rewards = out.rewards_per_func.view(len(chunk), num_samples, -1)
             per_func.append(rewards)
             correct.extend(int(c) for c in (rewards[..., -1].nan_to_num(0.0) > success_threshold).sum(dim=1))
             if recorder is not None:
-                entropy = mean_completion_entropy(recorder, out["completion_ids"])
+                entropy = mean_completion_entropy(recorder, out.completion_ids)
                 entropy_sum += entropy["sum"]
                 entropy_tokens += entropy["num_tokens"]
-            bar.update(len(out["completions"]))
+            bar.update(len(out.completions))
     width = len(scorer.names)
     return {
         "rewards_per_func": torch.cat(per_func) if per_func else torch.empty(0, num_samples, width),

@@ -15,7 +15,8 @@ def analyze(argv: list[str]) -> dict:
     (rewards on the task's test split)."""
     from ..analysis import analyze as run_analysis
     from ..models import resolve_model_path
-    from ..rollout import RewardScorer, build_generation_config, score_model
+    from ..rewards import RewardScorer
+    from ..rollout import build_generation_config, score_model
 
     parser = TrlESParser((AnalyzeArguments, TaskArguments), prog="trl-es analyze")
     analyze_args, task_args = parser.parse_args_and_config(argv)
@@ -35,7 +36,7 @@ def analyze(argv: list[str]) -> dict:
     def reward_fn(model) -> float:
         config = build_generation_config(tokenizer, analyze_args.max_new_tokens,
                                          model_generation_config=getattr(model, "generation_config", None))
-        return float(score_model(model, tokenizer, rows, scorer, config)["rewards"].nanmean())
+        return float(score_model(model, tokenizer, rows, scorer, config).rewards.nanmean())
 
     # Off-task prompts for the KL: another task's prompts (arithmetic <-> countdown).
     off_task = "countdown" if task_args.task != "countdown" else "arithmetic"

@@ -162,7 +162,8 @@ def evaluate(argv: list[str]) -> dict:
 
     from ..analysis import mean_pass_at_k, sample_policy
     from ..generation import EagerEngine
-    from ..rollout import RewardScorer, build_generation_config, score_model
+    from ..rewards import RewardScorer
+    from ..rollout import build_generation_config, score_model
 
     task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
     num_samples = eval_args.num_samples or 1
@@ -199,8 +200,8 @@ def evaluate(argv: list[str]) -> dict:
                 batch = [rows[i] for i in mine[first : first + eval_args.batch_size]]
                 out = score_model(model, tokenizer, batch, scorer, greedy, 1, eval_args.chat_template_kwargs,
                                   engine=engine)
-                greedy_rows.extend(out["rewards_per_func"].tolist())
-                bar.update(len(out["completions"]))
+                greedy_rows.extend(out.rewards_per_func.tolist())
+                bar.update(len(out.completions))
         if mine:  # the sampled pass that evaluate_policy runs (shared prefix, token entropy), seeded per process
             out = sample_policy(model, tokenizer, [rows[i] for i in mine], scorer, sampled, num_samples,
                                 eval_args.sample_batch_size, seed=task_args.task_seed + state.process_index,

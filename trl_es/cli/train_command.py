@@ -9,7 +9,7 @@ from trl import ModelConfig, get_peft_config
 
 from ..arguments import TrlESParser
 from ..files import write_json
-from ..reward_names import reward_func_names
+from ..rewards import reward_func_names
 from ..trainer.es.es_config import ESConfig
 from ..trainer.time_budget import TrainingClock
 from .arguments import TASK_NAMES, TaskArguments
@@ -67,7 +67,7 @@ def parse_train_arguments(argv: list[str]):
 
 def _accuracy_name(task) -> str:
     # The task's answer reward is its last reward function (countdown: [format, answer]); the trainers log it under
-    # its distinct name (trl_es.reward_names.reward_func_names).
+    # its distinct name (trl_es.rewards.reward_func_names).
     return reward_func_names(task.reward_funcs)[-1]
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rewards import RolloutResult
 from .shaping import shape_fitness
 
 
@@ -94,28 +95,23 @@ class MemberScores:
     zero_std_groups: int = 0
 
     @classmethod
-    def from_rollout(cls, rollout: Mapping, success_threshold: float, seconds: float = 0.0,
-                     num_generations: int | None = None, group_size: int | None = None) -> MemberScores:
+    def from_rollout(cls, rollout: RolloutResult, success_threshold: float, num_generations: int | None = None,
+                     group_size: int | None = None) -> MemberScores:
         """Sum one member's rollout (the rows it owns).
 
         Args:
-            rollout (`Mapping`): ``rewards`` (``(n,)`` weighted rewards, NaN for all-``None``), ``rewards_per_func``
-                (``(n, F)``, NaN for ``None`` and invalid), ``invalid`` (``(n, F)`` bool), ``completions`` (``n``
-                texts) and ``num_tokens`` (int), as :func:`trl_es.rollout.score_model` returns them.
+            rollout (`RolloutResult`): The member's completions and rewards.
             success_threshold (`float`): A completion succeeds when its weighted reward is at least this.
-            seconds (`float`): The rollout's wall-clock seconds.
-            num_generations (`int`, *optional*): Completions per prompt row (consecutive, as
-                :func:`~trl_es.rollout.score_model` orders them): when given, the per-prompt sums are kept too.
+            num_generations (`int`, *optional*): Completions per prompt row (consecutive): when given, the per-prompt
+                sums are kept too.
             group_size (`int`, *optional*): Completions per prompt row, for ``groups`` / ``zero_std_groups`` (the
-                statistics only; ``None``: not counted). The completion statistics read ``completion_ids`` (or
-                ``completion_lengths``: the model's tokens of a multi-turn completion), ``terminated`` and
-                ``prompt_lengths`` when the rollout has them.
+                statistics only; ``None``: not counted).
 
         Raises:
             ValueError: if the completions do not split into rows of ``num_generations`` (or ``group_size``).
         """
-        rewards = rollout["rewards"].double()
-        per_func = rollout["rewards_per_func"].double()
+        rewards = rollout.rewards.double()
+        per_func = rollout.rewards_per_func.double()
         prompt_sum = prompt_count = None
         if num_generations is not None:
             if num_generations < 1 or rewards.numel() % num_generations:
@@ -129,33 +125,29 @@ class MemberScores:
             **stats,
             reward_sum=float(rewards.nansum()),
             reward_count=int((~torch.isnan(rewards)).sum()),
-            completions=len(rollout["completions"]),
-            tokens=int(rollout["num_tokens"]),
+            completions=len(rollout.completions),
+            tokens=int(rollout.num_tokens),
             per_func_sum=per_func.nansum(dim=0).tolist(),
             per_func_count=(~torch.isnan(per_func)).sum(dim=0).tolist(),
-            invalid=int(rollout["invalid"].sum()),
+            invalid=int(rollout.invalid.sum()),
             successes=int((rewards >= success_threshold).sum()),  # NaN compares False
-            seconds=float(seconds),
-            texts=list(rollout["completions"]),
+            seconds=float(rollout.seconds),
+            texts=list(rollout.completions),
             prompt_reward_sum=prompt_sum,
             prompt_reward_count=prompt_count,
         )
 
 
-def _completion_stats(rollout: Mapping, rewards: torch.Tensor, per_func: torch.Tensor, group_size: int | None) -> dict:
+def _completion_stats(rollout: RolloutResult, rewards: torch.Tensor, per_func: torch.Tensor,
+                      group_size: int | None) -> dict:
     """The statistics fields of :class:`MemberScores` (metrics only) from one rollout."""
     finite = rewards[~torch.isnan(rewards)]
     stats = {"reward_sq_sum": float(finite.pow(2).sum()), "per_func_sq_sum": per_func.pow(2).nansum(dim=0).tolist()}
-    ids = rollout.get("completion_ids")
-    if ids is not None:
-        lengths = rollout.get("completion_lengths") or [len(i) for i in ids]  # model tokens (tool turns left out)
-        ended = list(rollout.get("terminated", [False] * len(lengths)))
-        done = [n for n, end in zip(lengths, ended, strict=True) if end]
-        stats.update(terminated=len(done), terminated_tokens=sum(done),
-                     min_length=min(lengths, default=None), max_length=max(lengths, default=None),
-                     min_terminated_length=min(done, default=None), max_terminated_length=max(done, default=None))
-    if "prompt_lengths" in rollout:
-        stats["prompt_tokens"] = int(sum(rollout["prompt_lengths"]))
+    lengths = rollout.completion_lengths  # the model's tokens (tool turns left out)
+    done = [n for n, end in zip(lengths, rollout.terminated, strict=True) if end]
+    stats.update(terminated=len(done), terminated_tokens=sum(done), prompt_tokens=int(sum(rollout.prompt_lengths)),
+                 min_length=min(lengths, default=None), max_length=max(lengths, default=None),
+                 min_terminated_length=min(done, default=None), max_terminated_length=max(done, default=None))
     if group_size is not None:
         if group_size < 1 or rewards.numel() % group_size:
             raise ValueError(f"{rewards.numel()} completions do not split into prompt rows of {group_size}.")
@@ -311,6 +303,13 @@ class PopulationScores:
         num_prompts = None if self.prompt_sum is None else self.prompt_sum.shape[1]
         num_shares = None if self.length_extremes is None else self.length_extremes.shape[1]
         return PopulationScores.from_tensor(reduce_sum(self.to_tensor()), num_funcs, num_prompts, num_shares)
+
+    def __add__(self, other: PopulationScores) -> PopulationScores:
+        """Field by field sums of two tables of the same layout (scores of disjoint rows, e.g. evaluation batches)."""
+        num_funcs = self.per_func_sum.shape[1]
+        num_prompts = None if self.prompt_sum is None else self.prompt_sum.shape[1]
+        num_shares = None if self.length_extremes is None else self.length_extremes.shape[1]
+        return PopulationScores.from_tensor(self.to_tensor() + other.to_tensor(), num_funcs, num_prompts, num_shares)
 
     def nbytes(self) -> int:
         """Bytes of the flat tensor :meth:`all_reduce` moves."""

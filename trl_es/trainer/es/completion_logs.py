@@ -26,6 +26,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...rewards import RolloutResult
+
 
 __all__ = ["CompletionLog", "empty_logs"]
 
@@ -88,32 +90,30 @@ class CompletionLog:
         self._pending = pending
         return log_extra
 
-    def add_call(self, members: Sequence[int], rows: Sequence[dict], completions: Sequence, rewards_per_func,
-                 log_extra: Callable | None = None) -> None:
+    def add_call(self, members: Sequence[int], result: RolloutResult, log_extra: Callable | None = None) -> None:
         """Record one rollout call: ``len(members)`` equal consecutive blocks of completions, one per member.
 
         Args:
             members (`Sequence[int]`): The population indices of the call's members, in block order.
-            rows (`Sequence[dict]`): One dataset row per completion (the prompt's row, repeated per generation).
-            completions (`Sequence`): The completions as the reward functions received them (text or messages).
-            rewards_per_func (`torch.Tensor`): ``(len(completions), F)`` float32, NaN for ``None``.
+            result (`RolloutResult`): The call's rollout; its ``prompts`` and ``reward_completions`` (as the reward
+                functions saw them) and ``rewards_per_func`` (NaN for ``None``) fill the rows.
             log_extra (`Callable`, *optional*): The call's :meth:`log_extra_for_call`; default the last one made.
 
         Raises:
             ValueError: if a ``log_extra`` column does not hold one value per completion of the call (naming it).
         """
         pending = self._pending if log_extra is None else log_extra.pending
-        total = len(completions)
+        total = len(result.reward_completions)
         for column, values in pending.items():
             if len(values) != total:
                 raise ValueError(f"log_extra({column!r}, values) got {len(values)} values; the call's reward "
                                  f"functions scored {total} completions: give one value per completion.")
         width = total // max(1, len(members))
-        rewards = rewards_per_func.tolist()
+        rewards = result.rewards_per_func.tolist()
         for k, member in enumerate(members):
             for i in range(k * width, (k + 1) * width):
                 self._rows.append({
-                    "member": int(member), "prompt": rows[i]["prompt"], "completion": completions[i],
+                    "member": int(member), "prompt": result.prompts[i], "completion": result.reward_completions[i],
                     "rewards": [_value(r) for r in rewards[i]],
                     "extra": {column: values[i] for column, values in pending.items()},
                 })

@@ -25,19 +25,7 @@ from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
-from ...agents import (
-    AgentRollout,
-    Environments,
-    MemberVLLMGeneration,
-    bind_rollout_func,
-    check_agent_arguments,
-    environment_placeholder_dataset,
-    prepare_tool_calling,
-    tool_counts,
-    tool_metrics,
-    warn_experimental,
-    warn_member_independent_rollouts,
-)
+from ...agents import Agents, MemberVLLMGeneration, tool_counts, tool_metrics
 from ...es.anchor import checkpoint_files, make_anchor
 from ...es.fitness import MemberScores, PopulationScores
 from ...es.noise import make_noise_source
@@ -48,16 +36,8 @@ from ...es.strategy import EvolutionStrategy, Told
 from ...es.update import Member, TrainedParameters, select_parameters
 from ...generation import generate_completions, make_engine, prompt_add_special_tokens, resolve_pad_to_multiple_of
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
-from ...rollout import (
-    RewardScorer,
-    Rollout,
-    build_generation_config,
-    completions_for_rewards,
-    mask_truncated_rewards,
-    prompt_texts,
-    split_row_groups,
-    validate_dataset,
-)
+from ...rewards import RewardScorer
+from ...rollout import Rollout, build_generation_config, prompt_texts, validate_dataset
 from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
 from .es_checkpoint import ESCheckpointMixin, run_settings
@@ -215,51 +195,27 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
 
         # Agents: GRPO's tools, environments (their methods are tools, get_reward a reward) and rollout_func
-        check_agent_arguments(tools, rollout_func, environment_factory)
-        warn_experimental(rollout_func, environment_factory)
-        self.environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
-        self.tools = list(tools or [])
-        for env_tools in (self.environments.tools.values() if self.environments else ()):
-            methods = [tool for tool in env_tools if tool not in self.tools]
-            check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
-            self.tools += methods
-        processing_class, self.chat_template = prepare_tool_calling(processing_class, self.tools)
-        self.rollout_func = rollout_func
-        self._agents = bool(self.tools) or self.environments is not None or rollout_func is not None
+        self.agents, processing_class = Agents.build(processing_class, tools, rollout_func, environment_factory)
+        self.tools, self.environments = self.agents.tools, self.agents.environments  # GRPOTrainer's attributes
+        self.rollout_func, self.chat_template = rollout_func, self.agents.chat_template
 
         # Rewards (an environment's get_reward last, weight 1, as in GRPO)
-        env_rewards = self.environments.reward_funcs if self.environments else []
-        funcs = ([] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
-        if not funcs + env_rewards:
-            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
-                             "environment defines a `get_reward` method.")
-        weights = args.reward_weights
-        if weights is not None and env_rewards:
-            if len(weights) != len(funcs):
-                raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
-                                 "functions; give one weight per reward function (an environment's get_reward gets "
-                                 "weight 1).")
-            weights = list(weights) + [1.0] * len(env_rewards)
-        if reward_processing_classes is not None and env_rewards:
-            classes = reward_processing_classes if isinstance(reward_processing_classes, list) else [
-                reward_processing_classes]
-            reward_processing_classes = classes + [None] * len(env_rewards)
-        self.reward_scorer = RewardScorer(funcs + env_rewards, weights, reward_processing_classes,
-                                          args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs)
+        funcs, weights, classes = self.agents.reward_setup(reward_funcs, args.reward_weights, reward_processing_classes)
+        self.reward_scorer = RewardScorer(funcs, weights, classes, args.model_init_kwargs, args.trust_remote_code,
+                                          args.chat_template_kwargs)
         self.reward_func_names = self.reward_scorer.names
 
         # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
-        if train_dataset is None and self.environments is not None:
-            train_dataset = environment_placeholder_dataset(self.environments, args)
-        validate_dataset(train_dataset, "train_dataset", prompt_required=self.environments is None)
+        train_dataset = self.agents.train_dataset(train_dataset, args)
+        validate_dataset(train_dataset, "train_dataset", prompt_required=self.agents.prompt_required)
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
             train_dataset = SharedStream(train_dataset)
         if isinstance(eval_dataset, dict):
             for key, dataset in eval_dataset.items():
-                validate_dataset(dataset, f"eval_dataset[{key!r}]", prompt_required=self.environments is None)
+                validate_dataset(dataset, f"eval_dataset[{key!r}]", prompt_required=self.agents.prompt_required)
         else:
-            validate_dataset(eval_dataset, "eval_dataset", prompt_required=self.environments is None)
+            validate_dataset(eval_dataset, "eval_dataset", prompt_required=self.agents.prompt_required)
 
         # Generation
         self.generation_config = build_generation_config(
@@ -312,15 +268,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
             noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
         self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
-        if self._agents:  # the tool loop regenerates some rows of one member, so one member a generate call
-            unsupported = [what for what, on in (
-                ("DeepSpeed ZeRO-3", self.sharded),
-                ("stacked low-rank members (member_chunk_size > 1)",
-                 population.stacked and args.member_chunk_size != 1)) if on]
-            if unsupported:
-                raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
-                                 f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
-                                 "(member_chunk_size=1).")
+        self.agents.check_population(self.sharded, population.stacked and args.member_chunk_size != 1)
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
             self.population = on_engine(self.population, self.generation_engine)
@@ -471,17 +419,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         the trainer's current tokenizer, reward scorer, generation config and engine; with tools, environments or a
         ``rollout_func``, an :class:`~trl_es.agents.AgentRollout` (``rollout_func`` bound to this trainer)."""
         args = self.args
-        if not self._agents:
-            return Rollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
-                           args.chat_template_kwargs, self.generation_engine)
-        rollout_func = bind_rollout_func(self.rollout_func, self) if self.rollout_func is not None else None
-        return AgentRollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
-                            args.chat_template_kwargs, self.generation_engine, tools=self.tools,
-                            environments=self.environments, rollout_func=rollout_func,
-                            chat_template=self.chat_template,
-                            max_tool_calling_iterations=args.max_tool_calling_iterations,
-                            max_completion_length=args.max_completion_length, seed=args.seed,
-                            max_model_len=getattr(self.generation_engine, "max_model_len", None))
+        rollout = Rollout(self.processing_class, self.reward_scorer, self.generation_config, args.num_generations,
+                          args.chat_template_kwargs, self.generation_engine)
+        return self.agents.rollout(rollout, args, self) if self.agents.active else rollout
 
     # ------------------------------------------------------------------ the ES iteration
     # ------------------------------------------------------------------ the run's plan
@@ -581,13 +521,13 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         return torch.tensor(-float(mean), device=args.device)
 
     def _score_members(self, members: list[Member], rows: list[dict], step: int) -> dict[int, MemberScores]:
-        """The member loop: this process's members, a group at a time, applied to the model (restored exactly on
+        """The member loop: this process's members, a chunk at a time, applied to the model (restored exactly on
         leaving the ``with``, also on an exception) and rolled out on the prompt rows.
 
         Population parallelism: members ``i % W == rank``, each on the whole prompt batch; ZeRO-3 (sharded): every
-        member, scored by all processes together, each on its own prompts. The engine dispatches the groups
-        (``map_groups``: in order here; over several vLLM servers concurrently, a failed server's group run again on
-        another); their scores are collected in group order.
+        member, scored by all processes together, each on its own prompts. The engine dispatches the chunks
+        (``map_groups``: in order here; over several vLLM servers concurrently, a failed server's chunk run again on
+        another); their scores are collected in chunk order.
         """
         args = self.args
         if self.sharded:
@@ -601,54 +541,44 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
         scores, log = {}, self.completion_log
-        self._tool_counts = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
-        completions_seen = set()  # rollout_func: the members' completions, to tell if they depend on the member
+        self.agents.start_iteration()  # tool counts, and rollout_func's completions (do they depend on the member?)
 
-        def roll(group):  # one group's rollout, its members applied (on a server with vllm_mode="server")
+        def roll(chunk):  # one chunk's rollout, its stacked members applied (a server's, with vllm_mode="server")
             kwargs = {**reward_kwargs, "log_extra": log.log_extra_for_call()} if log is not None else reward_kwargs
-            with self.strategy.apply([members[i] for i in group], model):
-                self._seed_sampling(step, group)
+            with self.strategy.apply([members[i] for i in chunk], model):
+                self._seed_sampling(step, chunk)
                 self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
-                out = self.rollout(model, rows * len(group), num_row_groups=len(group), reward_kwargs=kwargs)
+                out = self.rollout(model, rows * len(chunk), num_members=len(chunk), reward_kwargs=kwargs)
             return out, kwargs.get("log_extra")
 
-        groups = list(self.strategy.groups(indices))
-        for group, (out, log_extra) in zip(groups, self.generation_engine.map_groups(roll, groups), strict=True):
-            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
-            if "tool_calls" in out:
-                self._tool_counts += tool_counts(out)
-                completions_seen.add(repr(out["completion_ids"]))
+        chunks = list(self.strategy.groups(indices))
+        for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_groups(roll, chunks), strict=True):
+            warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
+            self.agents.record(out)
             if args.mask_truncated_completions:
-                mask_truncated_rewards(out)
+                out = out.mask_truncated()
             if log is not None:
-                repeated = [row for row in rows * len(group) for _ in range(args.num_generations)]
-                if "messages" in out:  # an agent rollout: the prompts after reset, the multi-turn completions
-                    repeated = [{**row, "prompt": p} for row, p in zip(repeated, out["prompts"], strict=True)]
-                    log.add_call(group, repeated, out["messages"], out["rewards_per_func"], log_extra)
-                else:
-                    log.add_call(group, repeated, completions_for_rewards(out["completions"], repeated),
-                                 out["rewards_per_func"], log_extra)
-            for index, part in zip(group, split_row_groups(out, len(group)), strict=True):
-                scores[index] = MemberScores.from_rollout(part, args.success_threshold, part["seconds"], per_prompt,
+                log.add_call(chunk, out, log_extra)
+            for index, member_rows in zip(chunk, out.split_member_rows(len(chunk)), strict=True):
+                scores[index] = MemberScores.from_rollout(member_rows, args.success_threshold, per_prompt,
                                                           group_size=args.num_generations)
-        if self.rollout_func is not None and len(indices) > 1 and len(completions_seen) == 1:
-            warn_member_independent_rollouts()
+        self.agents.finish_iteration(len(indices))
         return scores
 
     def _tool_metrics(self) -> dict[str, float]:
         """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls) of
         the iteration's members, summed over processes (population parallelism)."""
-        counts = self._tool_counts
+        counts = self.agents.counts
         if self.accelerator.num_processes > 1 and not self.sharded:
             counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
             self._comm_bytes += counts.numel() * 8
         return tool_metrics(counts)
 
-    def _seed_sampling(self, step: int, group: list[int]) -> None:
+    def _seed_sampling(self, step: int, chunk: list[int]) -> None:
         """With sampling (``generation_config.do_sample``: ``temperature > 0`` or ``generation_kwargs={"do_sample":
-        True}``), seed the generator of a group's rollout.
+        True}``), seed the generator of a chunk's rollout.
 
-        One member a group: the member's samples do not depend on which process scores it (sharded, each process
+        One member a chunk: the member's samples do not depend on which process scores it (sharded, each process
         samples its own prompts, so each has its own stream). Stacked members: one stream per generate call, keyed by
         its first member, so chunks never share a stream; a member's samples then depend on which members share its
         call (chunking, number of processes): with sampling, the batched backend is not invariant to either (greedy
@@ -657,10 +587,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if not self.generation_config.do_sample:
             return
         if self.population.stacked:
-            torch.manual_seed(member_seed(self.args.seed + 1, step, -1 - int(group[0])))
+            torch.manual_seed(member_seed(self.args.seed + 1, step, -1 - int(chunk[0])))
         else:
             offset = (self.accelerator.process_index << 20) * self.sharded
-            torch.manual_seed(member_seed(self.args.seed + 1 + offset, step, int(group[0])))
+            torch.manual_seed(member_seed(self.args.seed + 1 + offset, step, int(chunk[0])))
 
     def _population_scores(self, member_scores: dict[int, MemberScores], num_rows: int) -> PopulationScores:
         """The members' scores in one population table, summed over processes (a few float64 per member travel; with
@@ -972,8 +902,9 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
 
         Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
         generate call (``num_generations_eval`` completions each, default ``num_generations``), with the trainer's
-        generation engine and settings.
-        Invalid (non-finite) rewards are left out of the means and counted.
+        generation engine and settings. The rollouts are summed as training sums a member's
+        (:meth:`~trl_es.es.fitness.MemberScores.from_rollout`): an invalid (non-finite) reward is left out as a ``None``
+        is, and counted in ``{prefix}_num_invalid_rewards``.
 
         Returns:
             `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_loss`` (``-{prefix}_reward``, as the training "loss"
@@ -992,7 +923,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for key, subset in dataset.items():
                 metrics.update(self.evaluate(subset, ignore_keys, f"{metric_key_prefix}_{key}"))
             return metrics
-        validate_dataset(dataset, "eval_dataset", prompt_required=self.environments is None)
+        validate_dataset(dataset, "eval_dataset", prompt_required=self.agents.prompt_required)
         if not hasattr(dataset, "__len__"):  # an iterable eval dataset: read whole (it must be finite)
             dataset = list(dataset)
         if self.is_deepspeed_enabled and self.sharded and getattr(self, "deepspeed", None) is None:
@@ -1008,8 +939,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         # Under ZeRO-3 every process must run as many generate calls as the others (each forward gathers the
         # parameters from all of them): processes short of prompts score a placeholder batch and drop it.
         num_batches = math.ceil(math.ceil(len(dataset) / world) / batch) if self.sharded else None
-        sums = torch.zeros(3 + len(self.reward_func_names), dtype=torch.float64)  # total, count, invalid, per function
-        counts = torch.zeros(len(self.reward_func_names), dtype=torch.float64)
+        num_funcs = len(self.reward_func_names)
+        scores = PopulationScores.collect({}, 1, num_funcs)  # the unperturbed model as a population of one
         calls_seen = torch.zeros(3, dtype=torch.float64)  # tool calls, failed calls, rollouts
         if self.generation_config.do_sample:  # however sampling is on (temperature > 0, generation_kwargs)
             torch.manual_seed(self.args.seed)
@@ -1017,44 +948,37 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         rollout = dataclasses.replace(self.rollout, num_generations=num_generations)
         start = time.perf_counter()
         for first in range(0, len(rows) if num_batches is None else num_batches * batch, batch):
-            chunk = rows[first : first + batch]
-            if not chunk:  # ZeRO-3 only: take part in the others' forwards, score nothing
+            batch_rows = rows[first : first + batch]
+            if not batch_rows:  # ZeRO-3 only: take part in the others' forwards, score nothing
                 placeholder = prompt_texts([dataset[0]], self.processing_class, self.args.chat_template_kwargs)
                 generate_completions(unwrapped, self.processing_class, placeholder, self.generation_config,
                                      engine=self.generation_engine,
                                      add_special_tokens=prompt_add_special_tokens([dataset[0]["prompt"]]))
                 continue
             # an environment's task follows the row's index in the dataset, however the rows are split
-            agent_kwargs = {"row_ids": indices[first : first + batch]} if self._agents else {}
-            out = rollout(unwrapped, chunk, reward_kwargs={
+            agent_kwargs = {"row_ids": indices[first : first + batch]} if self.agents.active else {}
+            out = rollout(unwrapped, batch_rows, reward_kwargs={
                 "trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None},
                 **agent_kwargs)
-            warn_invalid_rewards(out["invalid"], self.reward_func_names, self._warned_invalid)
-            if "tool_calls" in out:
-                calls_seen += tool_counts(out)
-            rewards = out["rewards"].double()
-            valid_rows = ~out["invalid"].any(dim=1)
-            sums[0] += rewards[valid_rows].nansum()
-            sums[1] += (~torch.isnan(rewards[valid_rows])).sum()
-            sums[2] += out["invalid"].sum()
-            per_func = out["rewards_per_func"].double()
-            sums[3:] += per_func.nansum(dim=0)
-            counts += (~torch.isnan(per_func)).sum(dim=0)
+            warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
+            calls_seen += tool_counts(out)
+            member = MemberScores.from_rollout(out, self.args.success_threshold)  # training's sums and invalid rule
+            scores = scores + PopulationScores.collect({0: member}, 1, num_funcs)
         if world > 1:
-            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
-            counts = self.accelerator.reduce(counts.to(self.accelerator.device), "sum").cpu()
+            scores = scores.all_reduce(lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "sum").cpu())
             calls_seen = self.accelerator.reduce(calls_seen.to(self.accelerator.device), "sum").cpu()
-        reward = float(sums[0] / sums[1]) if sums[1] > 0 else None
+        count = float(scores.reward_count[0])
+        reward = float(scores.reward_sum[0]) / count if count > 0 else None  # as training's `reward`
         metrics = {
             f"{metric_key_prefix}_loss": 0.0 - reward if reward is not None else None,  # 0.0, not -0.0, at reward 0
             f"{metric_key_prefix}_reward": reward,
             f"{metric_key_prefix}_num_completions": int(len(dataset) * num_generations),
-            f"{metric_key_prefix}_num_invalid_rewards": int(sums[2]),
+            f"{metric_key_prefix}_num_invalid_rewards": int(scores.invalid[0]),
             f"{metric_key_prefix}_runtime": time.perf_counter() - start,
         }
-        for j, name in enumerate(self.reward_func_names):
-            if counts[j] > 0:
-                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = float(sums[3 + j] / counts[j])
+        for name, mean in zip(self.reward_func_names, scores.reward_means_per_func(), strict=True):
+            if mean is not None:
+                metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = mean
         if self.tools:  # GRPO's tools/* of the evaluation's rollouts
             metrics.update(tool_metrics(calls_seen, f"{metric_key_prefix}_"))
         self.log(metrics)

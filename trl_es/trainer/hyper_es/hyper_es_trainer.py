@@ -31,7 +31,8 @@ from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
 from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from ...models import load_policy
-from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
+from ...rewards import RewardScorer
+from ...rollout import build_generation_config, score_model, validate_dataset
 from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
 from .hyper_es_final import choose_final_genome, resolve_genome
@@ -62,7 +63,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         model (`str` or `PreTrainedModel`): The base model (or its path); its target weights are changed in place.
         adapters (`Sequence[str | PeftModel]` or `LoraDeltaSet`): The K LoRA adapters (folders or ``PeftModel`` s on
             the same base), e.g. from [`~trl_es.merging.build_direction_pool`].
-        reward_funcs: TRL-style reward function(s) or reward model(s) (see ``trl_es.rollout.RewardScorer``);
+        reward_funcs: TRL-style reward function(s) or reward model(s) (see ``trl_es.rewards.RewardScorer``);
             not needed with ``fitness_fn``.
         args (`HyperESConfig`, *optional*): Configuration.
         train_dataset (`datasets.Dataset`): The fitness split (a ``prompt`` column, standard or conversational).
@@ -236,9 +237,9 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
                 self.args.num_generations,
                 self.args.chat_template_kwargs,
             )
-            per_func.append(out["rewards_per_func"])
-            rewards.append(out["rewards"])
-            self._tokens += out["num_tokens"]
+            per_func.append(out.rewards_per_func)
+            rewards.append(out.rewards)
+            self._tokens += out.num_tokens
         return {"rewards_per_func": torch.cat(per_func), "rewards": torch.cat(rewards)}
 
     def score_current_model(self, rows: list[dict], genome: Genome | None = None) -> float:

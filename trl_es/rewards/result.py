@@ -1,0 +1,93 @@
+"""The result of a rollout: one model's completions on prompt rows and their rewards, in named fields.
+
+Made by :func:`trl_es.rollout.score_model` and :class:`trl_es.agents.AgentRollout`; read by
+:class:`trl_es.es.fitness.MemberScores`, the completion logs and ``ESTrainer.evaluate``. It sits with the rewards
+(below the rollout and ES rooms) so that the ES fitness can read it without importing generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+__all__ = ["RolloutResult"]
+
+
+@dataclass
+class RolloutResult:
+    """``n`` completions (a prompt row's ``num_generations`` consecutive) with their rewards.
+
+    Attributes:
+        rewards_per_func (`torch.Tensor`): ``(n, F)`` float32; NaN where a function returned ``None`` or an invalid
+            value.
+        invalid (`torch.Tensor`): ``(n, F)`` bool: the function returned a non-finite number (NaN, +-inf).
+        rewards (`torch.Tensor`): ``(n,)`` float64, the weighted reward (``RewardScorer.weighted``: invalid and
+            ``None`` rewards skipped alike); NaN when a completion has none.
+        completions (`list[str]`): The decoded completion texts (an agent's tool turns included).
+        completion_ids (`list[list[int]]`): The completion token ids (an agent's tool turns included).
+        prompts (`list`): Per completion, the prompt the reward functions saw (text or messages; an environment's
+            after ``reset``).
+        reward_completions (`list`): Per completion, what the reward functions saw: the text, or messages for
+            conversational prompts (an agent's whole multi-turn completion).
+        completion_lengths (`list[int]`): Per completion, the model's tokens (tool turns left out).
+        prompt_lengths (`list[int]`): Per completion, its prompt's tokens as the engines tokenize it (no padding).
+        terminated (`list[bool]`): Per completion, it ended with a stop (EOS) or pad id, as GRPOTrainer tells a
+            terminated completion from one clipped at ``max_completion_length``.
+        tool_calls, tool_failures (`int`): Tool calls made and failed (agent rollouts; else 0).
+        seconds (`float`): Wall-clock seconds of the call.
+    """
+
+    rewards_per_func: torch.Tensor
+    invalid: torch.Tensor
+    rewards: torch.Tensor
+    completions: list[str]
+    completion_ids: list[list[int]]
+    prompts: list
+    reward_completions: list
+    completion_lengths: list[int]
+    prompt_lengths: list[int]
+    terminated: list[bool]
+    tool_calls: int = 0
+    tool_failures: int = 0
+    seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens the model generated."""
+        return sum(self.completion_lengths)
+
+    def mask_truncated(self) -> RolloutResult:
+        """``mask_truncated_completions``: the result with the weighted reward of every completion that did not end
+        (:attr:`terminated` false) set to NaN, as a completion whose rewards are all ``None``. ``rewards_per_func``
+        is kept: the per-function metrics count every completion."""
+        ended = torch.tensor(self.terminated, dtype=torch.bool)
+        return dataclasses.replace(self, rewards=torch.where(ended, self.rewards, torch.full_like(self.rewards,
+                                                                                                  math.nan)))
+
+    def split_member_rows(self, num_members: int) -> list[RolloutResult]:
+        """One result per stacked member: the completions are ``num_members`` equal consecutive blocks of rows.
+
+        ``seconds`` is shared equally; the tool counts stay with a single member (agent rollouts have one a call).
+
+        Raises:
+            ValueError: if the completions do not split into ``num_members`` equal blocks.
+        """
+        total = len(self.completions)
+        if num_members < 1 or total % num_members:
+            raise ValueError(f"{total} completions do not split into the rows of {num_members} members.")
+        if num_members == 1:
+            return [self]
+        width = total // num_members
+        parts = []
+        for k in range(num_members):
+            rows = slice(k * width, (k + 1) * width)
+            parts.append(RolloutResult(
+                **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                   if f.name not in ("tool_calls", "tool_failures", "seconds")},
+                seconds=self.seconds / num_members,
+            ))
+        return parts
