@@ -20,10 +20,9 @@ from ...arguments import check_int
 from ...generation import resolve_pad_to_multiple_of
 
 
-__all__ = ["GRPO_FIELDS", "GRPOField", "GRPOTranslation", "added_fields", "answer_grpo_fields", "check_grpo_fields",
-           "check_optional_counts", "collect_error", "field_errors_message", "grpo_field_errors", "grpo_field_notices",
-           "grpo_fields_plan", "ignored_fields", "notices_message", "raise_field_errors", "refused_fields",
-           "translate_grpo_fields"]
+__all__ = ["GRPO_FIELDS", "GRPOField", "GRPOTranslation", "added_fields", "answer_grpo_fields", "check_optional_counts",
+           "collect_error", "field_errors_message", "grpo_field_errors", "grpo_field_notices", "grpo_fields_plan",
+           "ignored_fields", "notices_message", "raise_field_errors", "refused_fields", "translate_grpo_fields"]
 
 HONOURED = "honoured"  # an ESConfig field of GRPO's name and meaning, described by its help (no entry here)
 MAPPED = "mapped"
@@ -312,17 +311,6 @@ def raise_field_errors(errors: list[str]) -> None:
         raise ValueError(field_errors_message(errors))
 
 
-def check_grpo_fields(config: Any) -> None:
-    """Refuse every refused ``GRPOConfig`` field set to a value ES does not accept (see :meth:`GRPOField.accepts`),
-    all of them in one error.
-
-    Raises:
-        ValueError: naming each such field and its value, why ES has no such thing, the ES counterpart and the
-            accepted values (one field: its message alone; several: a numbered list of them).
-    """
-    raise_field_errors(grpo_field_errors(config))
-
-
 def collect_error(errors: list[str], check, *args) -> None:
     """Run ``check(*args)``; append the message of a ``ValueError`` it raises to ``errors``."""
     try:
@@ -361,8 +349,8 @@ def _copy(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value  # so an in-place edit of the config's dict shows
 
 
-def _keys(value: Any) -> set:
-    return set(value) if isinstance(value, dict) else set()
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 @dataclass
@@ -389,14 +377,16 @@ class GRPOTranslation:
 
     def user_values(self, config: Any) -> dict[str, Any]:
         """:data:`TRANSLATED_FIELDS` as the user gave them: the config's value where it differs from the one written
-        (assigned since), else the given one; ``generation_kwargs`` without the keys the translation merged in."""
+        (assigned since), else the given one; ``generation_kwargs`` without what the translation merged in."""
         values = {}
         for name in TRANSLATED_FIELDS:
             now = getattr(config, name)
             values[name] = now if name in self.derived and now != self.derived[name] else self.given[name]
-        added = _keys(self.derived.get("generation_kwargs")) - _keys(self.given["generation_kwargs"])
+        derived, given = (_dict(self.derived.get("generation_kwargs")), _dict(self.given["generation_kwargs"]))
+        added = {key: value for key, value in derived.items() if key not in given}  # merged in from top_k, ...
         if added and isinstance(values["generation_kwargs"], dict):  # a second call replaces them, not merges twice
-            values["generation_kwargs"] = {k: v for k, v in values["generation_kwargs"].items() if k not in added}
+            values["generation_kwargs"] = {key: value for key, value in values["generation_kwargs"].items()
+                                           if key not in added or added[key] != value}
         return values
 
 
@@ -409,8 +399,9 @@ def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
     Returns:
         `list[str]`: The log lines not emitted before. Each error (naming the field) is appended to ``errors``.
     """
-    if config.grpo_translation is None:  # a config unpickled without a record: its values count as given
-        config.grpo_translation = GRPOTranslation.given_by(config)
+    if config.grpo_translation is None:  # unpickled without a record: given as it is, the batch from prompt_batch_size
+        config.grpo_translation = GRPOTranslation.given_by(config, per_device_train_batch_size=None,
+                                                           gradient_accumulation_steps=1)
     record = config.grpo_translation
     user, notes = record.user_values(config), []
     _resolve_temperature(config, user, notes)
