@@ -119,8 +119,7 @@ class ESConfig(_BaseConfig):
     redoes it; it is pickled with the config and left out of ``to_dict()``.
     """
 
-    #: A GRPOTranslation, set by __post_init__. Not annotated, so not a dataclass field: no flag, no YAML key.
-    grpo_translation = None
+    grpo_translation = None  # not annotated: not a dataclass field (no flag, no YAML key); set by __post_init__
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
     _VALID_DICT_FIELDS = DictValuedFields()
