@@ -1,6 +1,6 @@
 """docs/grpo_fields.md: every field of TRL's ``GRPOConfig`` and how ``ESConfig`` answers it, generated from the table
-in ``trl_es/trainer/es/grpo_fields.py`` and the two dataclasses (``tests/trainer/test_grpo_fields.py`` checks the page is
-current)::
+in ``trl_es/trainer/es/grpo_fields.py`` and the help of ``ESConfig``'s fields (``tests/trainer/test_grpo_fields.py``
+checks the page is current)::
 
     python scripts/grpo_fields_markdown.py > docs/grpo_fields.md
 """
@@ -11,14 +11,15 @@ import argparse
 import dataclasses
 from typing import Any
 
-from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, IGNORED, MAPPED, ignored_fields, refused_fields
+from trl_es.trainer.es.grpo_fields import GRPO_FIELDS, HONOURED, MAPPED, ignored_fields, refused_fields
+
 
 _BY_NAME = {entry.name: entry for entry in GRPO_FIELDS}
 
 
 def native_shared_fields(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> list[str]:
-    """The ``GRPOConfig`` fields, not ``TrainingArguments`` ones, that ``ESConfig`` declares itself (GRPO's name and
-    meaning, not answered by :data:`GRPO_FIELDS`), in ``GRPOConfig``'s order."""
+    """The honoured ``GRPOConfig`` fields: not ``TrainingArguments`` ones, declared by ``ESConfig`` with GRPO's name and
+    meaning (not entries of :data:`GRPO_FIELDS`), in ``GRPOConfig``'s order."""
     es_cls, grpo_cls, ta = _classes(es_config_cls, grpo_config_cls)
     es = {f.name for f in dataclasses.fields(es_cls)}
     return [f.name for f in dataclasses.fields(grpo_cls)
@@ -66,8 +67,8 @@ def _cell(text: str) -> str:
 
 
 def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: type | None = None) -> str:
-    """``docs/grpo_fields.md``: every ``GRPOConfig`` field and its ``ESConfig`` answer, and the shared fields whose
-    defaults differ, generated from :data:`GRPO_FIELDS` and the two dataclasses.
+    """``docs/grpo_fields.md``: every ``GRPOConfig`` field and its ``ESConfig`` answer, and the ``TrainingArguments``
+    fields whose defaults differ, from :data:`GRPO_FIELDS` and the help of ``ESConfig``'s fields.
 
     Returns:
         `str`: Markdown, ending with a newline.
@@ -78,7 +79,6 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
     es_fields = {f.name: f for f in dataclasses.fields(es_cls)}
     grpo_fields = {f.name: f for f in dataclasses.fields(grpo_cls)}
     native = native_shared_fields(es_cls, grpo_cls)
-    honoured = [e for e in GRPO_FIELDS if e.status == HONOURED]
     mapped = [e for e in GRPO_FIELDS if e.status == MAPPED]
     ignored = ignored_fields()
     refused = refused_fields()
@@ -93,7 +93,7 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
         "argument, a YAML key or a command-line flag, so a GRPO script runs with only the import and the config class "
         "changed. Each field is one of:",
         "",
-        "- *honoured*: same name, same meaning;",
+        "- *honoured*: same name, same meaning ([Honoured](#honoured): ES's description of each);",
         "- *mapped*: GRPO's batch fields, translated onto ES's `prompt_batch_size` (GRPO's prompts per optimizer "
         "step) and logged once: [Batch fields](#batch-fields);",
         "- *ignored*: a setting of GRPO's policy-gradient loss (or of how GRPO spends memory) that ES does not have: "
@@ -113,8 +113,8 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
         "1` (identical copies of each completion).",
         "",
         f"Of the {len([n for n in grpo_fields if n not in ta])} `GRPOConfig` fields that are not `TrainingArguments` "
-        f"fields: {len(native)} are `ESConfig` fields of its own, {len(honoured)} more are honoured, {len(mapped)} "
-        f"mapped, {len(ignored)} ignored with a warning and {len(refused)} refused ({sum(e.not_yet for e in refused)} "
+        f"fields: {len(native)} are honoured, {len(mapped)} mapped, {len(ignored)} ignored with a warning and "
+        f"{len(refused)} refused ({sum(e.not_yet for e in refused)} "
         f"of them not yet supported). The {len([n for n in grpo_fields if n in ta])} `TrainingArguments` fields work "
         "as in any `Trainer`, with the exceptions listed under [Batch fields](#batch-fields) and [Defaults that "
         "differ](#defaults-that-differ).",
@@ -159,23 +159,22 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
         "loads whole prompts); and `prompt_batch_size` set together with GRPO's batch fields to another value than "
         "they give (both named: set one of them). Set together and equal, they are accepted.",
         "",
-        "## Fields ESConfig declares with GRPO's name and meaning",
+        "## Honoured",
         "",
-        "| GRPOConfig field | GRPO default | ES default |",
-        "|---|---|---|",
+        "The fields `ESConfig` declares with GRPO's name and meaning; the last column is the field's help.",
+        "",
+        "| GRPOConfig field | GRPO default | ES default | In ES |",
+        "|---|---|---|---|",
     ]
     for name in native:
-        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_es_default(name, es_fields[name])} |")
-    out += ["", "## Honoured", "", "| GRPOConfig field | GRPO default | ES default | How ES applies it |",
-            "|---|---|---|---|"]
-    for e in honoured:
-        out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name])) if e.name in grpo_fields else ''} | "
-                   f"{_code(_default(es_fields[e.name])) if e.name in es_fields else ''} | {_cell(e.reason)} |")
+        out.append(f"| `{name}` | {_code(_default(grpo_fields[name]))} | {_es_default(name, es_fields[name])} | "
+                   f"{_cell(es_fields[name].metadata['help'])} |")
     out += ["", "## Mapped", "", "| GRPOConfig field | GRPO default | How ES maps it |", "|---|---|---|"]
     for e in mapped:
         out.append(f"| `{e.name}` | {_code(_default(grpo_fields[e.name]))} | {_cell(e.reason)} |")
     out += ["", "## Ignored, with a warning", "",
-            "| GRPOConfig field | Why it has no effect on ES | ES counterpart | Accepted silently |", "|---|---|---|---|"]
+            "| GRPOConfig field | Why it has no effect on ES | ES counterpart | Accepted silently |",
+            "|---|---|---|---|"]
     for e in ignored:
         out.append(f"| `{e.name}` | {_cell(e.reason)} | {_cell(e.counterpart or '(none)')} | "
                    f"{_cell(e.accepted_text())} |")
@@ -193,13 +192,13 @@ def grpo_fields_markdown(es_config_cls: type | None = None, grpo_config_cls: typ
             "or `min_p`; so a GRPO config that sets `num_generations` samples as in GRPO. An explicit "
             "`temperature=0` with `num_generations > 1` is refused by name. Set `num_generations=8` for GRPO's "
             "group size. `per_device_train_batch_size` and `gradient_accumulation_steps` keep GRPO's meaning and "
-            "are mapped onto `prompt_batch_size` ([Batch fields](#batch-fields)). Every field both configs hold whose "
-            "dataclass default differs:",
+            "are mapped onto `prompt_batch_size` ([Batch fields](#batch-fields)). The honoured fields' defaults are in "
+            "[Honoured](#honoured); every `TrainingArguments` field whose default differs:",
             "",
             "| Field | GRPO default | ES default | ES meaning |",
             "|---|---|---|---|"]
     for name, f in grpo_fields.items():
-        if name not in es_fields or name in _BY_NAME and _BY_NAME[name].status != HONOURED:
+        if name not in ta or name not in es_fields:
             continue
         grpo_default, es_default = _default(f), _default(es_fields[name])
         if grpo_default == es_default and type(grpo_default) is type(es_default):
@@ -217,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="Print each GRPOConfig field and its status instead.")
     args = parser.parse_args(argv)
     if args.list:
+        for name in native_shared_fields():
+            print(f"{name}: {HONOURED}")
         for entry in GRPO_FIELDS:
             print(f"{entry.name}: {entry.status}{' (not yet)' if entry.not_yet else ''}")
     else:

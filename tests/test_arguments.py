@@ -63,6 +63,8 @@ def test_every_dict_field_accepts_json_on_the_command_line(tmp_path, hyper_es_sc
                 if name in ("deepspeed", "accelerator_config"):
                     continue  # transformers/accelerate validate their content on construction (malformed JSON: below)
                 value = {"a": 1, "nested": {"b": [1, 2]}, "flag": True, "name": "x"}
+                if name == "transformers_continuous_batching_config":  # checked against ContinuousBatchingConfig
+                    value = {"max_batch_tokens": 64, "scheduler_type": "fifo", "allow_block_sharing": False}
                 parser = TrlESParser(dataclass_types)
                 argv = [*_base_args(dataclass_types, tmp_path), f"--{name}", _json(value)]
                 parsed = parser.parse_args_into_dataclasses(argv)

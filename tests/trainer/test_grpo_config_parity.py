@@ -2,7 +2,9 @@
 ``num_generations``; every refused or invalid field in one error; fields set after construction checked when the
 trainer is built; GRPO values that mean something else (or nothing) in ES said at start."""
 
+import dataclasses
 import logging
+import pickle
 import warnings
 
 import pytest
@@ -228,6 +230,68 @@ def test_checking_again_follows_fields_set_after_construction(tmp_path, caplog):
     args.top_k = 7  # the merged generation_kwargs follow (the old value does not win)
     args.check_fields()
     assert args.generation_kwargs == {"top_k": 7}
+
+
+def test_the_translation_keeps_what_was_given_in_one_record_out_of_to_dict(tmp_path):
+    """grpo_translation is the config's one record of the GRPO translation: not a field (no flag), not in to_dict."""
+    args = config(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=16, top_k=5)
+    record = args.grpo_translation
+    assert record.given == {"temperature": None, "generation_kwargs": None, "per_device_train_batch_size": 16,
+                            "gradient_accumulation_steps": 4, "prompt_batch_size": None}
+    assert record.derived == {"temperature": 1.0, "generation_kwargs": {"top_k": 5}, "per_device_train_batch_size": 4,
+                              "gradient_accumulation_steps": 1, "prompt_batch_size": 4}
+    assert record.mapping == ("per_device_train_batch_size=16 x 1 process x gradient_accumulation_steps=4 / "
+                              "num_generations=16")
+    assert "grpo_translation" not in {f.name for f in dataclasses.fields(ESConfig)}
+    assert "grpo_translation" not in args.to_dict() and "--grpo_translation" not in TrlESParser((ESConfig,)).format_help()
+    assert [name for name in vars(args) if name.startswith("_") and name not in ("_n_gpu", "_setup_devices")] == []
+    assert config(tmp_path, temperature=0.7).grpo_translation.given["temperature"] == 0.7
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=16),
+    dict(num_generations=3, top_k=5, beta=0.1),
+])
+def test_a_pickled_config_checks_again_as_the_one_it_was_pickled_from(tmp_path, kwargs):
+    """training_args.bin: the record travels with the config; one pickled without a record checks again too."""
+    args = config(tmp_path, **kwargs)
+    again = pickle.loads(pickle.dumps(args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what was said is not said again
+        again.check_fields()
+    assert again.to_dict() == args.to_dict() and again.grpo_translation == args.grpo_translation
+    del again.grpo_translation  # as a config pickled before the record: its prompt_batch_size counts as given
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again.check_fields()
+    assert (again.prompt_batch_size, again.per_device_train_batch_size, again.temperature, again.generation_kwargs) == (
+        args.prompt_batch_size, args.per_device_train_batch_size, args.temperature, args.generation_kwargs)
+
+
+def test_the_merged_generation_kwargs_follow_a_dict_edited_or_assigned_after_construction(tmp_path):
+    args = config(tmp_path, temperature=1.0, top_k=5)
+    args.generation_kwargs["max_time"] = 9.0  # edited in place: kept, the merged top_k still follows the field
+    args.top_k = 7
+    args.check_fields()
+    assert args.generation_kwargs == {"top_k": 7, "max_time": 9.0}
+    args.generation_kwargs = {"top_k": 2}  # assigned: the user's own key wins, as in GRPO
+    args.check_fields()
+    assert args.generation_kwargs == {"top_k": 2}
+    args.generation_kwargs = None
+    args.top_k = 0
+    args.check_fields()
+    assert args.generation_kwargs is None
+
+
+@pytest.mark.parametrize("num_generations, resolved", [(4, 1.0), (1, 0.0)])
+def test_a_temperature_unset_after_construction_is_resolved_again(tmp_path, num_generations, resolved):
+    args = config(tmp_path, temperature=0.7, num_generations=num_generations)
+    args.temperature = None
+    args.check_fields()
+    assert args.temperature == resolved
+    args.temperature = 0.5  # explicit again: kept
+    args.check_fields()
+    assert args.temperature == 0.5
 
 
 # ---------------------------------------------------------------------------------------------- 14: ES's meaning

@@ -13,35 +13,32 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
 from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
-from ...generation import check_continuous_batching_config, resolve_pad_to_multiple_of
+from ...generation import check_continuous_batching_config
 from .grpo_fields import (
+    BATCH_FIELDS,
+    DEFAULT_PROMPT_BATCH_SIZE,
     GRPO_FIELDS,
     MAPPED,
+    GRPOTranslation,
     added_fields,
     answer_grpo_fields,
+    check_optional_counts,
+    collect_error,
     grpo_field_errors,
     grpo_field_notices,
+    grpo_fields_plan,
     ignored_fields,
     notices_message,
     raise_field_errors,
     refused_fields,
+    translate_grpo_fields,
 )
 
 
-#: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
-GRPO_TEMPERATURE = 1.0
 #: Below this, ``learning_rate`` under ``es_optimizer="es"`` is an AdamW-scale value, warned about at start.
 ES_STEP_SIZE_WARNING_BELOW = 1e-4
-#: ``prompt_batch_size`` of a config that sets neither it nor any of GRPO's batch fields.
-DEFAULT_PROMPT_BATCH_SIZE = 8
-#: GRPO's ``per_device_train_batch_size`` (``TrainingArguments``' default), used in the mapping of GRPO's batch fields
-#: when another of them is set and it is not.
-GRPO_PER_DEVICE_TRAIN_BATCH_SIZE = 8
 
 logger = logging.getLogger(__name__)
-
-#: The batch fields ESConfig derives (``prompt_batch_size`` from GRPO's when those are set; the other two from it).
-_BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "prompt_batch_size")
 
 
 def check_fp16_device(config) -> None:
@@ -55,14 +52,6 @@ def check_fp16_device(config) -> None:
         raise ValueError("fp16=True is not applied on the CPU (accelerate runs fp16 mixed precision on GPUs only, so "
                          "every forward would stay in the model's dtype): use bf16=True (bf16 autocast on the CPU), or "
                          "fp16=False and load the model in float16 with model_init_kwargs={'dtype': 'float16'}.")
-
-
-def _collect(errors: list[str], check, *args) -> None:
-    """Run ``check(*args)``; append the message of a ``ValueError`` it raises to ``errors``."""
-    try:
-        check(*args)
-    except ValueError as error:
-        errors.append(str(error))
 
 
 @document_parameters(groups={  # the Parameters: of the docstring, from each field's help
@@ -127,7 +116,13 @@ class ESConfig(_BaseConfig):
     ``epsilon``, ``loss_type``, ...) accepted and named in one warning with their ES counterpart (``beta`` ->
     ``awd_lambda``, the clipping fields -> ``sigma`` / ``learning_rate``); or refused with a ``ValueError`` that says
     why and what to do instead, where ES would give other results than the field asks for.
+
+    After construction ``grpo_translation`` (:class:`~.grpo_fields.GRPOTranslation`) keeps the values given for the
+    fields that translation rewrites (``temperature``, ``generation_kwargs``, the batch fields), so :meth:`check_fields`
+    redoes it; it is pickled with the config and left out of ``to_dict()``.
     """
+
+    grpo_translation = None  # not annotated: not a dataclass field (no flag, no YAML key); set by __post_init__
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
     _VALID_DICT_FIELDS = DictValuedFields()
@@ -243,7 +238,8 @@ class ESConfig(_BaseConfig):
             "help": "Prompts every member is scored on in one iteration (all members see the same prompts, so "
             "fitness values are comparable). Must be divisible by the number of processes. Unset (None): GRPO's "
             "prompts per optimizer step when GRPO's batch fields are set (per_device_train_batch_size x processes x "
-            "gradient_accumulation_steps / num_generations), else 8. Set together with them, it must agree."
+            f"gradient_accumulation_steps / num_generations), else {DEFAULT_PROMPT_BATCH_SIZE}. Set together with "
+            "them, it must agree."
         },
     )
     es_optimizer: Literal["es", "torch"] = field(
@@ -382,8 +378,8 @@ class ESConfig(_BaseConfig):
     vllm_structured_outputs_regex: str | None = field(
         default=None,
         metadata={
-            "help": "GRPO's option: every completion is constrained to match this regex (vLLM structured outputs); "
-            "None: off."
+            "help": "GRPO's option: every completion is constrained to match this regex (vLLM structured outputs; "
+            "needs use_vllm=True); None: off."
         },
     )
     vllm_server_base_url: str | None = field(
@@ -565,7 +561,9 @@ class ESConfig(_BaseConfig):
     pad_to_multiple_of: int | str | None = field(
         default="auto",
         metadata={
-            "help": "GRPO's option: each prompt batch is left-padded (masked) to a multiple of this many tokens. "
+            "help": "GRPO's option: each prompt batch is left-padded (masked) to a multiple of this many tokens, in "
+            "the eager (shared prefix included) and compiled engines; vLLM takes unpadded prompts (as GRPO's vLLM "
+            "path). "
             "'auto' (GRPO's default: a multiple of 128 on AWS Neuron only, which ES does not run on) and None pad to "
             "the longest prompt."
         },
@@ -610,8 +608,8 @@ class ESConfig(_BaseConfig):
     log_completions_hub_repo: str | None = field(
         default=None,
         metadata={
-            "help": "Hub dataset repo to which the completion parquet files are pushed (every 2 minutes, as GRPO); "
-            "needs log_completions=True."
+            "help": "Hub dataset repo to which the completion parquet files are pushed (huggingface_hub "
+            "CommitScheduler, every 2 minutes, as GRPO); needs log_completions=True."
         },
     )
 
@@ -628,11 +626,9 @@ class ESConfig(_BaseConfig):
 
     def __post_init__(self):
         check_finite_floats(self)  # NaN / +-inf in any float field (inherited ones too), before anything else
-        # Every field error is collected and raised at the end in one ValueError (raise_field_errors): a GRPO command
-        # line with several refused fields is fixed in one run, not one rerun per field.
-        errors = self._grpo_user_errors()
-        batch = {name: getattr(self, name) for name in _BATCH_FIELDS}  # as given (None: unset), mapped below
-        self.per_device_train_batch_size = 1  # replaced below; set before TrainingArguments validates batch sizes
+        errors = self._grpo_user_errors()  # every field error is raised at the end, in one ValueError
+        batch = {name: getattr(self, name) for name in BATCH_FIELDS}  # as given (None: unset)
+        self.per_device_train_batch_size = 1  # mapped below; set before TrainingArguments validates batch sizes
         from ..distributed import resolve_cpu_world
 
         resolve_cpu_world(self)  # several launched processes without GPU: use_cpu=True, before the devices are set up
@@ -642,35 +638,25 @@ class ESConfig(_BaseConfig):
             if not errors:
                 raise
             raise_field_errors(errors + [str(error)])
-        self._temperature_unset = self.temperature is None  # resolved in _check_and_derive (again in check_fields)
-        self._check_and_derive(errors, batch)
+        self.grpo_translation = GRPOTranslation.given_by(self, **batch)  # after TrainingArguments decoded JSON dicts
+        self._check_and_derive(errors)
         self._warn_about_grpo_scale_values()
 
     def check_fields(self) -> None:
         """Check the config again, as at construction, for fields set on a built config (TRL's
-        ``grpo_continuous_batching.py`` sets ``training_args.use_transformers_continuous_batching = True`` after
-        ``parse_args``); ``ESTrainer`` calls it when it is built. The derivations of ``__post_init__`` are redone
-        idempotently: a batch field (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-        ``prompt_batch_size``) still at the value ES derived counts as given at construction (so the mapping of
-        GRPO's batch fields follows a changed field), a ``temperature`` left unset at construction (and not assigned
-        since) is resolved again, and ``generation_kwargs`` gets the GRPO fields it took from them replaced, not
-        merged twice. ``TrainingArguments.__post_init__`` is not run again. Ignored GRPO fields set since construction
-        are warned about (what was warned about once is not repeated).
+        ``grpo_continuous_batching.py`` sets one after ``parse_args``); ``ESTrainer`` calls it. Idempotent: GRPO's
+        translation is redone from the values given (a field assigned since counts as given); what was warned about
+        is not repeated. ``TrainingArguments.__post_init__`` is not run again.
 
         Raises:
             ValueError: naming every refused or invalid field, in one message as ``__post_init__``.
         """
         check_finite_floats(self)
-        errors = self._grpo_user_errors()
-        given, derived = getattr(self, "_batch_given", {}), getattr(self, "_batch_derived", {})
-        batch = {name: given[name] if name in derived and getattr(self, name) == derived[name] else getattr(self, name)
-                 for name in _BATCH_FIELDS}
-        self._check_and_derive(errors, batch)
+        self._check_and_derive(self._grpo_user_errors())
         self._warn_about_grpo_scale_values()
 
     def _grpo_user_errors(self) -> list[str]:
-        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field
-        (``cast_lm_head_to_fp32=True``, continuous batching, ...: named with what to do instead) and what
+        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field, and what
         ``es_optimizer='torch'`` cannot go with."""
         errors = grpo_field_errors(self)
         if self.es_optimizer == "torch":
@@ -686,11 +672,9 @@ class ESConfig(_BaseConfig):
                               "'sgd'.")
         return errors
 
-    def _check_and_derive(self, errors: list[str], batch: dict[str, Any]) -> None:
-        """The checks and derivations after ``TrainingArguments.__post_init__`` (and in :meth:`check_fields`): each
-        error is appended to ``errors``, then all of them are raised in one ``ValueError``. ``batch``: the batch
-        fields as given (:data:`_BATCH_FIELDS`; ``None``: unset), mapped by :meth:`_map_grpo_batch`."""
-        self._resolve_temperature()
+    def _check_and_derive(self, errors: list[str]) -> None:
+        """ES's checks and GRPO's translation (:func:`~.grpo_fields.translate_grpo_fields`), after
+        ``TrainingArguments.__post_init__``; ``errors`` and every error found are raised in one ``ValueError``."""
         if self.population_size < 2:
             errors.append(f"population_size must be >= 2, got {self.population_size}.")
         elif self.antithetic and self.population_size % 2:
@@ -703,7 +687,7 @@ class ESConfig(_BaseConfig):
         errors += literal_field_errors(self, skip=own_reason)  # every Literal field: fitness_shaping, es_optimizer, ...
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
-        _collect(errors, self._check_optional_counts, "member_chunk_size")
+        collect_error(errors, check_optional_counts, self, "member_chunk_size")
         if self.awd_lambda < 0:
             errors.append(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
         elif self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
@@ -713,12 +697,12 @@ class ESConfig(_BaseConfig):
             )
         if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
-        _collect(errors, self._check_vllm_settings)
-        _collect(errors, self._apply_continuous_batching)
+        collect_error(errors, self._check_vllm_settings)
+        collect_error(errors, self._apply_continuous_batching)
         for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
-        _collect(errors, self._check_optional_counts, "num_generations_eval")
+        collect_error(errors, check_optional_counts, self, "num_generations_eval")
         count = self.num_completions_to_print
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
             errors.append(f"num_completions_to_print must be None (print all) or an integer >= 0 (0 prints none, as "
@@ -729,51 +713,14 @@ class ESConfig(_BaseConfig):
         if self.log_module_drift and not self.log_parameter_drift:
             errors.append("log_module_drift=True logs the drift per module type, but log_parameter_drift=False logs "
                           "no drift: set log_parameter_drift=True, or unset log_module_drift.")
-        if self.temperature < 0:
-            errors.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            errors.append(f"top_p must be in (0, 1], got {self.top_p}.")
-        self._apply_grpo_generation_fields(errors)
-        try:  # GRPO's pad_to_multiple_of, resolved as GRPOConfig does: "auto" -> None (no Neuron), "64" -> 64
-            self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        except ValueError as error:
-            errors.append(str(error))
-        _collect(errors, self._apply_grpo_model_and_data_fields)
-        _collect(errors, self._map_grpo_batch, batch)
+        for note in translate_grpo_fields(self, errors):  # temperature, generation_kwargs, batch fields, ...
+            logger.warning(note)
         if self.save_on_each_node:
             errors.append("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
                           "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
                           "to a shared filesystem from the main process (save_on_each_node=False).")
-        _collect(errors, check_fp16_device, self)
+        collect_error(errors, check_fp16_device, self)
         raise_field_errors(errors)
-
-    def _resolve_temperature(self) -> None:
-        """``temperature`` left unset (``None``): GRPO's 1.0 when the config asks for sampling (``num_generations >
-        1``, ``num_generations_eval > 1``, ``top_k`` or ``min_p`` set; logged once), else 0.0, the ES reference's
-        greedy decoding (so ``num_generations=1`` stays greedy, bit for bit). ``generation_kwargs`` that switch
-        sampling on themselves (``do_sample=True``) keep 0.0: they set the sampling, as before. An explicit
-        ``temperature`` is kept as it is."""
-        if not getattr(self, "_temperature_unset", False):
-            return
-        if self.temperature is not None and self.temperature != getattr(self, "_resolved_temperature", None):
-            self._temperature_unset = False  # assigned after construction: explicit from now on
-            return
-        asks = []
-        for name in ("num_generations", "num_generations_eval"):
-            value = getattr(self, name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                asks.append(f"{name}={value}")
-        asks += [f"{name}={getattr(self, name)!r}" for name, off in (("top_k", 0), ("min_p", None))
-                 if getattr(self, name) != off]
-        kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        sample = bool(asks) and not kwargs.get("do_sample")
-        resolved = GRPO_TEMPERATURE if sample else 0.0
-        if sample and getattr(self, "_resolved_temperature", None) != resolved:
-            logger.warning(f"temperature is unset and {', '.join(asks)} asks for sampling: sampling at GRPO's default "
-                           f"temperature={GRPO_TEMPERATURE} (ES's own default, for one greedy completion per prompt, "
-                           "is 0.0). Set temperature to choose another.")
-        self.temperature = resolved
-        self._resolved_temperature = resolved
 
     def _inert_optimizer_fields(self) -> list[str]:
         """The torch-optimizer settings (:attr:`_es_inert_optimizer_fields`) set to another value than their
@@ -785,13 +732,10 @@ class ESConfig(_BaseConfig):
                 if name not in self._optimizer_fields_read_elsewhere and getattr(self, name) != defaults.get(name)]
 
     def _warn_about_grpo_scale_values(self) -> None:
-        """Warn about values a GRPO recipe brings that mean something else, or nothing, in ES: an AdamW-scale
-        ``learning_rate`` under ``es_optimizer='es'`` (it is ES's step size alpha), and in one warning every setting
-        that has no effect: the ignored ``GRPOConfig`` fields (GRPO's loss: ``beta``, ``epsilon``, ``loss_type``,
-        ...; :func:`~.grpo_fields.grpo_field_notices`) and, under ``es_optimizer='es'``, the torch-optimizer settings
-        the ES update never reads (:meth:`_inert_optimizer_fields`), each with its ES counterpart. Called at
-        construction and by :meth:`check_fields`; what was said once is not said again."""
-        said = self.__dict__.setdefault("_warned", set())
+        """One warning per kind, each once: an AdamW-scale ``learning_rate`` under ``es_optimizer='es'`` (it is ES's
+        step size alpha), and every setting with no effect: the ignored ``GRPOConfig`` fields and the
+        torch-optimizer settings the ES update never reads (:meth:`_inert_optimizer_fields`), with ES's counterpart."""
+        said = self.grpo_translation.said
         messages = []
         if self.es_optimizer == "es" and 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
             messages.append(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "
@@ -812,222 +756,24 @@ class ESConfig(_BaseConfig):
                 warnings.warn(message, UserWarning, stacklevel=4)
         said.update(messages, notices)
 
-    def _apply_grpo_generation_fields(self, errors: list[str]) -> None:
-        """GRPO's ``top_k``, ``min_p`` and ``repetition_penalty``, merged into ``generation_kwargs`` (what the trainer
-        builds its ``GenerationConfig`` from; a key ``generation_kwargs`` already holds wins, as in GRPO); values that
-        change nothing (``top_k=0``, ``min_p=None``, ``repetition_penalty=1.0``) are not added. The keys this adds
-        are remembered, so a second call (:meth:`check_fields`) replaces them instead of letting the old values win.
-        Then ``num_generations > 1`` with greedy decoding is refused: the copies of a prompt would be identical.
-
-        Appends to ``errors``: naming the field: a sampling-only setting, or ``num_generations > 1``, with greedy
-        decoding (an explicit ``temperature=0``); a value out of range.
-        """
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            errors.append(f"top_k must be an integer >= 0 (0 = off, as in GRPO), got {self.top_k!r}.")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            errors.append(f"min_p must be None or in [0, 1], got {self.min_p}.")
-        if not self.repetition_penalty > 0:
-            errors.append(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}.")
-        limit = self.max_tool_calling_iterations
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            errors.append(f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {limit!r}.")
-        kwargs = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        added = getattr(self, "_generation_kwargs_added", ())
-        kwargs = {key: value for key, value in kwargs.items() if key not in added}
-        sampling = self.temperature > 0 or bool(kwargs.get("do_sample"))
-        if not sampling:
-            for name, off in (("top_k", 0), ("min_p", None)):
-                if getattr(self, name) != off:
-                    errors.append(f"{name}={getattr(self, name)!r} filters tokens when sampling, but temperature=0 "
-                                  f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default, which an unset "
-                                  f"temperature resolves to) to sample, or leave {name} at {off!r}.")
-            for name in ("num_generations", "num_generations_eval"):
-                count = getattr(self, name)
-                if count is not None and count > 1:
-                    errors.append(f"{name}={count} with greedy decoding (temperature=0) would score {count} "
-                                  "identical copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's "
-                                  "default, which an unset temperature resolves to) to sample different completions, "
-                                  f"or {name}=1.")
-        neutral = (("top_k", 0), ("min_p", None), ("repetition_penalty", 1.0))
-        merged = {name: getattr(self, name) for name, off in neutral if getattr(self, name) != off}
-        self._generation_kwargs_added = tuple(key for key in merged if key not in kwargs)
-        if merged or added:
-            self.generation_kwargs = {**merged, **kwargs} or None
-
-    def _apply_grpo_model_and_data_fields(self) -> None:
-        """GRPO's ``trust_remote_code`` (into ``model_init_kwargs``) and ``shuffle_dataset`` (as
-        ``train_sampling_strategy``).
-
-        Raises:
-            ValueError: naming both fields when they contradict each other.
-        """
-        if self.trust_remote_code:
-            init_kwargs = dict(self.model_init_kwargs or {})
-            if init_kwargs.get("trust_remote_code", True) is not True:
-                raise ValueError("trust_remote_code=True contradicts model_init_kwargs={'trust_remote_code': "
-                                 f"{init_kwargs['trust_remote_code']!r}}}: set one of them.")
-            init_kwargs["trust_remote_code"] = True
-            self.model_init_kwargs = init_kwargs
-        if self.shuffle_dataset is not None:
-            strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
-            wanted = "random" if self.shuffle_dataset else "sequential"
-            if strategy not in ("random", wanted):
-                raise ValueError(f"shuffle_dataset={self.shuffle_dataset} contradicts train_sampling_strategy="
-                                 f"{strategy!r}: set train_sampling_strategy alone ('random' shuffles, 'sequential' "
-                                 "keeps the dataset order), or shuffle_dataset alone.")
-            self.train_sampling_strategy = wanted
-
     def to_dict(self) -> dict[str, Any]:
-        """``TrainingArguments.to_dict``, without the mapped, ignored and refused ``GRPOConfig`` fields left unset
-        (``None``), so logs and trackers show the ES settings only; ``per_device_train_batch_size`` and
-        ``gradient_accumulation_steps`` as given (GRPO's meaning, ``None``: unset), next to the ``prompt_batch_size``
-        they were mapped to, so ``ESConfig(**config.to_dict())`` is the same config."""
+        """``TrainingArguments.to_dict``, without GRPO's mapped, ignored and refused fields left unset (``None``), and
+        GRPO's batch fields as given, so ``ESConfig(**config.to_dict())`` is the same config."""
         d = super().to_dict()
         for entry in added_fields():
             if d.get(entry.name, 0) is None:
                 del d[entry.name]
-        given = getattr(self, "_batch_given", {})
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if name in given and getattr(self, name) == self._batch_derived[name]:
-                d[name] = given[name]
+        if self.grpo_translation is not None:  # None while TrainingArguments.__post_init__ runs
+            given = self.grpo_translation.user_values(self)
+            d.update({name: given[name] for name in ("per_device_train_batch_size", "gradient_accumulation_steps")})
         return d
 
-    def _map_grpo_batch(self, batch: dict[str, Any]) -> None:
-        """``prompt_batch_size``, from GRPO's batch fields when any is set, and the per-process batch.
-
-        GRPO (TRL 1.16) takes one optimizer step on ``per_device_train_batch_size x processes x
-        gradient_accumulation_steps`` completions, ``num_generations`` of each prompt: that number divided by
-        ``num_generations`` prompts. ES's counterpart is the prompts of one iteration, so ``prompt_batch_size`` is
-        that; ``steps_per_generation`` / ``generation_batch_size`` (how many optimizer steps GRPO spends one
-        generation batch on; ES generates afresh for every iteration) are checked as GRPO checks them. An unset
-        ``per_device_train_batch_size`` is GRPO's default 8 there; with none of GRPO's batch fields set,
-        ``prompt_batch_size`` unset is 8. The mapping is logged once (:meth:`grpo_fields_plan` has it for the plan
-        of ``train()``). Then ``per_device_train_batch_size`` is ``prompt_batch_size / processes`` (what the Trainer's
-        dataloader loads on each process; ESTrainer gathers them) and ``gradient_accumulation_steps`` 1 (one step is
-        one ES iteration).
-
-        Args:
-            batch (`dict`): ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and
-                ``prompt_batch_size`` as given (``None``: unset).
-
-        Raises:
-            ValueError: naming the fields: a value GRPO refuses too (not divisible), a GRPO batch that is not a whole
-                number of prompts per optimizer step, a ``prompt_batch_size`` given with GRPO's batch fields that
-                disagrees with them (both named), or one not divisible by the number of processes.
-        """
-        per_device, accumulation, prompts = (batch[name] for name in _BATCH_FIELDS)
-        if prompts is not None:
-            check_int("prompt_batch_size", prompts, 1)
-        world, mapping = self.world_size, None
-        if (per_device is not None or accumulation != 1 or self.generation_batch_size is not None
-                or self.steps_per_generation is not None):
-            mapped, mapping = self._grpo_prompts(per_device, accumulation, world)
-            if prompts is not None and prompts != mapped:
-                raise ValueError(f"prompt_batch_size={prompts} contradicts GRPO's batch fields, {mapping[0]} = "
-                                 f"{mapped} prompts per optimizer step. Set prompt_batch_size alone (ES's prompts per "
-                                 "iteration) or GRPO's batch fields alone, or make them agree.")
-            prompts = mapped
-        elif prompts is None:
-            prompts = DEFAULT_PROMPT_BATCH_SIZE
-        if prompts % world:
-            source = f" (GRPO's batch fields: {mapping[0]})" if mapping else ""
-            raise ValueError(f"prompt_batch_size ({prompts}{source}) must be divisible by the number of processes "
-                             f"({world}): each process loads prompt_batch_size / {world} whole prompts, then all "
-                             "share them (GRPO may split a prompt's completions over processes; ES cannot).")
-        self.prompt_batch_size = prompts
-        self.per_device_train_batch_size = prompts // world
-        self.gradient_accumulation_steps = 1
-        self._batch_given = dict(batch)
-        self._batch_derived = {name: getattr(self, name) for name in _BATCH_FIELDS}
-        self._grpo_batch_mapping = mapping
-        if mapping is not None and mapping != getattr(self, "_logged_batch_mapping", None):
-            logger.warning(f"GRPO's batch fields mapped to prompt_batch_size={prompts}: {mapping[1]}")
-            self._logged_batch_mapping = mapping
-
-    def _grpo_prompts(self, per_device: int | None, accumulation: int, world: int) -> tuple[int, tuple[str, str]]:
-        """GRPO's prompts per optimizer step, and the mapping in words: ``(formula, explanation)``.
-
-        Raises:
-            ValueError: as :meth:`_map_grpo_batch`.
-        """
-        if per_device is not None:
-            check_int("per_device_train_batch_size", per_device, 1)
-        check_int("gradient_accumulation_steps", accumulation, 1)
-        self._check_optional_counts("generation_batch_size", "steps_per_generation")
-        generations = self.num_generations
-        check_int("num_generations", generations, 1)
-        size = per_device if per_device is not None else GRPO_PER_DEVICE_TRAIN_BATCH_SIZE
-        global_batch = size * world
-        steps, generation = self.steps_per_generation, self.generation_batch_size
-        if generation is not None and steps is not None:
-            raise ValueError(f"generation_batch_size={generation} and steps_per_generation={steps} cannot both be set "
-                             "(GRPO refuses it too): set one of them.")
-        if generation is not None:
-            if generation % global_batch:
-                raise ValueError(f"generation_batch_size ({generation}) must be divisible by the global batch size "
-                                 f"per_device_train_batch_size x processes = {size} x {world} = {global_batch} (GRPO "
-                                 "refuses it too).")
-            steps = generation // global_batch
-        elif steps is None:
-            steps = accumulation  # GRPO's default: one generation batch per optimizer step
-        generation = global_batch * steps
-        if generation % generations:
-            raise ValueError(f"generation_batch_size ({generation} = per_device_train_batch_size {size} x {world} "
-                             f"processes x steps_per_generation {steps}) must be divisible by num_generations "
-                             f"({generations}) (GRPO refuses it too): a generation batch holds whole prompts.")
-        completions = global_batch * accumulation
-        processes = f"{world} process{'es' if world > 1 else ''}"
-        grpo_step = (f"per_device_train_batch_size={size}{'' if per_device is not None else ' (unset: GRPO default)'}"
-                     f" x {processes} x gradient_accumulation_steps={accumulation}")
-        if completions % generations:
-            raise ValueError(f"GRPO's batch fields cannot be mapped: one GRPO optimizer step holds {grpo_step} = "
-                             f"{completions} completions, not a whole number of prompts at num_generations="
-                             f"{generations} (GRPO spreads a prompt's completions over optimizer steps here), but an "
-                             "ES iteration scores whole prompts. Make that product a multiple of num_generations, or "
-                             "set prompt_batch_size instead of GRPO's batch fields.")
-        prompts = completions // generations
-        formula = f"{grpo_step} / num_generations={generations}"
-        words = (f"one GRPO optimizer step holds {grpo_step} = {completions} completions, {completions} / "
-                 f"num_generations={generations} = {prompts} prompts; each ES iteration scores every member on "
-                 f"{prompts} prompts, {generations} completion(s) each. per_device_train_batch_size is now "
-                 f"{prompts // world if prompts % world == 0 else '-'} (prompts per process) and "
-                 "gradient_accumulation_steps 1.")
-        if self.generation_batch_size is not None or self.steps_per_generation is not None:
-            words += (f" generation_batch_size={generation} (steps_per_generation={steps}): GRPO generates "
-                      f"{generation} completions at a time and spends them over {steps}/{accumulation} optimizer "
-                      "step(s); ES generates afresh for every iteration, with the same prompts per update.")
-        return prompts, (formula, words)
-
     def grpo_fields_plan(self) -> dict[str, list[str]]:
-        """GRPO's fields this config mapped or ignores, for the plan ``ESTrainer.train()`` prints.
-
-        Returns:
-            `dict`: ``"mapped"``: the batch mapping (``"per_device_train_batch_size=16 x 1 process x
-            gradient_accumulation_steps=4 / num_generations=16 -> prompt_batch_size=4"``), empty when none of GRPO's
-            batch fields was set; ``"ignored"``: ``name=value`` of each ignored GRPO field and inert optimizer field
-            that was warned about at start.
-        """
-        mapping = getattr(self, "_grpo_batch_mapping", None)
-        mapped = [f"{mapping[0]} -> prompt_batch_size={self.prompt_batch_size}"] if mapping else []
-        for name in ("generation_batch_size", "steps_per_generation"):
-            if mapping and getattr(self, name) is not None:
-                mapped.append(f"{name}={getattr(self, name)} (how GRPO reuses a generation batch: ES generates "
-                              "afresh every iteration)")
-        ignored = [f"{e.name}={getattr(self, e.name)!r}" for e in ignored_fields()
-                   if not e.accepts(getattr(self, e.name), self)]
-        ignored += [f"{name}={getattr(self, name)!r}" for name in self._inert_optimizer_fields()]
-        return {"mapped": mapped, "ignored": ignored}
-
-    def _check_optional_counts(self, *names: str) -> None:
-        """Each of ``names`` is ``None`` or an integer >= 1 (a bool is not a count).
-
-        Raises:
-            ValueError: naming the first field that is not, and its value.
-        """
-        for name in names:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+        """GRPO's fields mapped or ignored and the torch-optimizer settings ES never reads, for ``train()``'s plan
+        (:func:`~.grpo_fields.grpo_fields_plan`)."""
+        plan = grpo_fields_plan(self)
+        plan["ignored"] += [f"{name}={getattr(self, name)!r}" for name in self._inert_optimizer_fields()]
+        return plan
 
     def _apply_continuous_batching(self) -> None:
         """GRPO's continuous-batching fields: ``use_transformers_paged`` (deprecated) turns
@@ -1092,7 +838,7 @@ class ESConfig(_BaseConfig):
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
         check_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, 1)
-        self._check_optional_counts("vllm_max_model_length", "vllm_kv_cache_memory_bytes")
+        check_optional_counts(self, "vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         if self.vllm_model_impl == "transformers":
             raise ValueError("vllm_model_impl='transformers' is not supported by ES yet: vLLM 0.32's transformers "
                              "backend does not start as a generative model in ES's colocated engine ('LLM.generate() "

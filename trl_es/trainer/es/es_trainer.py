@@ -717,7 +717,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             name = "eager"
         if name == "continuous_batching":  # one member a call on the live weights, whole in this process
             unsupported = [what for what, on in (("DeepSpeed ZeRO-3", self.sharded),
-                                                 ("tools, environment_factory or rollout_func", self.agents.active)) if on]
+                                                 ("tools, environment_factory or rollout_func", self.agents.active))
+                           if on]
             if unsupported:
                 raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
                                  f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "

@@ -1,32 +1,11 @@
-"""Every field of TRL's ``GRPOConfig`` answered: the one table of the GRPO fields ``ESConfig`` honours, maps, ignores
-or refuses.
+"""Every field of TRL's ``GRPOConfig`` answered by ``ESConfig``, and the translation of a GRPO recipe onto ES's fields.
 
-A GRPO user changes one import (``GRPOConfig`` -> ``ESConfig``) and keeps the keyword arguments, YAML keys and
-command-line flags they had. The fields of ``GRPOConfig`` fall in three sets:
-
-* the fields of :class:`transformers.TrainingArguments`: ``ESConfig`` is a ``TrainingArguments`` too (GRPO's batch
-  fields ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` keep GRPO's meaning: ``ESConfig`` maps
-  them onto ``prompt_batch_size``, see ``ESConfig._map_grpo_batch``);
-* the fields ``ESConfig`` declares itself with GRPO's name and meaning (``num_generations``, ``temperature``,
-  ``use_vllm``, ...);
-* the others, each answered by one entry of :data:`GRPO_FIELDS`:
-
-  - *honoured*: an ``ESConfig`` field of the same name and meaning, declared in ``es_config.py``;
-  - *mapped*: GRPO's batch fields (``generation_batch_size``, ``steps_per_generation``), checked as GRPO checks
-    them and translated onto ``prompt_batch_size``;
-  - *ignored*: a setting of GRPO's policy-gradient loss (``beta``, ``epsilon``, ``loss_type``, ...) or of how GRPO
-    spends memory (``vllm_enable_sleep_mode``, ...), which ES does not have: accepted, never read, and named with its
-    ES counterpart in one warning at start (:func:`grpo_field_notices`);
-  - *refused*: a value ES cannot honour and that would change the results (``cast_lm_head_to_fp32=True``,
-    transformers' continuous batching): a ``ValueError`` naming the field, why and what to do instead.
-
-  Every entry but the honoured ones is an ``ESConfig`` field (added by :func:`answer_grpo_fields`, default ``None``),
-  so ``ESConfig(beta=0.1)``, ``--beta 0.1`` and a recipe's ``beta: 0.1`` behave alike, instead of a bare
-  ``TypeError``. Values under which GRPO does what ES does (``beta=0.0``: no KL term; ``log_completions=False``) are
-  accepted silently.
-
-``tests/trainer/test_grpo_fields.py`` fails when a ``GRPOConfig`` field of the installed TRL is in none of the sets.
-``docs/grpo_fields.md`` is generated from this table::
+A GRPO user changes one import (``GRPOConfig`` -> ``ESConfig``) and keeps their keyword arguments, YAML keys and flags.
+A ``GRPOConfig`` field is a ``TrainingArguments`` field, an ``ESConfig`` field of GRPO's name and meaning (*honoured*:
+its ``help`` says how ES applies it), or an entry of :data:`GRPO_FIELDS`: *mapped* onto ``prompt_batch_size``,
+*ignored* (accepted, named in one warning at start) or *refused* (a ``ValueError`` naming what to do instead).
+:func:`translate_grpo_fields` writes the honoured and mapped fields as ES reads them, from the user's values kept in
+:class:`GRPOTranslation`. ``docs/grpo_fields.md`` is generated from the table and ``ESConfig``'s help::
 
     python scripts/grpo_fields_markdown.py > docs/grpo_fields.md
 """
@@ -37,12 +16,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ...arguments import check_int
+from ...generation import resolve_pad_to_multiple_of
 
-__all__ = ["GRPO_FIELDS", "GRPOField", "added_fields", "answer_grpo_fields", "check_grpo_fields",
-           "field_errors_message", "grpo_field_errors", "grpo_field_notices", "ignored_fields", "notices_message",
-           "raise_field_errors", "refused_fields"]
 
-HONOURED = "honoured"
+__all__ = ["GRPO_FIELDS", "GRPOField", "GRPOTranslation", "added_fields", "answer_grpo_fields", "check_optional_counts",
+           "collect_error", "field_errors_message", "grpo_field_errors", "grpo_field_notices", "grpo_fields_plan",
+           "ignored_fields", "notices_message", "raise_field_errors", "refused_fields", "translate_grpo_fields"]
+
+HONOURED = "honoured"  # an ESConfig field of GRPO's name and meaning, described by its help (no entry here)
 MAPPED = "mapped"
 IGNORED = "ignored"
 REFUSED = "refused"
@@ -64,20 +46,18 @@ _SERVER = "vllm_mode='server' sends the ES server only seeds (a member, an updat
 
 @dataclass(frozen=True)
 class GRPOField:
-    """How ``ESConfig`` answers one ``GRPOConfig`` field.
+    """How ``ESConfig`` answers a ``GRPOConfig`` field it does not declare with GRPO's meaning.
 
     Args:
         name (`str`): The ``GRPOConfig`` field.
-        status (`str`): ``"honoured"`` (an ``ESConfig`` field of the same name and meaning), ``"mapped"``
-            (translated onto an ES field), ``"ignored"`` (accepted, never read, warned about) or ``"refused"``.
-        reason (`str`): Why (refused, ignored: why ES has no such thing; honoured, mapped: how ES applies it).
-        counterpart (`str`, *optional*): The ES setting to use instead (refused, ignored), if any.
-        type (`str`): Annotation of the ``ESConfig`` field added for an entry that is not honoured (``| None`` is
-            appended).
-        accepted (`tuple`): Refused and ignored entries: values under which GRPO does what ES does, accepted silently
-            as well as ``None``.
-        same_as (`str`, *optional*): Refused and ignored entries: also accepted when equal to this ``ESConfig`` field.
-        not_yet (`bool`): Refused because ES does not support it yet (it could), not because it has no meaning.
+        status (`str`): ``"mapped"`` (translated onto ``prompt_batch_size``), ``"ignored"`` (accepted, never read,
+            warned about) or ``"refused"``.
+        reason (`str`): Why ES has no such thing (ignored, refused), or how it is mapped.
+        counterpart (`str`, *optional*): The ES setting to use instead, if any.
+        type (`str`): Annotation of the ``ESConfig`` field :func:`answer_grpo_fields` adds (``| None`` appended).
+        accepted (`tuple`): Values under which GRPO does what ES does, accepted silently as well as ``None``.
+        same_as (`str`, *optional*): Also accepted when equal to this ``ESConfig`` field.
+        not_yet (`bool`): Refused because ES does not implement it yet (it could), not because it has no meaning.
     """
 
     name: str
@@ -106,7 +86,7 @@ class GRPOField:
         return ", ".join(values)
 
     def help(self) -> str:
-        """The ``metadata["help"]`` of the ``ESConfig`` field of an entry that is not honoured."""
+        """The ``metadata["help"]`` of the ``ESConfig`` field :func:`answer_grpo_fields` adds."""
         if self.status == MAPPED:
             return f"GRPOConfig field, mapped by ES: {self.reason}"
         if self.status == IGNORED:
@@ -129,10 +109,6 @@ class GRPOField:
         return f"{self.name}={value!r} {lead}: {self.reason}{use} Accepted for {self.name}: {self.accepted_text()}."
 
 
-def _honoured(name: str, how: str) -> GRPOField:
-    return GRPOField(name, HONOURED, how)
-
-
 def _refused(name: str, reason: str, counterpart: str | None = None, type: str = "str", accepted: tuple = (),
              not_yet: bool = False, same_as: str | None = None) -> GRPOField:
     return GRPOField(name, REFUSED, reason, counterpart, type, accepted, same_as, not_yet)
@@ -151,13 +127,10 @@ _CLIP = "sigma and learning_rate (the size of an ES step: members at theta + sig
         "sum_i z_i eps_i)"
 _AWD = "awd_lambda (Anchored Weight Decay: after each step the drift from theta_0 shrinks, pulling the weights " \
        "toward the initial model instead of a KL penalty)"
-#: The ``GRPOConfig`` fields that are neither ``TrainingArguments`` fields nor ``ESConfig``'s own fields of the same
-#: name and meaning, in ``GRPOConfig``'s order: each honoured, mapped, ignored or refused, with the reason and the ES
-#: counterpart.
+#: The ``GRPOConfig`` fields that are neither ``TrainingArguments`` fields nor ``ESConfig`` fields of GRPO's name and
+#: meaning, in ``GRPOConfig``'s order: each mapped, ignored or refused, with the reason and the ES counterpart.
 GRPO_FIELDS: tuple[GRPOField, ...] = (
     # ------------------------------------------------------------------ model
-    _honoured("trust_remote_code", "Added to model_init_kwargs (trust_remote_code=True), used when the model is given "
-                                   "by name."),
     _ignored("router_aux_loss_coef", "the MoE load-balancing loss is a term of the training loss; " + _NO_LOSS,
              type="float", accepted=(0.0,)),
     _ignored("disable_dropout", "ES generates with the model in eval mode, so dropout is always off (as "
@@ -168,18 +141,10 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              "delete it, or load the model in float32 (model_init_kwargs={'dtype': 'float32'})", type="bool",
              accepted=(False,), not_yet=True),
     # ------------------------------------------------------------------ data and batching
-    _honoured("num_generations_eval", "evaluate() generates num_generations_eval completions per prompt (None: "
-                                      "num_generations); more than 1 samples (temperature unset: GRPO's 1.0)."),
     _ignored("ds3_gather_for_generation", "under DeepSpeed ZeRO-3 ES generates with DeepSpeed's per-layer gathering "
                                           "(as ds3_gather_for_generation=False): the same completions, another "
                                           "speed and memory.",
              "none needed (ES's ZeRO-3 generation: docs/scaling.md)", type="bool", accepted=(False,)),
-    _honoured("shuffle_dataset", "False sets train_sampling_strategy='sequential' (prompts in dataset order); True "
-                                 "keeps the default 'random'."),
-    _honoured("pad_to_multiple_of", "Each prompt batch is left-padded (masked) to a multiple of it, in the eager "
-                                    "(shared prefix included) and compiled engines; 'auto' pads only on AWS Neuron "
-                                    "in GRPO, which ES does not run on, so it is None. vLLM takes unpadded prompts "
-                                    "(as GRPO's vLLM path)."),
     _mapped("generation_batch_size", "checked as GRPO checks it (divisible by per_device_train_batch_size x processes "
                                      "and by num_generations; not together with steps_per_generation). It sets how "
                                      "many optimizer steps GRPO spends one generation batch on; ES generates afresh "
@@ -191,23 +156,13 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
                                     "generation_batch_size, it only sets how GRPO reuses a generation batch over "
                                     "optimizer steps; logged with the mapping."),
     # ------------------------------------------------------------------ generation
-    _honoured("top_k", "Merged into generation_kwargs (GRPO's meaning: 0 = off); sampling only (temperature unset: "
-                       "GRPO's 1.0; refused with an explicit temperature=0)."),
-    _honoured("min_p", "Merged into generation_kwargs; sampling only (temperature unset: GRPO's 1.0; refused with an "
-                       "explicit temperature=0)."),
-    _honoured("repetition_penalty", "Merged into generation_kwargs (1.0 = off); applies to greedy decoding too."),
     _ignored("cache_implementation", "the KV cache is chosen by ES's generation engine (the same completions).",
              "generation_engine ('compiled': static KV cache and a compiled decoding step; 'eager'), or "
              "generation_kwargs={'cache_implementation': ...} with generation_engine='eager'"),
     # ------------------------------------------------------------------ vLLM
-    _honoured("vllm_model_impl", "Passed to the colocated engine (vLLM's model_impl): 'vllm'; 'transformers' is "
-                                 "refused by name (vLLM's transformers backend does not start as a generative model "
-                                 "in ES's engine yet)."),
     _ignored("vllm_enable_sleep_mode", "the colocated engine stays resident: ES scores members back to back, with no "
                                        "optimizer step to free memory for.",
              "vllm_gpu_memory_utilization (the engine's share of GPU memory)", type="bool", accepted=(False,)),
-    _honoured("vllm_structured_outputs_regex", "Every completion of the colocated engine is constrained to "
-                                               "the regex (vLLM structured outputs); use_vllm=True only."),
     _ignored("vllm_group_port", _SERVER + " The server replays every update itself: there is no weight-update group "
                                           "(NCCL).", "vllm_server_base_url(s) of a `trl-es vllm-serve` server",
              type="int"),
@@ -235,10 +190,6 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _ignored("loss_type", _NO_LOSS,
              "es_optimizer ('es': the reference update; 'torch': the ES gradient estimate through a torch optimizer) "
              "and fitness_shaping"),
-    _honoured("mask_truncated_completions", "A completion without an EOS id (cut at max_completion_length) is "
-                                            "left out of its member's fitness, as one whose rewards are all None "
-                                            "(GRPO leaves it out of the loss); a member with only cut completions "
-                                            "has no fitness. Training only."),
     _ignored("sync_ref_model", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool",
              accepted=(False,)),
     _ignored("ref_model_mixup_alpha", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="float"),
@@ -260,28 +211,8 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
     _ignored("use_bias_correction_kl", _NO_KL, "awd_lambda (AWD anchors the weights to theta_0)", type="bool",
              accepted=(False,)),
     # ------------------------------------------------------------------ completion logging
-    _honoured("log_completions", "At every log: the last iteration's completions of every member, printed with "
-                                 "rich, written to output_dir/completions/*.parquet, logged as a table to wandb / "
-                                 "trackio; the advantage column is the member's shaped fitness."),
     _refused("log_multimodal", "ES trains text-only models: completion logs hold no images or videos.",
              type="bool", accepted=(True, False)),
-    _honoured("num_completions_to_print", "Completions printed with rich at each log (a fixed-seed sample; None: "
-                                          "all; 0: none, as in GRPO)."),
-    _honoured("log_unique_prompts", "One row per distinct prompt in the wandb / trackio table."),
-    _honoured("log_completions_hub_repo", "The completion parquet files are pushed to this Hub dataset repo "
-                                          "(huggingface_hub CommitScheduler, every 2 minutes, as GRPO)."),
-    # ------------------------------------------------------------------ transformers continuous batching
-    _honoured("use_transformers_continuous_batching", "Generates with transformers' continuous batching "
-                                                      "(model.generate_batch), as GRPO: generation_engine="
-                                                      "'continuous_batching', one member a call on the live weights "
-                                                      "(population_backend='sequential'; not with use_vllm, ZeRO-3 or "
-                                                      "tools); sampling seeded per member."),
-    _honoured("transformers_continuous_batching_config", "Keyword arguments of transformers' "
-                                                         "ContinuousBatchingConfig (max_memory_percent defaults to "
-                                                         "GRPO's 0.5; on the CPU the cache is sized to each call); "
-                                                         "'seed' is refused: ES seeds each member's sampling."),
-    _honoured("use_transformers_paged", "Deprecated, as in TRL: True turns use_transformers_continuous_batching on "
-                                        "(FutureWarning)."),
     _ignored("vllm_importance_sampling_cap", "deprecated in TRL (vllm_importance_sampling_clip_max). " + _VLLM_IS,
              type="float"),
 )
@@ -302,26 +233,16 @@ def ignored_fields() -> tuple[GRPOField, ...]:
 
 
 def added_fields() -> tuple[GRPOField, ...]:
-    """The entries of :data:`GRPO_FIELDS` that ``ESConfig`` does not declare itself (mapped, ignored, refused):
-    :func:`answer_grpo_fields` adds them."""
-    return tuple(entry for entry in GRPO_FIELDS if entry.status != HONOURED)
+    """The entries of :data:`GRPO_FIELDS` (mapped, ignored, refused): the fields :func:`answer_grpo_fields` adds."""
+    return GRPO_FIELDS
 
 
 def answer_grpo_fields(cls: type) -> type:
-    """Class decorator (under ``@dataclass``): add every mapped, ignored and refused ``GRPOConfig`` field to ``cls``
-    as a field defaulting to ``None``, with its reason and counterpart as ``metadata["help"]`` (so
-    ``HfArgumentParser`` gives it a flag, and :func:`trl_es.arguments.document_parameters` a docstring entry). Their
-    values are checked by :func:`check_grpo_fields` (refused), warned about with :func:`grpo_field_notices` (ignored)
-    and mapped by ``ESConfig`` (mapped).
-
-    Args:
-        cls (`type`): The config class, not yet a dataclass.
-
-    Returns:
-        `type`: ``cls``.
+    """Class decorator (under ``@dataclass``): add every entry of :data:`GRPO_FIELDS` to ``cls`` as a field defaulting
+    to ``None``, its ``help`` from the entry (so it gets a flag, a YAML key and a docstring entry).
 
     Raises:
-        TypeError: if ``cls`` declares a field that :data:`GRPO_FIELDS` lists as mapped, ignored or refused.
+        TypeError: if ``cls`` declares one of them itself.
     """
     annotations = dict(cls.__dict__.get("__annotations__", {}))
     for entry in added_fields():
@@ -379,12 +300,301 @@ def raise_field_errors(errors: list[str]) -> None:
         raise ValueError(field_errors_message(errors))
 
 
-def check_grpo_fields(config: Any) -> None:
-    """Refuse every refused ``GRPOConfig`` field set to a value ES does not accept (see :meth:`GRPOField.accepts`),
-    all of them in one error.
+def collect_error(errors: list[str], check, *args) -> None:
+    """Run ``check(*args)``; append the message of a ``ValueError`` it raises to ``errors``."""
+    try:
+        check(*args)
+    except ValueError as error:
+        errors.append(str(error))
+
+
+def check_optional_counts(config: Any, *names: str) -> None:
+    """Each of ``names`` is ``None`` or an integer >= 1 (a bool is not a count).
 
     Raises:
-        ValueError: naming each such field and its value, why ES has no such thing, the ES counterpart and the
-            accepted values (one field: its message alone; several: a numbered list of them).
+        ValueError: naming the first field that is not, and its value.
     """
-    raise_field_errors(grpo_field_errors(config))
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+
+
+# ---------------------------------------------------------------------------------------------- the translation
+#: ``temperature`` of a config that leaves it unset (``None``) and asks for sampling (GRPO's default).
+GRPO_TEMPERATURE = 1.0
+#: ``prompt_batch_size`` of a config that sets neither it nor any of GRPO's batch fields.
+DEFAULT_PROMPT_BATCH_SIZE = 8
+#: GRPO's ``per_device_train_batch_size`` (TrainingArguments' default), in the mapping when another batch field is set.
+GRPO_PER_DEVICE_TRAIN_BATCH_SIZE = 8
+#: The batch fields: ``prompt_batch_size`` from GRPO's when those are set, the other two from it.
+BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "prompt_batch_size")
+#: The fields :func:`translate_grpo_fields` rewrites: :class:`GRPOTranslation` keeps the user's values of them.
+TRANSLATED_FIELDS = ("temperature", "generation_kwargs", *BATCH_FIELDS)
+_NEUTRAL = (("top_k", 0), ("min_p", None), ("repetition_penalty", 1.0))  # GRPO's generation fields, at "off"
+
+
+def _copy(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value  # so an in-place edit of the config's dict shows
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class GRPOTranslation:
+    """A config's record of its translation (``ESConfig.grpo_translation``; pickled with it, not in ``to_dict()``).
+
+    Args:
+        given (`dict`): The user's value of each of :data:`TRANSLATED_FIELDS` (``None``: unset).
+        derived (`dict`): The value the last translation wrote in its place.
+        mapping (`str`, *optional*): GRPO's batch fields mapped, in words (``None``: none was set).
+        said (`set[str]`): The warnings and logs already emitted: each is emitted once.
+    """
+
+    given: dict[str, Any]
+    derived: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mapping: str | None = None
+    said: set[str] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def given_by(cls, config: Any, **values: Any) -> GRPOTranslation:
+        """A record of ``config``'s values as given; ``values``: those it no longer holds."""
+        return cls({name: _copy(values[name] if name in values else getattr(config, name))
+                    for name in TRANSLATED_FIELDS})
+
+    def user_values(self, config: Any) -> dict[str, Any]:
+        """:data:`TRANSLATED_FIELDS` as the user gave them: the config's value where it differs from the one written
+        (assigned since), else the given one; ``generation_kwargs`` without what the translation merged in."""
+        values = {}
+        for name in TRANSLATED_FIELDS:
+            now = getattr(config, name)
+            values[name] = now if name in self.derived and now != self.derived[name] else self.given[name]
+        derived, given = (_dict(self.derived.get("generation_kwargs")), _dict(self.given["generation_kwargs"]))
+        added = {key: value for key, value in derived.items() if key not in given}  # merged in from top_k, ...
+        if added and isinstance(values["generation_kwargs"], dict):  # a second call replaces them, not merges twice
+            values["generation_kwargs"] = {key: value for key, value in values["generation_kwargs"].items()
+                                           if key not in added or added[key] != value}
+        return values
+
+
+def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
+    """Write ``config``'s GRPO fields as ES reads them, from the user's values (idempotent; a field assigned since the
+    last call counts as given): ``temperature`` resolved, ``top_k`` / ``min_p`` / ``repetition_penalty`` merged into
+    ``generation_kwargs``, ``pad_to_multiple_of`` resolved, ``trust_remote_code`` / ``shuffle_dataset`` applied, and
+    GRPO's batch fields mapped onto ``prompt_batch_size``.
+
+    Returns:
+        `list[str]`: The log lines not emitted before. Each error (naming the field) is appended to ``errors``.
+    """
+    if config.grpo_translation is None:  # unpickled without a record: given as it is, the batch from prompt_batch_size
+        config.grpo_translation = GRPOTranslation.given_by(config, per_device_train_batch_size=None,
+                                                           gradient_accumulation_steps=1)
+    record = config.grpo_translation
+    user, notes = record.user_values(config), []
+    _resolve_temperature(config, user, notes)
+    _apply_generation_fields(config, user["generation_kwargs"], errors)
+    collect_error(errors, _resolve_pad_to_multiple_of, config)
+    collect_error(errors, _apply_model_and_data_fields, config)
+    collect_error(errors, _map_batch, config, user, record, notes)
+    record.given = {name: _copy(value) for name, value in user.items()}
+    record.derived = {name: _copy(getattr(config, name)) for name in TRANSLATED_FIELDS}
+    notes = [note for note in notes if note not in record.said]
+    record.said.update(notes)
+    return notes
+
+
+def _resolve_temperature(config: Any, user: dict[str, Any], notes: list[str]) -> None:
+    """``temperature`` unset: GRPO's 1.0 when the config asks for sampling, else 0.0 (the ES reference's greedy
+    decoding, so ``num_generations=1`` stays greedy bit for bit); an explicit one is kept."""
+    if user["temperature"] is not None:
+        config.temperature = user["temperature"]
+        return
+    asks = [f"{name}={getattr(config, name)}" for name in ("num_generations", "num_generations_eval")
+            if _count(getattr(config, name)) > 1]
+    asks += [f"{name}={getattr(config, name)!r}" for name, off in _NEUTRAL[:2] if getattr(config, name) != off]
+    kwargs = user["generation_kwargs"] if isinstance(user["generation_kwargs"], dict) else {}
+    sample = bool(asks) and not kwargs.get("do_sample")  # generation_kwargs with do_sample=True set the sampling
+    config.temperature = GRPO_TEMPERATURE if sample else 0.0
+    if sample:
+        notes.append(f"temperature is unset and {', '.join(asks)} asks for sampling: sampling at GRPO's default "
+                     f"temperature={GRPO_TEMPERATURE} (ES's own default, for one greedy completion per prompt, is "
+                     "0.0). Set temperature to choose another.")
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -> None:
+    """Check GRPO's generation fields; merge ``top_k``, ``min_p``, ``repetition_penalty`` into ``generation_kwargs``
+    (a key the user's ``generation_kwargs`` holds wins, as in GRPO; values at "off" add nothing). Refused: a
+    sampling-only setting, or ``num_generations > 1``, with greedy decoding (identical copies)."""
+    if config.temperature < 0:
+        errors.append(f"temperature must be >= 0 (0 = greedy), got {config.temperature}.")
+    if not 0 < config.top_p <= 1:
+        errors.append(f"top_p must be in (0, 1], got {config.top_p}.")
+    if isinstance(config.top_k, bool) or not isinstance(config.top_k, int) or config.top_k < 0:
+        errors.append(f"top_k must be an integer >= 0 (0 = off, as in GRPO), got {config.top_k!r}.")
+    if config.min_p is not None and not 0 <= config.min_p <= 1:
+        errors.append(f"min_p must be None or in [0, 1], got {config.min_p}.")
+    if not config.repetition_penalty > 0:
+        errors.append(f"repetition_penalty must be > 0 (1.0 = off), got {config.repetition_penalty}.")
+    limit = config.max_tool_calling_iterations
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        errors.append(f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {limit!r}.")
+    kwargs = user_kwargs if isinstance(user_kwargs, dict) else {}
+    if not (config.temperature > 0 or kwargs.get("do_sample")):
+        for name, off in _NEUTRAL[:2]:
+            if getattr(config, name) != off:
+                errors.append(f"{name}={getattr(config, name)!r} filters tokens when sampling, but temperature=0 "
+                              f"decodes greedily: set temperature > 0 (e.g. 1.0, GRPO's default, which an unset "
+                              f"temperature resolves to) to sample, or leave {name} at {off!r}.")
+        for name in ("num_generations", "num_generations_eval"):
+            count = getattr(config, name)
+            if count is not None and count > 1:
+                errors.append(f"{name}={count} with greedy decoding (temperature=0) would score {count} identical "
+                              "copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's default, which an "
+                              f"unset temperature resolves to) to sample different completions, or {name}=1.")
+    merged = {name: getattr(config, name) for name, off in _NEUTRAL if getattr(config, name) != off}
+    config.generation_kwargs = ({**merged, **kwargs} or None) if merged else user_kwargs
+
+
+def _resolve_pad_to_multiple_of(config: Any) -> None:
+    """As GRPOConfig does: ``"auto"`` -> ``None`` (it pads only on AWS Neuron), ``"64"`` -> 64."""
+    config.pad_to_multiple_of = resolve_pad_to_multiple_of(config.pad_to_multiple_of)
+
+
+def _apply_model_and_data_fields(config: Any) -> None:
+    """GRPO's ``trust_remote_code`` (into ``model_init_kwargs``) and ``shuffle_dataset`` (as
+    ``train_sampling_strategy``).
+
+    Raises:
+        ValueError: naming both fields when they contradict each other.
+    """
+    if config.trust_remote_code:
+        init_kwargs = dict(config.model_init_kwargs or {})
+        if init_kwargs.get("trust_remote_code", True) is not True:
+            raise ValueError("trust_remote_code=True contradicts model_init_kwargs={'trust_remote_code': "
+                             f"{init_kwargs['trust_remote_code']!r}}}: set one of them.")
+        init_kwargs["trust_remote_code"] = True
+        config.model_init_kwargs = init_kwargs
+    if config.shuffle_dataset is not None:
+        strategy = getattr(config.train_sampling_strategy, "value", config.train_sampling_strategy)
+        wanted = "random" if config.shuffle_dataset else "sequential"
+        if strategy not in ("random", wanted):
+            raise ValueError(f"shuffle_dataset={config.shuffle_dataset} contradicts train_sampling_strategy="
+                             f"{strategy!r}: set train_sampling_strategy alone ('random' shuffles, 'sequential' "
+                             "keeps the dataset order), or shuffle_dataset alone.")
+        config.train_sampling_strategy = wanted
+
+
+def _map_batch(config: Any, user: dict[str, Any], record: GRPOTranslation, notes: list[str]) -> None:
+    """``prompt_batch_size``: GRPO's prompts per optimizer step when any of GRPO's batch fields is set (TRL 1.16:
+    ``per_device_train_batch_size x processes x gradient_accumulation_steps / num_generations``), else as given (8
+    when unset). Then ``per_device_train_batch_size`` is ``prompt_batch_size / processes`` (what each process's
+    dataloader loads) and ``gradient_accumulation_steps`` 1 (a step is one ES iteration).
+
+    Raises:
+        ValueError: naming the fields: what GRPO refuses too, a GRPO step that is not whole prompts, a
+            ``prompt_batch_size`` that disagrees with GRPO's batch fields or does not split over the processes.
+    """
+    per_device, accumulation, prompts = (user[name] for name in BATCH_FIELDS)
+    if prompts is not None:
+        check_int("prompt_batch_size", prompts, 1)
+    world, mapping = config.world_size, None
+    if (per_device is not None or accumulation != 1 or config.generation_batch_size is not None
+            or config.steps_per_generation is not None):
+        mapped, mapping = _grpo_prompts(config, per_device, accumulation, world)
+        if prompts is not None and prompts != mapped:
+            raise ValueError(f"prompt_batch_size={prompts} contradicts GRPO's batch fields, {mapping[0]} = {mapped} "
+                             "prompts per optimizer step. Set prompt_batch_size alone (ES's prompts per iteration) or "
+                             "GRPO's batch fields alone, or make them agree.")
+        prompts = mapped
+    elif prompts is None:
+        prompts = DEFAULT_PROMPT_BATCH_SIZE
+    if prompts % world:
+        source = f" (GRPO's batch fields: {mapping[0]})" if mapping else ""
+        raise ValueError(f"prompt_batch_size ({prompts}{source}) must be divisible by the number of processes "
+                         f"({world}): each process loads prompt_batch_size / {world} whole prompts, then all share "
+                         "them (GRPO may split a prompt's completions over processes; ES cannot).")
+    config.prompt_batch_size = prompts
+    config.per_device_train_batch_size = prompts // world
+    config.gradient_accumulation_steps = 1
+    record.mapping = mapping[0] if mapping else None
+    if mapping:
+        notes.append(f"GRPO's batch fields mapped to prompt_batch_size={prompts}: {mapping[1]}")
+
+
+def _grpo_prompts(config: Any, per_device: int | None, accumulation: int, world: int) -> tuple[int, tuple[str, str]]:
+    """GRPO's prompts per optimizer step, and the mapping in words: ``(formula, explanation)``.
+
+    Raises:
+        ValueError: as :func:`_map_batch`.
+    """
+    if per_device is not None:
+        check_int("per_device_train_batch_size", per_device, 1)
+    check_int("gradient_accumulation_steps", accumulation, 1)
+    check_optional_counts(config, "generation_batch_size", "steps_per_generation")
+    generations = config.num_generations
+    check_int("num_generations", generations, 1)
+    size = per_device if per_device is not None else GRPO_PER_DEVICE_TRAIN_BATCH_SIZE
+    global_batch = size * world
+    steps, generation = config.steps_per_generation, config.generation_batch_size
+    if generation is not None and steps is not None:
+        raise ValueError(f"generation_batch_size={generation} and steps_per_generation={steps} cannot both be set "
+                         "(GRPO refuses it too): set one of them.")
+    if generation is not None:
+        if generation % global_batch:
+            raise ValueError(f"generation_batch_size ({generation}) must be divisible by the global batch size "
+                             f"per_device_train_batch_size x processes = {size} x {world} = {global_batch} (GRPO "
+                             "refuses it too).")
+        steps = generation // global_batch
+    elif steps is None:
+        steps = accumulation  # GRPO's default: one generation batch per optimizer step
+    generation = global_batch * steps
+    if generation % generations:
+        raise ValueError(f"generation_batch_size ({generation} = per_device_train_batch_size {size} x {world} "
+                         f"processes x steps_per_generation {steps}) must be divisible by num_generations "
+                         f"({generations}) (GRPO refuses it too): a generation batch holds whole prompts.")
+    completions = global_batch * accumulation
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    grpo_step = (f"per_device_train_batch_size={size}{'' if per_device is not None else ' (unset: GRPO default)'}"
+                 f" x {processes} x gradient_accumulation_steps={accumulation}")
+    if completions % generations:
+        raise ValueError(f"GRPO's batch fields cannot be mapped: one GRPO optimizer step holds {grpo_step} = "
+                         f"{completions} completions, not a whole number of prompts at num_generations={generations} "
+                         "(GRPO spreads a prompt's completions over optimizer steps here), but an ES iteration scores "
+                         "whole prompts. Make that product a multiple of num_generations, or set prompt_batch_size "
+                         "instead of GRPO's batch fields.")
+    prompts = completions // generations
+    formula = f"{grpo_step} / num_generations={generations}"
+    words = (f"one GRPO optimizer step holds {grpo_step} = {completions} completions, {completions} / "
+             f"num_generations={generations} = {prompts} prompts; each ES iteration scores every member on {prompts} "
+             f"prompts, {generations} completion(s) each. per_device_train_batch_size is now "
+             f"{prompts // world if prompts % world == 0 else '-'} (prompts per process) and "
+             "gradient_accumulation_steps 1.")
+    if config.generation_batch_size is not None or config.steps_per_generation is not None:
+        words += (f" generation_batch_size={generation} (steps_per_generation={steps}): GRPO generates {generation} "
+                  f"completions at a time and spends them over {steps}/{accumulation} optimizer step(s); ES generates "
+                  "afresh for every iteration, with the same prompts per update.")
+    return prompts, (formula, words)
+
+
+def grpo_fields_plan(config: Any) -> dict[str, list[str]]:
+    """GRPO's fields ``config`` mapped or ignores, for the plan ``ESTrainer.train()`` prints.
+
+    Returns:
+        `dict`: ``"mapped"``: the batch mapping (``"... / num_generations=16 -> prompt_batch_size=4"``; empty when none
+        of GRPO's batch fields was set); ``"ignored"``: ``name=value`` of each ignored field warned about at start.
+    """
+    mapping = config.grpo_translation.mapping if config.grpo_translation is not None else None
+    mapped = [f"{mapping} -> prompt_batch_size={config.prompt_batch_size}"] if mapping else []
+    for name in ("generation_batch_size", "steps_per_generation"):
+        if mapping and getattr(config, name) is not None:
+            mapped.append(f"{name}={getattr(config, name)} (how GRPO reuses a generation batch: ES generates afresh "
+                          "every iteration)")
+    ignored = [f"{e.name}={getattr(config, e.name)!r}" for e in ignored_fields()
+               if not e.accepts(getattr(config, e.name), config)]
+    return {"mapped": mapped, "ignored": ignored}
