@@ -59,6 +59,6 @@ class SamplingProtocol:
 #: The papers' evaluation: T = 0.6, top-p 0.95, 64 samples per prompt, K in 1, 2, 4, ..., 64.
 PAPER_PROTOCOL = SamplingProtocol(temperature=0.6, top_p=0.95, num_samples=64, pass_k=(1, 2, 4, 8, 16, 32, 64))
 
-#: The same at T = 1, no truncation (the sampling distribution itself; the recipes' earlier figures).
+#: The same at T = 1, no truncation (the sampling distribution itself).
 UNIT_TEMPERATURE_PROTOCOL = SamplingProtocol(temperature=1.0, top_p=1.0, num_samples=64,
                                              pass_k=(1, 2, 4, 8, 16, 32, 64))

@@ -137,7 +137,7 @@ def make_arithmetic_splits(
             f"n_train + n_eval = {n_train + n_eval} exceeds the {size} distinct problems for low={low}, "
             f"high={high}, ops={ops}; widen the range or add operators"
         )
-    # the first n_train train, the rest held out; kept as it was, so these splits do not change
+    # the first n_train train, the rest held out
     indices = random.Random(seed).sample(range(size), n_train + n_eval)
     train = Dataset.from_list(_rows(indices[:n_train], low, high, ops, conversational))
     held_out = Dataset.from_list(_rows(indices[n_train:], low, high, ops, conversational))
