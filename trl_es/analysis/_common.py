@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 
-ModelLike = nn.Module | Mapping | str | os.PathLike
+ModelLike = nn.Module | Mapping | str | os.PathLike  # a module, a state dict or a checkpoint path
 
 
 
@@ -25,11 +25,10 @@ def is_peft_model(model) -> bool:
 
 
 def load_model(model_or_path, device=None, model_kwargs: dict | None = None):
-    """Return ``model_or_path`` unchanged if it is a module or a state dict; load it if it is a path.
+    """``model_or_path`` if a module or a state dict; a path loaded in eval mode on ``device`` (with ``model_kwargs``).
 
-    A directory holding ``adapter_config.json`` is loaded as a PEFT model (``peft.AutoPeftModelForCausalLM``),
-    anything else with ``transformers.AutoModelForCausalLM.from_pretrained``. Loaded models are put in eval mode and
-    moved to ``device`` when given.
+    Raises:
+        TypeError: for anything else.
     """
     if isinstance(model_or_path, (nn.Module, Mapping)):
         return model_or_path
@@ -40,7 +39,7 @@ def load_model(model_or_path, device=None, model_kwargs: dict | None = None):
         )
     path = os.fspath(model_or_path)
     kwargs = dict(model_kwargs or {})
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json")):
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json")):  # a PEFT adapter folder
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
@@ -54,14 +53,14 @@ def load_model(model_or_path, device=None, model_kwargs: dict | None = None):
 
 
 def merged_module(model: nn.Module) -> nn.Module:
-    """The plain (non-PEFT) module whose weights ``model`` computes with.
+    """The plain module ``model`` computes with: a PEFT model's merged copy (base names), any other module as is.
 
-    For a ``peft.PeftModel`` this is a deep copy with the adapters merged (``merge_and_unload``), whose parameter
-    names are those of the base architecture; the input is not modified. Any other module is returned as is.
+    Raises:
+        ValueError: if the adapters cannot be merged (``merge_and_unload``).
     """
     if not is_peft_model(model):
         return model
-    merged = copy.deepcopy(model)
+    merged = copy.deepcopy(model)  # the input is not modified
     try:
         return merged.merge_and_unload()
     except (AttributeError, NotImplementedError, ValueError) as err:
@@ -72,14 +71,11 @@ def merged_module(model: nn.Module) -> nn.Module:
 
 
 def named_float_params(obj) -> dict[str, torch.Tensor]:
-    """Floating-point parameters of a module / state dict / checkpoint path, by name (detached, not copied).
-
-    - ``nn.Module``: ``named_parameters()`` (tied weights appear once); a PEFT model is merged first.
-    - ``Mapping``: every floating-point tensor; an entry that aliases an earlier one (tied weights) is dropped.
-    - path: loaded with :func:`load_model` first.
+    """Floating-point parameters of a module / state dict / checkpoint path, by name (detached, not copied), tied once.
     """
     obj = load_model(obj)
     if isinstance(obj, nn.Module):
+        # named_parameters lists tied weights once
         return {n: p.detach() for n, p in merged_module(obj).named_parameters()}
     out: dict[str, torch.Tensor] = {}
     seen = set()
@@ -89,6 +85,7 @@ def named_float_params(obj) -> dict[str, torch.Tensor]:
         if not t.is_floating_point():
             continue
         if t.numel() > 0 and t.device.type != "meta":
+            # an entry aliasing an earlier one (tied weights) is dropped
             key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
             if key in seen:
                 continue
@@ -98,9 +95,10 @@ def named_float_params(obj) -> dict[str, torch.Tensor]:
 
 
 def shared_names(*param_dicts: Mapping[str, torch.Tensor], labels: tuple[str, ...]) -> list[str]:
-    """Names present in every dict (in the order of the first), checking that their shapes agree.
+    """Names present in every dict, in the first's order; warns when the name sets differ.
 
-    Warns when the name sets differ; raises ``ValueError`` when nothing is shared or a shape differs.
+    Raises:
+        ValueError: when nothing is shared or a shape differs.
     """
     first = param_dicts[0]
     common = [n for n in first if all(n in d for d in param_dicts[1:])]
@@ -130,7 +128,7 @@ def shared_names(*param_dicts: Mapping[str, torch.Tensor], labels: tuple[str, ..
 
 def check_taus_or_ts(values, name: str, lo: float | None = None, hi: float | None = None) -> list[float]:
     """A non-empty list of finite floats within ``[lo, hi]``."""
-    if isinstance(values, (int, float)):
+    if isinstance(values, (int, float)):  # one number is a list of one
         values = [values]
     try:
         out = [float(v) for v in values]
@@ -150,6 +148,7 @@ class eval_mode:
     """Context manager: put modules in eval mode and restore their previous training flags on exit."""
 
     def __init__(self, *modules: nn.Module):
+        # each module once; state dicts skipped
         self.modules = [m for m in dict.fromkeys(modules) if isinstance(m, nn.Module)]
 
     def __enter__(self):
@@ -160,5 +159,5 @@ class eval_mode:
 
     def __exit__(self, *exc):
         for m, flag in zip(self.modules, self.flags, strict=False):
-            m.train(flag)
+            m.train(flag)  # the training flags as they were
         return False

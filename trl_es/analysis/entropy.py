@@ -12,45 +12,27 @@ __all__ = ["TokenEntropyRecorder", "mean_completion_entropy"]
 
 
 class TokenEntropyRecorder(LogitsProcessor):
-    r"""A ``transformers`` logits processor that records the entropy of every next-token distribution it sees.
-
-    At each decoding step ``t`` it stores, for every row ``b``,
+    r"""A ``transformers`` logits processor that records the entropy (nats) of every next-token distribution it sees.
 
     .. math::
-        H_{b,t} = -\sum_{v} p_{b,t}(v) \ln p_{b,t}(v), \qquad p_{b,t} = \mathrm{softmax}(s_{b,t} / T),
+        H_{b,t} = -\sum_{v} p_{b,t}(v) \ln p_{b,t}(v), \qquad p_{b,t} = \mathrm{softmax}(s_{b,t} / T)
 
-    in nats, where :math:`s_{b,t}` are the scores it receives and :math:`T` is ``temperature``, and returns the scores
-    unchanged (sampling is not affected). Passed to ``generate(logits_processor=[recorder])``, it sits before
-    ``generate``'s own warpers (transformers >= 5 appends temperature, top-k and top-p after the custom processors), so
-    with ``temperature`` equal to the sampling temperature and no top-k / top-p truncation, :math:`p_{b,t}` is the
-    distribution the token at step ``t`` was sampled from. Computed in float32 with ``log_softmax`` (exact at
-    :math:`p = 0`).
-
-    The row order is ``generate``'s: for :func:`trl_es.generation.generate_completions` with ``num_generations=n``,
-    row ``i * n + j`` is sample ``j`` of prompt ``i``. Rows that already ended keep being scored by ``generate``;
-    :func:`mean_completion_entropy` drops those steps.
-
-    Args:
-        temperature (`float`): ``T > 0``, the temperature the scores are divided by.
-
-    Attributes:
-        steps (`list[torch.Tensor]`): One float32 CPU tensor of shape ``(batch,)`` per decoding step.
-
-    Raises:
-        ValueError: if ``temperature <= 0``.
+    Use as ``generate(logits_processor=[recorder])``, with ``temperature`` the sampling temperature ``T > 0``
+    (``ValueError`` otherwise); :attr:`steps` holds one float32 CPU tensor ``(batch,)`` per step.
     """
 
     def __init__(self, temperature: float = 1.0):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.temperature = float(temperature)
-        self.steps: list[torch.Tensor] = []
+        self.steps: list[torch.Tensor] = []  # one (batch,) float32 CPU tensor per decoding step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # before generate's own warpers: the distribution sampled from
         logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         # p ln p with p = 0 gives 0 * -inf = nan: xlogy-style masking keeps it at 0
         self.steps.append(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(dim=-1).cpu())
-        return scores
+        return scores  # unchanged: sampling is not affected
 
     def reset(self) -> None:
         """Forget the recorded steps (before the next ``generate`` call)."""
@@ -60,24 +42,21 @@ class TokenEntropyRecorder(LogitsProcessor):
 def mean_completion_entropy(
     recorder: TokenEntropyRecorder, completion_ids: Sequence[Sequence[int]]
 ) -> dict:
-    """Mean of the recorded entropies over the generated tokens of every completion.
-
-    Step ``t`` of row ``b`` counts when ``t < len(completion_ids[b])``: the tokens the completion holds, up to and
-    including its first EOS (as :func:`trl_es.generation.generate_completions` cuts them), not the padding
-    ``generate`` adds after a row ended.
+    """Mean of the recorded entropies over each row's completion tokens (EOS included, padding after it not).
 
     Args:
         recorder (`TokenEntropyRecorder`): After one ``generate`` call over ``len(completion_ids)`` rows.
         completion_ids (`Sequence[Sequence[int]]`): The completions' token ids, one list per row, in row order.
 
     Returns:
-        `dict`: ``{"sum": float, "num_tokens": int, "mean": float}``; entropies in nats (``mean`` is ``nan`` when
-        no token was generated). ``sum`` and ``num_tokens`` add up over several calls.
+        `dict`: ``{"sum": float, "num_tokens": int, "mean": float}`` in nats (``mean`` ``nan`` without tokens); ``sum``
+        and ``num_tokens`` add up over calls.
 
     Raises:
         ValueError: if the recorded batch size differs from ``len(completion_ids)``, or a completion is longer than
             the number of recorded steps.
     """
+    # tokens up to and including EOS, as generate_completions cuts them
     lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
     if not recorder.steps:
         if int(lengths.sum()) > 0:
@@ -89,7 +68,8 @@ def mean_completion_entropy(
     if int(lengths.max()) > table.shape[1]:
         raise ValueError(f"A completion has {int(lengths.max())} tokens, but only {table.shape[1]} steps were "
                          "recorded.")
+    # generate keeps scoring rows that ended: those steps drop
     mask = torch.arange(table.shape[1])[None, :] < lengths[:, None]
-    total = float(table.double()[mask].sum())
+    total = float(table.double()[mask].sum())  # float64 sum
     count = int(mask.sum())
     return {"sum": total, "num_tokens": count, "mean": total / count if count else float("nan")}

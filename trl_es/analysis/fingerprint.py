@@ -1,8 +1,4 @@
-"""A content hash of a model's weights: equal fingerprints mean bitwise-equal weights.
-
-Defined in the leaf module :mod:`trl_es.fingerprint` (with :func:`~trl_es.fingerprint.tensors_fingerprint`, the
-general form) and re-exported here.
-"""
+"""A content hash of a model's weights (:func:`trl_es.fingerprint.weights_fingerprint`, re-exported)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Unbiased pass@k estimator (Chen et al. 2021), its ``evaluate`` metric, and Pass@K curves.
-
-The estimator itself lives in ``trl_es/metrics/pass_at_k/estimator.py`` (pure numpy), next to the metric module that
-also uses it; it is re-exported here.
+"""Unbiased pass@k estimator (Chen et al. 2021, from ``trl_es/metrics/pass_at_k``), its ``evaluate`` metric, and Pass@K
+curves.
 """
 
 from __future__ import annotations
@@ -29,23 +27,9 @@ PASS_AT_K_METRIC_PATH = os.path.join(
 
 
 def load_pass_at_k_metric(**kwargs):
-    """Load the package's pass@k metric through the Hugging Face ``evaluate`` library, offline.
+    """The package's pass@k metric through ``evaluate.load`` (``**kwargs``), offline::
 
-    The metric module lives in the installed package (``trl_es/metrics/pass_at_k/pass_at_k.py``); this resolves its
-    path and calls ``evaluate.load(path)``, so nothing is fetched from the hub. Usage::
-
-        metric = load_pass_at_k_metric()
-        metric.compute(predictions=[3, 0], references=[10, 10], k=[1, 5])
-        # {'pass@1': 0.15000000000000002, 'pass@5': 0.4583333333333333}
-
-    ``predictions`` are the numbers of correct samples per problem, ``references`` the numbers of samples drawn per
-    problem, ``k`` an int or list of ints.
-
-    Args:
-        **kwargs: forwarded to ``evaluate.load`` (e.g. ``experiment_id``, ``keep_in_memory``).
-
-    Returns:
-        evaluate.EvaluationModule: the loaded metric.
+        load_pass_at_k_metric().compute(predictions=[3, 0], references=[10, 10], k=[1, 5])  # pass@1 0.15, pass@5 0.458
 
     Raises:
         ImportError: if ``evaluate`` is not installed (``pip install trl-es[evaluate]``).
@@ -56,7 +40,7 @@ def load_pass_at_k_metric(**kwargs):
         raise ImportError(
             "`load_pass_at_k_metric` needs the `evaluate` package: pip install 'trl-es[evaluate]'."
         ) from err
-    return evaluate.load(PASS_AT_K_METRIC_PATH, **kwargs)
+    return evaluate.load(PASS_AT_K_METRIC_PATH, **kwargs)  # the installed module: nothing is fetched from the hub
 
 
 def plot_pass_at_k_curves(
@@ -71,18 +55,15 @@ def plot_pass_at_k_curves(
     """Write a PNG of Pass@K against K (log2 axis), one line per policy.
 
     Args:
-        curves: label -> Pass@K values in ``[0, 1]``, one per entry of ``ks`` (e.g. :func:`mean_pass_at_k` per K).
+        curves: label -> Pass@K values in ``[0, 1]``, one per entry of ``ks``.
         ks: the budgets K, increasing positive integers.
-        path: the PNG file to write (matplotlib's Agg canvas: no display needed).
-        temperature: the sampling temperature of the completions, for the y-axis label.
-        split: what the prompts are, for the y-axis label.
-        title: optional figure title.
+        temperature, split: the sampling temperature and the prompts, for the y-axis label.
 
     Raises:
         ValueError: if ``ks`` is empty or not increasing positive integers, or a curve's length differs from ``ks``'s.
     """
     ks = [int(k) for k in ks]
-    if not ks or ks[0] < 1 or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):
+    if not ks or ks[0] < 1 or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):  # increasing positive integers
         raise ValueError(f"`ks` must be increasing positive integers, got {ks}.")
     for label, values in curves.items():
         if len(values) != len(ks):
@@ -94,8 +75,9 @@ def plot_pass_at_k_curves(
     FigureCanvasAgg(fig)  # Agg backend, without touching pyplot's global state
     ax = fig.add_subplot()
     for label, values in curves.items():
+        # a missing value leaves a gap
         ax.plot(ks, [float("nan") if v is None else v for v in values], "o-", lw=2, label=label)
-    ax.set_xscale("log", base=2)
+    ax.set_xscale("log", base=2)  # K doubles from point to point
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("K (samples per prompt)")
     ax.set_ylabel(f"Pass@K ({split}, T={temperature:g})")

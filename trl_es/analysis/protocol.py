@@ -1,9 +1,6 @@
-"""The sampling protocol of the ES-vs-GRPO papers' Pass@K evaluation, in one place.
+"""The ES-vs-GRPO papers' Pass@K sampling protocol (arXiv 2608.27351): T = 0.6, top-p 0.95, K up to 64.
 
-The ES-vs-GRPO papers (the dynamics paper, arXiv 2608.27351) score sampled completions at temperature 0.6 with
-nucleus sampling at top-p 0.95 and report Pass@K up to K = 64. ``trl-es eval`` takes its default sampling from
-:data:`PAPER_PROTOCOL`; the recipes and the race read the same object (and :data:`UNIT_TEMPERATURE_PROTOCOL` for the
-T = 1 figures beside it).
+``trl-es eval``, the recipes and the race read :data:`PAPER_PROTOCOL` (and :data:`UNIT_TEMPERATURE_PROTOCOL`).
 """
 
 from __future__ import annotations
@@ -15,15 +12,8 @@ __all__ = ["PAPER_PROTOCOL", "UNIT_TEMPERATURE_PROTOCOL", "SamplingProtocol", "c
 
 
 def check_sampling(temperature: float, top_p: float, num_samples: int, pass_k, allow_no_samples: bool = False) -> None:
-    """Check sampled Pass@K settings (shared by :class:`SamplingProtocol` and
-    :func:`trl_es.analysis.evaluate_policy`).
-
-    Args:
-        temperature (`float`): Must be ``> 0`` (checked only when there are samples).
-        top_p (`float`): Must be in ``(0, 1]``.
-        num_samples (`int`): An integer ``>= 1`` (``>= 0`` with ``allow_no_samples``: 0 means no sampled figures).
-        pass_k (`Sequence[int]`): Non-empty when there are samples, each in ``[1, num_samples]``.
-        allow_no_samples (`bool`): Accept ``num_samples == 0``.
+    """Check sampled Pass@K settings: ``temperature > 0``, ``top_p`` in ``(0, 1]``, ``num_samples >= 1`` (``>= 0`` with
+    ``allow_no_samples``), ``pass_k`` non-empty and in ``[1, num_samples]``; nothing but ``top_p`` without samples.
 
     Raises:
         ValueError: naming the field and the allowed values.
@@ -33,7 +23,7 @@ def check_sampling(temperature: float, top_p: float, num_samples: int, pass_k, a
         raise ValueError(f"num_samples must be an integer >= {least}, got {num_samples!r}.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-    if num_samples == 0:
+    if num_samples == 0:  # no samples: no sampled figure to check
         return
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 to sample, got {temperature}.")
@@ -45,28 +35,23 @@ def check_sampling(temperature: float, top_p: float, num_samples: int, pass_k, a
 
 @dataclass(frozen=True)
 class SamplingProtocol:
-    """How sampled completions are drawn and Pass@K is read from them.
-
-    Attributes:
-        temperature (`float`): Sampling temperature, ``> 0``.
-        top_p (`float`): Nucleus sampling threshold in ``(0, 1]`` (no top-k truncation).
-        num_samples (`int`): Completions sampled per prompt (``n`` of the unbiased estimator).
-        pass_k (`tuple[int, ...]`): The ``K`` of Pass@K, each in ``[1, num_samples]``.
+    """How sampled completions are drawn (``temperature``, ``top_p``) and Pass@K read from them.
 
     Raises:
-        ValueError: naming the field, for a value outside its range.
+        ValueError: naming the field, for a value outside its range (:func:`check_sampling`).
     """
 
     temperature: float
-    top_p: float
-    num_samples: int
-    pass_k: tuple[int, ...]
+    top_p: float  # nucleus threshold in (0, 1]; no top-k truncation
+    num_samples: int  # completions per prompt: n of the unbiased estimator
+    pass_k: tuple[int, ...]  # the K of Pass@K, each in [1, num_samples]
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.num_samples, self.pass_k)
 
     def with_samples(self, num_samples: int) -> SamplingProtocol:
         """The same protocol with ``num_samples`` per prompt and the powers of two ``K <= num_samples``."""
+        # the powers of two up to num_samples
         ks = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= num_samples)
         return SamplingProtocol(self.temperature, self.top_p, num_samples, ks)
 
@@ -74,6 +59,6 @@ class SamplingProtocol:
 #: The papers' evaluation: T = 0.6, top-p 0.95, 64 samples per prompt, K in 1, 2, 4, ..., 64.
 PAPER_PROTOCOL = SamplingProtocol(temperature=0.6, top_p=0.95, num_samples=64, pass_k=(1, 2, 4, 8, 16, 32, 64))
 
-#: The same at T = 1, no truncation (the sampling distribution itself; the recipes' earlier figures).
+#: The same at T = 1, no truncation (the sampling distribution itself).
 UNIT_TEMPERATURE_PROTOCOL = SamplingProtocol(temperature=1.0, top_p=1.0, num_samples=64,
                                              pass_k=(1, 2, 4, 8, 16, 32, 64))

@@ -19,8 +19,8 @@ from .sparsity import functional_sparsity
 
 __all__ = ["analyze"]
 
-DEFAULT_TAUS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
-DEFAULT_TS = tuple(i / 10 for i in range(11))
+DEFAULT_TAUS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)  # sparsity thresholds, in parameter units
+DEFAULT_TS = tuple(i / 10 for i in range(11))  # the mode-connectivity grid 0, 0.1, ..., 1
 
 
 def _label(obj, fallback: str) -> str:
@@ -31,7 +31,7 @@ def _label(obj, fallback: str) -> str:
 
 def _json_safe(obj):
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
+        return obj if math.isfinite(obj) else None  # report.json writes non-finite floats as null
     if isinstance(obj, dict):
         return {str(k): _json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -51,8 +51,8 @@ def _new_figure(width: float = 7.0, height: float = 4.0):
 def _plot_drift(drift: dict, path: str) -> None:
     fig = _new_figure(max(7.0, 0.5 * len(next(iter(drift.values()))["per_group"])), 4.0)
     ax = fig.add_subplot()
-    groups = list(dict.fromkeys(g for d in drift.values() for g in d["per_group"]))
-    width = 0.8 / len(drift)
+    groups = list(dict.fromkeys(g for d in drift.values() for g in d["per_group"]))  # module types, in first-seen order
+    width = 0.8 / len(drift)  # one bar per model in each group
     for i, (name, d) in enumerate(drift.items()):
         xs = [j + i * width for j in range(len(groups))]
         ys = [d["per_group"].get(g, {}).get("relative", float("nan")) for g in groups]
@@ -81,10 +81,11 @@ def _plot_kl(kl: dict, path: str) -> None:
 def _plot_sparsity(sparsity: dict, path: str) -> None:
     fig = _new_figure()
     ax = fig.add_subplot()
-    ax2 = ax.twinx()
+    ax2 = ax.twinx()  # reward left, fraction reset right
     for name, d in sparsity.items():
         ax.plot(d["taus"], d["reward"], marker="o", label=f"reward {name}")
         ax2.plot(d["taus"], d["fraction_reset"], marker="x", linestyle="--", label=f"fraction reset {name}")
+    # tau = 0 stays on a log axis
     ax.set_xscale("symlog", linthresh=min([t for d in sparsity.values() for t in d["taus"] if t > 0] or [1e-6]))
     ax.set_xlabel(r"$\tau$")
     ax.set_ylabel("reward")
@@ -104,6 +105,7 @@ def _plot_lmc(lmc: dict, path: str) -> None:
         ax = fig.add_subplot(1, len(curves), i + 1)
         ts = lmc["ts"]
         ax.plot(ts, ys, marker="o", label=name)
+        # the barrier is measured from this chord
         ax.plot([0, 1], [ys[0], ys[-1]], linestyle=":", color="gray", label="chord")
         ax.set_xlabel(f"t  (0 = {a}, 1 = {b})")
         ax.set_ylabel(name)
@@ -113,8 +115,7 @@ def _plot_lmc(lmc: dict, path: str) -> None:
 
 
 def count_calls(fn: Callable[[nn.Module], float] | None, bar) -> Callable[[nn.Module], float] | None:
-    """``fn``, advancing the progress bar ``bar`` (``tqdm``) by one after each call (``None`` stays ``None``): the
-    evaluations a diagnostic makes (a reward per threshold, per point of a path) show as progress."""
+    """``fn`` that advances the tqdm ``bar`` by one after each call (``None`` stays ``None``)."""
     if fn is None:
         return None
 
@@ -144,52 +145,21 @@ def analyze(
     device=None,
     model_kwargs: dict | None = None,
 ) -> dict:
-    r"""Run every diagnostic the inputs allow and write ``report.json`` and PNG plots.
+    r"""Run every diagnostic the inputs allow; write ``report.json`` and PNG plots to ``output_dir`` (None: nothing).
 
-    Computed (each skipped with a reason recorded under ``"skipped"`` when its inputs are missing):
+    - ``drift``: :func:`~trl_es.analysis.parameter_drift` of ``a`` (and ``b``) from ``base``;
+    - ``kl``: :func:`~trl_es.analysis.off_task_kl` on ``prompts`` (needs ``tokenizer`` and ``prompts``);
+    - ``sparsity``: :func:`~trl_es.analysis.functional_sparsity` over ``taus`` (needs ``reward_fn``);
+    - ``mode_connectivity``: :func:`~trl_es.analysis.mode_connectivity` from ``a`` to ``b`` (``base`` to ``a``
+      without ``b``) over ``ts``, with ``reward_fn`` and ``loss_fn`` (default :func:`~trl_es.analysis.lm_loss_fn`);
+    - ``update_cosine``: :func:`~trl_es.analysis.update_cosine` of ``a - base`` and ``b - base`` (needs ``b``).
 
-    - ``drift``: :func:`~trl_es.analysis.parameter_drift` of ``a`` (and ``b``) from ``base``; plot ``drift.png``.
-    - ``kl``: :func:`~trl_es.analysis.off_task_kl` of ``a`` (and ``b``) from ``base`` on ``prompts``
-      (needs ``tokenizer`` and ``prompts``); plot ``kl.png``.
-    - ``sparsity``: :func:`~trl_es.analysis.functional_sparsity` of ``a`` (and ``b``) over ``taus`` (needs
-      ``reward_fn``); plot ``sparsity.png``.
-    - ``mode_connectivity``: :func:`~trl_es.analysis.mode_connectivity` between ``a`` and ``b`` (between
-      ``base`` and ``a`` when ``b`` is None) over ``ts`` with ``reward_fn`` and ``loss_fn``; when ``loss_fn`` is None
-      and a tokenizer and prompts are given, the loss is :func:`~trl_es.analysis.lm_loss_fn` on the prompts;
-      plot ``mode_connectivity.png``.
-    - ``update_cosine``: :func:`~trl_es.analysis.update_cosine` of the updates ``a - base`` and ``b - base``
-      (needs ``b``).
-
-    A tqdm bar (main process) counts every evaluation (each reward / loss call, each model's drift and KL) and
-    names the stage in progress. Formulas and sources are in each function's docstring and in ``docs/analysis.md``. PEFT
-    models are merged once (into copies) for the weight-space diagnostics. Plots use matplotlib's Agg canvas (no display
-    needed).
-
-    Args:
-        base_model (nn.Module | str): the common base theta_0, or a checkpoint path.
-        model_a (nn.Module | str): first fine-tuned model (e.g. ES), or a path.
-        model_b (nn.Module | str | None): optional second fine-tuned model (e.g. GRPO), or a path.
-        tokenizer (PreTrainedTokenizerBase | str | None): tokenizer, or a path; when None and ``base_model`` is a
-            path, loaded from it with ``AutoTokenizer``.
-        prompts (Sequence[str | list[dict]] | None): off-task prompts for the KL (and default LMC loss).
-        reward_fn (Callable[[nn.Module], float] | None): scores a model (higher is better).
-        taus (Sequence[float]): sparsity thresholds (>= 0).
-        ts (Sequence[float]): LMC grid in [0, 1].
-        output_dir (str | None): where to write ``report.json`` and the PNGs (created if needed); None writes
-            nothing.
-        loss_fn (Callable[[nn.Module], float] | None): LMC loss (lower is better).
-        max_new_tokens (int): completion length for the KL.
-        num_samples (int): completions per prompt for the KL.
-        seed (int): sampling seed for the KL.
-        device (str | torch.device | None): device for models loaded from paths.
-        model_kwargs (dict | None): extra ``from_pretrained`` kwargs for models loaded from paths (e.g. ``dtype``).
+    Models are modules or checkpoint paths (loaded on ``device`` with ``model_kwargs``); a ``tokenizer`` of None is
+    loaded from a ``base_model`` path; ``max_new_tokens``, ``num_samples`` and ``seed`` are the KL's sampling.
 
     Returns:
         dict: ``{"models", "drift", "kl", "sparsity", "mode_connectivity", "update_cosine", "skipped", "plots"}``;
-        absent diagnostics are None. In ``report.json`` non-finite floats are written as ``null``.
-
-    Raises:
-        ValueError, TypeError: from the individual diagnostics on invalid inputs.
+        a diagnostic that cannot run is None, with its reason under ``"skipped"``.
     """
     labels = {"base": _label(base_model, "base"), "a": _label(model_a, "a")}
     if model_b is not None:
@@ -197,7 +167,7 @@ def analyze(
     if tokenizer is None and isinstance(base_model, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(base_model))
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(base_model))  # the base checkpoint's tokenizer
     elif isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
@@ -210,7 +180,7 @@ def analyze(
     for name, m in (("base_model", base), *((f"model_{k}", v) for k, v in models.items())):
         if not isinstance(m, nn.Module):
             raise TypeError(f"`{name}` must be a model or a checkpoint path, got {type(m).__name__}.")
-    base_plain = merged_module(base)
+    base_plain = merged_module(base)  # weight-space diagnostics compare plain modules
     plain = {k: merged_module(m) for k, m in models.items()}  # PEFT merged once, reused below
 
     report: dict = {
@@ -223,13 +193,13 @@ def analyze(
         "skipped": {},
         "plots": [],
     }
-    with_kl = tokenizer is not None and bool(prompts)
+    with_kl = tokenizer is not None and bool(prompts)  # the KL and the default LMC loss need both
     if loss_fn is None and with_kl:
         loss_fn = lm_loss_fn(tokenizer, prompts)
     # One bar over every evaluation, named by stage: a run of many minutes shows what is done and what remains.
     steps = len(plain) * (1 + with_kl + (len(taus) if reward_fn is not None else 0))
     steps += len(ts) * ((reward_fn is not None) + (loss_fn is not None)) + ("b" in plain)
-    bar = tqdm(total=steps, desc="analyze", unit="eval", disable=not is_main_process())
+    bar = tqdm(total=steps, desc="analyze", unit="eval", disable=not is_main_process())  # the main process shows it
     reward_fn, loss_fn = count_calls(reward_fn, bar), count_calls(loss_fn, bar)
 
     report["drift"] = {}
@@ -242,6 +212,7 @@ def analyze(
         report["kl"] = {}
         for k, m in models.items():
             bar.set_description(f"off-task KL of model {k} ({len(prompts)} prompts)")
+            # the KL samples from the model as given, PEFT or not
             report["kl"][k] = off_task_kl(m, base, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                           num_samples=num_samples, seed=seed)
             bar.update(1)
@@ -257,7 +228,7 @@ def analyze(
         report["skipped"]["sparsity"] = "needs `reward_fn`"
 
     if reward_fn is not None or loss_fn is not None:
-        a_name, b_name = ("a", "b") if "b" in plain else ("base", "a")
+        a_name, b_name = ("a", "b") if "b" in plain else ("base", "a")  # two fine-tuned models, else base to a
         end_a = plain["a"] if a_name == "a" else base_plain
         end_b = plain[b_name]
         bar.set_description(f"mode connectivity {a_name} -> {b_name} ({len(ts)} points)")
@@ -271,7 +242,7 @@ def analyze(
         bar.set_description("update cosine")
         try:
             report["update_cosine"] = update_cosine(plain["a"], plain["b"], base_plain)
-        except ValueError as err:
+        except ValueError as err:  # an identically zero update has no cosine
             report["skipped"]["update_cosine"] = str(err)
         bar.update(1)
     else:
@@ -295,5 +266,6 @@ def analyze(
                     plot(data, os.path.join(output_dir, filename))
                 report["plots"].append(filename)
         if writes:
+            # atomic: a reader never sees half a report
             write_json(os.path.join(output_dir, "report.json"), _json_safe(report), allow_nan=False)
     return report

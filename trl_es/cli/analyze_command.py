@@ -11,8 +11,7 @@ from .splits import task_splits
 
 
 def analyze(argv: list[str]) -> dict:
-    """``trl-es analyze``: JSON report and PNG plots of the ES-vs-GRPO diagnostics for one or two checkpoints
-    (rewards on the task's test split)."""
+    """``trl-es analyze``: :func:`trl_es.analysis.analyze` of one or two checkpoints, rewards on the test split."""
     from ..analysis import analyze as run_analysis
     from ..models import resolve_model_path
     from ..rewards import RewardScorer
@@ -31,18 +30,19 @@ def analyze(argv: list[str]) -> dict:
     task, splits = task_splits(task_args)
     held_out = splits["test"]
     rows = [held_out[i] for i in range(len(held_out))]
-    scorer = RewardScorer(task.reward_funcs[-1:])
+    scorer = RewardScorer(task.reward_funcs[-1:])  # the answer reward only: the task's last
 
     def reward_fn(model) -> float:
         config = build_generation_config(tokenizer, analyze_args.max_new_tokens,
                                          model_generation_config=getattr(model, "generation_config", None))
+        # greedy; None rewards skipped
         return float(score_model(model, tokenizer, rows, scorer, config).rewards.nanmean())
 
     # Off-task prompts for the KL: another task's prompts (arithmetic <-> countdown).
     off_task = "countdown" if task_args.task != "countdown" else "arithmetic"
     from ..tasks import get_task
 
-    kl_rows = get_task(off_task).build_dataset(analyze_args.num_kl_prompts, seed=1)
+    kl_rows = get_task(off_task).build_dataset(analyze_args.num_kl_prompts, seed=1)  # seed 1: not the task's own rows
     report = run_analysis(
         base_path, resolve_model_path(analyze_args.model_a),
         resolve_model_path(analyze_args.model_b) if analyze_args.model_b else None,

@@ -35,7 +35,7 @@ def _split_config(argv: list[str]) -> tuple[list[str], str | None]:
 
 def _given_flags(dataclass_types, argv: list[str]) -> set[str]:
     """The destinations of the flags written in ``argv`` (whatever their value)."""
-    probe = TrlESParser(dataclass_types)
+    probe = TrlESParser(dataclass_types)  # a parser without defaults: only the flags written stay
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     namespace, _ = probe.parse_known_args(argv)
@@ -60,18 +60,13 @@ _TASK_SETTINGS = ("task", "task_seed", "num_train_prompts", "num_validation_prom
 def parse_eval_arguments(argv: list[str]):
     """Parse ``trl-es eval`` arguments and resolve every setting: flag, then recipe, then run file, then default.
 
-    A ``--config`` recipe may be a training recipe: its ``trl-es eval`` keys are used as such, its ``ESConfig``
-    generation keys map to the eval settings (``max_completion_length`` -> ``max_new_tokens``, ``temperature`` ->
-    ``sample_temperature`` when ``> 0``, ``top_p``, ``generation_kwargs``, ``chat_template_kwargs``), its other
-    ``ESConfig`` keys are ignored. The run file is ``trl_es_run.json`` of ``--model_name_or_path``
-    (:func:`read_run_settings`).
-
-    Args:
-        argv (`list[str]`): Command-line arguments after ``eval``.
+    A ``--config`` recipe may be a training recipe: its ``ESConfig`` generation keys map to the eval settings
+    (``max_completion_length`` -> ``max_new_tokens``, ``temperature`` -> ``sample_temperature`` when ``> 0``, ...),
+    its other ``ESConfig`` keys are ignored. The run file is :func:`read_run_settings` of ``--model_name_or_path``.
 
     Returns:
-        (`tuple[TaskArguments, EvalArguments, ModelConfig, dict]`): The resolved arguments and, per resolved
-            setting, ``{"value": ..., "source": "flag" | "recipe" | "run" | "default"}``.
+        (`tuple[TaskArguments, EvalArguments, ModelConfig, dict]`): The resolved arguments and, per setting,
+            ``{"value": ..., "source": "flag" | "recipe" | "run" | "default"}``.
 
     Raises:
         ValueError: On bad flags (naming them), or recipe keys that are neither eval arguments nor ESConfig fields.
@@ -90,16 +85,17 @@ def parse_eval_arguments(argv: list[str]):
         for key, value in (recipe.pop("env", None) or {}).items():  # as TrlParser
             os.environ[key] = str(value)
     known = {action.dest for action in parser._actions}
-    es_fields = {f.name for f in dataclasses.fields(ESConfig)}
+    es_fields = {f.name for f in dataclasses.fields(ESConfig)}  # a training recipe's keys are accepted
     unknown = sorted(k for k in recipe if k not in known and k not in es_fields)
     if unknown:
         raise ValueError(
             f"--config {config_path}: {unknown} are neither trl-es eval arguments nor ESConfig fields."
         )
+    # the recipe's eval keys as defaults: a flag overrides
     parser.set_defaults_with_config(**{k: v for k, v in recipe.items() if k in known})
     given = _given_flags(dataclass_types, argv)
     task_args, eval_args, model_args = parser.parse_args_into_dataclasses(argv)
-    run = read_run_settings(model_args.model_name_or_path)
+    run = read_run_settings(model_args.model_name_or_path)  # trl_es_run.json of the trained model, if any
 
     settings = {}
     for name in _TASK_SETTINGS:  # the parsed value already holds a flag's or the recipe's value
@@ -123,7 +119,7 @@ def parse_eval_arguments(argv: list[str]):
             if name in ("sample_temperature", "top_p") and not values.get("temperature", 0) > 0:
                 continue  # trained with greedy decoding: sample with the default protocol (its top_p never applied)
             value, source = candidate, origin
-        if source is None:
+        if source is None:  # no flag, recipe or run value: the papers' protocol
             value, source = _EVAL_DEFAULTS.get(name), "default"
         setattr(eval_args, name, value)
         settings[name] = {"value": value, "source": source}
@@ -135,22 +131,12 @@ def parse_eval_arguments(argv: list[str]):
 def evaluate(argv: list[str]) -> dict:
     """``trl-es eval``: greedy accuracy, sampled pass@1 and pass@k (Chen et al. 2021), per-reward-function means.
 
-    Grades exactly as training did unless told otherwise: the task, split sizes and generation settings come from
-    the model's ``trl_es_run.json`` (see :func:`parse_eval_arguments` for the order of precedence). One split
-    (``--split``, default test) is scored with greedy decoding (``accuracy_greedy``) and with ``num_samples`` (at
-    least 1) sampled completions per prompt at ``sample_temperature`` and ``top_p`` (``pass@1``, and ``pass@k`` for
-    each ``--pass_k``); without a flag, recipe or run value, the papers' protocol (T = 0.6, top-p 0.95,
-    :data:`trl_es.analysis.PAPER_PROTOCOL`). Generation uses training's eager engine with the shared prompt prefix
-    computed once; the sampled completions of one prompt come from one call (``--sample_batch_size`` prompts). A
-    completion is correct when the task's answer reward (its last reward function) is above 0.5. Every reward function's
-    mean is reported under its distinct name (``greedy_rewards/<name>/mean``, ``sampled_rewards/<name>/mean``).
-
-    Args:
-        argv (`list[str]`): Command-line arguments after ``eval``.
+    One split (``--split``, default test) graded as training did (:func:`parse_eval_arguments`), else with the papers'
+    protocol (:data:`trl_es.analysis.PAPER_PROTOCOL`); a completion is correct when the last reward is above 0.5.
 
     Returns:
-        `dict`: The metrics (also printed, and written to ``--output_file`` if given), with ``settings``: each
-            resolved setting's value and where it came from.
+        `dict`: The metrics (printed, and written to ``--output_file``), with ``settings``: each resolved setting's
+            value and where it came from.
 
     Raises:
         ValueError: On bad arguments, ``pass_k`` above the number of samples, or an empty split.
@@ -166,14 +152,14 @@ def evaluate(argv: list[str]) -> dict:
     from ..rollout import build_generation_config, score_model
 
     task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
-    num_samples = eval_args.num_samples or 1
+    num_samples = eval_args.num_samples or 1  # 0 means one sample
     if max(eval_args.pass_k) > num_samples:
         raise ValueError(
             f"pass_k values must be <= num_samples ({eval_args.num_samples}; 0 means one sample), got "
             f"{eval_args.pass_k}; raise --num_samples."
         )
     task, splits = task_splits(task_args)
-    dataset = splits[eval_args.split]
+    dataset = splits[eval_args.split]  # default test: what reports read
     if len(dataset) == 0:
         raise ValueError(f"The {eval_args.split} split is empty; set its size (num_*_prompts) >= 1.")
     state = PartialState()
@@ -189,7 +175,7 @@ def evaluate(argv: list[str]) -> dict:
     engine = EagerEngine(share_prompt_prefix=True)  # training's engine: a shared prefix is computed once
     local = []  # per prompt: greedy rewards per function, sampled rewards per function (n rows), correct samples
     entropy = [0.0, 0]  # this process's token entropy sum (nats) and tokens, over its sampled completions
-    with state.split_between_processes(list(range(len(rows)))) as mine:
+    with state.split_between_processes(list(range(len(rows)))) as mine:  # each process grades its own prompts
         shown = state.is_main_process
         greedy_rows = []
         bar = tqdm(total=len(mine), unit="completion", disable=not shown, desc=f"{eval_args.split}: greedy completions")
@@ -209,7 +195,7 @@ def evaluate(argv: list[str]) -> dict:
             for j, samples in enumerate(out["rewards_per_func"].tolist()):
                 local.append((greedy_rows[j], samples, out["correct"][j]))
             entropy = [out["token_entropy_sum"], out["token_entropy_tokens"]]
-    results = gather_object(local)
+    results = gather_object(local)  # every process's prompts, in process order
     entropy_sum, entropy_tokens = (sum(values) for values in zip(*gather_object([entropy]), strict=True))
     metrics = {
         "task": task.name, "split": eval_args.split, "num_prompts": len(results), "num_samples": num_samples,
@@ -219,11 +205,12 @@ def evaluate(argv: list[str]) -> dict:
         "token_entropy": entropy_sum / entropy_tokens if entropy_tokens else None,
         "token_entropy_tokens": entropy_tokens,
     }
-    for k in sorted({1, *eval_args.pass_k}):
+    for k in sorted({1, *eval_args.pass_k}):  # pass@1 always: the sampled accuracy
         metrics[f"pass@{k}"] = mean_pass_at_k(num_samples, [c for _, _, c in results], k)
     for f, name in enumerate(scorer.names):
         greedy_values = [g[f] for g, _, _ in results if g[f] == g[f]]  # NaN (None rewards) skipped
         sampled_values = [s[f] for _, samples, _ in results for s in samples if s[f] == s[f]]
+        # each reward function under its distinct name
         metrics[f"greedy_rewards/{name}/mean"] = sum(greedy_values) / len(greedy_values) if greedy_values else None
         metrics[f"sampled_rewards/{name}/mean"] = (
             sum(sampled_values) / len(sampled_values) if sampled_values else None

@@ -6,18 +6,10 @@ from trl import ModelConfig, get_quantization_config
 
 
 def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_code: bool = False):
-    """The causal LM and its tokenizer (pad token = eos token when it has none), in ``float32`` unless a dtype is set
-    (``"auto"``: the checkpoint's own dtype, as in TRL's ``ModelConfig``).
+    """The causal LM and its tokenizer (pad token = EOS when it has none), in ``float32`` unless a dtype is set.
 
-    Args:
-        model_args (`ModelConfig`): ``model_name_or_path`` (a folder, hub id or ``embedded:`` name),
-            ``model_revision``, ``dtype``, ``attn_implementation``.
-        dtype (`str`, *optional*): Overrides ``model_args.dtype``.
-        trust_remote_code (`bool`): Passed to both loads (``ESConfig.trust_remote_code``: TRL's ``ModelConfig`` has
-            no such field).
-
-    Returns:
-        (`tuple[PreTrainedModel, PreTrainedTokenizer]`): The model and the tokenizer.
+    ``model_args`` gives ``model_name_or_path``, ``model_revision``, ``dtype`` (``"auto"``: the checkpoint's own) and
+    ``attn_implementation``; ``dtype`` overrides its dtype; ``trust_remote_code`` goes to both loads.
 
     Raises:
         ValueError: for ``load_in_4bit`` / ``load_in_8bit`` (ES does not load quantized models).
@@ -27,8 +19,9 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
     from ..models import refuse_quantization, resolve_model_path
 
     refuse_quantization(get_quantization_config(model_args))  # --load_in_4bit / --load_in_8bit: refused by name
-    path = resolve_model_path(model_args.model_name_or_path)
+    path = resolve_model_path(model_args.model_name_or_path)  # a folder, a hub id or an embedded: name
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
+                                              # ESConfig's: TRL's ModelConfig has none
                                               trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

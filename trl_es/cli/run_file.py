@@ -19,28 +19,16 @@ RUN_GENERATION_KEYS = ("max_completion_length", "temperature", "top_p", "generat
 
 
 def run_settings(task_args: TaskArguments, es_args) -> dict:
-    """What :data:`RUN_FILE` records about a training run: the task arguments and the generation settings.
-
-    Args:
-        task_args (`TaskArguments`): The run's task arguments.
-        es_args (`ESConfig`): The run's config (any object with the :data:`RUN_GENERATION_KEYS` attributes).
-
-    Returns:
-        `dict`: ``{key: value}`` for :data:`RUN_TASK_KEYS` and :data:`RUN_GENERATION_KEYS` (JSON-serialisable).
+    """What :data:`RUN_FILE` records of a run: ``task_args``' :data:`RUN_TASK_KEYS` and ``es_args``'
+    :data:`RUN_GENERATION_KEYS`, JSON-serialisable.
     """
     settings = {key: getattr(task_args, key) for key in RUN_TASK_KEYS}
     settings.update({key: getattr(es_args, key) for key in RUN_GENERATION_KEYS})
-    return json.loads(json.dumps(settings, default=str))
+    return json.loads(json.dumps(settings, default=str))  # values JSON cannot hold become strings
 
 
 def read_run_settings(model_name_or_path: str | None) -> dict:
-    """The :data:`RUN_FILE` of a trained model: in its folder, or in the parent folder of a ``checkpoint-*`` folder.
-
-    Args:
-        model_name_or_path (`str`, *optional*): A model folder, id or ``embedded:`` name.
-
-    Returns:
-        `dict`: The recorded settings; empty when there is no such file (a hub id, a base model).
+    """The :data:`RUN_FILE` of a trained model, in its folder or a ``checkpoint-*`` folder's parent; ``{}`` without one.
 
     Raises:
         ValueError: If the file exists but does not hold a JSON object.
@@ -50,11 +38,11 @@ def read_run_settings(model_name_or_path: str | None) -> dict:
     if not model_name_or_path:
         return {}
     path = resolve_model_path(model_name_or_path)
-    if not os.path.isdir(path):
+    if not os.path.isdir(path):  # a hub id or a base model has no run file
         return {}
     candidates = [os.path.join(path, RUN_FILE)]
     if os.path.basename(os.path.normpath(path)).startswith("checkpoint-"):
-        candidates.append(os.path.join(os.path.dirname(os.path.normpath(path)), RUN_FILE))
+        candidates.append(os.path.join(os.path.dirname(os.path.normpath(path)), RUN_FILE))  # the run's own output_dir
     for candidate in candidates:
         if os.path.isfile(candidate):
             with open(candidate, encoding="utf-8") as f:

@@ -8,24 +8,16 @@ from .arguments import SPLITS, TaskArguments
 
 
 def task_splits(task_args: TaskArguments, conversational: bool = True):
-    """The train, validation and test datasets of a task, disjoint by prompt.
+    """The task (rewards and weights) and its ``"train"``, ``"validation"``, ``"test"`` splits, disjoint by prompt.
 
-    - arithmetic: :func:`trl_es.tasks.arithmetic.make_arithmetic_dataset_dict` (one seeded permutation of the
-      problem grid: test first, then validation, then train, so the test split does not change with the other
-      sizes);
-    - countdown with ``countdown_json``: train = the paper's first 200 items; test = the first ``num_eval_prompts``
-      of its last 2000, validation = the next ``num_validation_prompts``;
-    - other tasks: ``2 x`` the needed rows are generated with ``task_seed``; the first distinct prompts go to test,
-      the next to validation, the next to train.
+    Arithmetic: :func:`~trl_es.tasks.arithmetic.make_arithmetic_dataset_dict`; countdown with ``countdown_json``: the
+    paper's first 200 items train, its last 2000 give test then validation; other tasks: ``2 x`` the rows generated
+    with ``task_seed``, distinct prompts to test, then validation, then train.
 
     Args:
-        task_args (`TaskArguments`): Task name, split sizes (``num_train_prompts``, ``num_validation_prompts``,
+        task_args (`TaskArguments`): Task, sizes (``num_train_prompts``, ``num_validation_prompts``,
             ``num_eval_prompts`` for test) and ``task_seed``.
         conversational (`bool`, defaults to `True`): Prompts as chat messages (else plain strings).
-
-    Returns:
-        (`tuple[Task, datasets.DatasetDict]`): The task (reward functions and weights) and its splits under the
-            keys ``"train"``, ``"validation"``, ``"test"``.
 
     Raises:
         ValueError: If the sizes exceed what the task can provide, or the task is unknown.
@@ -50,13 +42,14 @@ def task_splits(task_args: TaskArguments, conversational: bool = True):
             )
         return task, DatasetDict({
             "train": train,
+            # the next num_validation_prompts
             "validation": held_out.select(list(range(n_test, n_test + n_validation))),
-            "test": held_out.select(list(range(n_test))),
+            "test": held_out.select(list(range(n_test))),  # the first num_eval_prompts of the held-out items
         })
     if task_args.task == "arithmetic":
         from ..tasks.arithmetic import make_arithmetic_dataset_dict
 
-        splits = make_arithmetic_dataset_dict(
+        splits = make_arithmetic_dataset_dict(  # the test split does not change with the other sizes
             n_train, n_validation, n_test, seed=task_args.task_seed, conversational=conversational
         )
         return task, splits
@@ -64,15 +57,17 @@ def task_splits(task_args: TaskArguments, conversational: bool = True):
     total = n_train + n_validation + n_test
     if total == 0:
         raise ValueError("num_train_prompts, num_validation_prompts and num_eval_prompts are all 0.")
+    # twice the rows: room for repeated prompts
     rows = task.build_dataset(2 * total, seed=task_args.task_seed, conversational=conversational)
     wanted = {"test": n_test, "validation": n_validation, "train": n_train}
     drawn: dict[str, list] = {name: [] for name in wanted}
     seen = set()
     for row in rows:
-        key = json.dumps(row["prompt"], sort_keys=True)
+        key = json.dumps(row["prompt"], sort_keys=True)  # a prompt's identity, chat messages included
         if key in seen:
             continue
         seen.add(key)
+        # the first split still short
         name = next((n for n in ("test", "validation", "train") if len(drawn[n]) < wanted[n]), None)
         if name is None:
             break

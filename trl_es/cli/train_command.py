@@ -28,7 +28,7 @@ which trains on a built-in task, does not take."""
 def _script_flags(unused: list[str]) -> list[str]:
     """The :data:`SCRIPT_FLAGS` among the parser's unused strings, each with the values that follow it."""
     given, taking = [], False
-    for arg in unused:
+    for arg in unused:  # a flag and the values up to the next flag
         if arg.startswith("--"):
             taking = arg[2:].split("=")[0] in SCRIPT_FLAGS
         if taking:
@@ -44,6 +44,7 @@ def parse_train_arguments(argv: list[str]):
             (:data:`SCRIPT_FLAGS`: ``--dataset_name``, ``--reward_funcs``, ...), one that names them and gives the
             ``python examples/scripts/es.py`` command that takes them.
     """
+    # flags override the --config YAML
     parser = TrlESParser((TaskArguments, ESConfig, ModelConfig), prog="trl-es train")
     *parsed, from_config, from_flags = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True)
@@ -74,17 +75,9 @@ def _accuracy_name(task) -> str:
 def train(argv: list[str]) -> dict:
     """``trl-es train``: ES on a task; model, seed log, ``results.json``, ``trl_es_run.json`` and a plot in output_dir.
 
-    ``results.json`` holds ``accuracy_before``/``accuracy_after`` on the eval split (``--eval_split``, default
-    validation: what the trainer's evaluations read) and, when that is validation, ``test_accuracy_before``/
-    ``test_accuracy_after``: the test split scored once before and once after training, for reporting. It also
-    records ``iterations`` (done) and ``max_steps`` (asked for), and ``stopped_by_time_budget``: ``True`` when
-    ``--time_budget_minutes`` stopped training before ``max_steps`` (a cut run, also printed as a warning).
-
-    Args:
-        argv (`list[str]`): Command-line arguments after ``train``.
-
     Returns:
-        `dict`: The contents of ``results.json``.
+        `dict`: ``results.json``: ``accuracy_before``/``accuracy_after`` on the eval split, ``test_accuracy_*`` (test
+        split, with ``eval_split=validation``), ``iterations``, ``max_steps``, ``stopped_by_time_budget``, the curve.
 
     Raises:
         ValueError: On bad arguments (naming the flag), or an empty eval split.
@@ -94,7 +87,7 @@ def train(argv: list[str]) -> dict:
     from ..trainer.es.es_trainer import ESTrainer
 
     task_args, es_args, model_args = parse_train_arguments(argv)
-    hf_logging.set_verbosity_warning()
+    hf_logging.set_verbosity_warning()  # transformers' info logs would drown the progress
     task, splits = task_splits(task_args)
     split = task_args.eval_split
     eval_dataset, test_dataset = splits[split], splits["test"]
@@ -103,7 +96,8 @@ def train(argv: list[str]) -> dict:
         raise ValueError(f"eval_split={split!r} is empty: set --{count} >= 1 (or choose the other --eval_split).")
     model, tokenizer = load_model_and_tokenizer(model_args, trust_remote_code=es_args.trust_remote_code)
     if es_args.reward_weights is None:
-        es_args.reward_weights = task.reward_weights
+        es_args.reward_weights = task.reward_weights  # the task's weights unless the config sets them
+    # stops training at the budget and evaluates once more
     clock = TrainingClock(60.0 * task_args.time_budget_minutes, evaluate_at_stop=True) \
         if task_args.time_budget_minutes else None
     trainer = ESTrainer(
@@ -118,6 +112,7 @@ def train(argv: list[str]) -> dict:
         write_json(os.path.join(es_args.output_dir, RUN_FILE), run_settings(task_args, es_args))
     name = _accuracy_name(task)
     key, test_key = f"eval_rewards/{name}/mean", f"eval_test_rewards/{name}/mean"
+    # tuning reads validation; the test split is scored only before and after
     score_test = split == "validation" and len(test_dataset) > 0 and task_args.score_test_split
     results = {"task": task.name, "eval_split": split, "num_train_prompts": len(splits["train"]),
                "num_validation_prompts": len(splits["validation"]), "num_test_prompts": len(test_dataset)}
@@ -129,6 +124,7 @@ def train(argv: list[str]) -> dict:
             trainer.accelerator.print(f"test accuracy before training: {results['test_accuracy_before']:.3f}")
     trainer.train(resume_from_checkpoint=es_args.resume_from_checkpoint)
     last = [h for h in trainer.state.log_history if key in h and h.get("step") == trainer.state.global_step]
+    # the final evaluation, when training logged one
     results["accuracy_after"] = last[-1][key] if last else trainer.evaluate()[key]
     results["iterations"] = trainer.state.global_step
     results["max_steps"] = trainer.state.max_steps
@@ -137,6 +133,7 @@ def train(argv: list[str]) -> dict:
     if cut is not None:
         results["time_budget_minutes"] = task_args.time_budget_minutes
         trainer.accelerator.print(f"WARNING: {cut}; the figures below are those of a cut run.")
+    # the eval split's accuracy at each evaluation
     results["curve"] = [{"step": h["step"], "accuracy": h[key]} for h in trainer.state.log_history
                         if key in h and "step" in h]
     results["train_seconds"] = next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h),

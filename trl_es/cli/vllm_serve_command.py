@@ -1,22 +1,8 @@
 """``trl-es vllm-serve MODEL``: start vLLM's own OpenAI server (what ``vllm serve`` runs) as an ES server
 (``ESConfig(use_vllm=True, vllm_mode="server")``), or print the line that does.
 
-The ES server extension reads the base weights under their Hugging Face names from the served folder's
-``.safetensors`` files, so a model that is not such a folder (the embedded GGUF model, a hub id) is first saved as
-one (``--model_dir``, default under the trl_es cache). The server then runs with:
-
-- ``VLLM_SERVER_DEV_MODE=1`` (vLLM's ``/collective_rpc``, through which seeds travel);
-- ``--worker-extension-cls trl_es.generation.vllm_server_worker.ESServerWorkerExtension``;
-- ``--no-enable-prefix-caching`` (a member changes the weights under the cached prefixes);
-- ``--middleware trl_es.generation.vllm_server_worker.ESAuthenticationMiddleware`` (with ``VLLM_API_KEY`` set, every
-  route but ``/health`` needs the key);
-- on a machine without CUDA, ``--enforce-eager`` (no compile of the model at start);
-
-The shared key is ``VLLM_API_KEY`` in the environment (vLLM takes it from there for its ``/v1`` routes, the ES
-extension for every ES call, the trainer for every request); it never appears on the command line (``--api-key``
-after ``--`` is refused: the extension would not see it, and a flag shows in the process list).
-
-and every further argument goes to the server as it is (``vllm serve``'s flags)::
+A model that is not a folder of ``.safetensors`` is saved as one first (``--model_dir``); the shared key is
+``VLLM_API_KEY`` in the environment, never ``--api-key``; arguments after ``--`` go to the server as they are::
 
     trl-es vllm-serve embedded:SmolLM2-135M-Instruct --port 8000 --dtype float32 -- --max-model-len 512
 """
@@ -46,9 +32,11 @@ def served_folder(model: str, model_dir: str | None, dtype: str) -> str:
     from ..models import cache_dir, load_model_and_tokenizer, resolve_model_path
 
     path = resolve_model_path(model)
+    # the extension reads the base weights under their HF names from here
     if os.path.isdir(path) and glob.glob(os.path.join(path, "*.safetensors")):
         return path
     if model_dir is None:
+        # one folder per model and dtype, under the trl_es cache
         key = hashlib.sha256(f"{model}|{dtype}".encode()).hexdigest()[:12]
         model_dir = os.path.join(cache_dir(), "vllm_serve", key)
     if glob.glob(os.path.join(model_dir, "*.safetensors")):
@@ -62,15 +50,15 @@ def served_folder(model: str, model_dir: str | None, dtype: str) -> str:
 
 
 def serve_command(folder: str, host: str, port: int, dtype: str, extra: list[str]) -> list[str]:
-    """The argument list of an ES server on ``folder``: vLLM's OpenAI server (``vllm serve``'s entry point), run by
-    this Python."""
+    """The argument list of an ES server on ``folder``: ``vllm serve``'s entry point, run by this Python."""
     import torch
 
     command = [sys.executable, "-m", SERVER_MODULE, "--model", folder, "--host", host, "--port", str(port),
+               # a member changes the weights under cached prefixes
                "--dtype", dtype, "--worker-extension-cls", WORKER_EXTENSION, "--no-enable-prefix-caching",
-               "--middleware", MIDDLEWARE]
+               "--middleware", MIDDLEWARE]  # with VLLM_API_KEY set, every route but /health needs the key
     if not torch.cuda.is_available() and "--enforce-eager" not in extra:
-        command.append("--enforce-eager")
+        command.append("--enforce-eager")  # no CUDA: no compile of the model at start
     return command + list(extra)
 
 
@@ -89,6 +77,7 @@ def vllm_serve(argv: list[str]) -> int:
     parser.add_argument("--print_only", action="store_true", help="Print the command instead of running it.")
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
+    # the extension would not see it, and a flag shows in the process list
     if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
         parser.error("pass the server's key in the environment, VLLM_API_KEY=... trl-es vllm-serve ..., not as "
                      "--api-key: the ES extension reads VLLM_API_KEY (vLLM too), and a flag shows in the process list.")
@@ -105,7 +94,7 @@ def vllm_serve(argv: list[str]) -> int:
           f"vllm_server_base_url=...)). {key}", flush=True)
     if args.print_only:
         return 0
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc, through which seeds travel
     sys.stdout.flush()
     os.execvp(command[0], command)  # replaces this process
     return 0  # not reached

@@ -1,13 +1,6 @@
-"""Tasks with verifiable rewards: dataset builders plus TRL-style reward functions.
-
-Each task gives a :class:`datasets.Dataset` with a ``prompt`` column (conversational by default) and the
-columns its rewards read, and reward functions with TRL's signature, usable unchanged in
-:class:`trl.GRPOTrainer` and :class:`trl_es.ESTrainer`. The small registry below serves the CLI::
-
-    task = get_task("countdown")
-    train = task.build_dataset(200, seed=0)
-    trainer = ESTrainer(model, reward_funcs=task.reward_funcs, train_dataset=train,
-                        args=ESConfig(reward_weights=task.reward_weights, ...))
+"""Tasks with verifiable rewards: a dataset builder (a ``prompt`` column and the columns its rewards read) and reward
+functions with TRL's signature, for :class:`trl.GRPOTrainer` and :class:`trl_es.ESTrainer`; :func:`get_task` serves
+the CLI.
 
 ========== ============================================ ==========================================
 name       dataset builder                              reward functions (weights)
@@ -65,23 +58,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Task:
-    """A task: how to build its dataset and how to reward completions.
-
-    Attributes:
-        name (`str`): Registry name.
-        description (`str`): One line for ``--help`` texts.
-        build_dataset (`Callable[..., datasets.Dataset]`): Called as ``build_dataset(n, seed=0,
-            conversational=True, **options)``; returns ``n`` rows with a ``prompt`` column.
-        reward_funcs (`list[Callable]`): TRL-style reward functions (a list, as TRL's trainers expect).
-        reward_weights (`list[float]`): One weight per reward function; the fitness/reward is the
-            weighted sum (pass as ``reward_weights`` to the trainer config).
-    """
+    """A task: its registry ``name``, a one-line ``description`` for ``--help``, a dataset builder and its rewards."""
 
     name: str
     description: str
-    build_dataset: Callable
-    reward_funcs: list[Callable]
-    reward_weights: list[float]
+    build_dataset: Callable  # build_dataset(n, seed=0, conversational=True, **options) -> n rows with a prompt column
+    reward_funcs: list[Callable]  # TRL-style reward functions, a list as TRL's trainers expect
+    reward_weights: list[float]  # one per reward function: pass as the config's reward_weights
 
 
 TASKS: dict[str, Task] = {
@@ -110,13 +93,7 @@ TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
-    """Look up a task by name.
-
-    Args:
-        name (`str`): One of ``"countdown"``, ``"arithmetic"``, ``"gsm"``.
-
-    Returns:
-        `Task`: Its dataset builder, reward functions and reward weights (fresh lists, safe to edit).
+    """The task registered as ``name`` (``"countdown"``, ``"arithmetic"``, ``"gsm"``), with fresh reward lists.
 
     Raises:
         ValueError: If ``name`` is not a registered task (the message lists the allowed names).

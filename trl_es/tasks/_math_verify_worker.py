@@ -1,11 +1,7 @@
-"""The helper process behind :func:`trl_es.tasks.gsm.math_verify_equal`: math-verify in its own process.
+"""The helper process behind :func:`trl_es.tasks.gsm.math_verify_equal`: math-verify in its own main thread.
 
-Run as a script (``python .../_math_verify_worker.py``; it imports only ``math_verify`` and the standard library, not
-``trl_es``). Protocol, one JSON object per line: the worker first writes ``{"ready": true}``; then for each request
-``{"gold": str, "pred": str, "timeout": int}`` read from stdin it writes ``{"equal": bool}``. It runs math-verify in
-its main thread, so math-verify's own ``SIGALRM`` time limits (``timeout`` seconds per parse and per comparison) work;
-the parent also kills the process when an answer does not come back in time (a computation in C code that a signal
-cannot interrupt). The worker exits when stdin closes (the parent is gone).
+Protocol, one JSON object per line: ``{"ready": true}`` first, then ``{"equal": bool}`` for each request
+``{"gold": str, "pred": str, "timeout": int}`` read from stdin; the worker exits when stdin closes.
 """
 
 import json
@@ -17,7 +13,7 @@ import sys
 def _equal(gold: str, pred: str, seconds: int) -> bool:
     from math_verify import parse, verify
 
-    gold_parsed = parse(gold, parsing_timeout=seconds)
+    gold_parsed = parse(gold, parsing_timeout=seconds)  # SIGALRM limits: this is the main thread, so they work
     pred_parsed = parse(pred, parsing_timeout=seconds)
     if not gold_parsed or not pred_parsed:
         return False
@@ -32,7 +28,7 @@ def main() -> None:
     import math_verify  # noqa: F401  (import before announcing readiness: the first request is then fast)
 
     replies.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
+    for line in sys.stdin:  # until stdin closes: the parent is gone
         try:
             request = json.loads(line)
             equal = _equal(str(request["gold"]), str(request["pred"]), max(1, int(request.get("timeout", 1))))

@@ -1,20 +1,10 @@
 """Countdown: combine the given numbers with ``+ - * /`` to reach a target (the reference ES task).
 
-This is the task of "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning"
-(Qiu et al. 2025, arXiv 2509.24372): given 3 or 4 numbers and a target, write an expression that uses each
-number exactly once. The model reasons in ``<think> </think>`` and answers in ``<answer> </answer>``.
-
-Rewards follow the paper's grader (``countdown_task.py``): total = ``0.1 * format + answer`` where
-
-- ``format`` is :func:`trl_es.rewards.think_answer_format_score` (1.0 for the exact
-  ``<think>...</think>\\n<answer>...</answer>`` layout, else 0.1 for a think block + 0.5 for an answer block);
-- ``answer`` is 1.0 iff the expression in the **last** ``<answer>...</answer>`` uses each given number exactly
-  once, only ``+ - * /``, unary signs and brackets, and evaluates to the target within an absolute tolerance of
-  ``1e-5`` (non-integer targets such as ``"27.4"`` therefore score when the expression evaluates to 27.4, e.g.
-  ``98 / (47 - 52) + 47``; negative targets score like any other).
-
-Model text is never passed to :func:`eval`: it is parsed with :mod:`ast` and only integer literals, the four
-binary operators, unary ``+``/``-`` and brackets are evaluated, exactly, with :class:`fractions.Fraction`.
+The task of Qiu et al. 2025, "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning"
+(arXiv 2509.24372), with the paper's grader (``countdown_task.py``): reward = ``0.1 * format + answer``, where
+``format`` is :func:`trl_es.rewards.think_answer_format_score` and ``answer`` is 1.0 iff the last
+``<answer>...</answer>`` uses each given number once and evaluates to the target within ``1e-5``. Model text is
+parsed with :mod:`ast` and evaluated exactly with :class:`fractions.Fraction`, never passed to :func:`eval`.
 """
 
 from __future__ import annotations
@@ -60,7 +50,7 @@ ANSWER_WEIGHT = 1.0
 #: Answers longer than this (characters, after stripping) score 0 without being parsed.
 MAX_EXPRESSION_LENGTH = 512
 
-_ALLOWED_CHARS_RE = re.compile(r"[0-9+\-*/()\s]+")
+_ALLOWED_CHARS_RE = re.compile(r"[0-9+\-*/()\s]+")  # digits, the four operators, brackets and whitespace
 _BINARY_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 _UNARY_OPS = (ast.UAdd, ast.USub)
 
@@ -82,29 +72,16 @@ def _numpy_style(numbers: Sequence[int]) -> str:
 
 
 def countdown_prompt_text(numbers: Sequence[int], target: float | str) -> str:
-    """The paper's plain-text Countdown prompt, ending inside the think block (``...\\n<think>``).
+    """The paper's plain-text prompt (its data's ``context``, character for character), ending in ``...\\n<think>``.
 
-    Args:
-        numbers (`Sequence[int]`): The 3 or 4 given numbers.
-        target (`int | float | str`): The target, printed as given (``"27.4"`` stays ``27.4``).
-
-    Returns:
-        `str`: The prompt, character for character as the ``context`` field of the paper's data.
+    ``target`` is printed as given (``"27.4"`` stays ``27.4``).
     """
     task = _TASK_TEXT.format(numbers=_numpy_style(numbers), target=target)
     return f"{_SYSTEM_TEXT}{task}Let me solve this step by step.\n<think>"
 
 
 def countdown_user_message(numbers: Sequence[int], target: float | str) -> str:
-    """The Countdown instruction as a chat user message (numbers printed as ``[44, 19, 35]``).
-
-    Args:
-        numbers (`Sequence[int]`): The given numbers.
-        target (`int | float | str`): The target.
-
-    Returns:
-        `str`: The instruction; the model is expected to answer ``<think>...</think>\\n<answer>...</answer>``.
-    """
+    """The instruction as a chat user message, the numbers printed as ``[44, 19, 35]``."""
     return _TASK_TEXT.format(numbers="[" + ", ".join(str(x) for x in numbers) + "]", target=target)
 
 
@@ -129,7 +106,7 @@ def _apply(op: ast.operator, left: Fraction, right: Fraction) -> Fraction:
         return left - right
     if isinstance(op, ast.Mult):
         return left * right
-    if right == 0:
+    if right == 0:  # named here, before Fraction raises its own message
         raise ZeroDivisionError("division by zero in expression")
     return left / right
 
@@ -146,7 +123,7 @@ def _evaluate(root: ast.AST) -> Fraction:
         elif isinstance(node, ast.UnaryOp):
             if not children_done:
                 stack += [(node, True), (node.operand, False)]
-            elif isinstance(node.op, ast.USub):
+            elif isinstance(node.op, ast.USub):  # a unary + leaves the value
                 values.append(-values.pop())
         elif not children_done:  # BinOp
             stack += [(node, True), (node.right, False), (node.left, False)]
@@ -159,18 +136,12 @@ def _evaluate(root: ast.AST) -> Fraction:
 def evaluate_expression(
     expression: str, numbers: Sequence[int] | None = None, max_length: int = MAX_EXPRESSION_LENGTH
 ) -> Fraction:
-    """Safely evaluate a Countdown expression, exactly.
-
-    Only integer literals, binary ``+ - * /``, unary ``+``/``-`` and round brackets are allowed; names, calls,
-    attributes, ``**``, ``//``, ``%``, decimals and everything else are rejected. Whitespace of any kind counts
-    as a space. Nothing is passed to :func:`eval`.
+    """Evaluate a Countdown expression exactly: integer literals, binary ``+ - * /``, unary ``+``/``-``, brackets only.
 
     Args:
-        expression (`str`): E.g. ``"(44 + 19) + 35"``.
-        numbers (`Sequence[int]`, *optional*): If given, the literals must be exactly these numbers, each used
-            once (as a multiset; order free). Checked before evaluating.
-        max_length (`int`, *optional*): Longer expressions are rejected unparsed. Defaults to
-            :data:`MAX_EXPRESSION_LENGTH`.
+        expression (`str`): E.g. ``"(44 + 19) + 35"``; whitespace of any kind counts as a space.
+        numbers (`Sequence[int]`, *optional*): If given, the literals must be these numbers, each once (any order).
+        max_length (`int`, *optional*): Longer expressions are rejected unparsed (:data:`MAX_EXPRESSION_LENGTH`).
 
     Returns:
         `fractions.Fraction`: The exact value, e.g. ``Fraction(137, 5)`` for ``"98 / (47 - 52) + 47"``.
@@ -185,9 +156,9 @@ def evaluate_expression(
         raise ValueError("expression is empty")
     if len(expression) > max_length:
         raise ValueError(f"expression is longer than max_length={max_length} characters")
-    if not _ALLOWED_CHARS_RE.fullmatch(expression):
+    if not _ALLOWED_CHARS_RE.fullmatch(expression):  # no names, calls, attributes, **, //, %, decimals
         raise ValueError("expression may only contain digits, + - * / ( ) and spaces")
-    expression = re.sub(r"\s+", " ", expression)
+    expression = re.sub(r"\s+", " ", expression)  # any whitespace counts as a space
     try:
         tree = ast.parse(expression, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
@@ -197,44 +168,32 @@ def evaluate_expression(
         _check_node(node)
         if isinstance(node, ast.Constant):
             literals.append(node.value)
+    # each given number exactly once, as a multiset
     if numbers is not None and Counter(literals) != Counter(int(x) for x in numbers):
         raise ValueError(f"expression uses the numbers {sorted(literals)}, expected each of {sorted(numbers)} once")
     return _evaluate(tree)
 
 
 def _target_value(target: float | str) -> float:
-    value = parse_number(target)
+    value = parse_number(target)  # "27.4" and "-11" are numbers too
     if value is None:
         raise ValueError(f"target must be a number or a string holding one (e.g. 98, '27.4', '-11'), got {target!r}")
     return value
 
 
 def countdown_answer_score(text: str, numbers: Sequence[int], target: float | str) -> float:
-    """Answer score of one completion: 1.0 if its last ``<answer>`` expression is a correct solution, else 0.0.
-
-    Correct means: :func:`evaluate_expression` accepts it with ``numbers`` (each number exactly once, only
-    ``+ - * /``, unary signs and brackets) and its value equals ``target`` within an absolute tolerance of
-    ``1e-5`` (:func:`trl_es.rewards.numbers_close`), as in the reference paper. Only the last answer block
-    counts.
-
-    Args:
-        text (`str`): Completion text.
-        numbers (`Sequence[int]`): The given numbers.
-        target (`int | float | str`): The target; strings such as ``"27.4"`` or ``"-11"`` are parsed.
-
-    Returns:
-        `float`: 1.0 or 0.0.
+    """1.0 if the last ``<answer>`` uses ``numbers`` once each and equals ``target`` within ``1e-5``, else 0.0.
 
     Raises:
-        ValueError: If ``target`` is not a number.
+        ValueError: If ``target`` (a number, or a string such as ``"27.4"`` or ``"-11"``) is not a number.
     """
     goal = _target_value(target)
-    answer = extract_answer_tag(text)
+    answer = extract_answer_tag(text)  # only the last answer block counts
     if answer is None:
         return 0.0
     try:
         value = evaluate_expression(answer, numbers)
-        close = numbers_close(float(value), goal)
+        close = numbers_close(float(value), goal)  # absolute tolerance 1e-5, as the paper's grader
     except (ValueError, ZeroDivisionError):
         return 0.0
     except OverflowError:  # beyond the float range: cannot be within 1e-5 of a (finite) target
@@ -243,16 +202,9 @@ def countdown_answer_score(text: str, numbers: Sequence[int], target: float | st
 
 
 def countdown_format_reward(prompts: list, completions: list, completion_ids=None, **kwargs) -> list[float]:
-    """TRL reward function: the paper's format score (see :func:`trl_es.rewards.think_answer_format_score`).
+    """TRL reward function: the paper's format score per completion, in ``{0, 0.1, 0.5, 0.6, 1}``.
 
-    Args:
-        prompts (`list`): Prompts (unused).
-        completions (`list[str | list[dict]]`): Completions, standard or conversational format.
-        completion_ids (*optional*): Unused.
-        **kwargs (`Any`): Dataset columns and trainer extras; ignored.
-
-    Returns:
-        `list[float]`: Scores in ``{0, 0.1, 0.5, 0.6, 1}``; weight them by :data:`FORMAT_WEIGHT` (0.1).
+    Weight it by :data:`FORMAT_WEIGHT`; see :func:`trl_es.rewards.think_answer_format_score`.
     """
     return [think_answer_format_score(completion_text(c)) for c in completions]
 
@@ -260,19 +212,9 @@ def countdown_format_reward(prompts: list, completions: list, completion_ids=Non
 def countdown_answer_reward(
     prompts: list, completions: list, completion_ids=None, numbers=None, target=None, **kwargs
 ) -> list[float]:
-    """TRL reward function: 1.0 per completion whose last answer solves the problem (see
-    :func:`countdown_answer_score`), else 0.0. Its mean is the task accuracy.
+    """TRL reward function: :func:`countdown_answer_score` per completion (its mean is the task accuracy).
 
-    Args:
-        prompts (`list`): Prompts (unused).
-        completions (`list[str | list[dict]]`): Completions, standard or conversational format.
-        completion_ids (*optional*): Unused.
-        numbers (`list[list[int]]`): Dataset column: the given numbers of each problem.
-        target (`list[int | float | str]`): Dataset column: the target of each problem.
-        **kwargs (`Any`): Other columns and trainer extras; ignored.
-
-    Returns:
-        `list[float]`: 1.0 or 0.0 per completion.
+    ``numbers`` (`list[list[int]]`) and ``target`` (`list[int | float | str]`) are dataset columns.
 
     Raises:
         ValueError: If ``numbers``/``target`` are missing, of the wrong length, or a target is not a number.
@@ -287,13 +229,9 @@ def countdown_answer_reward(
 def countdown_reward(
     prompts: list, completions: list, completion_ids=None, numbers=None, target=None, **kwargs
 ) -> list[float]:
-    """TRL reward function: the paper's total reward ``0.1 * format + 1.0 * answer`` (max 1.1).
+    """TRL reward function: the paper's total ``0.1 * format + 1.0 * answer`` (max 1.1), per completion.
 
     Equivalent to ``[countdown_format_reward, countdown_answer_reward]`` with ``reward_weights=[0.1, 1.0]``.
-    Arguments as in :func:`countdown_answer_reward`.
-
-    Returns:
-        `list[float]`: One total per completion.
     """
     fmt = countdown_format_reward(prompts, completions)
     ans = countdown_answer_reward(prompts, completions, numbers=numbers, target=target)
@@ -303,13 +241,13 @@ def countdown_reward(
 def _random_problem(
     rng: random.Random, size: int, low: int, high: int, max_target: int | None
 ) -> tuple[list[int], int, str]:
-    while True:
+    while True:  # the defaults resemble the paper's data: numbers 1-99, most targets 1-100
         numbers = [rng.randint(low, high) for _ in range(size)]
         for _ in range(20):  # several expression shapes for these numbers before drawing new ones
             items = [(Fraction(x), str(x)) for x in numbers]
             ok = True
             while len(items) > 1:
-                i, j = rng.sample(range(len(items)), 2)
+                i, j = rng.sample(range(len(items)), 2)  # a random pair, joined by a random operator
                 (a, ea), (b, eb) = items[i], items[j]
                 op = rng.choice("+-*/")
                 if op == "/" and b == 0:
@@ -320,6 +258,7 @@ def _random_problem(
             if not ok:
                 continue
             value, expression = items[0]
+            # an integer in [1, max_target]: the stored solution solves it
             if value.denominator == 1 and value >= 1 and (max_target is None or value <= max_target):
                 return numbers, int(value), expression
 
@@ -333,24 +272,15 @@ def make_countdown_dataset(
     max_target: int | None = 100,
     conversational: bool = True,
 ):
-    """Generate ``n`` solvable Countdown problems, reproducibly.
-
-    Each problem draws ``k`` numbers (``k`` uniform over ``num_numbers``) uniformly from ``[low, high]``, then a
-    random expression over all of them (random pairing order, random operators); the target is its value, kept
-    only if it is an integer in ``[1, max_target]`` (otherwise another expression or other numbers are drawn).
-    So every problem has at least the stored ``solution``. The defaults resemble the paper's data (numbers
-    1-99, most targets 1-100).
+    """``n`` solvable Countdown problems, reproducibly (``random.Random(seed)``).
 
     Args:
         n (`int`): Number of problems, ``>= 1``.
-        seed (`int`, defaults to 0): Seed of a private :class:`random.Random`; same seed, same rows.
-        num_numbers (`int | Sequence[int]`, defaults to ``(3, 4)``): How many numbers per problem (each 2-6).
-        low (`int`, defaults to 1): Smallest number, ``>= 1``.
-        high (`int`, defaults to 99): Largest number, ``>= low``.
+        num_numbers (`int | Sequence[int]`, defaults to ``(3, 4)``): Numbers per problem (each 2-6), drawn uniformly.
+        low, high (`int`, defaults to 1, 99): The numbers' range, ``1 <= low <= high``.
         max_target (`int | None`, defaults to 100): Largest target, ``>= 1``; ``None`` for no limit.
-        conversational (`bool`, defaults to True): ``prompt`` as ``[{"role": "user", "content": ...}]`` (see
-            :func:`countdown_user_message`); if False, the paper's plain-text prompt ending in ``<think>`` (see
-            :func:`countdown_prompt_text`).
+        conversational (`bool`, defaults to True): ``prompt`` as a user message (:func:`countdown_user_message`), else
+            the paper's plain-text prompt (:func:`countdown_prompt_text`).
 
     Returns:
         (`datasets.Dataset`): Columns ``prompt``, ``numbers`` (``list[int]``), ``target`` (``int``) and
@@ -363,7 +293,7 @@ def make_countdown_dataset(
 
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    sizes = [num_numbers] if isinstance(num_numbers, int) else list(num_numbers)
+    sizes = [num_numbers] if isinstance(num_numbers, int) else list(num_numbers)  # k uniform over num_numbers
     if not sizes or any(not isinstance(k, int) or not 2 <= k <= 6 for k in sizes):
         raise ValueError(f"num_numbers must be an int or a non-empty list of ints in 2..6, got {num_numbers!r}")
     if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
@@ -386,23 +316,16 @@ def make_countdown_dataset(
 def load_countdown_json(
     path: str | os.PathLike, split: str = "all", train_size: int = 200, test_size: int = 2000
 ):
-    """Load Countdown problems in the reference paper's JSON format.
-
-    The file is a JSON list of items ``{"id", "context", "numbers", "target", "solution"}``; ``context`` is the
-    full plain-text prompt ending in ``<think>`` and becomes the ``prompt`` column (TRL standard format, the
-    completion starts inside the think block). ``target`` stays a string as in the file (e.g. ``"27.4"``,
-    ``"-11"``); the rewards parse it. The paper trains on the first 200 items and tests on the last 2000.
+    """Load Countdown problems in the paper's JSON format: a list of ``{"id", "context", "numbers", "target", ...}``.
 
     Args:
         path (`str | os.PathLike`): The JSON file.
         split (`str`, defaults to ``"all"``): ``"train"`` (first ``train_size`` items), ``"test"`` (last
-            ``test_size`` items) or ``"all"``.
-        train_size (`int`, defaults to 200): Size of the train split.
-        test_size (`int`, defaults to 2000): Size of the test split.
+            ``test_size`` items) or ``"all"``; the paper trains on the first 200 and tests on the last 2000.
 
     Returns:
-        (`datasets.Dataset`): Columns ``id``, ``prompt``, ``numbers``, ``target`` (``str``), ``solution``
-            (``str``, or ``None`` where the file has none).
+        (`datasets.Dataset`): Columns ``id``, ``prompt`` (the ``context``, ending in ``<think>``), ``numbers``,
+            ``target`` (``str``, as in the file), ``solution`` (``str`` or ``None``).
 
     Raises:
         ValueError: If ``split`` is not one of the allowed values, the file is not a list of such items, or
@@ -423,13 +346,14 @@ def load_countdown_json(
                 f"train_size={train_size} + test_size={test_size} must be >= 0 each and at most the "
                 f"{len(items)} items in {path} (the splits must not overlap)"
             )
+        # train: the first items; test: the last
         items = items[:train_size] if split == "train" else items[len(items) - test_size :]
     rows = [
         {
             "id": x["id"],
-            "prompt": x["context"],
+            "prompt": x["context"],  # the completion starts inside the think block (TRL standard format)
             "numbers": [int(v) for v in x["numbers"]],
-            "target": str(x["target"]),
+            "target": str(x["target"]),  # kept a string ("27.4", "-11"); the rewards parse it
             "solution": x.get("solution"),
         }
         for x in items

@@ -1,13 +1,9 @@
 """GSM-style word problems from ``reasoning-gym`` generators, graded numerically or with ``math-verify``.
 
-Problems come from a procedural `reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ generator
-(default ``"gsm_symbolic"``: GSM8K templates with fresh numbers), so any number of seeded problems can be made
-offline. The reward (:func:`gsm_reward`) takes the model's final answer from, in this order, the last
-``<answer>...</answer>`` block, else the last ``\\boxed{...}``, else the last number in the text. When the reference
-answer and the final answer are both plain numbers once the usual decorations are removed (currency signs, units,
-thousands separators, trailing punctuation; see :func:`plain_number`), they are compared exactly as decimals;
-otherwise (``\\frac{576}{2}``, ``2^{10}``, ...) with ``math_verify``, in a helper process with a time limit (see
-:func:`math_verify_equal`), so grading returns in bounded time on any thread.
+Problems come from a procedural `reasoning-gym <https://github.com/open-thought/reasoning-gym>`_ generator (default
+``"gsm_symbolic"``: GSM8K templates with fresh numbers). :func:`gsm_reward` compares the final answer
+(:func:`extract_final_answer`) exactly as a decimal when both are plain numbers (:func:`plain_number`), else with
+``math_verify`` in a helper process with a time limit (:func:`math_verify_equal`).
 """
 
 from __future__ import annotations
@@ -55,16 +51,8 @@ MATH_VERIFY_STARTUP_TIMEOUT = 60.0
 
 
 def extract_final_answer(text: str) -> str | None:
-    r"""Return the final answer written in ``text``.
-
-    Order: the content of the last ``<answer>...</answer>``; else the content of the last ``\boxed{...}``;
-    else the last number (see :func:`trl_es.rewards.find_numbers`).
-
-    Args:
-        text (`str`): Completion text.
-
-    Returns:
-        `str | None`: The answer text (stripped), or ``None`` if there is none.
+    r"""The final answer in ``text``, stripped: the last ``<answer>...</answer>``, else the last ``\boxed{...}``, else
+    the last number (:func:`trl_es.rewards.find_numbers`); ``None`` if there is none.
     """
     answer = extract_answer_tag(text)
     if answer is None:
@@ -99,34 +87,16 @@ _SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10
 
 
 def plain_number(text: str) -> Decimal | None:
-    r"""Read ``text`` as one plain number, after removing the usual decorations of a numeric answer.
+    r"""``text`` as one plain number (exact ``Decimal``), after removing the usual decorations of a numeric answer.
 
-    Normalised, in this order:
-
-    - ``\boxed{..}``, ``\text{..}``, ``\mathrm{..}``, ``\mbox{..}`` (and similar) are replaced by their content;
-    - currency signs are removed anywhere: ``$`` (also as LaTeX math delimiters), ``\$``, ``€``, ``£``, ``¥``,
-      ``₹``, ``₩``, ``₽``, ``¢``, ``\euro``, ``\pounds``, and the codes ``USD``, ``US``, ``EUR``, ``GBP``,
-      ``CAD``, ``AUD``, ``INR``;
-    - LaTeX spacing (``\,``, ``\;``, ``\!``, ``~``, ...) becomes a space, ``{,}`` a comma, ``\%`` a percent sign,
-      ``\(``/``\)``/``\[``/``\]`` are removed, and the Unicode minus ``−`` is a minus;
-    - trailing punctuation (``. , ; : ! ?``) is removed, and so is a leading ``=``, ``x =``, ``Answer:`` or ``The
-      (final) answer is``;
-    - thousands separators: commas (``1,234``) or single spaces (``1 234``, also no-break and thin spaces), in groups
-      of exactly three digits;
-    - a unit after the number is dropped: ``%`` or words (``18 dollars``, ``18 apples``, ``18 km/h``, ``18 square
-      feet``, ``18 m^2``: a square or cube right after a letter belongs to the unit), except the scale words
-      ``thousand``, ``million``, ``billion``, ``trillion``, which multiply (``1.5 million`` is 1500000). So ``18%``
-      reads as 18 (not 0.18).
-
-    What is left must be a sign, a decimal number and the optional unit; anything else (another number, an operator,
-    a fraction, an exponent, a word before the number) is not a plain number.
-
-    Args:
-        text (`str`): An answer, e.g. ``"\$1,234.00"`` or ``"18 dollars."``.
+    Removed: wrappers (``\boxed{..}``, ``\text{..}``, ``\mathrm{..}``, ...), currency signs and codes (``$``, ``\$``,
+    ``€``, ``£``, ``USD``, ...), LaTeX spacing, trailing punctuation, a leading ``=``, ``x =`` or ``The answer is``,
+    thousands separators (``1,234``, ``1 234``), and a unit after the number (``%``, ``18 dollars``, ``18 km/h``,
+    ``18 m^2``; ``18%`` reads as 18). The scale words ``thousand`` ... ``trillion`` multiply (``1.5 million``).
 
     Returns:
-        `decimal.Decimal | None`: The exact value (``Decimal("18")``, ``Decimal("1234.00")``), or ``None`` if
-            ``text`` is not a plain number or longer than :data:`MAX_ANSWER_LENGTH` characters.
+        `decimal.Decimal | None`: e.g. ``Decimal("1234.00")`` for ``"\$1,234.00"``; ``None`` if anything else is left
+            (another number, an operator, a fraction) or ``text`` is longer than :data:`MAX_ANSWER_LENGTH`.
     """
     if not isinstance(text, str) or len(text) > MAX_ANSWER_LENGTH:
         return None
@@ -134,22 +104,22 @@ def plain_number(text: str) -> Decimal | None:
     for _ in range(3):  # nested wrappers: \boxed{\text{18}}
         s = _WRAPPERS_RE.sub(r"\1", s)
     s = s.replace("\\%", "%").replace("{,}", ",").replace("\u2212", "-")
-    s = re.sub(r"\\[()\[\]]", " ", s)
-    s = _CURRENCY_RE.sub(" ", s)
+    s = re.sub(r"\\[()\[\]]", " ", s)  # \( \) \[ \] go
+    s = _CURRENCY_RE.sub(" ", s)  # anywhere: $ is also a LaTeX math delimiter
     s = _LATEX_SPACE_RE.sub(" ", s)
     s = s.strip().rstrip(".,;:!? \t\n")
     s = _LEADING_RE.sub("", s).strip()
-    match = _PLAIN_RE.fullmatch(_POWER_UNIT_RE.sub("", s))
+    match = _PLAIN_RE.fullmatch(_POWER_UNIT_RE.sub("", s))  # a sign, a decimal, an optional unit, nothing else
     if match is None:
         return None
-    digits = re.sub(r"[, \u00a0\u2009\u202f]", "", match["number"])
+    digits = re.sub(r"[, \u00a0\u2009\u202f]", "", match["number"])  # thousands separators go
     try:
         value = Decimal(digits)
     except InvalidOperation:
         return None
     unit = (match["unit"] or "").lower()
     scale = _SCALES.get(unit.split()[0] if unit.split() else "")
-    if scale is not None:
+    if scale is not None:  # 1.5 million is 1500000
         value *= scale
     return -value if match["sign"] == "-" else value
 
@@ -161,7 +131,7 @@ _MAX_NESTING = 10
 
 
 def _exponent(text: str, start: int) -> str:
-    """The exponent written at ``text[start:]`` (after a ``^`` or ``**``): a bracketed group or a run of word chars."""
+    """The exponent at ``text[start:]`` (after ``^`` or ``**``): a bracketed group or a run of word characters."""
     i = start
     while i < len(text) and text[i] == " ":
         i += 1
@@ -179,20 +149,13 @@ def _exponent(text: str, start: int) -> str:
 
 
 def math_verify_input_ok(text: str) -> bool:
-    r"""Cheap pre-screen of an answer before it reaches math-verify (and sympy).
+    r"""Whether math-verify (and sympy) may be asked about ``text``, a cheap pre-screen.
 
-    Rejected: text longer than :data:`MAX_ANSWER_LENGTH`; brackets ``( [ {`` nested deeper than 10; a power whose
-    exponent holds another power (``10^{10^{10}}``, ``2**3**4``) or a number of 4 or more digits (``2^{100000}``);
-    more than 4 powers; a factorial of anything but a number below 1000 (``(10^3)!``, ``1000!``); ``\sum``,
-    ``\prod``, ``\int``, ``\lim``. Such answers never equal a numeric GSM answer in practice, and they are what makes
-    sympy compute for minutes or hours.
-
-    Args:
-        text (`str`): The answer (or reference) text.
-
-    Returns:
-        `bool`: Whether math-verify may be asked about it.
+    Rejected: longer than :data:`MAX_ANSWER_LENGTH`; brackets nested deeper than 10; a power tower
+    (``10^{10^{10}}``, ``2**3**4``) or an exponent of 4 or more digits; more than 4 powers; a factorial of anything but
+    a number below 1000; ``\sum``, ``\prod``, ``\int``, ``\lim``.
     """
+    # such answers never equal a GSM number, and make sympy compute for hours
     if len(text) > MAX_ANSWER_LENGTH or _HEAVY_COMMANDS_RE.search(text):
         return False
     depth = 0
@@ -213,6 +176,7 @@ def math_verify_input_ok(text: str) -> bool:
             return False  # a tower (10^{10^{10}}, 2**3**4) or a big exponent
     for match in re.finditer(r"!", text):
         before = text[: match.start()].rstrip()
+        # only n! with n < 1000: (10^3)! and 1000! are refused
         if not re.search(r"(?<![\d.])\d{1,3}$", before) and not before.endswith("\\"):
             return False
     return True
@@ -256,17 +220,17 @@ class _MathVerifyProcess:
             return None
 
     def equal(self, gold: str, pred: str, seconds: float) -> bool | None:
-        """``True``/``False`` from math-verify, or ``None`` if no answer came back within ``seconds``: a strict
-        wall-clock limit from the request, this thread's scheduling delay included (a reply that is already queued
-        when the thread wakes up too late counts as late, and the caller restarts the helper)."""
+        """``True``/``False`` from math-verify, or ``None`` without a reply within ``seconds`` (wall clock)."""
         start = time.monotonic()
         try:
+            # math-verify's own limit, per parse and per comparison
             request = {"gold": gold, "pred": pred, "timeout": max(1, int(seconds // 5))}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             return None
         reply = self._next_reply(seconds)
+        # a reply queued too late counts as late: the caller restarts the helper
         if reply is None or time.monotonic() - start > seconds:
             return None
         return bool(reply.get("equal"))
@@ -304,7 +268,7 @@ def _acquire_helper() -> _MathVerifyProcess | None:
     with _helpers_lock:
         if _idle_helpers:
             return _idle_helpers.pop()
-        if _helpers_unavailable:
+        if _helpers_unavailable:  # one failed start: math-verify in this process from then on
             return None
     try:
         helper = _MathVerifyProcess()
@@ -342,31 +306,21 @@ def _math_verify_in_process(gold: str, pred: str) -> bool:
 def math_verify_equal(gold: str, pred: str, timeout: float = MATH_VERIFY_TIMEOUT) -> bool:
     """``math_verify.verify(parse(gold), parse(pred))``, in bounded time on any thread and in any process.
 
-    The comparison runs in a persistent helper process (a plain ``subprocess`` running this package's
-    ``_math_verify_worker.py``, which imports nothing but math-verify), in that process's main thread, where
-    math-verify's own ``SIGALRM`` limits work; this thread waits at most ``timeout`` seconds for the answer. When
-    none comes (a computation a signal cannot interrupt), the helper is killed, the comparison counts as not equal
-    and the next call starts a new helper. Each concurrent caller uses its own helper (idle helpers are reused), so
-    one slow comparison never holds up another thread. If no helper process can be started, math-verify runs in
-    this process (with its own time limits on the main thread; elsewhere bounded only by
-    :func:`math_verify_input_ok`).
-
     Args:
         gold (`str`): The reference answer.
         pred (`str`): The answer to check, e.g. ``"$\\frac{576}{2}$"``.
-        timeout (`float`, *optional*): Seconds to wait for the answer. Defaults to :data:`MATH_VERIFY_TIMEOUT`. A
-            new helper first needs about 1-2 s to start (once per concurrent caller; bounded by
-            :data:`MATH_VERIFY_STARTUP_TIMEOUT`).
+        timeout (`float`, *optional*): Seconds to wait (:data:`MATH_VERIFY_TIMEOUT`); a new helper first takes 1-2 s
+            to start (at most :data:`MATH_VERIFY_STARTUP_TIMEOUT`).
 
     Returns:
-        `bool`: Whether math-verify finds them equal; ``False`` when it does not answer within ``timeout`` or an
-            input fails :func:`math_verify_input_ok`.
+        `bool`: Whether math-verify finds them equal; ``False`` on a timeout or an input that fails
+            :func:`math_verify_input_ok`.
     """
     if not (math_verify_input_ok(gold) and math_verify_input_ok(pred)):
         return False
-    helper = _acquire_helper()
+    helper = _acquire_helper()  # a helper per concurrent caller: a slow comparison holds up no other thread
     if helper is None:
-        return _math_verify_in_process(gold, pred)
+        return _math_verify_in_process(gold, pred)  # no helper could start: math-verify here
     result = helper.equal(gold, pred, timeout)
     with _helpers_lock:
         if result is None:
@@ -376,27 +330,17 @@ def math_verify_equal(gold: str, pred: str, timeout: float = MATH_VERIFY_TIMEOUT
             _idle_helpers.append(helper)
     if result is None:
         helper.kill()
+        # a computation SIGALRM could not interrupt: the next call starts a new helper
         logger.warning(f"math-verify gave no answer within {timeout} s; scored as not equal.")
         return False
     return result
 
 
 def gsm_answer_score(text: str, answer: str | float) -> float:
-    r"""Score one completion: 1.0 if its final answer (:func:`extract_final_answer`) equals ``answer``, else 0.0.
+    r"""1.0 if the final answer of ``text`` (:func:`extract_final_answer`) equals ``answer`` (e.g. ``"288"``), else 0.0.
 
-    If ``answer`` and the final answer are both plain numbers (:func:`plain_number`: currency signs, units,
-    thousands separators and trailing punctuation removed), they are compared **exactly** as decimals (tolerance
-    0; ``18.00`` equals ``18``, ``18.5`` does not equal ``18``). Otherwise they are compared with math-verify
-    (:func:`math_verify_equal`; the final answer is wrapped in ``$...$`` unless it holds ``\boxed`` or ``$``, so
-    plain expressions and LaTeX are both read), which takes at most :data:`MATH_VERIFY_TIMEOUT` seconds.
-
-    Args:
-        text (`str`): Completion text.
-        answer (`str | int | float`): Reference answer, e.g. ``"288"``.
-
-    Returns:
-        `float`: 1.0 or 0.0. Missing, over-long (> :data:`MAX_ANSWER_LENGTH` characters) or unparsable answers
-            score 0.0.
+    Two plain numbers (:func:`plain_number`) compare exactly (``18.00`` equals ``18``); anything else goes to
+    :func:`math_verify_equal`. Missing, over-long (> :data:`MAX_ANSWER_LENGTH`) or unparsable answers score 0.0.
     """
     predicted = extract_final_answer(text)
     if not predicted or len(predicted) > MAX_ANSWER_LENGTH:
@@ -406,23 +350,14 @@ def gsm_answer_score(text: str, answer: str | float) -> float:
     if gold_value is not None:
         predicted_value = plain_number(predicted)
         if predicted_value is not None:
-            return 1.0 if predicted_value == gold_value else 0.0
+            return 1.0 if predicted_value == gold_value else 0.0  # tolerance 0: 18.5 is not 18
+    # $...$ so that plain expressions and LaTeX are both read
     pred = predicted if "\\boxed" in predicted or "$" in predicted else f"${predicted}$"
     return 1.0 if math_verify_equal(gold, pred) else 0.0
 
 
 def gsm_reward(prompts: list, completions: list, completion_ids=None, answer=None, **kwargs) -> list[float]:
-    """TRL reward function: :func:`gsm_answer_score` of each completion.
-
-    Args:
-        prompts (`list`): Prompts (unused).
-        completions (`list[str | list[dict]]`): Completions, standard or conversational format.
-        completion_ids (*optional*): Unused.
-        answer (`list[str]`): Dataset column: the reference answer of each problem.
-        **kwargs (`Any`): Other columns and trainer extras; ignored.
-
-    Returns:
-        `list[float]`: 1.0 or 0.0 per completion.
+    """TRL reward function: :func:`gsm_answer_score` of each completion against the ``answer`` dataset column.
 
     Raises:
         ValueError: If ``answer`` is missing or not as long as ``completions``.
@@ -439,18 +374,13 @@ def make_gsm_dataset(
     instruction: str | None = GSM_INSTRUCTION,
     **generator_kwargs,
 ):
-    """Generate ``n`` word problems with a reasoning-gym generator, reproducibly.
+    """``n >= 1`` word problems from a reasoning-gym generator, reproducibly (same ``seed``, same rows).
 
     Args:
-        n (`int`): Number of problems, ``>= 1``.
-        seed (`int`, defaults to 0): Generator seed; same seed, same rows.
-        generator (`str`, defaults to ``"gsm_symbolic"``): A reasoning-gym dataset name (any whose answers are
-            numbers or math expressions works with :func:`gsm_reward`, e.g. ``"basic_arithmetic"``).
-        conversational (`bool`, defaults to True): ``prompt`` as ``[{"role": "user", "content": ...}]``; if
-            False, the plain string.
-        instruction (`str | None`, *optional*): Appended after the question; ``None`` for the bare question.
-            Defaults to :data:`GSM_INSTRUCTION`.
-        **generator_kwargs (`Any`): Further options of the reasoning-gym generator's config.
+        generator (`str`, defaults to ``"gsm_symbolic"``): A reasoning-gym dataset name whose answers are numbers or
+            math expressions (e.g. ``"basic_arithmetic"``); ``**generator_kwargs`` go to its config.
+        conversational (`bool`, defaults to True): ``prompt`` as a user message; if False, the plain string.
+        instruction (`str | None`, *optional*): Appended after the question (:data:`GSM_INSTRUCTION`); ``None``: none.
 
     Returns:
         (`datasets.Dataset`): Columns ``prompt``, ``question`` and ``answer`` (``str``).

@@ -1,8 +1,4 @@
-"""pass@k as a Hugging Face `evaluate` metric module.
-
-Load it offline from the installed package with ``trl_es.analysis.load_pass_at_k_metric()`` (or
-``evaluate.load(<path of this file>)``).
-"""
+"""pass@k as a Hugging Face `evaluate` metric module (``trl_es.analysis.load_pass_at_k_metric()`` loads it offline)."""
 
 import datasets
 import evaluate
@@ -52,12 +48,13 @@ class PassAtK(evaluate.Metric):
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
+            # per problem: predictions c correct of references n samples
             features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
             reference_urls=["https://arxiv.org/abs/2107.03374"],
         )
 
     def _compute(self, predictions, references, k=None):
-        ks = [1] if k is None else ([k] if isinstance(k, int) else list(k))
+        ks = [1] if k is None else ([k] if isinstance(k, int) else list(k))  # one k or a list; default [1]
         if len(ks) == 0:
             raise ValueError("`k` must be an int or a non-empty list of ints.")
         return {f"pass@{kk}": float(estimate_pass_at_k(references, predictions, kk).mean()) for kk in ks}
