@@ -16,7 +16,6 @@ import math
 import re
 import textwrap
 import time
-import warnings
 from collections import defaultdict
 
 import torch
