@@ -16,6 +16,7 @@ from .noise import (
     NoiseTable,
     full_noise,
     make_noise_source,
+    register_noise_source,
 )
 from .perturbation import (
     GaussianPerturbation,
@@ -79,6 +80,7 @@ __all__ = [
     "member_indices",
     "member_seed",
     "merge_ties",
+    "register_noise_source",
     "replay",
     "sample_population",
     "select_parameters",

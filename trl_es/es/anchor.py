@@ -17,7 +17,9 @@ parameter's own dtype, on CPU):
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -27,6 +29,8 @@ from .update import TrainedParameters
 
 
 ANCHOR_STORAGES = ("auto", "memory", "file")
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryAnchor(Mapping):
@@ -163,8 +167,13 @@ def checkpoint_files(model) -> list[str]:
     return sorted(f for f in set(checkpoint_weight_map(folder).values()) if os.path.isfile(f))
 
 
-def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None):
+def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None,
+                lean_memory: bool = False, required: bool = True):
     """The anchor theta_0 of ``params`` as they are now.
+
+    Under ``lean_memory`` (the memory rule) ``"auto"`` is ``"file"``, and an anchor that keeps tensors resident (not
+    bitwise in ``files``) is kept only when ``required`` (AWD; with a warning); otherwise it is dropped (``None``:
+    drift logging is skipped).
 
     Args:
         params (`TrainedParameters`): The trained parameters, at their initial values.
@@ -172,15 +181,20 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
             whose values there are bitwise the current ones (checked now, one tensor at a time), resident copies for
             the others (so ``"file"`` and ``"auto"`` behave alike; ``"file"`` exists to state the intent).
         files (`list[str]`, *optional*): safetensors files (e.g. :func:`checkpoint_files` of the model).
+        lean_memory (`bool`): Hold theta_0 in files only, where it can.
+        required (`bool`): Whether AWD needs the anchor (else only drift logging reads it).
 
     Returns:
-        (`MemoryAnchor | FileAnchor`): The anchor, a read-only mapping ``name -> tensor``.
+        (`MemoryAnchor | FileAnchor | None`): The anchor, a read-only mapping ``name -> tensor``; ``None`` only under
+        ``lean_memory`` and not ``required``.
 
     Raises:
         ValueError: for an unknown ``storage``.
     """
     if storage not in ANCHOR_STORAGES:
         raise ValueError(f"anchor_storage must be one of {ANCHOR_STORAGES}, got {storage!r}.")
+    if lean_memory:
+        return _lean(make_anchor(params, "file" if storage == "auto" else storage, files), required)
     values = {e.name: e for e in params.entries}
     if storage == "memory" or not files:
         return MemoryAnchor({n: e.param for n, e in values.items()})
@@ -210,6 +224,18 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
     if not sources:
         return MemoryAnchor(fallback)
     return FileAnchor(sources, fallback, shapes, dtypes)
+
+
+def _lean(anchor, required: bool):
+    """lean_memory's rule: an anchor with resident tensors is kept for AWD (warned), dropped for drift logging."""
+    if not anchor.resident_bytes:
+        return anchor
+    if required:
+        warnings.warn(f"lean_memory: the base checkpoint file does not hold theta_0 of every trained tensor; AWD "
+                      f"keeps {anchor.resident_bytes / 2**20:.1f} MiB of it in memory.", stacklevel=4)
+        return anchor
+    logger.info("lean_memory: theta_0 is not in a checkpoint file; drift logging is skipped.")
+    return None
 
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

@@ -103,7 +103,30 @@ def block_key(seed: int, name: str, block: int) -> int:
 
 
 class NoiseSource:
-    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor."""
+    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor.
+
+    A new source is a subclass with a :attr:`kind` and a :meth:`block`, registered with
+    :func:`register_noise_source`: ``noise_source=kind`` then builds it, and the seed log's ``replay`` rebuilds it.
+
+    Args:
+        generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
+    """
+
+    kind: str = ""  # the ``noise_source`` name, and the ``type`` of its description
+
+    def __init__(self, generator: str = PORTABLE_GENERATOR):
+        _check_generator(generator)
+        self.generator = generator
+
+    @classmethod
+    def from_config(cls, noise_table_size: int) -> NoiseSource:
+        """The source for ``noise_source=kind`` (:func:`make_noise_source`)."""
+        return cls()
+
+    @classmethod
+    def from_description(cls, description: dict, generator: str) -> NoiseSource:
+        """Inverse of :meth:`describe` (:func:`noise_source_from_description`)."""
+        return cls(generator)
 
     def block(self, seed: int, name: str, index: int, length: int, device: torch.device) -> torch.Tensor:
         """The noise of block ``index`` (``length`` elements) of tensor ``name`` for member ``seed``.
@@ -115,7 +138,7 @@ class NoiseSource:
 
     def describe(self) -> dict:
         """A JSON-serializable description, written into the seed log so ``replay`` rebuilds the same source."""
-        raise NotImplementedError
+        return _with_generator({"type": self.kind, "block_size": NOISE_BLOCK_SIZE}, self.generator)
 
     @property
     def portable(self) -> bool:
@@ -161,6 +184,24 @@ def _table_values(size: int, seed: int, device: str, generator: str) -> torch.Te
     return standard_normal(size, seed, generator).to(device)
 
 
+NOISE_SOURCE_KINDS: dict[str, type[NoiseSource]] = {}
+"""The registered noise sources by :attr:`NoiseSource.kind` (:func:`register_noise_source`)."""
+
+
+def register_noise_source(cls: type[NoiseSource]) -> type[NoiseSource]:
+    """Class decorator: make ``cls`` a ``noise_source`` choice and replayable from its description.
+
+    Raises:
+        ValueError: for an empty ``kind``, ``"auto"``, or a kind another class holds.
+    """
+    if not cls.kind or cls.kind == "auto" or NOISE_SOURCE_KINDS.get(cls.kind, cls) is not cls:
+        raise ValueError(f"A noise source needs its own kind (not empty, not 'auto'), got {cls.kind!r} for "
+                         f"{cls.__name__} (registered: {tuple(NOISE_SOURCE_KINDS)}).")
+    NOISE_SOURCE_KINDS[cls.kind] = cls
+    return cls
+
+
+@register_noise_source
 class NoiseTable(NoiseSource):
     """A shared table of N(0, 1) values; a block is a contiguous slice at a hashed offset (Salimans et al. 2017).
 
@@ -174,13 +215,22 @@ class NoiseTable(NoiseSource):
         ValueError: if ``size < NOISE_BLOCK_SIZE`` or ``generator`` is unknown.
     """
 
+    kind = "table"
+
     def __init__(self, size: int = DEFAULT_TABLE_SIZE, seed: int = TABLE_SEED, generator: str = PORTABLE_GENERATOR):
         if size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 (no table) or >= {NOISE_BLOCK_SIZE}, got {size}.")
-        _check_generator(generator)
+        super().__init__(generator)
         self.size = int(size)
         self.seed = int(seed)
-        self.generator = generator
+
+    @classmethod
+    def from_config(cls, noise_table_size):
+        return cls(noise_table_size) if noise_table_size else GaussianNoise()  # 0: no table, fresh blocks
+
+    @classmethod
+    def from_description(cls, description, generator):
+        return cls(description["size"], description["seed"], generator)
 
     def values(self, device) -> torch.Tensor:
         """The whole table, shape ``(size,)``, float32, on ``device`` (built once per device and cached)."""
@@ -195,6 +245,7 @@ class NoiseTable(NoiseSource):
                                self.generator)
 
 
+@register_noise_source
 class GaussianNoise(NoiseSource):
     """Fresh Gaussian noise per block, generated on CPU from ``block_key`` (:func:`standard_normal`).
 
@@ -202,17 +253,13 @@ class GaussianNoise(NoiseSource):
         generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
     """
 
-    def __init__(self, generator: str = PORTABLE_GENERATOR):
-        _check_generator(generator)
-        self.generator = generator
+    kind = "gaussian"
 
     def block(self, seed, name, index, length, device):
         return standard_normal(length, block_key(seed, name, index), self.generator).to(device)
 
-    def describe(self) -> dict:
-        return _with_generator({"type": "gaussian", "block_size": NOISE_BLOCK_SIZE}, self.generator)
 
-
+@register_noise_source
 class DeviceGaussianNoise(NoiseSource):
     """Fresh Gaussian noise per block from a ``torch.Generator`` on the tensor's device, seeded with ``block_key``.
 
@@ -224,9 +271,7 @@ class DeviceGaussianNoise(NoiseSource):
         generator (`str`): On CPU, :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
     """
 
-    def __init__(self, generator: str = PORTABLE_GENERATOR):
-        _check_generator(generator)
-        self.generator = generator
+    kind = "device_gaussian"
 
     def block(self, seed, name, index, length, device):
         device = torch.device(device)
@@ -234,9 +279,6 @@ class DeviceGaussianNoise(NoiseSource):
             return standard_normal(length, block_key(seed, name, index), self.generator)
         generator = torch.Generator(device=device).manual_seed(block_key(seed, name, index))
         return torch.randn(length, generator=generator, dtype=torch.float32, device=device)
-
-    def describe(self) -> dict:
-        return _with_generator({"type": "device_gaussian", "block_size": NOISE_BLOCK_SIZE}, self.generator)
 
 
 def _check_generator(generator: str) -> None:
@@ -249,42 +291,44 @@ def _with_generator(description: dict, generator: str) -> dict:
     return description if generator == LEGACY_GENERATOR else {**description, "generator": generator}
 
 
-NOISE_SOURCES = ("auto", "table", "gaussian", "device_gaussian")
+NOISE_SOURCES = ("auto", *NOISE_SOURCE_KINDS)
+"""The ``noise_source`` choices of the built-in sources (``ESConfig.noise_source``)."""
 
 
-def make_noise_source(
-    noise_table_size: int = DEFAULT_TABLE_SIZE, kind: str = "table", device=None, lowrank: bool = False
-) -> NoiseSource:
-    """Build a noise source.
+def make_noise_source(noise_table_size: int = DEFAULT_TABLE_SIZE, kind: str = "table", device=None,
+                      lowrank: bool = False, lean_memory: bool = False) -> NoiseSource:
+    """Build a noise source: a registered ``kind`` (:data:`NOISE_SOURCE_KINDS`) or ``"auto"``.
+
+    ``"auto"`` picks, as measured by ``benchmarks/noise_sources.py``: :class:`GaussianNoise` for low-rank noise
+    (``lowrank=True``: a few thousand values per member and weight) or ``noise_table_size=0``;
+    :class:`DeviceGaussianNoise` full-rank on CUDA; the table full-rank elsewhere (about 10x faster than fresh draws
+    on CPU). With ``lean_memory`` it never picks the table. ``"table"`` with ``noise_table_size=0`` is
+    :class:`GaussianNoise`.
 
     Args:
-        noise_table_size (`int`): Entries of the table (``kind="table"``); ``0`` means "no table" and gives
-            :class:`GaussianNoise` (the historical meaning of ``noise_table_size=0``).
-        kind (`str`): ``"table"``, ``"gaussian"``, ``"device_gaussian"`` or ``"auto"``. ``"auto"`` picks, as measured
-            by ``benchmarks/noise_sources.py``: with low-rank noise (``lowrank=True``, a few thousand values per
-            member and weight) :class:`GaussianNoise` (no 256 MiB table, no measurable cost); full-rank on CUDA
-            :class:`DeviceGaussianNoise`; full-rank elsewhere the table (about 10x faster than fresh draws on CPU).
+        noise_table_size (`int`): Entries of the table: 0 or ``>= NOISE_BLOCK_SIZE``.
+        kind (`str`): ``"auto"`` or a registered kind (``"table"``, ``"gaussian"``, ``"device_gaussian"``, ...).
         device (`torch.device` or `str` or `None`): The trained tensors' device (for ``"auto"``).
         lowrank (`bool`): Whether the perturbation is low-rank (for ``"auto"``).
+        lean_memory (`bool`): Hold no table (for ``"auto"``).
 
     Raises:
         ValueError: for an unknown ``kind`` or a table size that is neither 0 nor ``>= NOISE_BLOCK_SIZE``.
     """
-    if kind not in NOISE_SOURCES:
-        raise ValueError(f"noise_source must be one of {NOISE_SOURCES}, got {kind!r}.")
+    if kind != "auto" and kind not in NOISE_SOURCE_KINDS:
+        raise ValueError(f"noise_source must be one of {('auto', *NOISE_SOURCE_KINDS)}, got {kind!r}.")
     if noise_table_size < 0 or 0 < noise_table_size < NOISE_BLOCK_SIZE:
         raise ValueError(f"noise_table_size must be 0 (fresh Gaussian blocks) or >= {NOISE_BLOCK_SIZE}, "
                          f"got {noise_table_size}.")
     if kind == "auto":
-        if noise_table_size == 0 or lowrank:
+        cuda = device is not None and torch.device(device).type == "cuda"
+        if lean_memory:  # no table: fresh blocks (the device generator on CUDA)
+            kind = "device_gaussian" if cuda else "gaussian"
+        elif noise_table_size == 0 or lowrank:
             kind = "gaussian"
-        elif device is not None and torch.device(device).type == "cuda":
-            kind = "device_gaussian"
         else:
-            kind = "table"
-    if kind == "table":
-        return NoiseTable(noise_table_size) if noise_table_size else GaussianNoise()
-    return GaussianNoise() if kind == "gaussian" else DeviceGaussianNoise()
+            kind = "device_gaussian" if cuda else "table"
+    return NOISE_SOURCE_KINDS[kind].from_config(noise_table_size)
 
 
 def noise_source_from_description(description: dict) -> NoiseSource:
@@ -296,15 +340,11 @@ def noise_source_from_description(description: dict) -> NoiseSource:
     """
     if description.get("block_size", NOISE_BLOCK_SIZE) != NOISE_BLOCK_SIZE:
         raise ValueError(f"This log was written with noise block size {description['block_size']}.")
-    generator = description.get("generator", LEGACY_GENERATOR)
-    if description["type"] == "table":
-        return NoiseTable(description["size"], description["seed"], generator)
-    if description["type"] == "gaussian":
-        return GaussianNoise(generator)
-    if description["type"] == "device_gaussian":
-        return DeviceGaussianNoise(generator)
-    raise ValueError(f"Unknown noise source type {description['type']!r}: expected 'table', 'gaussian' or "
-                     "'device_gaussian'.")
+    kind = NOISE_SOURCE_KINDS.get(description["type"])
+    if kind is None:
+        raise ValueError(f"Unknown noise source type {description['type']!r}: expected one of "
+                         f"{tuple(NOISE_SOURCE_KINDS)}.")
+    return kind.from_description(description, description.get("generator", LEGACY_GENERATOR))
 
 
 def full_noise(source: NoiseSource, seed: int, name: str, shape, device=None) -> torch.Tensor:

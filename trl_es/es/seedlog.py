@@ -41,12 +41,13 @@ class SeedLog:
     """In-memory seed log.
 
     Attributes:
-        header (`dict`): Run-level facts: ``noise`` (the noise source description), ``perturbation`` (its
-            description, e.g. ``{"type": "lowrank", "rank": 1}``), ``sigma``, ``parameters`` (``[name, numel]`` of
-            every trained tensor), ``master_dtype`` (``"float32"`` or ``null``), ``optimizer`` (``"es"`` or
-            ``"torch"``), ``awd_penalty``. Logs written before the ``perturbation`` key existed name it through
-            ``population_backend`` (``{"name": "batched_lowrank", "noise_rank": r}`` or ``{"name": "sequential"}``);
-            :func:`header_perturbation` reads both.
+        header (`dict`): Run-level facts, as :meth:`EvolutionStrategy.describe
+            <trl_es.es.strategy.EvolutionStrategy.describe>` gives them: ``noise`` (the noise source description),
+            ``perturbation`` (its description, e.g. ``{"type": "lowrank", "rank": 1}``), ``sigma``, ``parameters``
+            (``[name, numel]`` of every trained tensor), ``master_dtype`` (``"float32"`` or ``null``), ``optimizer``
+            (``"es"`` or ``"torch"``), ``awd_penalty``; the trainer adds ``run_settings``. Logs written before the
+            ``perturbation`` key existed name it through ``population_backend`` (``{"name": "batched_lowrank",
+            "noise_rank": r}`` or ``{"name": "sequential"}``); :func:`header_perturbation` reads both.
         records (`list[dict]`): One per iteration: ``step`` (1-based, contiguous: record ``k`` is step ``k``, the
             ``k``-th iteration since the base model), ``members`` (``[seed, sign]`` pairs), ``coefficients`` (the shaped
             fitness), ``learning_rate``, ``awd_shrink`` (``alpha * lambda``, 0 if off) and, only where it differs from

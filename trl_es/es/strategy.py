@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .noise import NoiseSource, make_noise_source
+from .anchor import make_anchor
+from .noise import DEFAULT_TABLE_SIZE, NoiseSource, make_noise_source
+from .perturbation import LowRankPerturbation
 from .population import PopulationBackend, SequentialPopulation, sample_population
 from .shaping import shape_fitness
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
@@ -129,6 +131,63 @@ class EvolutionStrategy:
         kwargs.setdefault("module", model)
         return cls(params, make_noise_source(0, noise_source), SequentialPopulation(), sigma, population_size,
                    **kwargs)
+
+    @classmethod
+    def build(cls, params: TrainedParameters, population: PopulationBackend, sigma: float, population_size: int, *,
+              noise: NoiseSource | str = "auto", noise_table_size: int = DEFAULT_TABLE_SIZE, lean_memory: bool = False,
+              anchor_storage: str | None = None, anchor_files: Sequence[str] = (), **kwargs) -> EvolutionStrategy:
+        """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules.
+
+        Args:
+            params (`TrainedParameters`): The trained tensors and their master copy.
+            population (`PopulationBackend`): How members are put into the model.
+            sigma (`float`), population_size (`int`): As the constructor.
+            noise (`NoiseSource` or `str`): A source, or its ``noise_source`` name for :func:`make_noise_source` (on
+                the trained tensors' device; low-rank when the population's perturbation is).
+            noise_table_size (`int`): Entries of a noise table (0: none).
+            lean_memory (`bool`): The memory rule: ``"auto"`` noise holds no table, theta_0 is read from
+                ``anchor_files`` (:func:`~trl_es.es.anchor.make_anchor`; drift logging alone keeps no resident copy).
+            anchor_storage (`str`, *optional*): Where theta_0 is held (``"auto"``, ``"memory"``, ``"file"``);
+                ``None``: no anchor.
+            anchor_files (`Sequence[str]`): safetensors files that may hold theta_0 (the base checkpoint).
+            **kwargs: The constructor's other arguments (``seed``, ``antithetic``, ``awd_lambda``, ...).
+
+        Raises:
+            ValueError: for ``awd_lambda > 0`` without ``anchor_storage``; as :func:`make_noise_source`,
+                :func:`~trl_es.es.anchor.make_anchor` and the constructor.
+        """
+        awd = kwargs.get("awd_lambda", 0) > 0
+        if awd and anchor_storage is None:
+            raise ValueError("awd_lambda > 0 needs an anchor: set anchor_storage ('auto', 'memory' or 'file').")
+        anchor = None
+        if anchor_storage is not None:  # theta_0, as the parameters hold it now
+            anchor = make_anchor(params, anchor_storage, list(anchor_files), lean_memory=lean_memory, required=awd)
+        if isinstance(noise, str):
+            lowrank = isinstance(population.perturbation, LowRankPerturbation)
+            noise = make_noise_source(noise_table_size, noise, params.entries[0].param.device, lowrank=lowrank,
+                                      lean_memory=lean_memory)
+        return cls(params, noise, population, sigma, population_size, anchor=anchor, **kwargs)
+
+    def describe(self, optimizer: str = "es") -> dict:
+        """The run's facts for the seed log's header (:class:`~trl_es.es.seedlog.SeedLog`), JSON-serializable.
+
+        Args:
+            optimizer (`str`): How :meth:`tell` steps: ``"es"`` (its own update) or ``"torch"`` (``optimizer_step``).
+        """
+        dtype = self.params.master_dtype
+        return {
+            "noise": self.noise.describe(),
+            "sigma": self.sigma,
+            "population_size": self.population_size,
+            "antithetic": self.antithetic,
+            "fitness_shaping": self.fitness_shaping,
+            "optimizer": optimizer,
+            "master_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "awd_penalty": self.awd_penalty,
+            "parameters": [[e.name, e.numel] for e in self.params.entries],
+            "perturbation": self.perturbation.describe(),
+            "population_backend": self.population.describe(),
+        }
 
     @property
     def perturbation(self):

@@ -116,6 +116,7 @@ class TrainedParameters:
     def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32,
                  share_params: bool = False):
         self.entries: list[_Entry] = []
+        self.master_dtype = master_dtype  # None: each parameter's own dtype
         self.share_params = bool(share_params)
         for item in named_params:
             name, param = item[0], item[1]

@@ -199,7 +199,7 @@ class ESCheckpointMixin:
         if isinstance(self.anchor, FileAnchor) and os.path.abspath(folder) in self.anchor.folders:
             logger.warning("Saving into %s, which holds the file theta_0 is read from: theta_0 is now kept in memory.",
                            folder)
-            self.anchor = self.anchor.materialize()
+            self.strategy.anchor = self.anchor.materialize()
 
     def _save_es_state(self, folder: str) -> None:
         """The ES state of a checkpoint: the fp32 master (when it differs in dtype from the model's weights, which are
@@ -475,7 +475,7 @@ class ESCheckpointMixin:
                    for n in self.anchor)
         if not same:
             shapes = {e.name: e.param.shape for e in self.es_params.entries}
-            self.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
+            self.strategy.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
 
     def _load_deepspeed_checkpoint(self, folder: str) -> None:
         """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted

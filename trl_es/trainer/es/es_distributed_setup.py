@@ -91,7 +91,7 @@ class ESDistributedMixin:
         engine = self.accelerator.prepare(self.model)
         self.deepspeed = self.model_wrapped = engine
         if self.sharded:
-            self._build_es_state()
+            self._build_strategy(self.strategy.population, self.strategy.noise)  # the partitions; same noise
             self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
         return engine
 
@@ -149,7 +149,7 @@ class ESDistributedMixin:
         self.es_params.render_()
         if self.anchor is not None:  # theta_0 is now process 0's initial weights
             files = checkpoint_files(unwrapped) if self.args.anchor_storage != "memory" else []
-            self.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)
+            self.strategy.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)
 
     def _sync_model_view(self) -> None:
         """Under ZeRO-3, drop gathered copies of the trained parameters so the next forward sees the partitions."""

@@ -16,7 +16,6 @@ import math
 import re
 import textwrap
 import time
-import warnings
 from collections import defaultdict
 
 import torch
@@ -26,9 +25,8 @@ from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ...agents import Agents, MemberVLLMGeneration, tool_counts, tool_metrics
-from ...es.anchor import checkpoint_files, make_anchor
+from ...es.anchor import checkpoint_files
 from ...es.fitness import MemberScores, PopulationScores
-from ...es.noise import make_noise_source
 from ...es.perturbation import LowRankPerturbation, linear_weight_names
 from ...es.population import PopulationBackend, make_population_backend, member_indices, member_seed, on_engine
 from ...es.seedlog import SeedLog
@@ -253,55 +251,34 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 self.completion_log.start_hub_upload(args.hub_private_repo, args.hub_model_id)
 
     def _init_es_state(self) -> None:
-        """The ES state of the current model and ``args``: population backend, trained parameters with their master
-        and anchor, noise source, generation engine and an empty seed log, held by :attr:`strategy`. Built by the
+        """The ES state of the current model and ``args``: :attr:`strategy` (population backend, trained parameters
+        with their master, noise source, anchor), the generation engine and an empty seed log. Built by the
         constructor, and again for a model that ``model_init`` re-created (``hyperparameter_search``)."""
         args = self.args
         population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
-        self.strategy = EvolutionStrategy(None, None, population, args.sigma, args.population_size, args.seed,
-                                          args.antithetic, args.fitness_shaping, args.awd_lambda, args.awd_penalty,
-                                          on_module_change="ignore")  # the checkpoint hooks keep the master in step
-        self._build_es_state()
-        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
-        device = self.es_params.entries[0].param.device
-        noise_source = args.noise_source
-        if args.lean_memory and noise_source == "auto":  # no table: fresh blocks (device generator on CUDA)
-            noise_source = "device_gaussian" if device.type == "cuda" else "gaussian"
-        self.noise = make_noise_source(args.noise_table_size, noise_source, device, lowrank=lowrank)
+        self._build_strategy(population, args.noise_source)
         self.agents.check_population(self.sharded, population.stacked and args.member_chunk_size != 1)
         self.generation_engine = self._make_generation_engine()
         if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
-            self.population = on_engine(self.population, self.generation_engine)
+            self.strategy.population = on_engine(population, self.generation_engine)
+        strategy = self.strategy
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
             "MiB, anchor %s",
-            args.population_backend, self.population.perturbation.describe(), self.noise.describe(),
-            self.generation_engine.describe(), self.es_params.master_bytes / 2**20,
-            "none" if self.anchor is None else self.anchor.storage,
+            args.population_backend, strategy.perturbation.describe(), strategy.noise.describe(),
+            self.generation_engine.describe(), strategy.params.master_bytes / 2**20,
+            "none" if strategy.anchor is None else strategy.anchor.storage,
         )
         self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
         self._members_rerun = 0  # vllm_mode="server": the engine's count at the last iteration's metrics
-        self.seed_log = SeedLog(
-            header={
-                "noise": self.noise.describe(),
-                "sigma": args.sigma,
-                "population_size": args.population_size,
-                "antithetic": args.antithetic,
-                "fitness_shaping": args.fitness_shaping,
-                "optimizer": args.es_optimizer,
-                "master_dtype": "float32" if args.fp32_master_weights else None,
-                "awd_penalty": args.awd_penalty,
-                "parameters": [[e.name, e.numel] for e in self.es_params.entries],
-                "perturbation": self.population.perturbation.describe(),
-                "population_backend": self.population.describe(),
-                "run_settings": run_settings(args, self.reward_func_names),
-            }
-        )
+        header = strategy.describe(args.es_optimizer) | {"run_settings": run_settings(args, self.reward_func_names)}
+        self.seed_log = SeedLog(header=header)
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
 
-    def _build_es_state(self) -> None:
-        """The trained parameters (whole, or this process's ZeRO-3 partitions), their master and the anchor.
+    def _build_strategy(self, population: PopulationBackend, noise) -> None:
+        """:attr:`strategy` (:meth:`EvolutionStrategy.build`) on the trained parameters (whole, or this process's
+        ZeRO-3 partitions) with ``noise``: a ``noise_source`` name, or the source of the strategy it replaces.
 
         With the low-rank backend and no ``include_parameters``, the selection is every ``nn.Linear`` weight that is
         not tied to another module (logged); the backend then checks the selection against the model, so a bad one
@@ -310,7 +287,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         """
         args = self.args
         unwrapped = self.accelerator.unwrap_model(self.model)
-        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
+        lowrank = isinstance(population.perturbation, LowRankPerturbation)
         include = args.include_parameters
         if lowrank and include is None:
             names = linear_weight_names(unwrapped)
@@ -324,63 +301,42 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                         "to choose others).", len(names))
         selected = select_parameters(unwrapped, include, args.exclude_parameters)
         self._es_model_params = [p for _, p in selected]
-        self.es_params = TrainedParameters(
+        params = TrainedParameters(
             es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None,
             share_params=lowrank or args.use_vllm,  # these never write members into the model's weights
         )
         if not any(is_zero3_param(p) for p in self._es_model_params):
-            self.population.check(self.es_params, unwrapped)
-        self.anchor = None  # theta_0 (under ZeRO-3 the local partition): for AWD and drift logging
-        if args.awd_lambda > 0 or args.log_parameter_drift:
-            storage = "file" if args.lean_memory and args.anchor_storage == "auto" else args.anchor_storage
-            files = checkpoint_files(unwrapped) if storage != "memory" else []
-            anchor = make_anchor(self.es_params, storage, files)
-            if args.lean_memory and anchor.resident_bytes:
-                if args.awd_lambda > 0:
-                    warnings.warn(f"lean_memory: the base checkpoint file does not hold theta_0 of every trained "
-                                  f"tensor; AWD keeps {anchor.resident_bytes / 2**20:.1f} MiB of it in memory.",
-                                  stacklevel=2)
-                else:
-                    logger.info("lean_memory: theta_0 is not in a checkpoint file; drift logging is skipped.")
-                    anchor = None
-            self.anchor = anchor
+            population.check(params, unwrapped)
+        anchored = args.awd_lambda > 0 or args.log_parameter_drift  # theta_0 (under ZeRO-3 the local partition)
+        files = checkpoint_files(unwrapped) if anchored and args.anchor_storage != "memory" else ()
+        self.strategy = EvolutionStrategy.build(
+            params, population, args.sigma, args.population_size, noise=noise, noise_table_size=args.noise_table_size,
+            lean_memory=args.lean_memory, anchor_storage=args.anchor_storage if anchored else None, anchor_files=files,
+            seed=args.seed, antithetic=args.antithetic, fitness_shaping=args.fitness_shaping,
+            awd_lambda=args.awd_lambda, awd_penalty=args.awd_penalty,
+            on_module_change="ignore",  # the checkpoint hooks keep the master in step
+        )
 
-    # The ES state lives in the strategy; these are its parts under the names the Trainer hooks use.
+    # Read-only views of the strategy's parts, under the names the Trainer hooks (and users) read.
     @property
     def es_params(self) -> TrainedParameters:
         """The trained tensors and their master copy (``strategy.params``)."""
         return self.strategy.params
-
-    @es_params.setter
-    def es_params(self, value: TrainedParameters) -> None:
-        self.strategy.params = value
 
     @property
     def population(self) -> PopulationBackend:
         """How members are put into the model or engine (``strategy.population``)."""
         return self.strategy.population
 
-    @population.setter
-    def population(self, value: PopulationBackend) -> None:
-        self.strategy.population = value
-
     @property
     def noise(self):
         """The noise source (``strategy.noise``)."""
         return self.strategy.noise
 
-    @noise.setter
-    def noise(self, value) -> None:
-        self.strategy.noise = value
-
     @property
     def anchor(self):
         """theta_0 of the trained tensors (for AWD and drift logging), or ``None`` (``strategy.anchor``)."""
         return self.strategy.anchor
-
-    @anchor.setter
-    def anchor(self, value) -> None:
-        self.strategy.anchor = value
 
     @property
     def reward_processing_classes(self) -> list:
