@@ -110,7 +110,7 @@ class Environments:
         self.tools: dict = {}  # environment name -> the tools its prompts are rendered with
         self.reward_funcs: list[Callable] = []  # one per environment class with get_reward
         self.standalone_tools = list(tools)
-        for name, factory in self.factories.items():
+        for name, factory in self.factories.items():  # one instance each now: its tools and reward are known
             instance = factory()
             if not callable(getattr(type(instance), "reset", None)):
                 raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
@@ -125,7 +125,7 @@ class Environments:
     @property
     def pool(self) -> dict:
         """Environment name -> this thread's instances, reused across calls."""
-        if not hasattr(self._pools, "pool"):
+        if not hasattr(self._pools, "pool"):  # construct once, reset often
             self._pools.pool = {name: [] for name in self.factories}
         return self._pools.pool
 
@@ -154,7 +154,7 @@ class Environments:
         """One pooled instance per row, created only when a call needs more of an environment than exist."""
         cursor: dict = {}
         out = []
-        for name in names:
+        for name in names:  # the k-th row of an environment gets its k-th pooled instance
             index = cursor.get(name, 0)
             if index == len(self.pool[name]):
                 self.pool[name].append(self.factories[name]())
@@ -197,6 +197,7 @@ class Environments:
 
 def _environment_reward(env_type: type) -> Callable:
     """GRPO's reward function of an environment class with ``get_reward``: ``None`` for another class's rows."""
+    # async when get_reward is: the scorer awaits it with the other async rewards
     if inspect.iscoroutinefunction(env_type.get_reward):
 
         async def get_reward(environments, **kwargs):
@@ -296,7 +297,7 @@ def tool_suffix_ids(processing_class, tool_messages: list[dict], chat_template, 
     return full[len(prefix):]
 
 
-def _tool_dicts(tools: Sequence[Callable]) -> tuple[dict, dict]:
+def _tool_dicts(tools: Sequence[Callable]) -> tuple[dict, dict]:  # by name, sync apart from async (gathered)
     sync, async_ = {}, {}
     for tool in tools:
         (async_ if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
@@ -311,7 +312,7 @@ def _run_tool_calls(tool_calls: list[dict], sync_tools: dict, async_tools: dict)
     """
     results, pending, failures = [], [], 0
     for call in tool_calls:
-        if call.get("type") != "function":
+        if call.get("type") != "function":  # GRPO runs function calls only
             failures += 1
             results.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}))
             continue
@@ -383,7 +384,7 @@ class AgentRollout(Rollout):
             raise ValueError(f"row_ids has {len(row_ids)} ids for {len(rows)} rows.")
         rows = [row for row in rows for _ in range(self.num_generations)]  # one rollout per (row, generation)
         n = len(rows)
-        if self.environments is not None:
+        if self.environments is not None:  # each row's environment is reset for this member: no state crosses members
             prompts = [copy.deepcopy(row.get("prompt", EMPTY_PROMPT)) for row in rows]
             names = self.environments.names(rows)
             instances = self.environments.instances(names)
@@ -401,7 +402,7 @@ class AgentRollout(Rollout):
                              f"prompt {prompts[0]!r:.80}.")
         chat_kwargs = dict(self.chat_template_kwargs or {})
         extra: dict = {}
-        if self.rollout_func is not None:
+        if self.rollout_func is not None:  # it generates instead of the engine
             output = self.rollout_func(copy.deepcopy(prompts))
             extra = check_rollout_output(output, n)
             prompt_ids = [list(ids) for ids in output["prompt_ids"]]
@@ -426,10 +427,11 @@ class AgentRollout(Rollout):
                         for text in tok.batch_decode(completion_ids, skip_special_tokens=True)]
         else:
             messages = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        tool_tokens, calls, failures = [0] * n, 0, 0
+        tool_tokens, calls, failures = [0] * n, 0, 0  # tool tokens are not the model's: left out of the lengths
         if any(row_tools) and conversational:
             calls, failures = self._tool_call_loop(model, prompt_ids, completion_ids, messages, row_tools, tool_tokens,
                                                    **generate_kwargs)
+        # rollout_func's extra fields are reward keyword arguments; the prompt as after reset
         score_rows = [{**row, **{k: v[j] for k, v in extra.items()}, "prompt": prompts[j]}
                       for j, row in enumerate(rows)]
         per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
@@ -451,7 +453,7 @@ class AgentRollout(Rollout):
         )
 
     def _generate(self, model, prompt_ids: list[list[int]], **generate_kwargs) -> list[list[int]]:
-        """One completion per token-id prompt, cut after its end-of-turn id (the engine's rule)."""
+        """One completion per token-id prompt, cut after its end-of-turn id."""
         out = generate_completions(model, self.processing_class, prompt_ids, self.generation_config, 1,
                                    engine=self.engine, **generate_kwargs)
         return out.ids
@@ -472,13 +474,14 @@ class AgentRollout(Rollout):
                                                       None) or sys.maxsize
         dicts = [_tool_dicts(tools) for tools in row_tools]
         calls, failures, iteration = 0, 0, 0
-        pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]
+        pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]  # the rows whose last turn called
         tool_calls = {j: messages[j][0]["tool_calls"] for j in pending}
         while pending and iteration < limit:
             extended = {}  # row -> prompt + completion + tool turn ids (no re-tokenization)
             for j in pending:
                 results, failed = _run_tool_calls(tool_calls[j], *dicts[j])
                 calls, failures = calls + len(tool_calls[j]), failures + failed
+                # a tool's answer is text unless it returned content parts
                 turn = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
                         for name, result in results]
                 ids = prompt_ids[j] + completion_ids[j] + tool_suffix_ids(tok, turn, self.chat_template, chat_kwargs)
@@ -489,7 +492,7 @@ class AgentRollout(Rollout):
             pending = list(extended)
             if not pending:
                 break
-            new_ids = self._generate(model, [extended[j] for j in pending], **generate_kwargs)
+            new_ids = self._generate(model, [extended[j] for j in pending], **generate_kwargs)  # the rows that called
             next_pending = []
             for j, ids in zip(pending, new_ids, strict=True):
                 used = len(extended[j]) - len(prompt_ids[j])
@@ -673,7 +676,7 @@ class Agents:
         warn_experimental(rollout_func, environment_factory)
         environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
         all_tools = list(tools or [])
-        for env_tools in (environments.tools.values() if environments else ()):
+        for env_tools in (environments.tools.values() if environments else ()):  # GRPO's trainer.tools: all of them
             methods = [tool for tool in env_tools if tool not in all_tools]
             check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
             all_tools += methods
@@ -708,7 +711,7 @@ class Agents:
                                  "functions; give one weight per reward function (an environment's get_reward gets "
                                  "weight 1).")
             weights = list(weights) + [1.0] * len(env_rewards)
-        if classes is not None and env_rewards:
+        if classes is not None and env_rewards:  # get_reward needs no tokenizer
             classes = (classes if isinstance(classes, list) else [classes]) + [None] * len(env_rewards)
         return funcs + env_rewards, weights, classes
 
@@ -727,6 +730,7 @@ class Agents:
         """
         if not self.active:
             return
+        # the tool loop regenerates some rows of one member: one member a generate call
         limits = (("DeepSpeed ZeRO-3", sharded), ("stacked low-rank members (member_chunk_size > 1)", stacked_chunks))
         unsupported = [what for what, on in limits if on]
         if unsupported:
@@ -742,7 +746,7 @@ class Agents:
                             chat_template=self.chat_template,
                             max_tool_calling_iterations=args.max_tool_calling_iterations,
                             max_completion_length=args.max_completion_length, seed=args.seed,
-                            max_model_len=getattr(base.engine, "max_model_len", None))
+                            max_model_len=getattr(base.engine, "max_model_len", None))  # vLLM's context length
 
     def start_iteration(self) -> None:
         """Zero the tool counts and forget the completions seen (at the start of a member loop)."""
@@ -754,7 +758,7 @@ class Agents:
         member (:meth:`finish_iteration`)."""
         self.counts += tool_counts(out)
         if self.rollout_func is not None:
-            self._completions_seen.add(repr(out.completion_ids))
+            self._completions_seen.add(repr(out.completion_ids))  # hashable: one entry per distinct rollout
 
     def finish_iteration(self, num_members: int) -> None:
         """Warn once when every one of ``num_members`` members got the same ``rollout_func`` completions."""

@@ -34,7 +34,7 @@ def validate_dataset(dataset, field_name: str = "train_dataset", prompt_required
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns and prompt_required:
+    if columns is not None and "prompt" not in columns and prompt_required:  # declared columns, when there are any
         raise ValueError(
             f"{field_name} must have a 'prompt' column (TRL's standard or conversational prompt format); "
             f"found columns {list(columns)}."
@@ -157,10 +157,10 @@ def score_model(
     texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations,
                                       engine=engine, num_row_groups=num_members, add_special_tokens=special,
                                       **generate_kwargs)
-    repeated_rows = [row for row in rows for _ in range(num_generations)]
+    repeated_rows = [row for row in rows for _ in range(num_generations)]  # a row's completions consecutive
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
-    ends = ended_ids(generation_config, model, processing_class)
+    ends = ended_ids(generation_config, model, processing_class)  # terminated vs clipped, as GRPO
     # the engines' tokenization: special tokens for plain text, none for chat-templated prompts (as GRPO), no padding
     lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=special)["input_ids"]]
     return RolloutResult(

@@ -73,7 +73,7 @@ class RolloutResult:
             raise ValueError(f"{total} completions do not split into the rows of {num_members} members.")
         if num_members == 1:
             return [self]
-        width = total // num_members
+        width = total // num_members  # completions per member
         parts = []
         for k in range(num_members):
             rows = slice(k * width, (k + 1) * width)

@@ -106,7 +106,7 @@ def await_all(awaitables: list, return_exceptions: bool = False) -> list:
         tasks = [asyncio.ensure_future(_one(a)) for a in awaitables]
         try:
             return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
-        except BaseException:
+        except BaseException:  # the first exception cancels the other awaitables
             for task in tasks:
                 task.cancel()
             raise
@@ -201,8 +201,8 @@ class RewardScorer:
             if cls is not None and cls.pad_token_id is None:  # batched scoring pads
                 cls.pad_token = cls.eos_token
             if isinstance(func, PreTrainedModel):
-                func.config.pad_token_id = cls.pad_token_id
-                func.eval()
+                func.config.pad_token_id = cls.pad_token_id  # sequence classification scores the last non-pad token
+                func.eval()  # no dropout in scoring
             self.processing_classes.append(cls)
         self._warned_all_none = False  # GRPO's all-None warning is shown once (_warn_all_none)
 
@@ -230,6 +230,7 @@ class RewardScorer:
         """
         n = len(completions)
         prompts = [row["prompt"] for row in rows]
+        # the other dataset columns as keyword lists, one value per completion
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         rewards = torch.zeros(n, len(self.reward_funcs), dtype=torch.float32)
         invalid = torch.zeros(n, len(self.reward_funcs), dtype=torch.bool)
@@ -246,7 +247,7 @@ class RewardScorer:
                     pending.append((i, output))
                     continue
                 rewards[:, i], invalid[:, i] = _checked_rewards(output, name, n)
-        except BaseException:
+        except BaseException:  # a sync function raised: the pending coroutines never run
             _close_awaitables(a for _, a in pending)
             raise
         if pending:  # as GRPOTrainer: the async functions run concurrently (asyncio.gather) on a daemon loop

@@ -45,6 +45,7 @@ REL_TOL = 0.0
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w)\]])[-\u2212])?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?![\d])|\d+)(?:\.\d+)?"
 )
+# A whole string that is one number: sign, thousands commas, decimals, exponent, or a leading ".5".
 _FULL_NUMBER_RE = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|[-+\u2212]?\.\d+")
 
 
@@ -121,7 +122,7 @@ def extract_answer_tag(text: str) -> str | None:
 
 def extract_boxed(text: str) -> str | None:
     r"""The content of the **last** ``\boxed{...}`` (braces matched: ``"\frac{1}{2}"``), or ``None`` if none closes."""
-    if "\\boxed{" not in text:
+    if "\\boxed{" not in text:  # the common case, without the scan
         return None
     # One linear pass with a stack of open braces (no quadratic rescans on adversarial input).
     stack: list[int] = []  # content start for a \boxed{ brace, -1 for any other brace
