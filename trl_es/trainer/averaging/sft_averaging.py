@@ -88,7 +88,7 @@ def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 @torch.no_grad()
 def restore_snapshot(tensors: list[torch.Tensor], theta_bar: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy ``theta_bar`` back into ``tensors``, in place; returns copies of what they held before."""
-    updated = snapshot(tensors)
+    updated = snapshot(tensors)  # the update just taken from theta_bar
     for t, bar in zip(tensors, theta_bar, strict=False):
         t.copy_(bar)
     return updated
@@ -98,7 +98,7 @@ def restore_snapshot(tensors: list[torch.Tensor], theta_bar: list[torch.Tensor])
 def update_norm(after: list[torch.Tensor], before: list[torch.Tensor], *, float32: bool) -> float:
     r""":math:`\|\mathrm{after} - \mathrm{before}\|_2` over all tensors, accumulated in float64; the differences
     are taken in float32 if ``float32``, else in the tensors' dtype."""
-    if float32:
+    if float32:  # the differences of low-precision parameters taken in float32
         pairs = zip(after, before, strict=False)
         diffs = (torch.linalg.vector_norm(a.float() - b.float(), dtype=torch.float64) for a, b in pairs)
     else:
@@ -139,7 +139,7 @@ class SFTAveragingTrainerMixin:
         peft_config=None,
     ):
         config_class = self._averaging_config_class
-        if args is None:
+        if args is None:  # as TRL's trainers: output_dir named after the model
             name = model if isinstance(model, str) else model.config._name_or_path
             args = config_class(f"{name.split('/')[-1]}{self._averaging_output_suffix}")
         if not isinstance(args, config_class):
@@ -152,7 +152,7 @@ class SFTAveragingTrainerMixin:
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
             callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
         )
-        self._check_one_process()
+        self._check_one_process()  # after the Trainer set up accelerate
         self.sft_step = SFTStep(self.accelerator.unwrap_model(self.model), self.processing_class, sft_dataset,
                                 args.sft_config(), targets=self._sft_targets())
         self._start_averaging()
@@ -197,14 +197,14 @@ class SFTAveragingTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save and self.sft_step.lr_scheduler is not None:
+        if self.args.should_save and self.sft_step.lr_scheduler is not None:  # the one process that writes
             self.sft_step.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        if not os.path.isfile(os.path.join(checkpoint, SFT_STATE_NAME)):
+        if not os.path.isfile(os.path.join(checkpoint, SFT_STATE_NAME)):  # a fresh SFT optimizer would not be a resume
             raise ValueError(f"Cannot resume {self._averaging_name()} from {checkpoint!r}: no {SFT_STATE_NAME} (the "
                              "SFT optimizer's state).")
         self.sft_step.load(checkpoint, self.state.max_steps)

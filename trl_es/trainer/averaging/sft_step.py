@@ -44,7 +44,7 @@ def check_averaging_fields(config: TrainingArguments, update_weight_name: str) -
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-    if getattr(config, update_weight_name) == 0 and config.sft_weight == 0:
+    if getattr(config, update_weight_name) == 0 and config.sft_weight == 0:  # the average would be the snapshot
         raise ValueError(f"{update_weight_name} and sft_weight are both 0: no update would remain.")
     if config.sft_learning_rate is not None and not config.sft_learning_rate > 0:
         raise ValueError(f"sft_learning_rate must be > 0, got {config.sft_learning_rate}.")
@@ -67,7 +67,7 @@ def sft_config_from(
 ) -> SFTConfig:
     """The SFT side's ``trl.SFTConfig``: ``host``'s :data:`HOST_FIELDS` (a ``GRPOConfig`` or ``ESConfig``) and the
     given SFT settings (``sft_*``'s meaning; ``max_grad_norm`` 0: no clipping)."""
-    kwargs = {name: getattr(host, name) for name in HOST_FIELDS}
+    kwargs = {name: getattr(host, name) for name in HOST_FIELDS}  # otherwise the same optimizer as the host's
     if kwargs["lr_scheduler_kwargs"] is None:
         kwargs["lr_scheduler_kwargs"] = {}
     return SFTConfig(
@@ -138,7 +138,7 @@ class SFTStep:
         self._epoch, self._order = None, None
         self.targets = list(targets) if targets is not None else None
         if self.targets is None:
-            self.optimizer = self.trainer.create_optimizer()
+            self.optimizer = self.trainer.create_optimizer()  # with the Trainer's weight-decay groups
         else:
             optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
             # parameters not in targets get no update
@@ -157,7 +157,7 @@ class SFTStep:
         return self.lr_scheduler
 
     def _restore_forward(self, forward) -> None:
-        if forward is _MISSING:
+        if forward is _MISSING:  # no instance attribute: the class's forward
             self._patched.__dict__.pop("forward", None)
         else:
             self._patched.forward = forward
@@ -165,7 +165,7 @@ class SFTStep:
     def batch_indices(self, step: int) -> list[int]:
         """The dataset rows of SFT batch ``step`` (see the class doc)."""
         epoch, position = divmod(int(step), self.batches_per_epoch)
-        if epoch != self._epoch:
+        if epoch != self._epoch:  # a fresh permutation per epoch, from the seed alone: a resumed run gets the same
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._order = torch.randperm(len(self.dataset), generator=generator).tolist()
             self._epoch = epoch
@@ -204,14 +204,15 @@ class SFTStep:
             model.train(was_training)
         if self.targets is not None:
             for param, target in self.targets:
+                # a parameter the loss does not reach gets a zero gradient: the optimizer still steps it
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 target.grad = grad.detach().to(dtype=target.dtype).reshape(target.shape)  # cast to the master's
         params = self.parameters()
-        if self.max_grad_norm and self.max_grad_norm > 0:
+        if self.max_grad_norm and self.max_grad_norm > 0:  # the norm logged is the one before clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])  # the one this step uses
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -221,7 +222,7 @@ class SFTStep:
         for key, values in self.trainer._metrics["train"].items():
             if values:
                 metrics[key] = float(sum(values) / len(values))
-        self.trainer._metrics["train"] = defaultdict(list)
+        self.trainer._metrics["train"] = defaultdict(list)  # the next step's batch only
         return metrics
 
     def state_dict(self) -> dict:
