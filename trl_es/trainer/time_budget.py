@@ -66,7 +66,7 @@ class TrainingClock(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = time.monotonic()  # after model loading and trainer construction
         self.max_steps = getattr(state, "max_steps", None)
-        self.stopped_early = False
+        self.stopped_early = False  # a second train() starts afresh
 
     def elapsed_seconds(self) -> float:
         """This process's training time so far, in seconds (0 before ``on_train_begin``; no collective)."""
@@ -120,7 +120,7 @@ class TimeScheduleCallback(TrainerCallback):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        if optimizer is None:
+        if optimizer is None:  # nothing to schedule
             return
         learning_rate = self.learning_rate * self.factor(self.clock.training_seconds)
         # over the Trainer's scheduler (keep it "constant"); ESTrainer reads alpha from these groups
@@ -152,7 +152,7 @@ class TimeProgressCallback(ProgressCallback):
             bar_format = "{l_bar}{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]"
             self.training_bar = tqdm(total=round(self.budget_seconds / 60.0, 2), unit="min", dynamic_ncols=True,
                                      bar_format=bar_format)
-        self.current_step = 0
+        self.current_step = 0  # as ProgressCallback keeps it
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None:

@@ -24,7 +24,7 @@ __all__ = ["CompletionLog", "empty_logs"]
 COMPLETIONS_FOLDER = "completions"
 
 
-def _value(x: float) -> float | None:
+def _value(x: float) -> float | None:  # NaN (a None reward) back to None
     return None if math.isnan(x) else float(x)
 
 
@@ -59,7 +59,7 @@ class CompletionLog:
         self.logs: dict[str, Any] = empty_logs()  # GRPO's trainer._logs layout
         self._rows: list[dict] = []  # this process's rows of the iteration in progress
         self._pending: dict[str, list] = {}
-        self._written_step: int | None = None
+        self._written_step: int | None = None  # the step of the last table written
 
     # ------------------------------------------------------------------ recording
     def log_extra_for_call(self) -> Callable[[str, Sequence], None]:
@@ -86,7 +86,7 @@ class CompletionLog:
             if len(values) != total:
                 raise ValueError(f"log_extra({column!r}, values) got {len(values)} values; the call's reward "
                                  f"functions scored {total} completions: give one value per completion.")
-        width = total // max(1, len(members))
+        width = total // max(1, len(members))  # one equal block of completions per stacked member
         rewards = result.rewards_per_func.tolist()
         for k, member in enumerate(members):
             for i in range(k * width, (k + 1) * width):
@@ -110,7 +110,7 @@ class CompletionLog:
         rows = sorted(rows, key=lambda row: row["member"])
         logs = empty_logs()
         logs["step"] = int(step)
-        columns = sorted({column for row in rows for column in row["extra"]})
+        columns = sorted({column for row in rows for column in row["extra"]})  # None where a call did not log one
         for row in rows:
             logs["prompt"].append(row["prompt"])
             logs["completion"].append(row["completion"])
@@ -138,7 +138,7 @@ class CompletionLog:
         (``CommitScheduler``), as GRPOTrainer."""
         if self.hub_repo is None:
             return
-        import importlib.resources
+        import importlib.resources  # TRL ships the card template
 
         from huggingface_hub import CommitScheduler, DatasetCard, DatasetCardData, create_repo
 
@@ -162,7 +162,7 @@ class CompletionLog:
             `str` or `None`: The parquet path, or ``None`` when there was nothing new to write.
         """
         logs = self.logs
-        if not logs["prompt"] or logs["step"] == self._written_step:
+        if not logs["prompt"] or logs["step"] == self._written_step:  # each iteration's table once
             return None
         self._print()
         import pandas as pd
@@ -174,6 +174,7 @@ class CompletionLog:
         os.replace(path + ".tmp", path)
         self._written_step = logs["step"]
         for backend in self._trackers():
+            # str: a conversational prompt (a list of dicts) is not hashable
             table = frame[~frame["prompt"].astype(str).duplicated()] if self.log_unique_prompts else frame
             backend.log({"completions": backend.Table(dataframe=table)})
         return path
@@ -203,7 +204,7 @@ class CompletionLog:
 
     def _trackers(self) -> list:
         backends = []
-        if "wandb" in self.report_to:
+        if "wandb" in self.report_to:  # only with an active run, as GRPO
             try:
                 import wandb
             except ImportError:

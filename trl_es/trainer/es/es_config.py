@@ -642,16 +642,16 @@ class ESConfig(_BaseConfig):
         self._warn_about_grpo_scale_values()
 
     def _grpo_user_errors(self) -> list[str]:
-        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field, and what
+        """The errors checked before ``TrainingArguments.__post_init__``: refused ``GRPOConfig`` fields and what
         ``es_optimizer='torch'`` cannot go with."""
         errors = grpo_field_errors(self)
         if self.es_optimizer == "torch":
-            if self.fp16:
+            if self.fp16:  # no backward pass: no loss for a GradScaler to scale
                 errors.append("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
                               "loss to scale (the GradScaler would unscale an unscaled gradient). Load the model in "
                               "float16 with model_init_kwargs={'dtype': 'float16'} instead, with fp16=False.")
             optim = getattr(self.optim, "value", self.optim)
-            if "schedule_free" in str(optim):
+            if "schedule_free" in str(optim):  # it counts Trainer's gradient-less step as a step
                 errors.append(f"optim={optim!r} cannot go with es_optimizer='torch': ES steps the optimizer within the "
                               "iteration and Trainer's own step then finds no gradient, which a schedule-free "
                               "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
@@ -670,7 +670,8 @@ class ESConfig(_BaseConfig):
         if not self.learning_rate > 0:
             errors.append(f"learning_rate must be > 0, got {self.learning_rate}.")
         own_reason = ("vllm_model_impl",) if self.vllm_model_impl == "transformers" else ()  # refused with its reason
-        errors += literal_field_errors(self, skip=own_reason)  # every Literal field: fitness_shaping, es_optimizer, ...
+        # the Literal fields (fitness_shaping, es_optimizer, ...) against their allowed values
+        errors += literal_field_errors(self, skip=own_reason)
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         collect_error(errors, check_optional_counts, self, "member_chunk_size")
@@ -681,10 +682,11 @@ class ESConfig(_BaseConfig):
                 f"awd_penalty='l2' needs learning_rate * awd_lambda < 1 (got {self.learning_rate * self.awd_lambda}): "
                 "the drift would flip sign."
             )
-        if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
+        if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:  # a table holds a block at least
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
         collect_error(errors, self._check_vllm_settings)
         collect_error(errors, self._apply_continuous_batching)
+        # generation and completion logs
         for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -705,22 +707,22 @@ class ESConfig(_BaseConfig):
             errors.append("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
                           "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
                           "to a shared filesystem from the main process (save_on_each_node=False).")
-        collect_error(errors, check_fp16_device, self)
-        raise_field_errors(errors)
+        collect_error(errors, check_fp16_device, self)  # needs the device TrainingArguments set up
+        raise_field_errors(errors)  # all of them in one message: a recipe is fixed in one run
 
     def _inert_optimizer_fields(self) -> list[str]:
         """The torch-optimizer settings (:attr:`_es_inert_optimizer_fields`) set to another value than their
         ``ESConfig`` default under ``es_optimizer='es'``, which never reads them."""
         if self.es_optimizer != "es":
             return []
-        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}
+        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}  # ESConfig's, not TrainingArguments'
         return [name for name in self._es_inert_optimizer_fields
                 if name not in self._optimizer_fields_read_elsewhere and getattr(self, name) != defaults.get(name)]
 
     def _warn_about_grpo_scale_values(self) -> None:
         """Warn once each: an AdamW-scale ``learning_rate`` under ``es_optimizer='es'``, and every setting with no
         effect (ignored ``GRPOConfig`` fields, :meth:`_inert_optimizer_fields`) with ES's counterpart."""
-        said = self.grpo_translation.said
+        said = self.grpo_translation.said  # check_fields reruns this: each message once
         messages = []
         if self.es_optimizer == "es" and 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
             messages.append(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "

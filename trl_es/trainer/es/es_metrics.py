@@ -53,7 +53,7 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
         metrics["reward"] = float(scores.reward_sum.sum()) / count
         if scores.reward_sq_sum is not None and count > 1:
             metrics["reward_std"] = _std(float(scores.reward_sum.sum()), float(scores.reward_sq_sum.sum()), count)
-    metrics["num_nan_members"] = float(torch.isnan(fitness).sum())
+    metrics["num_nan_members"] = float(torch.isnan(fitness).sum())  # ranked worst in the update
     metrics["num_invalid_rewards"] = float(scores.invalid.sum())
     scored = scores.completions > 0
     if scored.any():
@@ -70,7 +70,7 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
             metrics[f"rewards/{name}/std"] = _std(sums[j], squares[j], counts[j])
     if scores.length_extremes is not None:
         metrics.update(completion_metrics(scores))
-    generation_seconds = sum(m.seconds for m in members.values())
+    generation_seconds = sum(m.seconds for m in members.values())  # this process's rollouts: generation and rewards
     if members:
         completions = sum(m.completions for m in members.values())
         metrics["completions_per_second"] = completions / max(generation_seconds, 1e-9)
@@ -80,6 +80,7 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
     metrics["time/perturb"] = timings.get("perturb", 0.0)
     metrics["time/restore"] = timings.get("restore", 0.0)
     metrics["time/update"] = update_seconds
+    # the member loop's rest: data, all_reduce, logs
     metrics["time/other"] = max(0.0, evaluate_seconds - generation_seconds - sum(timings.values()))
     return metrics
 
@@ -87,6 +88,7 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
 def _std(total: float, square_total: float, count: float) -> float:
     """Unbiased standard deviation from a sum, a sum of squares and a count (> 1), as TRL's ``nanstd``."""
     mean = total / count
+    # clamped: rounding can make the difference slightly negative
     return math.sqrt(max(0.0, (square_total - count * mean * mean) / (count - 1)))
 
 
@@ -156,7 +158,7 @@ def drift_metrics(groups: Sequence[str], sums: torch.Tensor, per_module: bool = 
     keys, rows = ["", *[f"/{g}" for g in groups]], sums.tolist()
     rows = rows if per_module else rows[:1]  # row 0: the whole model
     for key, (diff_sq, base_sq) in zip(keys[: len(rows)], rows, strict=True):
-        norm = math.sqrt(diff_sq)
+        norm = math.sqrt(diff_sq)  # ||theta - theta_0||
         drift[f"drift/l2{key}"] = norm
         drift[f"drift/relative{key}"] = norm / math.sqrt(base_sq) if base_sq > 0 else 0.0
     return drift

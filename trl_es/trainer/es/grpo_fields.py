@@ -200,6 +200,7 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              type="float"),
 )
 
+# import-time checks of the table
 _BY_NAME = {entry.name: entry for entry in GRPO_FIELDS}
 assert len(_BY_NAME) == len(GRPO_FIELDS), "a GRPOConfig field is answered twice"
 assert all(entry.status in STATUSES for entry in GRPO_FIELDS)
@@ -379,11 +380,12 @@ def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
 
 
 def _resolve_temperature(config: Any, user: dict[str, Any], notes: list[str]) -> None:
-    """``temperature`` unset: GRPO's 1.0 when the config asks for sampling, else 0.0 (the ES reference's greedy
-    decoding, so ``num_generations=1`` stays greedy bit for bit); an explicit one is kept."""
-    if user["temperature"] is not None:
+    # unset: GRPO's 1.0 when the config asks for sampling, else the ES reference's greedy 0.0 (num_generations=1
+    # stays greedy bit for bit)
+    if user["temperature"] is not None:  # an explicit one is kept
         config.temperature = user["temperature"]
         return
+    # several completions of a prompt, or a sampling-only filter, ask for sampling
     asks = [f"{name}={getattr(config, name)}" for name in ("num_generations", "num_generations_eval")
             if _count(getattr(config, name)) > 1]
     asks += [f"{name}={getattr(config, name)!r}" for name, off in _NEUTRAL[:2] if getattr(config, name) != off]
@@ -396,14 +398,13 @@ def _resolve_temperature(config: Any, user: dict[str, Any], notes: list[str]) ->
                      "0.0). Set temperature to choose another.")
 
 
-def _count(value: Any) -> int:
+def _count(value: Any) -> int:  # an int field's value; 0 for anything else (checked elsewhere)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -> None:
-    """Check GRPO's generation fields; merge ``top_k``, ``min_p``, ``repetition_penalty`` into ``generation_kwargs``
-    (a key the user's ``generation_kwargs`` holds wins, as in GRPO; values at "off" add nothing). Refused: a
-    sampling-only setting, or ``num_generations > 1``, with greedy decoding (identical copies)."""
+    """Check GRPO's generation fields and merge ``top_k``, ``min_p``, ``repetition_penalty`` into
+    ``generation_kwargs``."""
     if config.temperature < 0:
         errors.append(f"temperature must be >= 0 (0 = greedy), got {config.temperature}.")
     if not 0 < config.top_p <= 1:
@@ -418,7 +419,7 @@ def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         errors.append(f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {limit!r}.")
     kwargs = user_kwargs if isinstance(user_kwargs, dict) else {}
-    if not (config.temperature > 0 or kwargs.get("do_sample")):
+    if not (config.temperature > 0 or kwargs.get("do_sample")):  # greedy: sampling settings and copies are refused
         for name, off in _NEUTRAL[:2]:
             if getattr(config, name) != off:
                 errors.append(f"{name}={getattr(config, name)!r} filters tokens when sampling, but temperature=0 "
@@ -430,12 +431,13 @@ def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -
                 errors.append(f"{name}={count} with greedy decoding (temperature=0) would score {count} identical "
                               "copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's default, which an "
                               f"unset temperature resolves to) to sample different completions, or {name}=1.")
+    # values at "off" add nothing; a key the user's generation_kwargs holds wins, as in GRPO
     merged = {name: getattr(config, name) for name, off in _NEUTRAL if getattr(config, name) != off}
     config.generation_kwargs = ({**merged, **kwargs} or None) if merged else user_kwargs
 
 
 def _resolve_pad_to_multiple_of(config: Any) -> None:
-    """As GRPOConfig does: ``"auto"`` -> ``None`` (it pads only on AWS Neuron), ``"64"`` -> 64."""
+    # as GRPOConfig: "auto" -> None (it pads only on AWS Neuron), "64" -> 64
     config.pad_to_multiple_of = resolve_pad_to_multiple_of(config.pad_to_multiple_of)
 
 
@@ -446,14 +448,14 @@ def _apply_model_and_data_fields(config: Any) -> None:
     Raises:
         ValueError: naming both fields when they contradict each other.
     """
-    if config.trust_remote_code:
+    if config.trust_remote_code:  # into model_init_kwargs, as GRPO loads the model
         init_kwargs = dict(config.model_init_kwargs or {})
         if init_kwargs.get("trust_remote_code", True) is not True:
             raise ValueError("trust_remote_code=True contradicts model_init_kwargs={'trust_remote_code': "
                              f"{init_kwargs['trust_remote_code']!r}}}: set one of them.")
         init_kwargs["trust_remote_code"] = True
         config.model_init_kwargs = init_kwargs
-    if config.shuffle_dataset is not None:
+    if config.shuffle_dataset is not None:  # as train_sampling_strategy
         strategy = getattr(config.train_sampling_strategy, "value", config.train_sampling_strategy)
         wanted = "random" if config.shuffle_dataset else "sequential"
         if strategy not in ("random", wanted):
@@ -522,7 +524,7 @@ def _grpo_prompts(config: Any, per_device: int | None, accumulation: int, world:
             raise ValueError(f"generation_batch_size ({generation}) must be divisible by the global batch size "
                              f"per_device_train_batch_size x processes = {size} x {world} = {global_batch} (GRPO "
                              "refuses it too).")
-        steps = generation // global_batch
+        steps = generation // global_batch  # optimizer steps per generation batch
     elif steps is None:
         steps = accumulation  # GRPO's default: one generation batch per optimizer step
     generation = global_batch * steps
@@ -530,7 +532,7 @@ def _grpo_prompts(config: Any, per_device: int | None, accumulation: int, world:
         raise ValueError(f"generation_batch_size ({generation} = per_device_train_batch_size {size} x {world} "
                          f"processes x steps_per_generation {steps}) must be divisible by num_generations "
                          f"({generations}) (GRPO refuses it too): a generation batch holds whole prompts.")
-    completions = global_batch * accumulation
+    completions = global_batch * accumulation  # one GRPO optimizer step's
     processes = f"{world} process{'es' if world > 1 else ''}"
     grpo_step = (f"per_device_train_batch_size={size}{'' if per_device is not None else ' (unset: GRPO default)'}"
                  f" x {processes} x gradient_accumulation_steps={accumulation}")

@@ -81,19 +81,19 @@ def hub_dataset_id(dataset) -> str | None:
 
 def _value(value) -> str:
     """A setting as the card shows it, in code: an enum's value; strings quoted."""
-    value = getattr(value, "value", value)
+    value = getattr(value, "value", value)  # an enum's value
     return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
 
 def es_card_sections(args, base_model: str | None, peft: bool) -> str:
     """The card's ES sections (markdown) for ``args``: a table of :data:`CARD_SETTINGS` and the seed-log note, with a
     replay snippet from ``base_model`` (a hub id; wrapped with its PEFT adapter if ``peft``)."""
-    names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]
+    names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]  # the penalty only with AWD on
     rows = "\n".join(f"| `{name}` | {_value(getattr(args, name))} |" for name in names)
     trained = "the PEFT adapter's parameters (the base weights are frozen)" if peft else "the model's weights"
     model = f'"{base_model}"' if base_model else '"<base model>"'
     adapter = ", wrapped with its initial PEFT adapter" if peft else ""
-    if args.es_optimizer == "es":
+    if args.es_optimizer == "es":  # the seed log alone rebuilds the weights
         replay = textwrap.dedent(f"""\
             With `es_optimizer="es"` the trained weights are the base model plus this log, bitwise:
 
@@ -152,7 +152,7 @@ def write_model_card(trainer, folder: str, model_name: str | None = None, datase
     base_model = model_id if model_id and not os.path.isdir(model_id) else None  # not a local folder
     if dataset_name is None:
         dataset_name = hub_dataset_id(getattr(trainer.train_dataset, "dataset", trainer.train_dataset))
-    tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)
+    tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)  # a str is one tag
     if hasattr(trainer.model.config, "unsloth_version"):
         tags.add("unsloth")
     if "JOB_ID" in os.environ:
@@ -183,12 +183,13 @@ def es_card_text(text: str, args, base_model: str | None, peft: bool) -> str:
     """TRL's card body with :func:`es_card_sections` before "### Framework versions" and, with ``awd_lambda > 0``,
     AWD's BibTeX before TRL's (each at the end where the template has no such heading)."""
     sections = es_card_sections(args, base_model, peft)
+    # before "### Framework versions", or at the end of a template without that heading
     head, sep, tail = text.partition("### Framework versions")
     text = f"{head}{sections}\n{sep}{tail}" if sep else f"{text}\n{sections}"
     if args.awd_lambda > 0:
         awd = (f"The weights were anchored with AWD (`awd_lambda={args.awd_lambda}`), introduced in "
                f"[{AWD_PAPER['title']}](https://huggingface.co/papers/{AWD_PAPER['id']}). Cite AWD as:\n\n"
                f"```bibtex\n{AWD_PAPER['citation']}\n```\n\n")
-        head, sep, tail = text.partition("Cite TRL as:")
+        head, sep, tail = text.partition("Cite TRL as:")  # AWD's BibTeX after ES's, before TRL's
         text = f"{head}{awd}{sep}{tail}" if sep else f"{text}\n{awd}"
     return text
