@@ -1,13 +1,9 @@
 """Agent rollouts as GRPOTrainer runs them: ``tools=``, ``environment_factory=`` and ``rollout_func=``.
 
-Ported from TRL 1.16's ``trl/trainer/grpo_trainer.py`` (``__init__``'s tool and environment set-up,
-``_generate_and_score_completions``' resets, ``_generate``, ``_tool_call_loop``, ``_get_tool_suffix_ids``) with
-TRL's own ``trl.chat_template_utils`` (``supports_tool_calling``, ``add_response_schema``, ``parse_response``, the
-training chat template); what only a gradient needs is left out: logprobs, tool and environment token masks, images.
-
-ES scores every population member on the same rows, so an :class:`AgentRollout` call is one member's rollout: each
-row's environment is reset for it (no state crosses members) and the resets draw the same random numbers for every
-member (:func:`task_seeds`, :func:`common_random_numbers`), so members are compared on the same tasks.
+Ported from TRL 1.16's ``grpo_trainer.py`` (tool and environment set-up, resets, ``_tool_call_loop``,
+``_get_tool_suffix_ids``) with ``trl.chat_template_utils``, less what only a gradient needs (logprobs, token masks,
+images). An :class:`AgentRollout` call is one member's rollout; every member's resets draw the same random numbers
+(:func:`task_seeds`, :func:`common_random_numbers`), so members are compared on the same tasks.
 """
 
 from __future__ import annotations
@@ -71,15 +67,9 @@ EMPTY_PROMPT = [{"role": "user", "content": ""}]  # GRPO's prompt when an enviro
 def prepare_tool_calling(processing_class, tools: Sequence[Callable]):
     """Make ``processing_class`` parse tool calls, as GRPOTrainer does when ``tools`` (or an environment) is given.
 
-    Args:
-        processing_class (`PreTrainedTokenizerBase`): The policy's tokenizer; its chat template must render a whole
-            tool-calling conversation (``trl.chat_template_utils.supports_tool_calling``).
-        tools (`Sequence[Callable]`): The tools (only their presence matters here).
-
     Returns:
-        `tuple`: ``(processing_class, chat_template)``: the tokenizer with a response schema (TRL's
-        ``add_response_schema`` for the templates TRL ships, when it has none) and the chat template to render with
-        (TRL's prefix-preserving training template when the tokenizer's is not one, else ``None``).
+        `tuple`: ``(processing_class, chat_template)``: the tokenizer, with TRL's response schema when it had none;
+        TRL's prefix-preserving training template, or ``None`` when the tokenizer's is one.
 
     Raises:
         ValueError: if the chat template cannot render tool calls, or TRL does not recognise it (no response schema).
@@ -99,15 +89,15 @@ def prepare_tool_calling(processing_class, tools: Sequence[Callable]):
 
 
 class Environments:
-    """``environment_factory``: GRPOTrainer's environments, one instance per rollout row, pooled and reset.
+    """GRPOTrainer's ``environment_factory``: one instance per rollout row, pooled and reset.
 
-    A factory takes no argument and returns an instance whose class defines ``reset(**row) -> str | None``; an
-    optional ``get_reward()`` (sync or async) becomes a reward function named after the class (weight 1); every other
-    public method is a tool bound to the instance. A ``dict`` maps the dataset's ``environment`` column to factories.
+    An instance defines ``reset(**row) -> str | None``; an optional ``get_reward()`` (sync or async) is a reward
+    function named after the class; its other public methods are tools.
 
     Args:
-        environment_factory (`Callable` or `dict[str, Callable]`): As GRPOTrainer's.
-        tools (`Sequence[Callable]`): The standalone tools (``tools=``), offered with every environment's.
+        environment_factory (`Callable` or `dict[str, Callable]`): A factory, or the dataset's ``environment`` column
+            mapped to factories.
+        tools (`Sequence[Callable]`): The standalone tools, offered with every environment's.
 
     Raises:
         ValueError: if an instance's class has no ``reset``.
@@ -120,7 +110,7 @@ class Environments:
         self.tools: dict = {}  # environment name -> the tools its prompts are rendered with
         self.reward_funcs: list[Callable] = []  # one per environment class with get_reward
         self.standalone_tools = list(tools)
-        for name, factory in self.factories.items():
+        for name, factory in self.factories.items():  # one instance each now: its tools and reward are known
             instance = factory()
             if not callable(getattr(type(instance), "reset", None)):
                 raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
@@ -128,14 +118,14 @@ class Environments:
             self.pool[name].append(instance)
             self.tools[name] = self.tools_of(instance)
             env_type = type(instance)
-            owned = [f.env_type for f in self.reward_funcs]
+            owned = [f.env_type for f in self.reward_funcs]  # one reward function per environment class
             if callable(getattr(env_type, "get_reward", None)) and env_type not in owned:
                 self.reward_funcs.append(_environment_reward(env_type))
 
     @property
     def pool(self) -> dict:
-        """Environment name -> this thread's instances, reused across calls ("construct once, reset often")."""
-        if not hasattr(self._pools, "pool"):
+        """Environment name -> this thread's instances, reused across calls."""
+        if not hasattr(self._pools, "pool"):  # construct once, reset often
             self._pools.pool = {name: [] for name in self.factories}
         return self._pools.pool
 
@@ -164,7 +154,7 @@ class Environments:
         """One pooled instance per row, created only when a call needs more of an environment than exist."""
         cursor: dict = {}
         out = []
-        for name in names:
+        for name in names:  # the k-th row of an environment gets its k-th pooled instance
             index = cursor.get(name, 0)
             if index == len(self.pool[name]):
                 self.pool[name].append(self.factories[name]())
@@ -173,19 +163,18 @@ class Environments:
         return out
 
     def reset(self, instances: Sequence, rows: Sequence[dict], prompts: list, seeds: Sequence[int]) -> list:
-        """``reset(**row)`` every instance under its row's seed; a returned string is appended to the last message.
-
-        Args:
-            instances (`Sequence`): From :meth:`instances`, one per row.
-            rows (`Sequence[dict]`): The dataset rows (all columns; ``environment`` is left out for a dict factory).
-            prompts (`list`): The rows' conversational prompts.
-            seeds (`Sequence[int]`): One seed per row for :func:`common_random_numbers`.
+        """``reset(**row)`` each of :meth:`instances` under its row's seed (:func:`common_random_numbers`).
 
         Returns:
-            `list`: The prompts, each with its observation appended (new message dicts: the rows are left untouched).
+            `list`: New conversational prompts, each with its observation appended to the last message.
+
+        Raises:
+            ValueError: for a prompt that is not a message list.
+            TypeError: for an observation that is not a string, a list of parts or ``None``.
         """
         out = []
         for instance, row, prompt, seed in zip(instances, rows, prompts, seeds, strict=True):
+            # a dict factory's routing column is not the environment's
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
             if not isinstance(prompt, list):
                 raise ValueError("environment_factory needs conversational prompts (lists of messages) as in GRPO: "
@@ -196,18 +185,19 @@ class Environments:
                 raise TypeError(f"{type(instance).__name__}.reset() must return a string (appended to the last user "
                                 f"message), a list of content parts, or None; got {type(observation).__name__}.")
             if observation is not None:
-                content = prompt[-1]["content"]
+                content = prompt[-1]["content"]  # string and parts: both sides made alike
                 if isinstance(observation, list) and isinstance(content, str):
                     content = [{"type": "text", "text": content}]
                 if isinstance(observation, str) and isinstance(content, list):
                     observation = [{"type": "text", "text": observation}]
-                prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+                prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]  # a new dict: rows untouched
             out.append(prompt)
         return out
 
 
 def _environment_reward(env_type: type) -> Callable:
     """GRPO's reward function of an environment class with ``get_reward``: ``None`` for another class's rows."""
+    # async when get_reward is: the scorer awaits it with the other async rewards
     if inspect.iscoroutinefunction(env_type.get_reward):
 
         async def get_reward(environments, **kwargs):
@@ -224,14 +214,13 @@ def _environment_reward(env_type: type) -> Callable:
 
 
 def task_seeds(seed: int, step: int, row_ids: Sequence[int], num_generations: int) -> list[int]:
-    """The seed of each rollout's ``reset``: a 31-bit hash of the run's ``seed``, the iteration, the row's id (its
-    position in the iteration's prompt batch, the same on every process; in ``evaluate()`` its index in the
-    evaluation dataset) and the generation (the ``num_generations`` copies of a prompt get different tasks, as in
-    GRPO). Never the member or the process.
+    """The seed of each rollout's ``reset``: a 31-bit hash of ``seed``, ``step``, the row id and the generation.
 
     Returns:
         `list[int]`: ``len(row_ids) * num_generations`` seeds in ``[0, 2**31)``, a row's generations consecutive.
     """
+    # never the member or the process: every member gets the same tasks; the generation gives a prompt's copies
+    # different ones, as in GRPO
     out = []
     for row_id in row_ids:
         for generation in range(num_generations):
@@ -242,17 +231,12 @@ def task_seeds(seed: int, step: int, row_ids: Sequence[int], num_generations: in
 
 @contextmanager
 def common_random_numbers(seed: int):
-    """Seed Python's ``random``, NumPy's global generator and torch's default CPU generator with ``seed`` for the
-    block, and restore their states after it: an environment's ``reset`` that draws from them gives every member
-    the same task. CUDA generators are not touched (``torch.manual_seed`` would reseed them too).
-
-    Args:
-        seed (`int`): A non-negative seed (e.g. from the iteration and the row, never the member).
-    """
+    """Seed Python's ``random``, NumPy's global generator and torch's CPU generator with ``seed`` (``>= 0``) for the
+    block, and restore their states after it (CUDA generators untouched)."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.random.default_generator.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # not torch.manual_seed: it would reseed CUDA too
     try:
         yield
     finally:
@@ -262,16 +246,10 @@ def common_random_numbers(seed: int):
 
 
 def check_rollout_output(output, num_rows: int) -> dict:
-    """Check a ``rollout_func`` result: GRPO's required keys (``logprobs`` may be missing: ES needs none).
-
-    Args:
-        output (`dict`): ``prompt_ids`` and ``completion_ids`` (lists of ``num_rows`` id lists), optional ``logprobs``
-            / ``logprob_token_ids`` / ``env_mask`` (ignored), every other key an extra reward keyword argument: a list
-            of ``num_rows`` values, or one value for every row.
-        num_rows (`int`): The rows the function was given.
+    """Check a ``rollout_func`` result: ``prompt_ids`` and ``completion_ids``, ``num_rows`` id lists each.
 
     Returns:
-        `dict`: The extra fields, each a list of ``num_rows`` values.
+        `dict`: The other keys (extra reward keyword arguments), each a list of ``num_rows`` values.
 
     Raises:
         ValueError: a required key is missing, or a list has another length than ``num_rows``.
@@ -287,7 +265,7 @@ def check_rollout_output(output, num_rows: int) -> dict:
                              "the prompts repeated num_generations times).")
     extra = {}
     for key, value in output.items():
-        if key in ("prompt_ids", "completion_ids", "logprobs", "logprob_token_ids", "env_mask"):
+        if key in ("prompt_ids", "completion_ids", "logprobs", "logprob_token_ids", "env_mask"):  # ES needs no logprobs
             continue
         if isinstance(value, list):
             if len(value) != num_rows:
@@ -300,11 +278,12 @@ def check_rollout_output(output, num_rows: int) -> dict:
 
 def tool_suffix_ids(processing_class, tool_messages: list[dict], chat_template, chat_template_kwargs: dict) -> list:
     """The token ids that follow an assistant turn when ``tool_messages`` are appended (GRPO's
-    ``_get_tool_suffix_ids``): rendered on a dummy conversation, cut at the last EOS of the prefix.
+    ``_get_tool_suffix_ids``).
 
     Raises:
         ValueError: if the template does not render the prefix as a prefix of the whole.
     """
+    # rendered on a dummy conversation, with and without the tool turn
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     kwargs = dict(tokenize=True, chat_template=chat_template, return_dict=False, **chat_template_kwargs)
@@ -318,7 +297,7 @@ def tool_suffix_ids(processing_class, tool_messages: list[dict], chat_template, 
     return full[len(prefix):]
 
 
-def _tool_dicts(tools: Sequence[Callable]) -> tuple[dict, dict]:
+def _tool_dicts(tools: Sequence[Callable]) -> tuple[dict, dict]:  # by name, sync apart from async (gathered)
     sync, async_ = {}, {}
     for tool in tools:
         (async_ if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
@@ -329,12 +308,11 @@ def _run_tool_calls(tool_calls: list[dict], sync_tools: dict, async_tools: dict)
     """Run one assistant turn's calls; an unknown name or an exception is the result ``{"error": ...}``.
 
     Returns:
-        `tuple`: ``[(name, result), ...]`` (sync results first, then the async ones, as GRPO orders them) and the
-        number of failures.
+        `tuple`: ``[(name, result), ...]``, sync results first, then the async ones (GRPO's order); the failures.
     """
     results, pending, failures = [], [], 0
     for call in tool_calls:
-        if call.get("type") != "function":
+        if call.get("type") != "function":  # GRPO runs function calls only
             failures += 1
             results.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}))
             continue
@@ -362,66 +340,51 @@ def _run_tool_calls(tool_calls: list[dict], sync_tools: dict, async_tools: dict)
 @dataclass
 class AgentRollout(Rollout):
     """A :class:`~trl_es.rollout.Rollout` with GRPO's agent features: a multi-turn tool loop, environments,
-    ``rollout_func``. One call is one member's rollout (the model as it is, perturbed or not) on its rows.
+    ``rollout_func``; one call is one member's rollout."""
 
-    Attributes:
-        tools (`list[Callable]`): Standalone tools (``tools=``).
-        environments (`Environments`, *optional*): ``environment_factory``'s pools.
-        rollout_func (`Callable`, *optional*): ``prompts -> dict`` (``rollout_func(prompts, trainer)`` bound to the
-            trainer): it generates instead of the engine.
-        chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
-        max_tool_calling_iterations (`int`, *optional*): GRPO's; ``None``: no limit.
-        max_completion_length (`int`): The budget of a whole multi-turn completion, tool tokens included.
-        seed (`int`): Keys :func:`task_seeds` with the iteration and the row.
-        max_model_len (`int`, *optional*): The engine's context length (vLLM's ``max_model_len``); default the
-            model's ``max_position_embeddings``. A tool turn that would reach it ends the row.
-    """
-
-    tools: list | None = None
+    tools: list | None = None  # the standalone tools
     environments: Environments | None = None
-    rollout_func: Callable | None = None
-    chat_template: str | None = None
-    max_tool_calling_iterations: int | None = None
-    max_completion_length: int = 256
-    seed: int = 0
-    max_model_len: int | None = None
+    rollout_func: Callable | None = None  # prompts -> dict, bound to the trainer: generates instead of the engine
+    chat_template: str | None = None  # from prepare_tool_calling
+    max_tool_calling_iterations: int | None = None  # None: no limit
+    max_completion_length: int = 256  # a whole multi-turn completion's budget, tool tokens included
+    seed: int = 0  # keys task_seeds
+    max_model_len: int | None = None  # the engine's context (default the model's max_position_embeddings)
 
     def __call__(self, model: nn.Module, rows: Sequence[dict], num_members: int = 1,
                  reward_kwargs: dict | None = None, row_ids: Sequence[int] | None = None,
                  **generate_kwargs) -> RolloutResult:
-        """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times, a rollout per copy) and score it.
+        """Roll ``model`` out on ``rows`` (each repeated ``num_generations`` times) and score it.
 
         Args:
-            model (`nn.Module`): The (possibly perturbed) model; every turn of the tool loop generates with it.
+            model (`nn.Module`): The model as it is; every turn of the tool loop generates with it.
             rows (`Sequence[dict]`): Dataset rows (``prompt`` optional with environments).
-            num_members (`int`): Must be 1: a tool loop regenerates a subset of rows, which stacked members cannot
-                share.
-            reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; its ``trainer_state``'s
-                ``global_step`` keys the environments' random numbers.
+            num_members (`int`): Must be 1.
+            reward_kwargs (`dict`, *optional*): Extra reward keyword arguments; ``trainer_state.global_step`` keys
+                :func:`task_seeds`.
             row_ids (`Sequence[int]`, *optional*): One id per row for :func:`task_seeds` (default: the positions).
             **generate_kwargs (`Any`): Passed to ``model.generate``.
 
         Returns:
-            `RolloutResult`: ``reward_completions`` the multi-turn completions (messages) and ``prompts`` the prompts
-            after ``reset``, as the reward functions saw them; the tool counts and ``seconds`` set.
+            `RolloutResult`: the multi-turn completions as messages, the prompts after ``reset``, the tool counts.
 
         Raises:
             ValueError: ``num_members != 1``, a bad ``rollout_func`` output, an unknown ``environment``.
         """
-        if num_members != 1:
+        if num_members != 1:  # the tool loop regenerates a subset of rows, which stacked members cannot share
             raise ValueError("tools, environment_factory and rollout_func roll out one member per call "
                              f"(num_members=1), got {num_members}.")
         start = time.perf_counter()
         reward_kwargs = dict(reward_kwargs or {})
         tok = self.processing_class
         state = reward_kwargs.get("trainer_state")
-        step = int(getattr(state, "global_step", 0) or 0)
+        step = int(getattr(state, "global_step", 0) or 0)  # keys the environments' random numbers
         row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
         if len(row_ids) != len(rows):
             raise ValueError(f"row_ids has {len(row_ids)} ids for {len(rows)} rows.")
         rows = [row for row in rows for _ in range(self.num_generations)]  # one rollout per (row, generation)
         n = len(rows)
-        if self.environments is not None:
+        if self.environments is not None:  # each row's environment is reset for this member: no state crosses members
             prompts = [copy.deepcopy(row.get("prompt", EMPTY_PROMPT)) for row in rows]
             names = self.environments.names(rows)
             instances = self.environments.instances(names)
@@ -439,7 +402,7 @@ class AgentRollout(Rollout):
                              f"prompt {prompts[0]!r:.80}.")
         chat_kwargs = dict(self.chat_template_kwargs or {})
         extra: dict = {}
-        if self.rollout_func is not None:
+        if self.rollout_func is not None:  # it generates instead of the engine
             output = self.rollout_func(copy.deepcopy(prompts))
             extra = check_rollout_output(output, n)
             prompt_ids = [list(ids) for ids in output["prompt_ids"]]
@@ -453,6 +416,7 @@ class AgentRollout(Rollout):
             else:
                 prompt_ids = tok(text=prompts)["input_ids"]  # plain text: with the tokenizer's special tokens
             completion_ids = self._generate(model, prompt_ids, **generate_kwargs)
+        # TRL parses tool calls only with a response template or schema
         parse = conversational and (getattr(tok, "response_template", None) is not None
                                     or getattr(tok, "response_schema", None) is not None)
         if parse:
@@ -463,10 +427,11 @@ class AgentRollout(Rollout):
                         for text in tok.batch_decode(completion_ids, skip_special_tokens=True)]
         else:
             messages = tok.batch_decode(completion_ids, skip_special_tokens=True)
-        tool_tokens, calls, failures = [0] * n, 0, 0
+        tool_tokens, calls, failures = [0] * n, 0, 0  # tool tokens are not the model's: left out of the lengths
         if any(row_tools) and conversational:
             calls, failures = self._tool_call_loop(model, prompt_ids, completion_ids, messages, row_tools, tool_tokens,
                                                    **generate_kwargs)
+        # rollout_func's extra fields are reward keyword arguments; the prompt as after reset
         score_rows = [{**row, **{k: v[j] for k, v in extra.items()}, "prompt": prompts[j]}
                       for j, row in enumerate(rows)]
         per_func, invalid = self.scorer.score(score_rows, messages, completion_ids, **reward_kwargs)
@@ -488,17 +453,15 @@ class AgentRollout(Rollout):
         )
 
     def _generate(self, model, prompt_ids: list[list[int]], **generate_kwargs) -> list[list[int]]:
-        """One completion per token-id prompt, cut after its end-of-turn id (the engine's rule)."""
+        """One completion per token-id prompt, cut after its end-of-turn id."""
         out = generate_completions(model, self.processing_class, prompt_ids, self.generation_config, 1,
                                    engine=self.engine, **generate_kwargs)
         return out.ids
 
     def _tool_call_loop(self, model, prompt_ids, completion_ids, messages, row_tools, tool_tokens,
                         **generate_kwargs) -> tuple[int, int]:
-        """GRPO's ``_tool_call_loop``: run the calls, append the tool turn to the ids (by concatenation), regenerate
-        the rows that called, until none calls or ``max_tool_calling_iterations``; within ``max_completion_length``
-        (tool tokens included) and the model's length. Updates ``completion_ids``, ``messages`` and ``tool_tokens``
-        in place.
+        """GRPO's ``_tool_call_loop``: run the calls, append the tool turn, regenerate the rows that called, until none
+        calls or ``max_tool_calling_iterations``. Updates ``completion_ids``, ``messages`` and ``tool_tokens`` in place.
 
         Returns:
             `tuple[int, int]`: Tool calls made and calls failed.
@@ -506,17 +469,19 @@ class AgentRollout(Rollout):
         tok = self.processing_class
         chat_kwargs = dict(self.chat_template_kwargs or {})
         limit = sys.maxsize if self.max_tool_calling_iterations is None else self.max_tool_calling_iterations
+        # a tool turn that would reach the context ends the row
         max_model_len = self.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings",
                                                       None) or sys.maxsize
         dicts = [_tool_dicts(tools) for tools in row_tools]
         calls, failures, iteration = 0, 0, 0
-        pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]
+        pending = [j for j, m in enumerate(messages) if m[0].get("tool_calls")]  # the rows whose last turn called
         tool_calls = {j: messages[j][0]["tool_calls"] for j in pending}
         while pending and iteration < limit:
             extended = {}  # row -> prompt + completion + tool turn ids (no re-tokenization)
             for j in pending:
                 results, failed = _run_tool_calls(tool_calls[j], *dicts[j])
                 calls, failures = calls + len(tool_calls[j]), failures + failed
+                # a tool's answer is text unless it returned content parts
                 turn = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
                         for name, result in results]
                 ids = prompt_ids[j] + completion_ids[j] + tool_suffix_ids(tok, turn, self.chat_template, chat_kwargs)
@@ -527,7 +492,7 @@ class AgentRollout(Rollout):
             pending = list(extended)
             if not pending:
                 break
-            new_ids = self._generate(model, [extended[j] for j in pending], **generate_kwargs)
+            new_ids = self._generate(model, [extended[j] for j in pending], **generate_kwargs)  # the rows that called
             next_pending = []
             for j, ids in zip(pending, new_ids, strict=True):
                 used = len(extended[j]) - len(prompt_ids[j])
@@ -550,10 +515,9 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
     """Refuse agent arguments of the wrong kind before any work, naming the argument.
 
     Raises:
-        TypeError: ``tools`` is not a list of callables, ``rollout_func`` is not callable, ``environment_factory`` is
-            not a callable (a class) or a dict of them.
-        ValueError: a tool's schema cannot be built (``transformers.utils.get_json_schema``: type hints and a
-            Google-style docstring with every argument).
+        TypeError: ``tools`` is not a list of callables, ``rollout_func`` not callable, ``environment_factory`` not a
+            callable or a dict of them.
+        ValueError: a tool without a JSON schema (``transformers.utils.get_json_schema``).
     """
     if tools is not None:
         if not isinstance(tools, (list, tuple)) or not all(callable(t) for t in tools):
@@ -576,22 +540,20 @@ def check_agent_arguments(tools, rollout_func, environment_factory) -> None:
 
 
 def tool_counts(rollout: RolloutResult) -> torch.Tensor:
-    """``[tool calls, failed calls, rollouts]`` of an :class:`AgentRollout` result, float64 (summed over calls and
-    processes before :func:`tool_metrics`)."""
+    """``[tool calls, failed calls, rollouts]`` of an :class:`AgentRollout` result, ``(3,)`` float64."""
     return torch.tensor([rollout.tool_calls, rollout.tool_failures, len(rollout.completions)], dtype=torch.float64)
 
 
 def tool_metrics(counts: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls; 0 without
-    calls) from summed :func:`tool_counts`, each key after ``prefix``."""
+    """GRPO's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls, 0 without
+    calls) from :func:`tool_counts` summed over calls and processes."""
     calls, failures, rollouts = counts.tolist()
     return {f"{prefix}tools/call_frequency": calls / max(rollouts, 1.0),
             f"{prefix}tools/failure_frequency": failures / calls if calls else 0.0}
 
 
 def warn_experimental(rollout_func, environment_factory) -> None:
-    """GRPOTrainer's warnings for its experimental ``rollout_func`` and ``environment_factory`` (silenced by
-    ``TRL_EXPERIMENTAL_SILENCE=1``)."""
+    """GRPOTrainer's warnings for its experimental ``rollout_func`` and ``environment_factory``."""
     if os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") == "1":
         return
     for name, value in (("rollout_func", rollout_func), ("environment_factory", environment_factory)):
@@ -602,8 +564,7 @@ def warn_experimental(rollout_func, environment_factory) -> None:
 
 
 def environment_placeholder_dataset(environments: Environments, args):
-    """GRPO's training data when an environment owns it: ``prompt_batch_size`` rows of an empty user prompt, cycled;
-    ``reset`` supplies each task.
+    """GRPO's training data when an environment owns it: ``prompt_batch_size`` rows of an empty user prompt.
 
     Raises:
         ValueError: for a dict factory (its rows need an ``environment`` column), or without ``max_steps``.
@@ -616,13 +577,12 @@ def environment_placeholder_dataset(environments: Environments, args):
         raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
                          "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
                          "length. Set it via `ESConfig(max_steps=...)`.")
-    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * args.prompt_batch_size})
+    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * args.prompt_batch_size})  # cycled; reset gives each task
 
 
 class MemberVLLMGeneration:
     """GRPOTrainer's ``trainer.vllm_generation`` for a ``rollout_func`` under ``use_vllm=True``: :meth:`generate` runs
-    on the trainer's vLLM engine, which holds the member being rolled out (its weights or its LoRA adapter; with
-    ``vllm_mode="server"``, on the server scoring that member). ``trainer.model`` keeps the unperturbed weights then.
+    on the trainer's vLLM engine, which holds the member being rolled out (``trainer.model`` stays unperturbed).
 
     Args:
         trainer (`ESTrainer`): Its engine, model, tokenizer and generation config are read at each call.
@@ -632,22 +592,15 @@ class MemberVLLMGeneration:
         self._trainer = trainer
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None) -> tuple:
-        """GRPO's ``VLLMGeneration.generate``: one completion per prompt row (rows already repeated
-        ``num_generations`` times, as GRPO's ``rollout_func`` receives them), decoded with the trainer's generation
-        settings (``temperature``, ``max_completion_length``, ...) by the member's weights.
-
-        Args:
-            prompts (`list[list[int]]`): Token ids, one list per row.
-            images: Must be ``None`` (ESTrainer is text-only).
-            num_generations (`int`): Accepted for GRPO's call shape; every row gets one completion either way.
-            profiler: Accepted for GRPO's call shape; unused.
+        """GRPO's ``VLLMGeneration.generate``: one completion per token-id row (rows already repeated), decoded with
+        the trainer's generation config by the member's weights; ``num_generations`` and ``profiler`` are unused.
 
         Returns:
-            `tuple`: ``(prompt_ids, completion_ids, None, None)``: ``list[list[int]]`` each (completions cut after the
-            first stop token, kept), and no logprobs (ES needs none).
+            `tuple`: ``(prompt_ids, completion_ids, None, None)``, ``list[list[int]]`` each (cut after the first stop
+            token, kept); no logprobs.
 
         Raises:
-            ValueError: ``images`` given, or ``prompts`` not token-id lists.
+            ValueError: ``images`` given (text only), or ``prompts`` not token-id lists.
         """
         if images is not None and any(image is not None for image in images):
             raise ValueError("trainer.vllm_generation.generate: images are not supported by ESTrainer (text only).")
@@ -656,6 +609,7 @@ class MemberVLLMGeneration:
                              "render and tokenize the prompts first (apply_chat_template(..., tokenize=True)).")
         trainer = self._trainer
         prompt_ids = [list(p) for p in prompts]
+        # the engine holds the member's weights or adapter (with vllm_mode="server", the server scoring it)
         model = trainer.accelerator.unwrap_model(trainer.model)
         out = generate_completions(model, trainer.processing_class, prompt_ids, trainer.generation_config, 1,
                                    engine=trainer.generation_engine)
@@ -674,8 +628,7 @@ _warned_member_independent = False
 
 
 def warn_member_independent_rollouts() -> None:
-    """Warn once that every member's ``rollout_func`` completions were the same: the function does not generate with
-    ``trainer.model`` (an external server ES does not drive), so the fitness differences are noise."""
+    """Warn once that every member's ``rollout_func`` completions were the same (it ignores ``trainer.model``)."""
     global _warned_member_independent
     if _warned_member_independent:
         return
@@ -699,32 +652,19 @@ def bind_rollout_func(rollout_func: Callable, trainer) -> Callable:
 
 @dataclass(eq=False)
 class Agents:
-    """GRPO's agent arguments of one trainer as one object: ``tools=``, ``environment_factory=``, ``rollout_func=``.
+    """One trainer's GRPO agent arguments (``tools=``, ``environment_factory=``, ``rollout_func=``), made by
+    :meth:`build`; GRPO's attribute names (``trainer.tools``, ``.environments``, ...) point at these fields."""
 
-    Built once by :meth:`build`; the trainer asks it for its reward functions, its data, its rollout and its tool
-    metrics, and keeps GRPO's attribute names (``trainer.tools``, ``.environments``, ``.rollout_func``,
-    ``.chat_template``) pointing at these fields.
-
-    Attributes:
-        tools (`list[Callable]`): The standalone tools, then the environments' public methods (GRPO's
-            ``trainer.tools``).
-        environments (`Environments`, *optional*): ``environment_factory``'s pools.
-        rollout_func (`Callable`, *optional*): GRPO's ``rollout_func(prompts, trainer)``, unbound.
-        chat_template (`str`, *optional*): The template prompts are rendered with (:func:`prepare_tool_calling`).
-        counts (`torch.Tensor`): ``[tool calls, failed calls, rollouts]`` of the iteration so far (:meth:`record`).
-    """
-
-    tools: list = field(default_factory=list)
+    tools: list = field(default_factory=list)  # the standalone tools, then the environments' public methods
     environments: Environments | None = None
-    rollout_func: Callable | None = None
-    chat_template: str | None = None
-    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
-    _completions_seen: set = field(default_factory=set)
+    rollout_func: Callable | None = None  # rollout_func(prompts, trainer), unbound
+    chat_template: str | None = None  # from prepare_tool_calling
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # tool_counts so far
+    _completions_seen: set = field(default_factory=set)  # the iteration's rollout_func completions
 
     @classmethod
     def build(cls, processing_class, tools=None, rollout_func=None, environment_factory=None) -> tuple[Agents, Any]:
-        """Check the arguments, warn as GRPO does for the experimental ones, make the environments and the
-        tool-calling tokenizer.
+        """Check the arguments, warn for the experimental ones, make the environments and the tool-calling tokenizer.
 
         Returns:
             `tuple`: ``(agents, processing_class)``, the tokenizer with a response schema when there are tools.
@@ -736,7 +676,7 @@ class Agents:
         warn_experimental(rollout_func, environment_factory)
         environments = Environments(environment_factory, tools or []) if environment_factory is not None else None
         all_tools = list(tools or [])
-        for env_tools in (environments.tools.values() if environments else ()):
+        for env_tools in (environments.tools.values() if environments else ()):  # GRPO's trainer.tools: all of them
             methods = [tool for tool in env_tools if tool not in all_tools]
             check_agent_arguments(methods, None, None)  # an environment's public methods are tools: their schemas
             all_tools += methods
@@ -765,32 +705,32 @@ class Agents:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
         weights, classes = reward_weights, reward_processing_classes
-        if weights is not None and env_rewards:
+        if weights is not None and env_rewards:  # an environment's get_reward gets weight 1
             if len(weights) != len(funcs):
                 raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward "
                                  "functions; give one weight per reward function (an environment's get_reward gets "
                                  "weight 1).")
             weights = list(weights) + [1.0] * len(env_rewards)
-        if classes is not None and env_rewards:
+        if classes is not None and env_rewards:  # get_reward needs no tokenizer
             classes = (classes if isinstance(classes, list) else [classes]) + [None] * len(env_rewards)
         return funcs + env_rewards, weights, classes
 
     def train_dataset(self, train_dataset, args):
         """``train_dataset``, or GRPO's placeholder rows when an environment owns the data
         (:func:`environment_placeholder_dataset`)."""
-        if train_dataset is None and self.environments is not None:
+        if train_dataset is None and self.environments is not None:  # the environment owns the data
             return environment_placeholder_dataset(self.environments, args)
         return train_dataset
 
     def check_population(self, sharded: bool, stacked_chunks: bool) -> None:
-        """Refuse what agent rollouts cannot do: the tool loop regenerates some rows of one member, so one member a
-        generate call.
+        """Refuse what agent rollouts cannot do: they roll out one member a generate call.
 
         Raises:
             ValueError: under ZeRO-3 (``sharded``) or with stacked low-rank members (``stacked_chunks``).
         """
         if not self.active:
             return
+        # the tool loop regenerates some rows of one member: one member a generate call
         limits = (("DeepSpeed ZeRO-3", sharded), ("stacked low-rank members (member_chunk_size > 1)", stacked_chunks))
         unsupported = [what for what, on in limits if on]
         if unsupported:
@@ -806,7 +746,7 @@ class Agents:
                             chat_template=self.chat_template,
                             max_tool_calling_iterations=args.max_tool_calling_iterations,
                             max_completion_length=args.max_completion_length, seed=args.seed,
-                            max_model_len=getattr(base.engine, "max_model_len", None))
+                            max_model_len=getattr(base.engine, "max_model_len", None))  # vLLM's context length
 
     def start_iteration(self) -> None:
         """Zero the tool counts and forget the completions seen (at the start of a member loop)."""
@@ -818,7 +758,7 @@ class Agents:
         member (:meth:`finish_iteration`)."""
         self.counts += tool_counts(out)
         if self.rollout_func is not None:
-            self._completions_seen.add(repr(out.completion_ids))
+            self._completions_seen.add(repr(out.completion_ids))  # hashable: one entry per distinct rollout
 
     def finish_iteration(self, num_members: int) -> None:
         """Warn once when every one of ``num_members`` members got the same ``rollout_func`` completions."""

@@ -1,8 +1,7 @@
-"""The rollout: a model and prompt rows in, completions and their rewards out (no trainer involved).
+"""The rollout: a model and prompt rows in, completions and their rewards out, as a
+:class:`~trl_es.rewards.RolloutResult` (no trainer involved).
 
-Shared by the trainers (one member's rollout in an ES iteration, the held-out evaluation), ``trl-es eval`` and the
-diagnostics. Prompts come in TRL's dataset formats; the rewards are scored by :class:`trl_es.rewards.RewardScorer`
-(TRL's reward-function contract) and returned as a :class:`trl_es.rewards.RolloutResult`.
+Shared by the trainers (a member's rollout, the evaluation), ``trl-es eval`` and the diagnostics.
 """
 
 from __future__ import annotations
@@ -25,26 +24,22 @@ __all__ = ["Rollout", "RolloutResult", "build_generation_config", "completions_f
 
 
 def validate_dataset(dataset, field_name: str = "train_dataset", prompt_required: bool = True) -> None:
-    """Raise a clear error if ``dataset`` is empty or has no ``prompt`` column (``prompt_required=False``: an
-    environment supplies the prompt, as GRPO's ``environment_factory`` may).
+    """Check that ``dataset`` (map-style or iterable) has rows and a ``prompt`` column; ``None`` passes.
 
-    A map-style dataset (``datasets.Dataset``, a list of rows) is checked by its columns and length. An iterable one
-    (``datasets.IterableDataset``, e.g. ``load_dataset(..., streaming=True)`` or ``Dataset.to_iterable_dataset()``)
-    has no length: its declared columns are checked when it has them, and its first row is read to check that the
-    stream is not empty and has a ``prompt``.
+    ``prompt_required=False`` when an environment supplies the prompt (GRPO's ``environment_factory``).
 
     Raises:
-        ValueError: naming ``field_name``.
+        ValueError: naming ``field_name``, for an empty dataset or one without ``prompt``.
     """
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns and prompt_required:
+    if columns is not None and "prompt" not in columns and prompt_required:  # declared columns, when there are any
         raise ValueError(
             f"{field_name} must have a 'prompt' column (TRL's standard or conversational prompt format); "
             f"found columns {list(columns)}."
         )
-    if not hasattr(dataset, "__len__"):  # an iterable (streaming) dataset
+    if not hasattr(dataset, "__len__"):  # an iterable (streaming) dataset: its first row is read
         first = next(iter(dataset), None)
         if first is None:
             raise ValueError(f"{field_name} is an empty iterable dataset: ES needs at least one prompt.")
@@ -58,14 +53,10 @@ def validate_dataset(dataset, field_name: str = "train_dataset", prompt_required
 
 
 def prompt_texts(rows: Sequence[dict], processing_class, chat_template_kwargs: dict | None = None) -> list[str]:
-    """The prompt strings given to the model: conversational prompts go through the chat template.
+    """One prompt string per row; conversational prompts go through the tokenizer's chat template.
 
-    Args:
-        rows (`Sequence[dict]`): Dataset rows, each with a ``prompt`` (string or list of messages).
-        processing_class (`PreTrainedTokenizerBase`): The tokenizer.
-
-    Returns:
-        `list[str]`: One string per row.
+    Raises:
+        ValueError: for a row without ``prompt``.
     """
     for row in rows:
         if "prompt" not in row:
@@ -82,43 +73,31 @@ def build_generation_config(
     generation_kwargs: dict | None = None,
     model_generation_config: GenerationConfig | None = None,
 ) -> GenerationConfig:
-    """A ``GenerationConfig``: greedy when ``temperature == 0`` (the ES reference's decoding), sampling otherwise.
-
-    Completions end at every id of :func:`trl_es.generation.eos_token_ids`: the tokenizer's ``eos_token_id`` and
-    the model's ``generation_config.eos_token_id`` (an int or a list, e.g. Gemma-3-it's ``<end_of_turn>``), as in
-    TRL's ``GRPOTrainer``; one id stays an int. The pad id is the tokenizer's (it pads the prompts), else the
-    model's, else the first EOS id. ``generation_kwargs`` (``eos_token_id`` too) win over all.
-
-    The decoding values are set explicitly, as GRPOTrainer sets them (``generate`` fills every setting left unset
-    from the model's ``generation_config``: a model shipped with ``repetition_penalty=3.0`` or ``do_sample=True``
-    would otherwise decode with it): ``do_sample`` and ``repetition_penalty=1.0`` always; when the config samples
-    (``temperature > 0``, or ``generation_kwargs={"do_sample": True}``) also ``temperature`` (``1.0``, GRPO's
-    default, when ``temperature`` is 0), ``top_p`` and ``top_k=0``. ``min_p`` stays unset unless
-    ``generation_kwargs`` give it, as GRPO leaves its ``min_p=None``. Settings GRPO does not set either (e.g.
-    ``no_repeat_ngram_size``) are still filled from the model's ``generation_config``, as in GRPO.
+    """GRPOTrainer's ``GenerationConfig``: greedy at ``temperature == 0`` (the ES reference's decoding), else sampling.
 
     Args:
         processing_class (`PreTrainedTokenizerBase`): The tokenizer.
         max_completion_length (`int`): ``max_new_tokens``.
-        temperature (`float`): ``0``: greedy (unless ``generation_kwargs`` set ``do_sample=True``: then sampling
-            at temperature 1.0); ``> 0``: sampling at this temperature, with ``top_p`` and ``top_k=0``.
+        temperature (`float`): ``0``: greedy (sampling at 1.0 if ``generation_kwargs`` set ``do_sample=True``);
+            ``> 0``: sampling at this temperature, with ``top_p`` and ``top_k=0``.
         top_p (`float`): Nucleus mass when sampling.
         generation_kwargs (`dict`, *optional*): Any ``GenerationConfig`` field, applied last.
-        model_generation_config (`GenerationConfig`, *optional*): The model's ``model.generation_config``;
-            ``None``: the tokenizer's EOS only.
+        model_generation_config (`GenerationConfig`, *optional*): The model's; its EOS ids end completions too.
 
     Returns:
-        `GenerationConfig`: ``eos_token_id`` an int or a list of ints.
+        `GenerationConfig`: ``eos_token_id`` an int (one id) or a list of ints.
 
     Raises:
         ValueError: from ``GenerationConfig`` for inconsistent settings.
     """
-    eos = eos_token_ids(processing_class, model_generation_config)
-    pad = processing_class.pad_token_id
+    eos = eos_token_ids(processing_class, model_generation_config)  # the tokenizer's and the model's, as GRPO
+    pad = processing_class.pad_token_id  # the tokenizer's pads the prompts; else the model's, else the first EOS
     if pad is None:
         pad = getattr(model_generation_config, "pad_token_id", None)
     if pad is None and eos:
         pad = eos[0]
+    # set explicitly, as GRPO: generate() fills unset values from the model's generation_config (a shipped
+    # repetition_penalty=3.0 or do_sample=True); min_p and what GRPO leaves unset still come from there
     kwargs = {
         "max_new_tokens": max_completion_length,
         "pad_token_id": pad,
@@ -127,8 +106,8 @@ def build_generation_config(
         "repetition_penalty": 1.0,  # GRPO's default, explicit: a model's own penalty must not apply
     }
     if bool((generation_kwargs or {}).get("do_sample", temperature > 0)):  # sampling values only when sampling
-        kwargs.update(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=0)
-    kwargs.update(generation_kwargs or {})
+        kwargs.update(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=0)  # 1.0: GRPO's
+    kwargs.update(generation_kwargs or {})  # eos_token_id too
     return GenerationConfig(**kwargs)
 
 
@@ -141,8 +120,7 @@ def completions_for_rewards(texts: Sequence[str], rows: Sequence[dict]) -> list:
 
 
 def ended_ids(generation_config: GenerationConfig, model: nn.Module, processing_class) -> set[int]:
-    """The ids a terminated completion ends with: the stop ids (:func:`~trl_es.generation.stop_token_ids`) and the
-    pad id, as GRPOTrainer tells a terminated completion from a clipped one."""
+    """The ids a terminated (not clipped) completion ends with, as GRPOTrainer: the stop ids and the pad id."""
     ends = set(stop_token_ids(generation_config, model, processing_class))
     pad = generation_config.pad_token_id
     pad = processing_class.pad_token_id if pad is None else pad
@@ -169,26 +147,20 @@ def score_model(
     num_members: int = 1,
     **generate_kwargs,
 ) -> RolloutResult:
-    """Generate ``num_generations`` completions for each of ``rows`` and score them: one model's whole rollout.
-
-    Args:
-        engine (`GenerationEngine` or `None`): How to generate (default: the plain eager engine).
-        num_members (`int`): Stacked members sharing the call: ``rows`` are this many equal consecutive blocks.
-        **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True``).
+    """One model's rollout: ``num_generations`` completions for each of ``rows``, scored (:class:`Rollout`'s arguments).
 
     Returns:
-        `RolloutResult`: ``len(rows) * num_generations`` completions, a row's consecutive; ``seconds`` 0 (the
-        :class:`Rollout` call times itself).
+        `RolloutResult`: ``len(rows) * num_generations`` completions, a row's consecutive; ``seconds`` 0.
     """
     prompts = prompt_texts(rows, processing_class, chat_template_kwargs)
     special = prompt_add_special_tokens([row["prompt"] for row in rows[:1]])  # plain text: BOS as in GRPO
     texts, ids = generate_completions(model, processing_class, prompts, generation_config, num_generations,
                                       engine=engine, num_row_groups=num_members, add_special_tokens=special,
                                       **generate_kwargs)
-    repeated_rows = [row for row in rows for _ in range(num_generations)]
+    repeated_rows = [row for row in rows for _ in range(num_generations)]  # a row's completions consecutive
     completions = completions_for_rewards(texts, repeated_rows)
     per_func, invalid = scorer.score(repeated_rows, completions, ids, **(reward_kwargs or {}))
-    ends = ended_ids(generation_config, model, processing_class)
+    ends = ended_ids(generation_config, model, processing_class)  # terminated vs clipped, as GRPO
     # the engines' tokenization: special tokens for plain text, none for chat-templated prompts (as GRPO), no padding
     lengths = [len(p) for p in processing_class(text=list(prompts), add_special_tokens=special)["input_ids"]]
     return RolloutResult(
@@ -207,42 +179,23 @@ def score_model(
 
 @dataclass
 class Rollout:
-    """One rollout as a plain callable: ``rollout(model, rows) -> RolloutResult``, with the settings fixed once.
+    """``rollout(model, rows) -> RolloutResult``: :func:`score_model` with the settings bound; no trainer, no
+    perturbation (an ES population applies its members around the call)."""
 
-    :func:`score_model` with the processing class, reward scorer, generation config and engine bound: it holds no
-    trainer, and knows nothing of perturbations (an ES population applies its members around the call).
-
-    Attributes:
-        processing_class: The tokenizer.
-        scorer (`RewardScorer`): The reward functions and weights.
-        generation_config (`GenerationConfig`): Decoding settings.
-        num_generations (`int`): Completions per prompt row.
-        chat_template_kwargs (`dict`, *optional*): For conversational prompts.
-        engine (`GenerationEngine`, *optional*): How to generate (default: the plain eager engine).
-    """
-
-    processing_class: Any
+    processing_class: Any  # the tokenizer
     scorer: RewardScorer
     generation_config: GenerationConfig
-    num_generations: int = 1
+    num_generations: int = 1  # completions per prompt row
     chat_template_kwargs: dict | None = None
-    engine: GenerationEngine | None = None
+    engine: GenerationEngine | None = None  # None: the plain eager engine
 
     def __call__(self, model: nn.Module, rows: Sequence[dict], num_members: int = 1,
                  reward_kwargs: dict | None = None, **generate_kwargs) -> RolloutResult:
-        """Generate for ``rows`` with ``model`` as it is and score the completions.
-
-        Args:
-            model (`nn.Module`): The (possibly perturbed) model.
-            rows (`Sequence[dict]`): Dataset rows with a ``prompt``; ``num_members`` equal consecutive blocks when
-                stacked population members share the call.
-            num_members (`int`): See ``rows``.
-            reward_kwargs (`dict`, *optional*): Extra keyword arguments of the reward functions (TRL's
-                ``trainer_state``, ``log_metric``, ...).
-            **generate_kwargs (`Any`): Passed to ``model.generate``.
+        """Generate for ``rows`` (``num_members`` equal consecutive blocks of stacked members) with ``model`` as it is,
+        and score; ``reward_kwargs`` go to the reward functions, ``generate_kwargs`` to ``model.generate``.
 
         Returns:
-            `RolloutResult`: :func:`score_model`'s, with ``seconds`` the wall-clock of the call.
+            `RolloutResult`: with ``seconds`` the wall-clock of the call.
         """
         start = time.perf_counter()
         out = score_model(model, self.processing_class, rows, self.scorer, self.generation_config,

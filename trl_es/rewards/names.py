@@ -1,11 +1,6 @@
-"""Distinct, readable names for reward functions: the keys of every per-function metric (train, eval, reports).
+"""Distinct, readable names for reward functions: the keys of every per-function metric (``rewards/<name>/mean``).
 
-TRL's GRPOTrainer names a reward function with ``trl.trainer.utils.get_callable_name`` (a ``functools.partial`` is
-unwrapped to the wrapped function's name, a callable object falls back to its class name) and a reward model with the
-last part of its ``config._name_or_path``. Those names can collide (two partials of one function, two lambdas, bound
-methods of two instances of one class, two functions with the same ``__name__``), and a collision merges or drops
-metrics keyed by name (``rewards/<name>/mean``). :func:`reward_func_names` keeps TRL's names and suffixes the
-colliding ones.
+TRL's names can collide (two partials of one function, two lambdas); :func:`reward_func_names` suffixes those.
 """
 
 from __future__ import annotations
@@ -21,17 +16,11 @@ __all__ = ["base_reward_func_name", "reward_func_names"]
 
 
 def base_reward_func_name(func: Callable | nn.Module) -> str:
-    """The name TRL's GRPOTrainer gives one reward function (before any de-duplication).
-
-    Args:
-        func (`Callable` | `nn.Module`): A reward function (plain function, ``functools.partial``, lambda, bound
-            method, callable object) or a reward model (an ``nn.Module`` with a ``config``).
+    """The name TRL's GRPOTrainer gives one reward function or reward model, before de-duplication.
 
     Returns:
-        `str`: For a reward model, the last ``/``-separated part of its ``config._name_or_path`` (TRL's
-        ``get_config_model_id(config).split("/")[-1]``), or its class name when that is empty; for a callable,
-        ``trl.trainer.utils.get_callable_name(func)`` (partials unwrapped to the wrapped function's ``__name__``,
-        ``"<lambda>"`` for lambdas, the method name for bound methods, the class name for callable objects).
+        `str`: A model's last ``/`` part of ``config._name_or_path``; a callable's ``get_callable_name`` (a partial's
+        wrapped function, ``"<lambda>"``, a callable object's class); else the class name.
     """
     if isinstance(func, nn.Module):  # as GRPOTrainer: nn.Module rather than PreTrainedModel (compiled models)
         config = getattr(func, "config", None)
@@ -41,25 +30,13 @@ def base_reward_func_name(func: Callable | nn.Module) -> str:
 
 
 def reward_func_names(funcs: Sequence[Callable | nn.Module]) -> list[str]:
-    """One distinct, readable name per reward function, in order.
-
-    Each function gets :func:`base_reward_func_name` (the name TRL's GRPOTrainer logs it under). When several
-    functions share a base name, **each** of them gets a suffix ``_1``, ``_2``, ... in list order (TRL has no
-    de-duplication convention; a suffix on every member of the group keeps any one of them from passing for the
-    only function of that name). A suffixed name that is already taken by another function is skipped, so the
-    result is always distinct. The names depend only on the functions' base names and order: deterministic.
+    """One distinct name per reward function, in order: :func:`base_reward_func_name`, and ``_1``, ``_2``, ... on
+    **each** of the functions sharing a base name.
 
     Example::
 
         >>> reward_func_names([partial(score, k=1), partial(score, k=2), lambda **kw: [], format_reward])
         ['score_1', 'score_2', '<lambda>', 'format_reward']
-
-    Args:
-        funcs (`Sequence[Callable | nn.Module]`): The reward functions and reward models, in the order the trainer
-            scores them.
-
-    Returns:
-        `list[str]`: ``len(funcs)`` distinct names.
 
     Raises:
         TypeError: If an entry is neither callable nor an ``nn.Module``.
@@ -69,6 +46,7 @@ def reward_func_names(funcs: Sequence[Callable | nn.Module]) -> list[str]:
             raise TypeError(f"reward_funcs[{i}] must be a callable or a reward model, got {type(func).__name__}.")
     base = [base_reward_func_name(f) for f in funcs]
     counts = Counter(base)
+    # every function of a shared name is suffixed: none passes for the only one of that name
     taken = {name for name in base if counts[name] == 1}
     next_suffix: dict[str, int] = {}
     names = []
@@ -77,7 +55,7 @@ def reward_func_names(funcs: Sequence[Callable | nn.Module]) -> list[str]:
             names.append(name)
             continue
         suffix = next_suffix.get(name, 1)
-        while f"{name}_{suffix}" in taken:
+        while f"{name}_{suffix}" in taken:  # a suffixed name another function holds is skipped
             suffix += 1
         names.append(f"{name}_{suffix}")
         taken.add(names[-1])

@@ -1,11 +1,8 @@
 """Reward scoring: TRL-style reward functions and reward models applied to completions, their outputs checked.
 
-Reward functions follow TRL's GRPOTrainer contract: ``f(prompts, completions, completion_ids, **columns)`` returns one
-``float`` (or ``None``, "not applicable") per completion; extra dataset columns arrive as keyword arguments, one value
-per completion. A function may be ``async def`` (or return an awaitable): as in GRPOTrainer, the async functions of a
-call are awaited together (``asyncio.gather``) on an event loop in a daemon thread, after the sync ones, and their
-outputs are checked the same way. Rewards see the completion only, in the prompt's format (a string, or
-``[{"role": "assistant", "content": ...}]`` for conversational prompts); a reward model sees prompt + completion.
+GRPOTrainer's contract: ``f(prompts, completions, completion_ids, **columns)`` returns a ``float`` or ``None`` ("not
+applicable") per completion; ``async def`` functions are awaited together after the sync ones. A function sees the
+completion in the prompt's format, a reward model sees prompt + completion.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ __all__ = ["RewardScorer", "async_reward_loop", "await_all", "is_async_reward_fu
 logger = logging.getLogger(__name__)
 
 
-def _is_nan_number(value) -> bool:
+def _is_nan_number(value) -> bool:  # a returned NaN, told apart from None's NaN
     try:
         return math.isnan(float(value))
     except (TypeError, ValueError):
@@ -41,7 +38,7 @@ def _is_nan_number(value) -> bool:
 
 
 def _as_float(value, name: str) -> float:
-    if value is None:
+    if value is None:  # "not applicable": NaN, skipped by weighted()
         return math.nan
     if isinstance(value, bool) or isinstance(value, numbers.Real):
         return float(value)
@@ -56,15 +53,8 @@ def _as_float(value, name: str) -> float:
 
 
 def is_async_reward_func(func) -> bool:
-    """Whether calling ``func`` returns a coroutine, as TRL's ``is_async_callable`` tells it: an ``async def``
-    function, a ``functools.partial`` of one, or an instance whose ``__call__`` is ``async def``.
-
-    Args:
-        func (`Callable`): A reward function.
-
-    Returns:
-        `bool`: ``True`` for an async reward function.
-    """
+    """Whether calling ``func`` returns a coroutine (TRL's ``is_async_callable``): an ``async def``, a partial of one,
+    or an instance with an ``async def __call__``."""
     while isinstance(func, functools.partial):
         func = func.func
     call = getattr(func, "__call__", None)  # noqa: B004 (an instance whose __call__ is async)
@@ -81,12 +71,7 @@ def _shutdown_async_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thre
 
 
 def async_reward_loop() -> asyncio.AbstractEventLoop:
-    """The event loop async reward functions run on: one per process, running forever in a daemon thread (started at
-    the first call, stopped at exit), as GRPOTrainer does; so it works also where the caller is itself inside a
-    running loop (a notebook).
-
-    Returns:
-        `asyncio.AbstractEventLoop`: The running loop.
+    """The process's event loop for async rewards, run forever in a daemon thread (GRPOTrainer's), started on first use.
     """
     global _ASYNC_LOOP
     with _ASYNC_LOOP_LOCK:
@@ -98,6 +83,7 @@ def async_reward_loop() -> asyncio.AbstractEventLoop:
                 ready.set()
                 loop.run_forever()
 
+            # a thread of its own: works also when the caller runs inside a loop (a notebook)
             thread = threading.Thread(target=run, name="trl_es-async-rewards", daemon=True)
             thread.start()
             ready.wait()
@@ -107,12 +93,8 @@ def async_reward_loop() -> asyncio.AbstractEventLoop:
 
 
 def await_all(awaitables: list, return_exceptions: bool = False) -> list:
-    """Run ``awaitables`` concurrently (``asyncio.gather``) on :func:`async_reward_loop`; their results in order.
-
-    Args:
-        awaitables (`list`): Coroutines or futures (async reward functions' or tools' calls).
-        return_exceptions (`bool`): Return an awaitable's exception as its result (the tool loop's errors) instead
-            of raising it.
+    """The results, in order, of ``awaitables`` gathered on :func:`async_reward_loop`; with ``return_exceptions`` an
+    exception is returned as its result.
 
     Raises:
         Exception: without ``return_exceptions``, the first exception of an awaitable (the others are cancelled).
@@ -124,7 +106,7 @@ def await_all(awaitables: list, return_exceptions: bool = False) -> list:
         tasks = [asyncio.ensure_future(_one(a)) for a in awaitables]
         try:
             return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
-        except BaseException:
+        except BaseException:  # the first exception cancels the other awaitables
             for task in tasks:
                 task.cancel()
             raise
@@ -159,23 +141,21 @@ def _checked_rewards(output, name: str, n: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class RewardScorer:
-    """Scores completions with TRL-style reward functions and reward models.
+    """Scores completions with TRL-style reward functions and reward models (GRPOTrainer's arguments).
 
     Args:
-        reward_funcs (`Callable | PreTrainedModel | str | list`): A callable (sync or ``async def``), a reward model
-            (``PreTrainedModel`` for sequence classification, or its id/path), or a list of them.
-        reward_weights (`list[float]` or `None`): One weight per function; default all 1 (as GRPO).
-        reward_processing_classes (`PreTrainedTokenizerBase | list | None`): Tokenizers of the reward models (loaded
-            from the model path when ``None``).
-        model_init_kwargs (`dict`, *optional*): For reward models given by id/path, passed whole as GRPOTrainer passes
-            ``args.model_init_kwargs`` (so without a ``dtype`` transformers' ``"auto"``); its ``revision`` also loads
-            their tokenizers.
-        trust_remote_code (`bool`): Passed to the reward models' and their tokenizers' loads (GRPO's option).
-        chat_template_kwargs (`dict`, *optional*): Passed to the reward tokenizers' chat templates for conversational
-            prompts (GRPO's ``args.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
+        reward_funcs (`Callable | PreTrainedModel | str | list`): Callables (sync or async), sequence-classification
+            reward models, their ids/paths, or a list of them.
+        reward_weights (`list[float]`, *optional*): One finite weight per function; default all 1.
+        reward_processing_classes (`PreTrainedTokenizerBase | list`, *optional*): The reward models' tokenizers.
+        model_init_kwargs (`dict`, *optional*): Loads reward models given by id/path (its ``revision`` their
+            tokenizers too).
+        trust_remote_code (`bool`): For the reward models' and tokenizers' loads.
+        chat_template_kwargs (`dict`, *optional*): For the reward tokenizers' chat templates.
 
     Raises:
-        ValueError: if ``reward_weights`` has the wrong length, or no reward function is given.
+        ValueError: if no reward function is given, or the weights or tokenizers are not one per function.
+        TypeError: for an entry that is neither callable nor a model.
     """
 
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None,
@@ -188,6 +168,7 @@ class RewardScorer:
         loaded = set()  # the reward models loaded here by id/path: their tokenizers take model_init_kwargs' revision
         for func in funcs:
             if isinstance(func, str):
+                # model_init_kwargs passed whole, as GRPOTrainer does (no dtype: transformers' default)
                 func = AutoModelForSequenceClassification.from_pretrained(
                     func, num_labels=1, **{"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})})
                 loaded.add(id(func))
@@ -213,56 +194,43 @@ class RewardScorer:
             raise ValueError("reward_processing_classes must have one entry per reward function.")
         self.processing_classes = []
         for func, cls in zip(self.reward_funcs, classes, strict=True):
-            if isinstance(func, PreTrainedModel) and cls is None:
+            if isinstance(func, PreTrainedModel) and cls is None:  # the model's own tokenizer
                 revision = (model_init_kwargs or {}).get("revision") if id(func) in loaded else None
                 cls = AutoTokenizer.from_pretrained(func.config._name_or_path, revision=revision,
                                                     trust_remote_code=trust_remote_code)
-            if cls is not None and cls.pad_token_id is None:
+            if cls is not None and cls.pad_token_id is None:  # batched scoring pads
                 cls.pad_token = cls.eos_token
             if isinstance(func, PreTrainedModel):
-                func.config.pad_token_id = cls.pad_token_id
-                func.eval()
+                func.config.pad_token_id = cls.pad_token_id  # sequence classification scores the last non-pad token
+                func.eval()  # no dropout in scoring
             self.processing_classes.append(cls)
         self._warned_all_none = False  # GRPO's all-None warning is shown once (_warn_all_none)
 
     def __call__(
         self, rows: Sequence[dict], completions: Sequence, completion_ids: Sequence[list[int]], **extra
     ) -> torch.Tensor:
-        """Score completions; ``rows[j]`` is the dataset row of completion ``j`` (repeat rows for several generations).
-
-        Returns:
-            `torch.Tensor`: Shape ``(len(completions), num_funcs)``, float32; NaN where a function returned ``None``
-            or a non-finite number (see :meth:`score`, which tells the two apart).
-
-        Raises:
-            ValueError / TypeError: if a function returns the wrong number of values or non-numbers.
-        """
+        """The rewards of :meth:`score`: ``(len(completions), num_funcs)`` float32, NaN for ``None`` and invalid."""
         return self.score(rows, completions, completion_ids, **extra)[0]
 
     def score(
         self, rows: Sequence[dict], completions: Sequence, completion_ids: Sequence[list[int]], **extra
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score completions and flag invalid rewards.
+        """Score completions, ``rows[j]`` the dataset row of completion ``j``; ``extra`` goes to every function.
 
-        ``None`` means "not applicable" (skipped, as in GRPO). A returned number that is NaN, +inf or -inf (from a
-        function, or a reward model's logit) is *invalid*: it is replaced by NaN in the rewards and flagged, so the
-        caller can tell the user and keep it out of the weights (``ESTrainer`` ranks the member worst).
-
-        Reward models and sync functions run one after the other, in order; the functions whose call returns an
-        awaitable (``async def``) are then awaited together, concurrently (``asyncio.gather`` on
-        :func:`async_reward_loop`), as GRPOTrainer does. Their outputs are checked as the sync ones'.
+        ``None`` is "not applicable"; a NaN or +-inf (a function's or a reward model's logit) is *invalid*.
 
         Returns:
-            `(rewards, invalid)`: ``rewards`` of shape ``(len(completions), num_funcs)``, float32, NaN for ``None``
-            and invalid values; ``invalid`` of the same shape, bool.
+            `(rewards, invalid)`: ``(len(completions), num_funcs)`` float32, NaN for ``None`` and invalid values; and
+            the same shape, bool, true for invalid values.
 
         Raises:
-            ValueError / TypeError: if a function (sync or async) returns the wrong number of values or non-numbers;
-                any exception a function raises (an async one's through ``asyncio.gather``; the others are then
-                cancelled).
+            ValueError: if a function returns the wrong number of values.
+            TypeError: for a value that is neither a number nor ``None``.
+            Exception: what a function raises (the pending async calls are then closed or cancelled).
         """
         n = len(completions)
         prompts = [row["prompt"] for row in rows]
+        # the other dataset columns as keyword lists, one value per completion
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         rewards = torch.zeros(n, len(self.reward_funcs), dtype=torch.float32)
         invalid = torch.zeros(n, len(self.reward_funcs), dtype=torch.bool)
@@ -279,7 +247,7 @@ class RewardScorer:
                     pending.append((i, output))
                     continue
                 rewards[:, i], invalid[:, i] = _checked_rewards(output, name, n)
-        except BaseException:
+        except BaseException:  # a sync function raised: the pending coroutines never run
             _close_awaitables(a for _, a in pending)
             raise
         if pending:  # as GRPOTrainer: the async functions run concurrently (asyncio.gather) on a daemon loop
@@ -287,18 +255,18 @@ class RewardScorer:
             for (i, _), output in zip(pending, outputs, strict=True):
                 rewards[:, i], invalid[:, i] = _checked_rewards(output, self.names[i], n)
         invalid |= torch.isinf(rewards)
+        # a reward model has no None: any NaN logit is invalid
         model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, nn.Module)]
         for i in model_columns:
             invalid[:, i] |= torch.isnan(rewards[:, i])
-        rewards[invalid] = math.nan
+        rewards[invalid] = math.nan  # kept out of the weights; ESTrainer ranks such a member worst
         self._warn_all_none(rewards, invalid, rows, completions)
         return rewards, invalid
 
     def _warn_all_none(self, rewards: torch.Tensor, invalid: torch.Tensor, rows: Sequence[dict],
                        completions: Sequence) -> None:
-        """GRPOTrainer's warning when every reward function returned ``None`` for a completion (its text; once per
-        scorer here: ES scores every member on the same prompts, so it would repeat population_size times)."""
-        if self._warned_all_none:
+        """GRPOTrainer's warning when every reward function returned ``None`` for a completion."""
+        if self._warned_all_none:  # once: every member scores the same prompts, it would repeat population_size times
             return
         all_none = (torch.isnan(rewards) & ~invalid).all(dim=1)
         if not all_none.any():
@@ -327,13 +295,12 @@ class RewardScorer:
         return model(**inputs).logits[:, 0].float().cpu()
 
     def weighted(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
-        """``sum_f w_f * r_f`` per completion, skipping ``None`` (NaN) rewards as GRPO does; NaN if all are ``None``.
-
-        Summed in float64, so finite float32 rewards never overflow into an infinite weighted reward.
+        """``sum_f w_f * r_f`` per completion, ``None`` (NaN) rewards skipped as in GRPO; NaN if all are ``None``.
 
         Returns:
             `torch.Tensor`: Shape ``(num_completions,)``, float64.
         """
+        # float64: finite float32 rewards never overflow into an infinite sum
         weighted = (rewards_per_func.double() * self.weights.double()[None, :]).nansum(dim=1)
         all_nan = torch.isnan(rewards_per_func).all(dim=1)
         return torch.where(all_nan, torch.full_like(weighted, math.nan), weighted)

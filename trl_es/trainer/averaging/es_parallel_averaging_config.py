@@ -38,14 +38,12 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
     that learning rate), and :math:`\Delta_{\mathrm{SFT}}` is one step of a separate torch optimizer on the SFT loss of
     an SFT batch at :math:`\bar\theta`.
 
-    Every [`ESConfig`] field configures ES as in ``ESTrainer``. The SFT optimizer is ``optim`` with its keyword
-    arguments (AdamW by default), the ``lr_scheduler_type`` schedule, at ``sft_learning_rate``. It needs
-    ``es_optimizer="es"``. The ``sft_*`` fields are :class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`,
-    with ES's own defaults of ``sft_learning_rate`` and ``sft_max_grad_norm`` (``None`` in them is passed on as it
-    is: no fallback to ES's ``learning_rate`` or ``max_grad_norm``).
+    Every [`ESConfig`] field configures ES as in ``ESTrainer`` (``es_optimizer="es"`` only); the SFT optimizer is
+    ``optim`` with the ``lr_scheduler_type`` schedule at ``sft_learning_rate``.
     """
 
-    _sft_host_defaults = ()  # ES's learning_rate is alpha, its max_grad_norm that of the ES gradient estimate
+    # no fallback of sft_* to the host's: ES's learning_rate is alpha, its max_grad_norm the ES gradient estimate's
+    _sft_host_defaults = ()
     _optimizer_fields_read_elsewhere = ("weight_decay", "adam_beta1", "adam_beta2")  # the SFT optimizer's (no warning)
 
     sft_learning_rate: float = field(
@@ -61,7 +59,7 @@ class ESParallelAveragingConfig(SFTAveragingFields, _ESWeightField, ESConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.es_optimizer != "es":
+        if self.es_optimizer != "es":  # the ES step is applied before the same iteration's SFT step
             raise ValueError(f"es_optimizer must be 'es' for ES + SFT parallel averaging, got {self.es_optimizer!r}: "
                              "the ES step must be applied before the SFT step of the same iteration.")
         check_averaging_fields(self, "es_weight")

@@ -39,10 +39,8 @@ class ParallelAveragingConfig(SFTAveragingFields, _RLWeightField, GRPOConfig):
     :math:`\Delta_{\mathrm{SFT}}` one step of a second, separate optimizer on the SFT loss of an SFT batch, both taken
     at :math:`\bar\theta`. The paper's weights are :math:`(1/2, 1/2)`.
 
-    Every [`~trl.GRPOConfig`] field configures the RL side exactly as in ``GRPOTrainer`` (its optimizer, learning
-    rate, schedule, generation, loss). The SFT side copies the optimizer class and its keyword arguments, the schedule
-    type, precision and seed from these fields (see :func:`trl_es.trainer.averaging.sft_step.sft_config_from`), and
-    takes the ``sft_*`` fields (:class:`~trl_es.trainer.averaging.sft_averaging.SFTAveragingFields`).
+    Every [`~trl.GRPOConfig`] field configures the RL side as in ``GRPOTrainer``; the SFT side copies the optimizer,
+    schedule type, precision and seed (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`).
     """
 
     # GRPOConfig's gradient checkpointing (on, TRL's default) under its transformers 5 name: the deprecated alias

@@ -20,20 +20,8 @@ def average_updates_(
     params: list[torch.Tensor], theta_bar: list[torch.Tensor], theta_a: list[torch.Tensor], weight_a: float,
     weight_b: float,
 ) -> None:
-    r"""Parallel averaging of two updates from one snapshot (arXiv 2606.04272), in place:
-
-    .. math:: \theta \leftarrow \bar\theta + w_a (\theta_a - \bar\theta) + w_b (\theta_b - \bar\theta),
-
-    where :math:`\theta_b` is what ``params`` hold on entry (the second update applied to :math:`\bar\theta`). Computed
-    per tensor in float32, exactly as the expression reads (``bar + w_a * (a - bar) + w_b * (b - bar)``, left to
-    right), then cast to the parameter's dtype.
-
-    Args:
-        params (`list[torch.Tensor]`): The parameters, holding :math:`\theta_b`; overwritten with the average.
-        theta_bar (`list[torch.Tensor]`): The snapshot :math:`\bar\theta`, same shapes.
-        theta_a (`list[torch.Tensor]`): :math:`\theta_a = \bar\theta + \Delta_a`, same shapes.
-        weight_a (`float`): :math:`w_a`.
-        weight_b (`float`): :math:`w_b`.
+    r"""In place, :math:`\theta \leftarrow \bar\theta + w_a (\theta_a - \bar\theta) + w_b (\theta_b - \bar\theta)`
+    (arXiv 2606.04272) per tensor in float32, cast to the dtype of ``params`` (holding :math:`\theta_b` on entry).
 
     Raises:
         ValueError: if the lists differ in length.
@@ -43,7 +31,7 @@ def average_updates_(
                          f"{len(theta_a)}.")
     for p, bar, a in zip(params, theta_bar, theta_a, strict=False):
         bar32, a32, b32 = bar.float(), a.float(), p.float()
-        p.copy_(bar32 + weight_a * (a32 - bar32) + weight_b * (b32 - bar32))
+        p.copy_(bar32 + weight_a * (a32 - bar32) + weight_b * (b32 - bar32))  # as the formula reads
 
 
 class _AverageAroundOptimizerStep(TrainerCallback):
@@ -56,7 +44,7 @@ class _AverageAroundOptimizerStep(TrainerCallback):
         self.trainer.sft_step.create_scheduler(state.max_steps)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._snapshot_theta_bar()
+        self.trainer._snapshot_theta_bar()  # the weights the RL gradient was computed at
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._average_with_sft_step()
@@ -70,27 +58,10 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
         \theta \leftarrow \bar\theta + w_{\mathrm{RL}}\,\Delta_{\mathrm{RL}} + w_{\mathrm{SFT}}\,\Delta_{\mathrm{SFT}},
         \qquad (w_{\mathrm{RL}}, w_{\mathrm{SFT}}) = (1/2, 1/2) \text{ by default}.
 
-    The RL update is ``GRPOTrainer``'s own: its loss on its RL batch, backpropagated, clipped and stepped by the
-    Trainer's optimizer, unchanged. Around that optimizer step (transformers' ``on_pre_optimizer_step`` /
-    ``on_optimizer_step`` callback events) this trainer
-
-    1. snapshots :math:`\bar\theta` (the weights the RL gradient was computed at) just before the step;
-    2. after it, takes :math:`\theta_{\mathrm{RL}} = \bar\theta + \Delta_{\mathrm{RL}}` and restores
-       :math:`\bar\theta`;
-    3. takes one SFT step from :math:`\bar\theta` (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`:
-       ``trl.SFTTrainer``'s data processing and loss on an SFT batch, through a **separate** optimizer of the same class
-       and keyword arguments, with its own moment estimates): :math:`\theta_{\mathrm{SFT}} = \bar\theta +
-       \Delta_{\mathrm{SFT}}`;
-    4. writes the average (:func:`average_updates_`).
-
-    Both updates are taken at :math:`\bar\theta`, each optimizer sees only its own gradients, and every trainable
-    parameter is averaged. Logged per step (averaged over ``logging_steps``): ``sft/loss``, ``sft/grad_norm``,
-    ``sft/learning_rate``, ``sft/mean_token_accuracy``, ``sft/entropy``, ``update_norm/rl`` and ``update_norm/sft``
-    (:math:`\|\Delta_{\mathrm{RL}}\|_2`, :math:`\|\Delta_{\mathrm{SFT}}\|_2`). Checkpoints also hold the SFT
-    optimizer and scheduler (``sft_optimizer.pt``); the SFT batches depend on the step index only, so a resumed run
-    takes the same SFT batches.
-
-    One process only (no DDP, DeepSpeed or FSDP): the SFT step runs outside the Trainer's distributed wrapping.
+    :math:`\Delta_{\mathrm{RL}}` is ``GRPOTrainer``'s own optimizer step, unchanged; :math:`\Delta_{\mathrm{SFT}}`
+    one step of a separate optimizer of the same class (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`), both
+    from :math:`\bar\theta`, over every trainable parameter. Logs ``sft/*`` and ``update_norm/{rl,sft}``; checkpoints
+    hold ``sft_optimizer.pt``. One process (no DDP, DeepSpeed or FSDP).
 
     Args:
         model (`str` or `PreTrainedModel`): As ``trl.GRPOTrainer``.
@@ -130,6 +101,7 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
     _averaging_update = "rl"
 
     def _check_one_process(self) -> None:
+        # the SFT step runs outside the Trainer's distributed wrapping
         if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ParallelAveragingTrainer runs in one process, without DeepSpeed or FSDP: its SFT step "
                              "runs outside the Trainer's distributed wrapping.")
@@ -139,7 +111,7 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
 
     def _start_averaging(self) -> None:
         self._theta_bar: list[torch.Tensor] | None = None
-        self.add_callback(_AverageAroundOptimizerStep(self))
+        self.add_callback(_AverageAroundOptimizerStep(self))  # on transformers' on_(pre_)optimizer_step events
 
     def _averaged_parameters(self) -> list[torch.Tensor]:
         """Every trainable parameter of the (unwrapped) model, tied weights once."""
@@ -153,7 +125,8 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
         if self._theta_bar is None:
             raise RuntimeError("The RL optimizer stepped without a theta_bar snapshot (on_pre_optimizer_step).")
         params, theta_bar = self._averaged_parameters(), self._theta_bar
-        theta_rl = restore_snapshot(params, theta_bar)
+        theta_rl = restore_snapshot(params, theta_bar)  # theta_bar + Delta_RL; the params hold theta_bar again
+        # a separate optimizer with its own moments: each sees only its own gradients
         self._sft_step_and_log(theta_rl, params, theta_bar, float32=True)
         average_updates_(params, theta_bar, theta_rl, self.args.rl_weight, self.args.sft_weight)
         self._theta_bar = None

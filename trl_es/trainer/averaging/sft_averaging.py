@@ -1,14 +1,6 @@
-"""What the two parallel-averaging trainers share: the SFT side's config fields and its trainer-side plumbing.
-
-:class:`SFTAveragingFields` declares the ``sft_*`` fields once, for
-:class:`~trl_es.trainer.averaging.parallel_averaging_config.ParallelAveragingConfig` (GRPO + SFT) and
-:class:`~trl_es.trainer.averaging.es_parallel_averaging_config.ESParallelAveragingConfig` (ES + SFT).
-:class:`SFTAveragingTrainerMixin` holds the constructor (its checks, the
-:class:`~trl_es.trainer.averaging.sft_step.SFTStep`), the SFT step with its metrics and update norms, and the SFT state
-in checkpoints, for
-:class:`~trl_es.trainer.averaging.parallel_averaging_trainer.ParallelAveragingTrainer` and
-:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`. Each trainer keeps its own
-rule of when the SFT step happens and how the two updates are combined.
+"""What the GRPO + SFT and ES + SFT parallel-averaging trainers share: the ``sft_*`` config fields
+(:class:`SFTAveragingFields`) and the trainer side (:class:`SFTAveragingTrainerMixin`: construction, the SFT step with
+its metrics, its checkpoint state). Each trainer keeps its own rule of when the SFT step happens and how to average.
 """
 
 from __future__ import annotations
@@ -31,13 +23,8 @@ SFT_METRICS = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "ent
 
 @dataclass
 class SFTAveragingFields:
-    """The SFT side's fields of a parallel-averaging config (a mixin listed before the host config class).
-
-    The defaults are :class:`~trl_es.trainer.averaging.parallel_averaging_config.ParallelAveragingConfig`'s;
-    :class:`~trl_es.trainer.averaging.es_parallel_averaging_config.ESParallelAveragingConfig` re-declares
-    ``sft_learning_rate`` and ``sft_max_grad_norm`` with its own defaults. The host config validates them with
-    :func:`~trl_es.trainer.averaging.sft_step.check_averaging_fields` in its ``__post_init__``.
-    """
+    """The SFT side's fields of a parallel-averaging config (a mixin listed before the host config class), checked by
+    :func:`~trl_es.trainer.averaging.sft_step.check_averaging_fields`; the defaults are GRPO + SFT's."""
 
     #: ``sft_<name>`` fields that take the host config's ``<name>`` when they are ``None`` (a class attribute).
     _sft_host_defaults = ("learning_rate", "max_grad_norm")
@@ -69,10 +56,9 @@ class SFTAveragingFields:
     )
 
     def sft_config(self) -> SFTConfig:
-        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`): these
-        ``sft_*`` fields, the ones named in ``_sft_host_defaults`` replaced by the host's field when ``None``."""
+        """The SFT side's ``trl.SFTConfig`` (:func:`~trl_es.trainer.averaging.sft_step.sft_config_from`)."""
 
-        def value(name: str):
+        def value(name: str):  # the host's field for a None named in _sft_host_defaults
             own = getattr(self, f"sft_{name}")
             return getattr(self, name) if own is None and name in self._sft_host_defaults else own
 
@@ -87,15 +73,9 @@ class SFTAveragingFields:
 
 
 def update_weight_field(name: str, help_text: str) -> type:
-    r"""A dataclass base holding the one field ``name: float = 0.5``, the weight of the host's own update
-    (``rl_weight``, ``es_weight``). Listed after :class:`SFTAveragingFields` in a config's bases, it comes before
-    the ``sft_*`` fields (in the constructor's argument order and in ``--help``), as the weights read
-    :math:`w_{\mathrm{RL}}, w_{\mathrm{SFT}}`.
-
-    Args:
-        name (`str`): The field's name.
-        help_text (`str`): Its ``--help`` text.
-    """
+    """A dataclass base holding the one field ``name: float = 0.5`` (``help_text`` its help), the weight of the host's
+    own update (``rl_weight``, ``es_weight``)."""
+    # listed after SFTAveragingFields in the bases, it comes first in the constructor and in --help: w_RL, w_SFT
     return make_dataclass(f"{name}_field", [(name, float, field(default=0.5, metadata={"help": help_text}))])
 
 
@@ -107,9 +87,8 @@ def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def restore_snapshot(tensors: list[torch.Tensor], theta_bar: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy ``theta_bar`` back into ``tensors``, in place; returns copies of what they held before (the update just
-    taken from ``theta_bar``)."""
-    updated = snapshot(tensors)
+    """Copy ``theta_bar`` back into ``tensors``, in place; returns copies of what they held before."""
+    updated = snapshot(tensors)  # the update just taken from theta_bar
     for t, bar in zip(tensors, theta_bar, strict=False):
         t.copy_(bar)
     return updated
@@ -119,7 +98,7 @@ def restore_snapshot(tensors: list[torch.Tensor], theta_bar: list[torch.Tensor])
 def update_norm(after: list[torch.Tensor], before: list[torch.Tensor], *, float32: bool) -> float:
     r""":math:`\|\mathrm{after} - \mathrm{before}\|_2` over all tensors, accumulated in float64; the differences
     are taken in float32 if ``float32``, else in the tensors' dtype."""
-    if float32:
+    if float32:  # the differences of low-precision parameters taken in float32
         pairs = zip(after, before, strict=False)
         diffs = (torch.linalg.vector_norm(a.float() - b.float(), dtype=torch.float64) for a, b in pairs)
     else:
@@ -128,23 +107,22 @@ def update_norm(after: list[torch.Tensor], before: list[torch.Tensor], *, float3
 
 
 class SFTAveragingTrainerMixin:
-    """The shared half of a parallel-averaging trainer (listed before its host trainer class, ``GRPOTrainer`` or
-    :class:`~trl_es.trainer.es.es_trainer.ESTrainer`, whose constructor arguments it takes, plus ``sft_dataset``).
-
-    The trainer sets ``_averaging_config_class`` (its config class), ``_averaging_output_suffix`` (of the default
-    ``output_dir``, after the model's name) and ``_averaging_update`` (``"rl"`` or ``"es"``: the
-    ``update_norm/<name>`` log key), and defines :meth:`_check_one_process`, :meth:`_train_metrics` and
-    :meth:`_start_averaging`; :meth:`_sft_targets` is optional. Its own update and the average stay with it; it calls
-    :meth:`_sft_step_and_log` between them.
+    """The shared half of a parallel-averaging trainer, listed before its host (``GRPOTrainer`` or
+    :class:`~trl_es.trainer.es.es_trainer.ESTrainer`), taking its constructor's arguments plus ``sft_dataset``.
 
     Attributes:
-        sft_step (`SFTStep`): The SFT side (its own optimizer and scheduler), saved in checkpoints as
-            ``sft_optimizer.pt``.
+        sft_step (`SFTStep`): The SFT side (its own optimizer and scheduler), saved as ``sft_optimizer.pt``.
+
+    Raises:
+        TypeError: if ``args`` is not the trainer's config class.
+        ValueError: without ``sft_dataset``, or where :meth:`_check_one_process` refuses.
     """
 
+    # set by each trainer, with _check_one_process, _train_metrics, _start_averaging (and optionally _sft_targets);
+    # its own update and the average stay with it, _sft_step_and_log runs between them
     _averaging_config_class: type
-    _averaging_output_suffix: str
-    _averaging_update: str
+    _averaging_output_suffix: str  # of the default output_dir, after the model's name
+    _averaging_update: str  # "rl" or "es": the update_norm/<name> log key
 
     def __init__(
         self,
@@ -161,7 +139,7 @@ class SFTAveragingTrainerMixin:
         peft_config=None,
     ):
         config_class = self._averaging_config_class
-        if args is None:
+        if args is None:  # as TRL's trainers: output_dir named after the model
             name = model if isinstance(model, str) else model.config._name_or_path
             args = config_class(f"{name.split('/')[-1]}{self._averaging_output_suffix}")
         if not isinstance(args, config_class):
@@ -174,7 +152,7 @@ class SFTAveragingTrainerMixin:
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
             callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
         )
-        self._check_one_process()
+        self._check_one_process()  # after the Trainer set up accelerate
         self.sft_step = SFTStep(self.accelerator.unwrap_model(self.model), self.processing_class, sft_dataset,
                                 args.sft_config(), targets=self._sft_targets())
         self._start_averaging()
@@ -204,12 +182,11 @@ class SFTAveragingTrainerMixin:
     # ------------------------------------------------------------------ the SFT step
     def _sft_step_and_log(self, theta_other: list[torch.Tensor], tensors: list[torch.Tensor],
                           theta_bar: list[torch.Tensor], *, float32: bool) -> None:
-        r"""Take SFT step ``global_step`` (``tensors`` hold :math:`\bar\theta`) and log its metrics as ``sft/*`` and
-        the two update norms: ``update_norm/<update>`` (``theta_other - theta_bar``) and ``update_norm/sft``
-        (``tensors - theta_bar`` after the step); see :func:`update_norm` for ``float32``."""
+        r"""Take SFT step ``global_step`` from ``tensors`` (holding :math:`\bar\theta`); log ``sft/*`` and the update
+        norms (:func:`update_norm`) of ``theta_other`` and of the SFT step."""
         sft_metrics = self.sft_step.step(self.state.global_step)
-        other_norm = update_norm(theta_other, theta_bar, float32=float32)
-        sft_norm = update_norm(tensors, theta_bar, float32=float32)
+        other_norm = update_norm(theta_other, theta_bar, float32=float32)  # update_norm/<update>
+        sft_norm = update_norm(tensors, theta_bar, float32=float32)  # update_norm/sft
         metrics = self._train_metrics()
         for key in SFT_METRICS:
             if key in sft_metrics:
@@ -220,14 +197,14 @@ class SFTAveragingTrainerMixin:
     # ------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save and self.sft_step.lr_scheduler is not None:
+        if self.args.should_save and self.sft_step.lr_scheduler is not None:  # the one process that writes
             self.sft_step.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        if not os.path.isfile(os.path.join(checkpoint, SFT_STATE_NAME)):
+        if not os.path.isfile(os.path.join(checkpoint, SFT_STATE_NAME)):  # a fresh SFT optimizer would not be a resume
             raise ValueError(f"Cannot resume {self._averaging_name()} from {checkpoint!r}: no {SFT_STATE_NAME} (the "
                              "SFT optimizer's state).")
         self.sft_step.load(checkpoint, self.state.max_steps)

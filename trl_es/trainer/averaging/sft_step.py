@@ -1,17 +1,7 @@
 """The SFT side of parallel averaging: TRL's SFTTrainer, driven one optimizer step at a time on a shared model.
 
-:class:`SFTStep` builds a ``trl.SFTTrainer`` over the model another trainer (GRPO or ES) is training, for its data
-pipeline (tokenization of prompt-completion rows with the chat template, completion-only labels, its collator) and
-its loss (``SFTTrainer.compute_loss``, through ``SFTTrainer.training_step``). It owns a **separate** torch optimizer
-(the SFTTrainer's optimizer class and keyword arguments, AdamW by default) and learning-rate scheduler, so its
-moment estimates never mix with the other trainer's. The other trainer decides when an SFT step happens
-(:class:`~trl_es.trainer.averaging.parallel_averaging_trainer.ParallelAveragingTrainer`,
-:class:`~trl_es.trainer.averaging.es_parallel_averaging_trainer.ESParallelAveragingTrainer`; what the two share, their
-``sft_*`` config fields included, is in :mod:`trl_es.trainer.averaging.sft_averaging`).
-
-Both trainers patch ``model.forward`` with TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), each with
-its own settings (GRPO's temperature, the SFT metrics). :class:`SFTStep` keeps the SFT patch aside and installs it
-only for its own forward, so the host trainer's forward is never changed.
+:class:`SFTStep` takes ``trl.SFTTrainer``'s data pipeline and loss, with a **separate** optimizer and scheduler (its
+moments never mix with the host trainer's); the host (GRPO or ES) decides when a step happens.
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ __all__ = ["SFT_STATE_NAME", "SFTStep", "check_averaging_fields", "sft_config_fr
 #: File of a checkpoint holding the SFT side's optimizer and scheduler states.
 SFT_STATE_NAME = "sft_optimizer.pt"
 
-#: TrainingArguments fields the SFT side copies from the host trainer's config: the optimizer class and its
-#: keyword arguments, the schedule, precision, device, seed (so "its own optimizer" is otherwise the same optimizer).
+#: TrainingArguments fields the SFT side copies from the host's config: the optimizer, schedule, precision, seed.
 HOST_FIELDS = (
     "optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "bf16", "fp16", "use_cpu", "seed", "gradient_accumulation_steps",
@@ -42,14 +31,8 @@ _MISSING = object()
 
 
 def check_averaging_fields(config: TrainingArguments, update_weight_name: str) -> None:
-    """Validate the parallel-averaging fields shared by :class:`ParallelAveragingConfig` and
-    :class:`ESParallelAveragingConfig`: the two weights and the ``sft_*`` settings.
-
-    Args:
-        config (`TrainingArguments`): The config (with ``sft_weight``, ``sft_learning_rate``,
-            ``sft_per_device_train_batch_size``,
-            ``sft_max_length``, ``sft_max_grad_norm``).
-        update_weight_name (`str`): The name of the other update's weight field (``"rl_weight"`` or ``"es_weight"``).
+    """Validate a parallel-averaging config's two weights (``update_weight_name``: ``"rl_weight"`` or ``"es_weight"``,
+    and ``sft_weight``) and its ``sft_*`` fields.
 
     Raises:
         ValueError: naming the field: a weight that is not a finite number >= 0, both weights 0, a learning rate
@@ -61,7 +44,7 @@ def check_averaging_fields(config: TrainingArguments, update_weight_name: str) -
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-    if getattr(config, update_weight_name) == 0 and config.sft_weight == 0:
+    if getattr(config, update_weight_name) == 0 and config.sft_weight == 0:  # the average would be the snapshot
         raise ValueError(f"{update_weight_name} and sft_weight are both 0: no update would remain.")
     if config.sft_learning_rate is not None and not config.sft_learning_rate > 0:
         raise ValueError(f"sft_learning_rate must be > 0, got {config.sft_learning_rate}.")
@@ -82,22 +65,9 @@ def sft_config_from(
     completion_only_loss: bool | None,
     max_grad_norm: float,
 ) -> SFTConfig:
-    """The ``trl.SFTConfig`` of the SFT side: the host's optimizer and schedule settings (:data:`HOST_FIELDS`), the
-    given SFT settings, and no logging, saving or reporting of its own (the host trainer logs and saves).
-
-    Args:
-        host (`TrainingArguments`): The host trainer's config (a ``GRPOConfig`` or an ``ESConfig``).
-        learning_rate (`float`): The SFT optimizer's learning rate.
-        per_device_train_batch_size (`int`): SFT examples per step.
-        max_length (`int` or `None`): Tokens per SFT example (prompt + completion), truncated beyond.
-        completion_only_loss (`bool` or `None`): Loss on completion tokens only (``None``: SFTTrainer's default,
-            True for prompt-completion data).
-        max_grad_norm (`float`): Clip the SFT gradient to this norm (0 = no clipping).
-
-    Returns:
-        (`trl.SFTConfig`): The SFT side's configuration.
-    """
-    kwargs = {name: getattr(host, name) for name in HOST_FIELDS}
+    """The SFT side's ``trl.SFTConfig``: ``host``'s :data:`HOST_FIELDS` (a ``GRPOConfig`` or ``ESConfig``) and the
+    given SFT settings (``sft_*``'s meaning; ``max_grad_norm`` 0: no clipping)."""
+    kwargs = {name: getattr(host, name) for name in HOST_FIELDS}  # otherwise the same optimizer as the host's
     if kwargs["lr_scheduler_kwargs"] is None:
         kwargs["lr_scheduler_kwargs"] = {}
     return SFTConfig(
@@ -108,7 +78,7 @@ def sft_config_from(
         completion_only_loss=completion_only_loss,
         max_grad_norm=max_grad_norm,
         max_steps=host.max_steps,
-        report_to="none",
+        report_to="none",  # the host logs and saves
         save_strategy="no",
         logging_strategy="no",
         eval_strategy="no",
@@ -118,29 +88,21 @@ def sft_config_from(
 
 
 class SFTStep:
-    """One supervised fine-tuning step at a time, with TRL's SFTTrainer data pipeline and loss and its own optimizer.
+    """One supervised fine-tuning step at a time: TRL's SFTTrainer data pipeline and ``"nll"`` loss, its own optimizer.
 
-    ``step(t)`` takes SFT batch ``t`` (a fixed function of ``t`` and the seed: epoch ``e = t // B`` is the permutation
-    ``torch.randperm(n, generator=Generator().manual_seed(seed + e))`` cut into ``B = n // batch_size`` batches, the
-    last incomplete one dropped), computes ``SFTTrainer.compute_loss`` (the mean negative log-likelihood of the
-    completion tokens: TRL's ``"nll"`` loss) at the model's current weights, backpropagates, clips the gradient to
-    ``max_grad_norm``, and steps its optimizer and scheduler. So a resumed run gets the same batches, and two
-    ``SFTStep`` objects built alike take the same step from the same weights.
+    ``step(t)`` takes SFT batch ``t``, a fixed function of ``t`` and the seed (epoch ``t // B`` is
+    ``torch.randperm(n, generator=Generator().manual_seed(seed + epoch))`` cut into ``B = n // batch_size`` batches).
 
     Args:
-        model (`PreTrainedModel`): The model (shared with the host trainer; not copied).
-        processing_class (`PreTrainedTokenizerBase`): Its tokenizer (with a chat template for conversational data).
-        train_dataset (`datasets.Dataset`): Prompt-completion rows in TRL's format (e.g.
-            :func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`), or any dataset SFTTrainer accepts.
+        model (`PreTrainedModel`): The model, shared with the host trainer.
+        processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
+        train_dataset (`datasets.Dataset`): Any dataset SFTTrainer accepts (prompt-completion rows).
         args (`trl.SFTConfig`): See :func:`sft_config_from`.
-        num_training_steps (`int`, *optional*): Length of the learning-rate schedule (the host's ``max_steps``);
-            if ``None``, call :meth:`create_scheduler` before the first step (the host does, once it knows its
-            number of steps).
+        num_training_steps (`int`, *optional*): The schedule's length; ``None``: call :meth:`create_scheduler`
+            before the first step.
         targets (`list[tuple[torch.Tensor, torch.Tensor]]`, *optional*): ``(model parameter, optimized tensor)``
-            pairs. If given, the optimizer owns the second tensors (e.g. ES's fp32 master copies) and the parameter
-            gradients are copied to them (cast to their dtype) before each step; parameters not listed get no update.
-            If ``None``, the optimizer is ``SFTTrainer.create_optimizer()``: every trainable parameter of the model,
-            with the Trainer's weight-decay groups.
+            pairs: the optimizer owns the second (ES's fp32 masters) and gets the first's gradients; ``None``:
+            every trainable parameter (``SFTTrainer.create_optimizer()``).
 
     Attributes:
         trainer (`trl.SFTTrainer`): The SFT trainer (data, collator, loss, metrics); it never runs ``train()``.
@@ -156,6 +118,8 @@ class SFTStep:
         from accelerate.utils import is_peft_model
 
         self.model = model
+        # both trainers patch forward with TRL's fused LM head (add_fused_lm_head), each with its own settings: the
+        # SFT patch is kept aside and installed only for the SFT forward
         patched = model.get_base_model() if is_peft_model(model) else model  # where add_fused_lm_head writes
         host_forward = patched.__dict__.get("forward", _MISSING)
         self.trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset,
@@ -167,16 +131,17 @@ class SFTStep:
         self.batch_size = args.per_device_train_batch_size
         self.seed = args.seed
         self.max_grad_norm = args.max_grad_norm
-        self.batches_per_epoch = len(self.dataset) // self.batch_size
+        self.batches_per_epoch = len(self.dataset) // self.batch_size  # the last incomplete batch dropped
         if self.batches_per_epoch == 0:
             raise ValueError(f"The SFT dataset holds {len(self.dataset)} examples, fewer than one batch of "
                              f"{self.batch_size} (sft_per_device_train_batch_size).")
         self._epoch, self._order = None, None
         self.targets = list(targets) if targets is not None else None
         if self.targets is None:
-            self.optimizer = self.trainer.create_optimizer()
+            self.optimizer = self.trainer.create_optimizer()  # with the Trainer's weight-decay groups
         else:
             optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+            # parameters not in targets get no update
             groups = [{"params": [t for _, t in self.targets], "weight_decay": args.weight_decay}]
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
             self.trainer.optimizer = self.optimizer
@@ -186,14 +151,13 @@ class SFTStep:
         self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, read by training_step
 
     def create_scheduler(self, num_training_steps: int):
-        """The SFT optimizer's scheduler (``SFTTrainer.create_scheduler``: the config's type, warmup and kwargs over
-        ``num_training_steps``); created once, later calls return it."""
+        """The SFT optimizer's scheduler over ``num_training_steps`` (``SFTTrainer.create_scheduler``), created once."""
         if self.lr_scheduler is None:
             self.lr_scheduler = self.trainer.create_scheduler(num_training_steps, optimizer=self.optimizer)
         return self.lr_scheduler
 
     def _restore_forward(self, forward) -> None:
-        if forward is _MISSING:
+        if forward is _MISSING:  # no instance attribute: the class's forward
             self._patched.__dict__.pop("forward", None)
         else:
             self._patched.forward = forward
@@ -201,7 +165,7 @@ class SFTStep:
     def batch_indices(self, step: int) -> list[int]:
         """The dataset rows of SFT batch ``step`` (see the class doc)."""
         epoch, position = divmod(int(step), self.batches_per_epoch)
-        if epoch != self._epoch:
+        if epoch != self._epoch:  # a fresh permutation per epoch, from the seed alone: a resumed run gets the same
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._order = torch.randperm(len(self.dataset), generator=generator).tolist()
             self._epoch = epoch
@@ -212,10 +176,8 @@ class SFTStep:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def step(self, step: int) -> dict[str, float]:
-        """Take SFT step ``step`` at the model's current weights.
-
-        Any gradient already held by the model's parameters is dropped first (the host trainer's optimizer has
-        stepped by then); gradients are set to ``None`` afterwards. The model's train/eval mode is restored.
+        """Take SFT step ``step`` at the model's current weights; gradients are ``None`` and the train/eval mode as
+        before, afterwards.
 
         Returns:
             `dict[str, float]`: ``loss`` (the SFT loss before the step), ``grad_norm`` (before clipping),
@@ -226,7 +188,7 @@ class SFTStep:
             raise RuntimeError("SFTStep.step() before create_scheduler(num_training_steps).")
         model = self.model
         batch = self.trainer.data_collator([self.dataset[i] for i in self.batch_indices(step)])
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # the host's optimizer has stepped by now
         for tensor in self.parameters():
             tensor.grad = None
         was_training = model.training
@@ -242,23 +204,25 @@ class SFTStep:
             model.train(was_training)
         if self.targets is not None:
             for param, target in self.targets:
+                # a parameter the loss does not reach gets a zero gradient: the optimizer still steps it
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                target.grad = grad.detach().to(dtype=target.dtype).reshape(target.shape)
+                target.grad = grad.detach().to(dtype=target.dtype).reshape(target.shape)  # cast to the master's
         params = self.parameters()
-        if self.max_grad_norm and self.max_grad_norm > 0:
+        if self.max_grad_norm and self.max_grad_norm > 0:  # the norm logged is the one before clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])  # the one this step uses
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "learning_rate": learning_rate}
+        # SFTTrainer's batch metrics (entropy, mean_token_accuracy, num_tokens)
         for key, values in self.trainer._metrics["train"].items():
             if values:
                 metrics[key] = float(sum(values) / len(values))
-        self.trainer._metrics["train"] = defaultdict(list)
+        self.trainer._metrics["train"] = defaultdict(list)  # the next step's batch only
         return metrics
 
     def state_dict(self) -> dict:
@@ -266,8 +230,7 @@ class SFTStep:
         return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()}
 
     def save(self, folder: str) -> None:
-        """:meth:`state_dict` to ``folder/SFT_STATE_NAME``, atomically (:func:`trl_es.files.atomic_path`). Called by the
-        one process that writes the checkpoint (``args.should_save``)."""
+        """:meth:`state_dict` to ``folder/SFT_STATE_NAME``, atomically; by the process that saves (``should_save``)."""
         with atomic_path(os.path.join(folder, SFT_STATE_NAME)) as tmp:
             torch.save(self.state_dict(), tmp)
 
@@ -277,7 +240,6 @@ class SFTStep:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def load(self, folder: str, num_training_steps: int) -> None:
-        """Resume from what :meth:`save` wrote to ``folder``: :meth:`create_scheduler` (over ``num_training_steps``,
-        if not yet created), then :meth:`load_state_dict` of ``folder/SFT_STATE_NAME``."""
+        """Resume from what :meth:`save` wrote to ``folder``, the scheduler over ``num_training_steps``."""
         self.create_scheduler(num_training_steps)
         self.load_state_dict(torch.load(os.path.join(folder, SFT_STATE_NAME), weights_only=True))

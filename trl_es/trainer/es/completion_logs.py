@@ -1,20 +1,10 @@
-"""GRPO's completion logs for ES (``log_completions``): a table of the prompts, completions and rewards of the last
-iteration, printed with rich, written as parquet, logged to wandb / trackio and pushed to a Hub dataset repo.
+"""GRPO's completion logs for ES (``log_completions``): every member's prompts, completions and rewards of the last
+iteration (``population_size x prompt_batch_size x num_generations`` rows), printed with rich, written as parquet,
+logged to wandb / trackio and pushed to a Hub dataset repo, as GRPOTrainer does.
 
-GRPOTrainer logs its latest generation batch; ES generates once per member per iteration, so the table holds every
-member's completions of the last iteration (``population_size x prompt_batch_size x num_generations`` rows, gathered
-to the main process; only when ``log_completions=True`` does any text travel between processes). The columns are
-GRPO's, with ES's meaning where it differs:
-
-* ``step``, ``prompt`` (as the dataset holds it: text or messages), ``completion`` (in the prompt's format, as the
-  reward functions receive it), one column per reward function (``None`` where it returned ``None``);
-* the columns reward functions add with ``log_extra(column, values)`` (one value per completion of the call);
-* ``advantage``: the member's shaped fitness, its coefficient ``z_i`` in the update (the same for all its
-  completions): the quantity that weighs a completion's member in the step, as GRPO's advantage weighs a completion;
-* ``member``: the population member's index (ES's own).
-
-The printing reuses TRL's :func:`trl.trainer.utils.print_prompt_completions_sample`; the Hub upload uses
-huggingface_hub's ``CommitScheduler`` with TRL's dataset card template, as GRPOTrainer does.
+Columns: ``step``, ``prompt``, ``completion`` (as the reward functions saw it), one per reward function (``None``
+where it returned ``None``), the ``log_extra`` columns, ``advantage`` (the member's shaped coefficient ``z_i``, the
+same for all its completions) and ``member`` (its population index).
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ __all__ = ["CompletionLog", "empty_logs"]
 COMPLETIONS_FOLDER = "completions"
 
 
-def _value(x: float) -> float | None:
+def _value(x: float) -> float | None:  # NaN (a None reward) back to None
     return None if math.isnan(x) else float(x)
 
 
@@ -45,18 +35,13 @@ def empty_logs() -> dict[str, Any]:
 
 
 class CompletionLog:
-    """The completion table of the last ES iteration, built member by member and written at each log.
-
-    Usage, per iteration: :meth:`log_extra_for_call` gives the ``log_extra`` callable of one rollout call;
-    :meth:`add_call` records the call's completions for its members; :meth:`finish_iteration` (after shaping) sets
-    the advantages, gathers every process's rows (main process) and makes them the table (:attr:`logs`, GRPO's
-    ``trainer._logs`` layout); :meth:`write` prints and stores the table at a log.
+    """The completion table of the last ES iteration: per rollout call :meth:`log_extra_for_call` and :meth:`add_call`,
+    per iteration :meth:`finish_iteration` (after shaping), at a log :meth:`write`.
 
     Args:
         reward_names (`Sequence[str]`): The reward functions' names (one column each).
         output_dir (`str`): The run's output folder; parquet files go to ``output_dir/completions``.
-        num_completions_to_print (`int` or `None`): Rows printed with rich (a sample seeded by the step; ``None``:
-            all; ``0``: none, as in GRPO).
+        num_completions_to_print (`int` or `None`): Rows printed (``None``: all; ``0``: none, as in GRPO).
         log_unique_prompts (`bool`): One row per distinct prompt in the tracker tables.
         report_to (`Sequence[str]`): The trackers; ``"wandb"`` (with an active run) and ``"trackio"`` get a table.
         hub_repo (`str`, *optional*): Hub dataset repo the parquet files are pushed to.
@@ -71,17 +56,15 @@ class CompletionLog:
         self.report_to = list(report_to or [])
         self.hub_repo = hub_repo
         self.commit_scheduler = None
-        self.logs: dict[str, Any] = empty_logs()
+        self.logs: dict[str, Any] = empty_logs()  # GRPO's trainer._logs layout
         self._rows: list[dict] = []  # this process's rows of the iteration in progress
         self._pending: dict[str, list] = {}
-        self._written_step: int | None = None
+        self._written_step: int | None = None  # the step of the last table written
 
     # ------------------------------------------------------------------ recording
     def log_extra_for_call(self) -> Callable[[str, Sequence], None]:
-        """The ``log_extra(column, values)`` callable reward functions receive for one rollout call (GRPO's
-        signature): ``values`` holds one entry per completion of the call. Each call has its own buffer (calls may
-        run concurrently: several vLLM servers)."""
-        pending: dict[str, list] = {}
+        """GRPO's ``log_extra(column, values)`` for one rollout call, ``values`` one per completion of the call."""
+        pending: dict[str, list] = {}  # a buffer per call: calls may run concurrently (several vLLM servers)
 
         def log_extra(column: str, values: Sequence) -> None:
             pending[str(column)] = list(values)
@@ -91,13 +74,8 @@ class CompletionLog:
         return log_extra
 
     def add_call(self, members: Sequence[int], result: RolloutResult, log_extra: Callable | None = None) -> None:
-        """Record one rollout call: ``len(members)`` equal consecutive blocks of completions, one per member.
-
-        Args:
-            members (`Sequence[int]`): The population indices of the call's members, in block order.
-            result (`RolloutResult`): The call's rollout; its ``prompts`` and ``reward_completions`` (as the reward
-                functions saw them) and ``rewards_per_func`` (NaN for ``None``) fill the rows.
-            log_extra (`Callable`, *optional*): The call's :meth:`log_extra_for_call`; default the last one made.
+        """Record one rollout call of ``members`` (population indices, one equal consecutive block of completions each);
+        ``log_extra`` is the call's :meth:`log_extra_for_call`, default the last one made.
 
         Raises:
             ValueError: if a ``log_extra`` column does not hold one value per completion of the call (naming it).
@@ -108,7 +86,7 @@ class CompletionLog:
             if len(values) != total:
                 raise ValueError(f"log_extra({column!r}, values) got {len(values)} values; the call's reward "
                                  f"functions scored {total} completions: give one value per completion.")
-        width = total // max(1, len(members))
+        width = total // max(1, len(members))  # one equal block of completions per stacked member
         rewards = result.rewards_per_func.tolist()
         for k, member in enumerate(members):
             for i in range(k * width, (k + 1) * width):
@@ -121,21 +99,18 @@ class CompletionLog:
 
     def finish_iteration(self, step: int, coefficients: Sequence[float],
                          gather: Callable[[list], list] | None = None, is_main_process: bool = True) -> None:
-        """Close an iteration: set each row's advantage (its member's coefficient), gather the rows of every
-        process (``gather``: a list of this process's rows -> every process's rows in rank order; ``None`` on one
-        process) and make them the table.
-
-        Rows are ordered by member (then as recorded), so the table is the same for any number of processes.
-        """
+        """Make the iteration's rows the table (main process), ``advantage`` the member's ``coefficients``; ``gather``
+        maps this process's rows to every process's in rank order (``None`` on one process)."""
         rows, self._rows = self._rows, []
-        if gather is not None:
+        if gather is not None:  # text travels between processes only with log_completions=True
             rows = gather(rows)
         if not is_main_process:
             return
-        rows = sorted(rows, key=lambda row: row["member"])  # stable: each member's rows keep their order
+        # by member, stable: the same table for any number of processes
+        rows = sorted(rows, key=lambda row: row["member"])
         logs = empty_logs()
         logs["step"] = int(step)
-        columns = sorted({column for row in rows for column in row["extra"]})
+        columns = sorted({column for row in rows for column in row["extra"]})  # None where a call did not log one
         for row in rows:
             logs["prompt"].append(row["prompt"])
             logs["completion"].append(row["completion"])
@@ -159,11 +134,11 @@ class CompletionLog:
                 "advantage": list(logs["advantages"]), "member": list(logs["member"])}
 
     def start_hub_upload(self, hub_private_repo: bool | None = None, hub_model_id: str | None = None) -> None:
-        """Create the Hub dataset repo with TRL's completion-logs card and push ``output_dir/completions`` every
-        2 minutes (huggingface_hub ``CommitScheduler``), as GRPOTrainer. Main process only."""
+        """Main process: create the Hub dataset repo with TRL's card and push ``output_dir/completions`` every 2 minutes
+        (``CommitScheduler``), as GRPOTrainer."""
         if self.hub_repo is None:
             return
-        import importlib.resources
+        import importlib.resources  # TRL ships the card template
 
         from huggingface_hub import CommitScheduler, DatasetCard, DatasetCardData, create_repo
 
@@ -180,15 +155,14 @@ class CompletionLog:
                                                 every=2, allow_patterns=["*.parquet"])
 
     def write(self) -> str | None:
-        """At a log (main process): print the table with rich, write it to
-        ``output_dir/completions/completions_{step:05d}.parquet`` (to a temporary name, then renamed: a reader never
-        sees half a file) and log it to the trackers. Each iteration's table is written once.
+        """Main process, at a log: print the table, write ``output_dir/completions/completions_{step:05d}.parquet`` and
+        log it to the trackers, once per iteration.
 
         Returns:
             `str` or `None`: The parquet path, or ``None`` when there was nothing new to write.
         """
         logs = self.logs
-        if not logs["prompt"] or logs["step"] == self._written_step:
+        if not logs["prompt"] or logs["step"] == self._written_step:  # each iteration's table once
             return None
         self._print()
         import pandas as pd
@@ -196,10 +170,11 @@ class CompletionLog:
         frame = pd.DataFrame(self.table())
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"completions_{logs['step']:05d}.parquet")
-        frame.to_parquet(path + ".tmp")
+        frame.to_parquet(path + ".tmp")  # then renamed: a reader never sees half a file
         os.replace(path + ".tmp", path)
         self._written_step = logs["step"]
         for backend in self._trackers():
+            # str: a conversational prompt (a list of dicts) is not hashable
             table = frame[~frame["prompt"].astype(str).duplicated()] if self.log_unique_prompts else frame
             backend.log({"completions": backend.Table(dataframe=table)})
         return path
@@ -229,7 +204,7 @@ class CompletionLog:
 
     def _trackers(self) -> list:
         backends = []
-        if "wandb" in self.report_to:
+        if "wandb" in self.report_to:  # only with an active run, as GRPO
             try:
                 import wandb
             except ImportError:

@@ -42,12 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 def check_fp16_device(config) -> None:
-    """``fp16=True`` on the CPU would change nothing: accelerate runs fp16 mixed precision (autocast) on GPUs only,
-    so every forward would stay in the model's dtype while the config says fp16.
+    """Refuse ``fp16=True`` on the CPU.
 
     Raises:
         ValueError: naming the field and what to use instead.
     """
+    # accelerate runs fp16 autocast on GPUs only: every forward would stay in the model's dtype
     if config.fp16 and config.device.type == "cpu":
         raise ValueError("fp16=True is not applied on the CPU (accelerate runs fp16 mixed precision on GPUs only, so "
                          "every forward would stay in the model's dtype): use bf16=True (bf16 autocast on the CPU), or "
@@ -73,7 +73,8 @@ def check_fp16_device(config) -> None:
     "Parameters that control generation acceleration powered by transformers continuous batching": (
         "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
     "Parameters that control Anchored Weight Decay (AWD)": (
-        "awd_lambda", "awd_penalty", "log_parameter_drift", "log_module_drift", "success_threshold"),
+        "awd_lambda", "awd_penalty", "log_parameter_drift", "log_module_drift"),
+    "Parameters that control the success metrics": ("success_threshold",),
     "Parameters that control generation (GRPO's names and meanings)": (
         "num_generations", "max_completion_length", "temperature", "top_p", "generation_kwargs",
         "chat_template_kwargs", "reward_weights", "top_k", "min_p", "repetition_penalty",
@@ -94,35 +95,20 @@ class ESConfig(_BaseConfig):
     r"""
     Configuration class for [`ESTrainer`]: Evolution Strategies fine-tuning (Qiu et al. 2025, arXiv 2509.24372).
 
-    Every [`~transformers.TrainingArguments`] field works as usual (``output_dir``, ``max_steps``,
-    ``logging_steps``, ``save_steps``, ``report_to``, ``seed``, ...). One *step* is one ES iteration: a population
-    of ``population_size`` perturbed models is scored on ``prompt_batch_size`` prompts and the weights move once.
+    One *step* is one ES iteration: ``population_size`` perturbed models are scored on ``prompt_batch_size`` prompts
+    and the weights move once. The defaults are the paper's (Sec. 4, Algorithm 1: ``population_size=30``,
+    ``sigma=1e-3``, ``learning_rate=5e-4``, z-scored fitness, greedy decoding), and ``ESConfig()`` constructs on a
+    CPU-only machine (``bf16=False``).
 
-    The ES defaults are those of the reference (Qiu et al. 2025, Sec. 4 and Algorithm 1): ``population_size=30``,
-    ``sigma=1e-3``, ``learning_rate=5e-4``, z-scored fitness, greedy decoding. Unlike TRL's GRPOConfig,
-    ``ESConfig()`` constructs on a CPU-only machine: ``bf16`` defaults to ``False``, and ``gradient_checkpointing``
-    to ``None`` (resolved to ``False``: ES computes no gradient). With ``es_optimizer="es"`` the defaults add no
-    weight decay, no clipping and no decaying schedule (``lr_scheduler_type="constant"``, ``max_grad_norm=0``).
-
-    Preemption: ``resume_from_checkpoint="latest"`` (with ``save_steps``) makes a relaunched job (``torchrun
-    --max-restarts N``) resume by itself from the newest complete checkpoint; a kill costs at most the iterations
-    since that checkpoint (docs/scaling.md, "Preemption and elastic restarts").
-
-    Only the parameters specific to ES (or whose defaults ES changes) are listed here; see
-    [`~transformers.TrainingArguments`] for the rest. Every other field of TRL's ``GRPOConfig`` is a field here too
-    (docs/grpo_fields.md): honoured under GRPO's name; GRPO's batch fields (``per_device_train_batch_size``,
-    ``gradient_accumulation_steps``, ``steps_per_generation`` / ``generation_batch_size``) mapped onto
-    ``prompt_batch_size``, GRPO's prompts per optimizer step (logged once); the settings of GRPO's loss (``beta``,
-    ``epsilon``, ``loss_type``, ...) accepted and named in one warning with their ES counterpart (``beta`` ->
-    ``awd_lambda``, the clipping fields -> ``sigma`` / ``learning_rate``); or refused with a ``ValueError`` that says
-    why and what to do instead, where ES would give other results than the field asks for.
-
-    After construction ``grpo_translation`` (:class:`~.grpo_fields.GRPOTranslation`) keeps the values given for the
-    fields that translation rewrites (``temperature``, ``generation_kwargs``, the batch fields), so :meth:`check_fields`
-    redoes it; it is pickled with the config and left out of ``to_dict()``.
+    Every [`~transformers.TrainingArguments`] field works as usual; every other field of TRL's ``GRPOConfig`` is a field
+    here too, honoured, mapped onto ``prompt_batch_size``, ignored with a warning, or refused (docs/grpo_fields.md).
+    Only ES's parameters, and those whose defaults ES changes, are listed here; a refused or invalid field raises
+    one ``ValueError`` naming every such field.
     """
 
-    grpo_translation = None  # not annotated: not a dataclass field (no flag, no YAML key); set by __post_init__
+    # keeps the values given for the fields GRPO's translation rewrites, so check_fields redoes it; not annotated: no
+    # dataclass field, flag or YAML key; pickled, not in to_dict(); set by __post_init__
+    grpo_translation = None
 
     # Every dict-typed field (found from the type hints, new fields included) accepts a JSON string, as in TRL.
     _VALID_DICT_FIELDS = DictValuedFields()
@@ -479,6 +465,7 @@ class ESConfig(_BaseConfig):
         },
     )
 
+    # ------------------------------------------------------------------ success metrics
     success_threshold: float = field(
         default=1.0,
         metadata={
@@ -643,29 +630,28 @@ class ESConfig(_BaseConfig):
         self._warn_about_grpo_scale_values()
 
     def check_fields(self) -> None:
-        """Check the config again, as at construction, for fields set on a built config (TRL's
-        ``grpo_continuous_batching.py`` sets one after ``parse_args``); ``ESTrainer`` calls it. Idempotent: GRPO's
-        translation is redone from the values given (a field assigned since counts as given); what was warned about
-        is not repeated. ``TrainingArguments.__post_init__`` is not run again.
+        """Check the config again, as at construction, for fields set on a built config (``ESTrainer`` calls it);
+        idempotent, warnings not repeated, ``TrainingArguments.__post_init__`` not rerun.
 
         Raises:
             ValueError: naming every refused or invalid field, in one message as ``__post_init__``.
         """
+        # TRL's grpo_continuous_batching.py sets a field after parse_args; a field assigned since counts as given
         check_finite_floats(self)
         self._check_and_derive(self._grpo_user_errors())
         self._warn_about_grpo_scale_values()
 
     def _grpo_user_errors(self) -> list[str]:
-        """The errors checked before ``TrainingArguments.__post_init__``: every refused ``GRPOConfig`` field, and what
+        """The errors checked before ``TrainingArguments.__post_init__``: refused ``GRPOConfig`` fields and what
         ``es_optimizer='torch'`` cannot go with."""
         errors = grpo_field_errors(self)
         if self.es_optimizer == "torch":
-            if self.fp16:
+            if self.fp16:  # no backward pass: no loss for a GradScaler to scale
                 errors.append("fp16=True cannot go with es_optimizer='torch': ES has no backward pass, so there is no "
                               "loss to scale (the GradScaler would unscale an unscaled gradient). Load the model in "
                               "float16 with model_init_kwargs={'dtype': 'float16'} instead, with fp16=False.")
             optim = getattr(self.optim, "value", self.optim)
-            if "schedule_free" in str(optim):
+            if "schedule_free" in str(optim):  # it counts Trainer's gradient-less step as a step
                 errors.append(f"optim={optim!r} cannot go with es_optimizer='torch': ES steps the optimizer within the "
                               "iteration and Trainer's own step then finds no gradient, which a schedule-free "
                               "optimizer would still count as a step. Use a torch optimizer such as 'adamw_torch' or "
@@ -684,21 +670,23 @@ class ESConfig(_BaseConfig):
         if not self.learning_rate > 0:
             errors.append(f"learning_rate must be > 0, got {self.learning_rate}.")
         own_reason = ("vllm_model_impl",) if self.vllm_model_impl == "transformers" else ()  # refused with its reason
-        errors += literal_field_errors(self, skip=own_reason)  # every Literal field: fitness_shaping, es_optimizer, ...
+        # the Literal fields (fitness_shaping, es_optimizer, ...) against their allowed values
+        errors += literal_field_errors(self, skip=own_reason)
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         collect_error(errors, check_optional_counts, self, "member_chunk_size")
         if self.awd_lambda < 0:
             errors.append(f"awd_lambda must be >= 0, got {self.awd_lambda}.")
-        elif self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:
+        elif self.awd_penalty == "l2" and self.learning_rate * self.awd_lambda >= 1:  # the shrink 1 - alpha*lambda > 0
             errors.append(
                 f"awd_penalty='l2' needs learning_rate * awd_lambda < 1 (got {self.learning_rate * self.awd_lambda}): "
                 "the drift would flip sign."
             )
-        if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:
+        if self.noise_table_size != 0 and self.noise_table_size < NOISE_BLOCK_SIZE:  # a table holds a block at least
             errors.append(f"noise_table_size must be 0 or >= {NOISE_BLOCK_SIZE}, got {self.noise_table_size}.")
         collect_error(errors, self._check_vllm_settings)
         collect_error(errors, self._apply_continuous_batching)
+        # generation and completion logs
         for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -715,27 +703,26 @@ class ESConfig(_BaseConfig):
                           "no drift: set log_parameter_drift=True, or unset log_module_drift.")
         for note in translate_grpo_fields(self, errors):  # temperature, generation_kwargs, batch fields, ...
             logger.warning(note)
-        if self.save_on_each_node:
+        if self.save_on_each_node:  # transformers 5 writes the weights on global rank 0 only
             errors.append("save_on_each_node=True is not supported: transformers 5 save_pretrained writes the model "
                           "only on global rank 0, so the other nodes would get checkpoints without weights. Save "
                           "to a shared filesystem from the main process (save_on_each_node=False).")
-        collect_error(errors, check_fp16_device, self)
-        raise_field_errors(errors)
+        collect_error(errors, check_fp16_device, self)  # needs the device TrainingArguments set up
+        raise_field_errors(errors)  # all of them in one message: a recipe is fixed in one run
 
     def _inert_optimizer_fields(self) -> list[str]:
         """The torch-optimizer settings (:attr:`_es_inert_optimizer_fields`) set to another value than their
         ``ESConfig`` default under ``es_optimizer='es'``, which never reads them."""
         if self.es_optimizer != "es":
             return []
-        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}
+        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}  # ESConfig's, not TrainingArguments'
         return [name for name in self._es_inert_optimizer_fields
                 if name not in self._optimizer_fields_read_elsewhere and getattr(self, name) != defaults.get(name)]
 
     def _warn_about_grpo_scale_values(self) -> None:
-        """One warning per kind, each once: an AdamW-scale ``learning_rate`` under ``es_optimizer='es'`` (it is ES's
-        step size alpha), and every setting with no effect: the ignored ``GRPOConfig`` fields and the
-        torch-optimizer settings the ES update never reads (:meth:`_inert_optimizer_fields`), with ES's counterpart."""
-        said = self.grpo_translation.said
+        """Warn once each: an AdamW-scale ``learning_rate`` under ``es_optimizer='es'``, and every setting with no
+        effect (ignored ``GRPOConfig`` fields, :meth:`_inert_optimizer_fields`) with ES's counterpart."""
+        said = self.grpo_translation.said  # check_fields reruns this: each message once
         messages = []
         if self.es_optimizer == "es" and 0 < self.learning_rate < ES_STEP_SIZE_WARNING_BELOW:
             messages.append(f"learning_rate={self.learning_rate} is ES's step size alpha (theta += alpha / N * sum_i "
@@ -776,10 +763,8 @@ class ESConfig(_BaseConfig):
         return plan
 
     def _apply_continuous_batching(self) -> None:
-        """GRPO's continuous-batching fields: ``use_transformers_paged`` (deprecated) turns
-        ``use_transformers_continuous_batching`` on with a ``FutureWarning``, as in TRL; either that field or
-        ``generation_engine='continuous_batching'`` sets the other. ``transformers_continuous_batching_config`` is
-        checked whether or not the engine is on (GRPO ignores it when off).
+        """GRPO's continuous-batching fields: ``use_transformers_continuous_batching`` and
+        ``generation_engine='continuous_batching'`` set each other (``use_transformers_paged``, deprecated, too).
 
         Raises:
             ValueError: naming the fields, for an invalid config, or the engine with ``use_vllm``, another
@@ -789,6 +774,7 @@ class ESConfig(_BaseConfig):
             warnings.warn("`use_transformers_paged` is deprecated and will be removed in TRL v2.0.0. Use "
                           "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=5)
             self.use_transformers_continuous_batching = True
+        # checked also when off (GRPO ignores it then)
         check_continuous_batching_config(self.transformers_continuous_batching_config)
         if not (self.use_transformers_continuous_batching or self.generation_engine == "continuous_batching"):
             return
@@ -807,9 +793,8 @@ class ESConfig(_BaseConfig):
         self.use_transformers_continuous_batching = True
 
     def _check_vllm_settings(self) -> None:
-        """The vLLM fields (checked whether or not ``use_vllm`` is on, so a bad value never waits for a GPU run;
-        ``vllm_mode`` and ``vllm_model_impl`` values outside their ``Literal`` are refused by
-        :func:`~trl_es.arguments.literal_field_errors`).
+        """Check the vLLM fields, also with ``use_vllm`` off (a bad value never waits for a GPU run); their ``Literal``
+        values are :func:`~trl_es.arguments.literal_field_errors`'s.
 
         Raises:
             ValueError: naming the field and its allowed values.

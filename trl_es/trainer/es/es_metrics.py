@@ -1,9 +1,9 @@
 """What ESTrainer logs about an iteration: population fitness and rewards, success diversity, throughput, timings, and
-the drift from theta_0.
-
-Plain functions of the iteration's scores (:class:`~trl_es.es.fitness.PopulationScores`, summed over processes, so
-the same on every process and for any number of processes) and of this process's member rollouts and timings.
+the drift from theta_0 (the table: ``docs/es_trainer.md``).
 """
+
+# Plain functions of the scores summed over processes (the same on every process, for any number of processes) and
+# of this process's rollouts and timings.
 
 from __future__ import annotations
 
@@ -24,65 +24,45 @@ __all__ = ["completion_metrics", "drift_metrics", "drift_sums", "iteration_metri
 
 def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScores], reward_names: Sequence[str],
                       timings: Mapping[str, float], evaluate_seconds: float, update_seconds: float) -> dict[str, float]:
-    """The logged metrics of one ES iteration: GRPOTrainer's names where ES has the quantity, and ES's own.
-
-    GRPOTrainer's keys, same meaning, computed over **all completions of all population members of the iteration**
-    (``population_size x prompt_batch_size x num_generations`` completions, every process's, summed exactly):
-
-    - ``reward`` / ``reward_std``: mean and standard deviation (unbiased, as TRL's ``nanstd``) of the weighted
-      reward over the completions that have one (not all-``None``; a member's completions count even when another
-      of its rewards was invalid).
-    - ``rewards/<name>/mean`` / ``rewards/<name>/std``: the same per reward function, over the completions it
-      scored (not ``None``, not invalid).
-    - ``frac_reward_zero_std``: the fraction of groups (one member's ``num_generations`` completions of one prompt,
-      GRPO's group) whose weighted rewards have zero spread (all of them when ``num_generations == 1``).
-    - ``completions/mean_length``, ``/min_length``, ``/max_length``: completion tokens (EOS included);
-      ``completions/clipped_ratio``: the fraction that did not end with EOS (cut at ``max_completion_length``);
-      ``completions/mean_terminated_length``, ``/min_terminated_length``, ``/max_terminated_length``: over the
-      completions that did end (0 when none did, as TRL).
-    - ``num_tokens`` (cumulative prompt + completion tokens, ``state.num_input_tokens_seen``) is set by the trainer.
-
-    ES's own: ``fitness/mean`` / ``fitness/std`` / ``reward_min`` / ``reward_max`` over the members' fitnesses (one
-    number per member: its mean weighted reward; the members with a fitness), ``num_nan_members``,
-    ``num_invalid_rewards``, ``success_rate`` and ``success_diversity`` (JS_succ, arXiv 2608.27351),
-    ``completions_per_second``, ``completion_tokens`` (this iteration's) and ``time/*``. Where every member scores
-    every completion (no invalid rewards), ``reward`` equals ``fitness/mean`` (the negated training "loss").
+    """The logged metrics of one ES iteration: GRPOTrainer's keys (same meaning, over all completions of all members)
+    and ES's own (``fitness/*``, JS_succ of arXiv 2608.27351, ``time/*``); ``docs/es_trainer.md`` defines each.
 
     Args:
-        scores (`PopulationScores`): The population's scores, summed over processes; the completion statistics
-            (``reward_std``, ``rewards/<name>/std``, ``frac_reward_zero_std``, ``completions/*``) are logged when
-            they were collected (``completion_stats=True``).
-        members (`Mapping[int, MemberScores]`): The members this process scored (for throughput and timings).
+        scores (`PopulationScores`): Summed over processes; ``reward_std``, ``rewards/<name>/std`` and
+            ``completions/*`` need ``completion_stats=True``.
+        members (`Mapping[int, MemberScores]`): The members this process scored (throughput and timings).
         reward_names (`Sequence[str]`): The reward functions' distinct names.
         timings (`Mapping[str, float]`): The population backend's ``perturb`` / ``restore`` seconds.
-        evaluate_seconds (`float`): Seconds of the member loop on this process.
-        update_seconds (`float`): Seconds of the update.
+        evaluate_seconds, update_seconds (`float`): Seconds of this process's member loop and of the update.
 
     Returns:
-        `dict[str, float]`: The keys above (a key is left out when it has no value, e.g. no completion was scored).
+        `dict[str, float]`: A key is left out when it has no value (e.g. no completion was scored).
     """
     metrics = {}
     fitness = scores.fitness
-    finite = fitness[~torch.isnan(fitness)]
+    finite = fitness[~torch.isnan(fitness)]  # a member's fitness: its mean weighted reward; NaN: invalid
     if finite.numel():
         metrics["fitness/mean"] = float(finite.mean())
         metrics["fitness/std"] = float(finite.std(unbiased=False))
         metrics["reward_min"] = float(finite.min())
         metrics["reward_max"] = float(finite.max())
+    # over the completions with a weighted reward (not all-None), also where another of a member's rewards was invalid;
+    # with no invalid rewards, reward == fitness/mean (the negated training "loss")
     count = float(scores.reward_count.sum())
     if count > 0:
         metrics["reward"] = float(scores.reward_sum.sum()) / count
         if scores.reward_sq_sum is not None and count > 1:
             metrics["reward_std"] = _std(float(scores.reward_sum.sum()), float(scores.reward_sq_sum.sum()), count)
-    metrics["num_nan_members"] = float(torch.isnan(fitness).sum())
+    metrics["num_nan_members"] = float(torch.isnan(fitness).sum())  # ranked worst in the update
     metrics["num_invalid_rewards"] = float(scores.invalid.sum())
     scored = scores.completions > 0
     if scored.any():
         success_rates = scores.successes[scored] / scores.completions[scored]
         metrics["success_rate"] = float(success_rates.mean())
-        metrics["success_diversity"] = success_diversity(success_rates)
+        metrics["success_diversity"] = success_diversity(success_rates)  # JS_succ, arXiv 2608.27351
     sums, counts = scores.per_func_sum.sum(dim=0).tolist(), scores.per_func_count.sum(dim=0).tolist()
     squares = scores.per_func_sq_sum.sum(dim=0).tolist() if scores.per_func_sq_sum is not None else None
+    # per function, over the completions it scored (not None, not invalid)
     for j, (name, mean) in enumerate(zip(reward_names, scores.reward_means_per_func(), strict=True)):
         if mean is not None:
             metrics[f"rewards/{name}/mean"] = mean
@@ -90,15 +70,17 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
             metrics[f"rewards/{name}/std"] = _std(sums[j], squares[j], counts[j])
     if scores.length_extremes is not None:
         metrics.update(completion_metrics(scores))
-    generation_seconds = sum(m.seconds for m in members.values())
+    generation_seconds = sum(m.seconds for m in members.values())  # this process's rollouts: generation and rewards
     if members:
         completions = sum(m.completions for m in members.values())
         metrics["completions_per_second"] = completions / max(generation_seconds, 1e-9)
+    # this iteration's; num_tokens (cumulative, prompt + completion) is the trainer's
     metrics["completion_tokens"] = float(scores.tokens.sum())
     metrics["time/generation_and_reward"] = generation_seconds
     metrics["time/perturb"] = timings.get("perturb", 0.0)
     metrics["time/restore"] = timings.get("restore", 0.0)
     metrics["time/update"] = update_seconds
+    # the member loop's rest: data, all_reduce, logs
     metrics["time/other"] = max(0.0, evaluate_seconds - generation_seconds - sum(timings.values()))
     return metrics
 
@@ -106,28 +88,21 @@ def iteration_metrics(scores: PopulationScores, members: Mapping[int, MemberScor
 def _std(total: float, square_total: float, count: float) -> float:
     """Unbiased standard deviation from a sum, a sum of squares and a count (> 1), as TRL's ``nanstd``."""
     mean = total / count
+    # clamped: rounding can make the difference slightly negative
     return math.sqrt(max(0.0, (square_total - count * mean * mean) / (count - 1)))
 
 
 def completion_metrics(scores: PopulationScores) -> dict[str, float]:
-    """GRPOTrainer's ``frac_reward_zero_std`` and ``completions/*`` from the collected completion statistics.
-
-    Args:
-        scores (`PopulationScores`): Summed over processes, with the statistics (``length_extremes`` not ``None``).
-
-    Returns:
-        `dict[str, float]`: ``frac_reward_zero_std`` (when groups were counted) and, when there are completions,
-        ``completions/{mean,min,max}_length``, ``completions/clipped_ratio`` and
-        ``completions/{mean,min,max}_terminated_length`` (0 when no completion terminated, as TRL).
+    """GRPOTrainer's ``frac_reward_zero_std`` and ``completions/*`` from ``scores`` summed over processes.
 
     Raises:
-        ValueError: if the statistics were not collected.
+        ValueError: if the statistics were not collected (``length_extremes`` is ``None``).
     """
     if scores.length_extremes is None:
         raise ValueError("no completion statistics: collect the scores with completion_stats=True.")
     metrics = {}
     groups = float(scores.groups.sum())
-    if groups > 0:
+    if groups > 0:  # GRPO's group: one member's num_generations completions of a prompt
         metrics["frac_reward_zero_std"] = float(scores.zero_std_groups.sum()) / groups
     extremes = scores.length_extremes.reshape(-1, len(LENGTH_EXTREMES))  # one row per (member, share)
     column = {name: extremes[:, k] for k, name in enumerate(LENGTH_EXTREMES)}
@@ -135,17 +110,17 @@ def completion_metrics(scores: PopulationScores) -> dict[str, float]:
     if completions <= 0:
         return metrics
     have = column["completions"] > 0
-    metrics["completions/mean_length"] = float(scores.tokens.sum()) / completions
+    metrics["completions/mean_length"] = float(scores.tokens.sum()) / completions  # tokens, EOS included
     metrics["completions/min_length"] = float(column["min_length"][have].min())
     metrics["completions/max_length"] = float(column["max_length"][have].max())
     terminated = float(scores.terminated.sum())
-    metrics["completions/clipped_ratio"] = 1.0 - terminated / completions
+    metrics["completions/clipped_ratio"] = 1.0 - terminated / completions  # cut at max_completion_length
     ended = column["terminated"] > 0
     if terminated > 0:
         metrics["completions/mean_terminated_length"] = float(scores.terminated_tokens.sum()) / terminated
         metrics["completions/min_terminated_length"] = float(column["min_terminated_length"][ended].min())
         metrics["completions/max_terminated_length"] = float(column["max_terminated_length"][ended].max())
-    else:
+    else:  # 0 when none ended, as TRL
         for key in ("mean", "min", "max"):
             metrics[f"completions/{key}_terminated_length"] = 0.0
     return metrics
@@ -153,25 +128,20 @@ def completion_metrics(scores: PopulationScores) -> dict[str, float]:
 
 def drift_sums(masters: Mapping[str, torch.Tensor],
                anchor: Mapping[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
-    """``sum (theta - theta_0)^2`` and ``sum theta_0^2`` over the trained tensors, whole and per module type.
-
-    Computed in float64, block by block (no model-sized float64 temporaries). Sums, so that partitions (ZeRO-3) add
-    up across processes.
-
-    Args:
-        masters (`Mapping[str, torch.Tensor]`): theta (the fp32 masters) by name.
-        anchor (`Mapping[str, torch.Tensor]`): theta_0 by name (same names; any device and float dtype).
+    """``sum (theta - theta_0)^2`` and ``sum theta_0^2`` over the trained tensors (``masters`` and ``anchor`` by name),
+    whole and per module type, in float64.
 
     Returns:
-        `(groups, sums)`: the module types (:func:`trl_es.analysis.drift.group_name`, sorted) and a float64 tensor of
-        shape ``(1 + len(groups), 2)``: row 0 the whole model, then one row per group.
+        `(groups, sums)`: the sorted module types (:func:`trl_es.analysis.drift.group_name`) and a float64 tensor
+        ``(1 + len(groups), 2)``: row 0 the whole model, then one row per group.
     """
+    # sums, so that ZeRO-3 partitions add up across processes
     groups = sorted({group_name(name) for name in anchor})
     sums = torch.zeros(len(groups) + 1, 2, dtype=torch.float64)
     for name, master in masters.items():
         flat, theta0 = master.detach().reshape(-1), anchor[name].reshape(-1)
         row = torch.zeros(2, dtype=torch.float64)
-        for lo in range(0, flat.numel(), NOISE_BLOCK_SIZE):
+        for lo in range(0, flat.numel(), NOISE_BLOCK_SIZE):  # no model-sized float64 temporaries
             current = flat[lo : lo + NOISE_BLOCK_SIZE].double()
             initial = theta0[lo : lo + NOISE_BLOCK_SIZE].to(current.device).double()
             row += torch.stack([(current - initial).pow(2).sum(), initial.pow(2).sum()]).cpu()
@@ -188,20 +158,15 @@ def drift_metrics(groups: Sequence[str], sums: torch.Tensor, per_module: bool = 
     keys, rows = ["", *[f"/{g}" for g in groups]], sums.tolist()
     rows = rows if per_module else rows[:1]  # row 0: the whole model
     for key, (diff_sq, base_sq) in zip(keys[: len(rows)], rows, strict=True):
-        norm = math.sqrt(diff_sq)
+        norm = math.sqrt(diff_sq)  # ||theta - theta_0||
         drift[f"drift/l2{key}"] = norm
         drift[f"drift/relative{key}"] = norm / math.sqrt(base_sq) if base_sq > 0 else 0.0
     return drift
 
 
 def warn_invalid_rewards(invalid: torch.Tensor, reward_names: Sequence[str], warned: set[str]) -> None:
-    """Warn once per reward function (tracked in ``warned``) that returned a non-finite number.
-
-    Args:
-        invalid (`torch.Tensor`): ``(num_completions, num_funcs)`` bool, as the rollout returns it.
-        reward_names (`Sequence[str]`): The functions' names.
-        warned (`set[str]`): Names already warned about; updated.
-    """
+    """Warn once per reward function that returned a non-finite number: ``invalid`` ``(num_completions, num_funcs)``
+    bool, ``warned`` the names already warned about (updated)."""
     for j in torch.nonzero(invalid.any(dim=0)).flatten().tolist():
         name = reward_names[j]
         if name not in warned:

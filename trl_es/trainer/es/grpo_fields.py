@@ -1,13 +1,8 @@
 """Every field of TRL's ``GRPOConfig`` answered by ``ESConfig``, and the translation of a GRPO recipe onto ES's fields.
 
-A GRPO user changes one import (``GRPOConfig`` -> ``ESConfig``) and keeps their keyword arguments, YAML keys and flags.
-A ``GRPOConfig`` field is a ``TrainingArguments`` field, an ``ESConfig`` field of GRPO's name and meaning (*honoured*:
-its ``help`` says how ES applies it), or an entry of :data:`GRPO_FIELDS`: *mapped* onto ``prompt_batch_size``,
-*ignored* (accepted, named in one warning at start) or *refused* (a ``ValueError`` naming what to do instead).
-:func:`translate_grpo_fields` writes the honoured and mapped fields as ES reads them, from the user's values kept in
-:class:`GRPOTranslation`. ``docs/grpo_fields.md`` is generated from the table and ``ESConfig``'s help::
-
-    python scripts/grpo_fields_markdown.py > docs/grpo_fields.md
+A ``GRPOConfig`` field is a ``TrainingArguments`` field, an ``ESConfig`` field of GRPO's name and meaning (*honoured*,
+its ``help`` says how), or an entry of :data:`GRPO_FIELDS`: *mapped* onto ``prompt_batch_size``, *ignored* (named in
+one warning) or *refused* (``ValueError``). ``python scripts/grpo_fields_markdown.py > docs/grpo_fields.md``.
 """
 
 from __future__ import annotations
@@ -46,28 +41,16 @@ _SERVER = "vllm_mode='server' sends the ES server only seeds (a member, an updat
 
 @dataclass(frozen=True)
 class GRPOField:
-    """How ``ESConfig`` answers a ``GRPOConfig`` field it does not declare with GRPO's meaning.
+    """How ``ESConfig`` answers a ``GRPOConfig`` field it does not declare with GRPO's meaning."""
 
-    Args:
-        name (`str`): The ``GRPOConfig`` field.
-        status (`str`): ``"mapped"`` (translated onto ``prompt_batch_size``), ``"ignored"`` (accepted, never read,
-            warned about) or ``"refused"``.
-        reason (`str`): Why ES has no such thing (ignored, refused), or how it is mapped.
-        counterpart (`str`, *optional*): The ES setting to use instead, if any.
-        type (`str`): Annotation of the ``ESConfig`` field :func:`answer_grpo_fields` adds (``| None`` appended).
-        accepted (`tuple`): Values under which GRPO does what ES does, accepted silently as well as ``None``.
-        same_as (`str`, *optional*): Also accepted when equal to this ``ESConfig`` field.
-        not_yet (`bool`): Refused because ES does not implement it yet (it could), not because it has no meaning.
-    """
-
-    name: str
-    status: str
-    reason: str
-    counterpart: str | None = None
-    type: str = "str"
-    accepted: tuple = ()
-    same_as: str | None = None
-    not_yet: bool = False
+    name: str  # the GRPOConfig field
+    status: str  # "mapped" (onto prompt_batch_size), "ignored" (accepted, never read, warned about) or "refused"
+    reason: str  # why ES has no such thing, or how it is mapped
+    counterpart: str | None = None  # the ES setting to use instead
+    type: str = "str"  # annotation of the ESConfig field answer_grpo_fields adds ("| None" appended)
+    accepted: tuple = ()  # values under which GRPO does what ES does: accepted silently, as None is
+    same_as: str | None = None  # also accepted when equal to this ESConfig field
+    not_yet: bool = False  # refused because ES does not implement it yet, not because it has no meaning
 
     def accepts(self, value: Any, config: Any = None) -> bool:
         """Whether ``value`` is accepted silently (``None``, an ``accepted`` value, or ``same_as``'s): a refused
@@ -217,6 +200,7 @@ GRPO_FIELDS: tuple[GRPOField, ...] = (
              type="float"),
 )
 
+# import-time checks of the table
 _BY_NAME = {entry.name: entry for entry in GRPO_FIELDS}
 assert len(_BY_NAME) == len(GRPO_FIELDS), "a GRPOConfig field is answered twice"
 assert all(entry.status in STATUSES for entry in GRPO_FIELDS)
@@ -344,19 +328,12 @@ def _dict(value: Any) -> dict:
 
 @dataclass
 class GRPOTranslation:
-    """A config's record of its translation (``ESConfig.grpo_translation``; pickled with it, not in ``to_dict()``).
+    """A config's record of its translation (``ESConfig.grpo_translation``; pickled with it, not in ``to_dict()``)."""
 
-    Args:
-        given (`dict`): The user's value of each of :data:`TRANSLATED_FIELDS` (``None``: unset).
-        derived (`dict`): The value the last translation wrote in its place.
-        mapping (`str`, *optional*): GRPO's batch fields mapped, in words (``None``: none was set).
-        said (`set[str]`): The warnings and logs already emitted: each is emitted once.
-    """
-
-    given: dict[str, Any]
-    derived: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mapping: str | None = None
-    said: set[str] = dataclasses.field(default_factory=set)
+    given: dict[str, Any]  # the user's value of each of TRANSLATED_FIELDS (None: unset)
+    derived: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the last translation wrote in its place
+    mapping: str | None = None  # GRPO's batch fields mapped, in words (None: none was set)
+    said: set[str] = dataclasses.field(default_factory=set)  # the warnings and logs emitted: each once
 
     @classmethod
     def given_by(cls, config: Any, **values: Any) -> GRPOTranslation:
@@ -365,11 +342,10 @@ class GRPOTranslation:
                     for name in TRANSLATED_FIELDS})
 
     def user_values(self, config: Any) -> dict[str, Any]:
-        """:data:`TRANSLATED_FIELDS` as the user gave them: the config's value where it differs from the one written
-        (assigned since), else the given one; ``generation_kwargs`` without what the translation merged in."""
+        """:data:`TRANSLATED_FIELDS` as the user gave them (``generation_kwargs`` without what was merged in)."""
         values = {}
         for name in TRANSLATED_FIELDS:
-            now = getattr(config, name)
+            now = getattr(config, name)  # differs from the value written: assigned since, the user's
             values[name] = now if name in self.derived and now != self.derived[name] else self.given[name]
         derived, given = (_dict(self.derived.get("generation_kwargs")), _dict(self.given["generation_kwargs"]))
         added = {key: value for key, value in derived.items() if key not in given}  # merged in from top_k, ...
@@ -381,9 +357,7 @@ class GRPOTranslation:
 
 def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
     """Write ``config``'s GRPO fields as ES reads them, from the user's values (idempotent; a field assigned since the
-    last call counts as given): ``temperature`` resolved, ``top_k`` / ``min_p`` / ``repetition_penalty`` merged into
-    ``generation_kwargs``, ``pad_to_multiple_of`` resolved, ``trust_remote_code`` / ``shuffle_dataset`` applied, and
-    GRPO's batch fields mapped onto ``prompt_batch_size``.
+    last call counts as given).
 
     Returns:
         `list[str]`: The log lines not emitted before. Each error (naming the field) is appended to ``errors``.
@@ -394,10 +368,10 @@ def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
     record = config.grpo_translation
     user, notes = record.user_values(config), []
     _resolve_temperature(config, user, notes)
-    _apply_generation_fields(config, user["generation_kwargs"], errors)
+    _apply_generation_fields(config, user["generation_kwargs"], errors)  # top_k, min_p, ... into generation_kwargs
     collect_error(errors, _resolve_pad_to_multiple_of, config)
-    collect_error(errors, _apply_model_and_data_fields, config)
-    collect_error(errors, _map_batch, config, user, record, notes)
+    collect_error(errors, _apply_model_and_data_fields, config)  # trust_remote_code, shuffle_dataset
+    collect_error(errors, _map_batch, config, user, record, notes)  # GRPO's batch fields onto prompt_batch_size
     record.given = {name: _copy(value) for name, value in user.items()}
     record.derived = {name: _copy(getattr(config, name)) for name in TRANSLATED_FIELDS}
     notes = [note for note in notes if note not in record.said]
@@ -406,11 +380,12 @@ def translate_grpo_fields(config: Any, errors: list[str]) -> list[str]:
 
 
 def _resolve_temperature(config: Any, user: dict[str, Any], notes: list[str]) -> None:
-    """``temperature`` unset: GRPO's 1.0 when the config asks for sampling, else 0.0 (the ES reference's greedy
-    decoding, so ``num_generations=1`` stays greedy bit for bit); an explicit one is kept."""
-    if user["temperature"] is not None:
+    # unset: GRPO's 1.0 when the config asks for sampling, else the ES reference's greedy 0.0 (num_generations=1
+    # stays greedy bit for bit)
+    if user["temperature"] is not None:  # an explicit one is kept
         config.temperature = user["temperature"]
         return
+    # several completions of a prompt, or a sampling-only filter, ask for sampling
     asks = [f"{name}={getattr(config, name)}" for name in ("num_generations", "num_generations_eval")
             if _count(getattr(config, name)) > 1]
     asks += [f"{name}={getattr(config, name)!r}" for name, off in _NEUTRAL[:2] if getattr(config, name) != off]
@@ -423,14 +398,13 @@ def _resolve_temperature(config: Any, user: dict[str, Any], notes: list[str]) ->
                      "0.0). Set temperature to choose another.")
 
 
-def _count(value: Any) -> int:
+def _count(value: Any) -> int:  # an int field's value; 0 for anything else (checked elsewhere)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -> None:
-    """Check GRPO's generation fields; merge ``top_k``, ``min_p``, ``repetition_penalty`` into ``generation_kwargs``
-    (a key the user's ``generation_kwargs`` holds wins, as in GRPO; values at "off" add nothing). Refused: a
-    sampling-only setting, or ``num_generations > 1``, with greedy decoding (identical copies)."""
+    """Check GRPO's generation fields and merge ``top_k``, ``min_p``, ``repetition_penalty`` into
+    ``generation_kwargs``."""
     if config.temperature < 0:
         errors.append(f"temperature must be >= 0 (0 = greedy), got {config.temperature}.")
     if not 0 < config.top_p <= 1:
@@ -445,7 +419,7 @@ def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         errors.append(f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {limit!r}.")
     kwargs = user_kwargs if isinstance(user_kwargs, dict) else {}
-    if not (config.temperature > 0 or kwargs.get("do_sample")):
+    if not (config.temperature > 0 or kwargs.get("do_sample")):  # greedy: sampling settings and copies are refused
         for name, off in _NEUTRAL[:2]:
             if getattr(config, name) != off:
                 errors.append(f"{name}={getattr(config, name)!r} filters tokens when sampling, but temperature=0 "
@@ -457,12 +431,13 @@ def _apply_generation_fields(config: Any, user_kwargs: Any, errors: list[str]) -
                 errors.append(f"{name}={count} with greedy decoding (temperature=0) would score {count} identical "
                               "copies of each completion: set temperature > 0 (e.g. 1.0, GRPO's default, which an "
                               f"unset temperature resolves to) to sample different completions, or {name}=1.")
+    # values at "off" add nothing; a key the user's generation_kwargs holds wins, as in GRPO
     merged = {name: getattr(config, name) for name, off in _NEUTRAL if getattr(config, name) != off}
     config.generation_kwargs = ({**merged, **kwargs} or None) if merged else user_kwargs
 
 
 def _resolve_pad_to_multiple_of(config: Any) -> None:
-    """As GRPOConfig does: ``"auto"`` -> ``None`` (it pads only on AWS Neuron), ``"64"`` -> 64."""
+    # as GRPOConfig: "auto" -> None (it pads only on AWS Neuron), "64" -> 64
     config.pad_to_multiple_of = resolve_pad_to_multiple_of(config.pad_to_multiple_of)
 
 
@@ -473,14 +448,14 @@ def _apply_model_and_data_fields(config: Any) -> None:
     Raises:
         ValueError: naming both fields when they contradict each other.
     """
-    if config.trust_remote_code:
+    if config.trust_remote_code:  # into model_init_kwargs, as GRPO loads the model
         init_kwargs = dict(config.model_init_kwargs or {})
         if init_kwargs.get("trust_remote_code", True) is not True:
             raise ValueError("trust_remote_code=True contradicts model_init_kwargs={'trust_remote_code': "
                              f"{init_kwargs['trust_remote_code']!r}}}: set one of them.")
         init_kwargs["trust_remote_code"] = True
         config.model_init_kwargs = init_kwargs
-    if config.shuffle_dataset is not None:
+    if config.shuffle_dataset is not None:  # as train_sampling_strategy
         strategy = getattr(config.train_sampling_strategy, "value", config.train_sampling_strategy)
         wanted = "random" if config.shuffle_dataset else "sequential"
         if strategy not in ("random", wanted):
@@ -491,10 +466,8 @@ def _apply_model_and_data_fields(config: Any) -> None:
 
 
 def _map_batch(config: Any, user: dict[str, Any], record: GRPOTranslation, notes: list[str]) -> None:
-    """``prompt_batch_size``: GRPO's prompts per optimizer step when any of GRPO's batch fields is set (TRL 1.16:
-    ``per_device_train_batch_size x processes x gradient_accumulation_steps / num_generations``), else as given (8
-    when unset). Then ``per_device_train_batch_size`` is ``prompt_batch_size / processes`` (what each process's
-    dataloader loads) and ``gradient_accumulation_steps`` 1 (a step is one ES iteration).
+    """``prompt_batch_size``: GRPO's prompts per optimizer step when any of GRPO's batch fields is set, else as given
+    (8 when unset); ``per_device_train_batch_size`` then ``prompt_batch_size / processes``.
 
     Raises:
         ValueError: naming the fields: what GRPO refuses too, a GRPO step that is not whole prompts, a
@@ -506,6 +479,7 @@ def _map_batch(config: Any, user: dict[str, Any], record: GRPOTranslation, notes
     world, mapping = config.world_size, None
     if (per_device is not None or accumulation != 1 or config.generation_batch_size is not None
             or config.steps_per_generation is not None):
+        # TRL 1.16: per_device_train_batch_size x processes x gradient_accumulation_steps / num_generations
         mapped, mapping = _grpo_prompts(config, per_device, accumulation, world)
         if prompts is not None and prompts != mapped:
             raise ValueError(f"prompt_batch_size={prompts} contradicts GRPO's batch fields, {mapping[0]} = {mapped} "
@@ -520,8 +494,8 @@ def _map_batch(config: Any, user: dict[str, Any], record: GRPOTranslation, notes
                          f"({world}): each process loads prompt_batch_size / {world} whole prompts, then all share "
                          "them (GRPO may split a prompt's completions over processes; ES cannot).")
     config.prompt_batch_size = prompts
-    config.per_device_train_batch_size = prompts // world
-    config.gradient_accumulation_steps = 1
+    config.per_device_train_batch_size = prompts // world  # what each process's dataloader loads
+    config.gradient_accumulation_steps = 1  # a step is one ES iteration
     record.mapping = mapping[0] if mapping else None
     if mapping:
         notes.append(f"GRPO's batch fields mapped to prompt_batch_size={prompts}: {mapping[1]}")
@@ -550,7 +524,7 @@ def _grpo_prompts(config: Any, per_device: int | None, accumulation: int, world:
             raise ValueError(f"generation_batch_size ({generation}) must be divisible by the global batch size "
                              f"per_device_train_batch_size x processes = {size} x {world} = {global_batch} (GRPO "
                              "refuses it too).")
-        steps = generation // global_batch
+        steps = generation // global_batch  # optimizer steps per generation batch
     elif steps is None:
         steps = accumulation  # GRPO's default: one generation batch per optimizer step
     generation = global_batch * steps
@@ -558,7 +532,7 @@ def _grpo_prompts(config: Any, per_device: int | None, accumulation: int, world:
         raise ValueError(f"generation_batch_size ({generation} = per_device_train_batch_size {size} x {world} "
                          f"processes x steps_per_generation {steps}) must be divisible by num_generations "
                          f"({generations}) (GRPO refuses it too): a generation batch holds whole prompts.")
-    completions = global_batch * accumulation
+    completions = global_batch * accumulation  # one GRPO optimizer step's
     processes = f"{world} process{'es' if world > 1 else ''}"
     grpo_step = (f"per_device_train_batch_size={size}{'' if per_device is not None else ' (unset: GRPO default)'}"
                  f" x {processes} x gradient_accumulation_steps={accumulation}")
@@ -586,8 +560,8 @@ def grpo_fields_plan(config: Any) -> dict[str, list[str]]:
     """GRPO's fields ``config`` mapped or ignores, for the plan ``ESTrainer.train()`` prints.
 
     Returns:
-        `dict`: ``"mapped"``: the batch mapping (``"... / num_generations=16 -> prompt_batch_size=4"``; empty when none
-        of GRPO's batch fields was set); ``"ignored"``: ``name=value`` of each ignored field warned about at start.
+        `dict`: ``"mapped"``: the batch mapping lines (``"... -> prompt_batch_size=4"``); ``"ignored"``: ``name=value``
+        of each ignored field warned about.
     """
     mapping = config.grpo_translation.mapping if config.grpo_translation is not None else None
     mapped = [f"{mapping} -> prompt_batch_size={config.prompt_batch_size}"] if mapping else []

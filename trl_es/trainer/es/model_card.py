@@ -1,12 +1,8 @@
-"""ESTrainer's model card: TRL's card with ES's settings, the seed-log note and the papers to cite.
+"""ESTrainer's model card: TRL's card (:func:`trl.trainer.utils.generate_model_card`) with ES's settings, the seed-log
+note and, with ``awd_lambda > 0``, AWD's BibTeX.
 
-As GRPOTrainer, ESTrainer writes ``README.md`` in ``output_dir`` before every checkpoint (so ``push_to_hub`` with
-``hub_strategy="every_save"`` pushes it) and on ``push_to_hub``, and also beside every model ``save_model`` writes
-(the hooks are in :class:`~trl_es.trainer.es.es_checkpoint.ESCheckpointMixin`). The card is TRL's
-(:func:`trl.trainer.utils.generate_model_card`, TRL's ``lm_model_card.md`` template: base model, dataset, framework
-versions, the method's paper and BibTeX, TRL's citation) with two sections added before "Framework versions": the ES
-settings of the run and what ``es_seed_log.jsonl`` is; and, when ``awd_lambda > 0``, AWD's BibTeX after ES's. It is
-written by the main process only, atomically (:func:`trl_es.files.atomic_path`).
+Written as GRPOTrainer writes it, before every checkpoint and on ``push_to_hub``, and beside every ``save_model``
+(the hooks: :class:`~trl_es.trainer.es.es_checkpoint.ESCheckpointMixin`).
 """
 
 from __future__ import annotations
@@ -57,11 +53,6 @@ _HUB_URL = re.compile(r"^hf://datasets/([^/@]+/[^/@]+)@")
 def hub_dataset_id(dataset) -> str | None:
     """The hub id (``org/Name``) a ``datasets`` dataset was loaded from, where the dataset tells it exactly.
 
-    From the hub URLs of its source files (``info.download_checksums``, recorded when ``datasets`` records
-    checksums), else from its cache folder ``<org>___<snake_name>`` matched against the hub cache's
-    ``datasets--<org>--<Name>`` folders, which keep the id's case (``datasets`` snake-cases the name of its own cache
-    folder: ``trl-lib/DeepMath-103K`` -> ``trl-lib___deep_math-103_k``).
-
     Returns:
         `str` or `None`: ``None`` for a dataset built in memory (``Dataset.from_list``), from local files, or whose
         id cannot be told.
@@ -70,9 +61,12 @@ def hub_dataset_id(dataset) -> str | None:
     from huggingface_hub.constants import HF_HUB_CACHE
 
     info = getattr(dataset, "info", None)
+    # the hub URLs of its source files, recorded when datasets records checksums
     for url in (getattr(info, "download_checksums", None) or {}):
         if match := _HUB_URL.match(str(url)):
             return match[1]
+    # else its cache folder <org>___<snake_name> (trl-lib/DeepMath-103K -> trl-lib___deep_math-103_k) matched
+    # against the hub cache's datasets--<org>--<Name>, which keeps the id's case
     files = getattr(dataset, "cache_files", None) or []
     parts = [part for part in Path(files[0]["filename"]).parts if "___" in part] if files else []
     if not parts:
@@ -87,24 +81,19 @@ def hub_dataset_id(dataset) -> str | None:
 
 def _value(value) -> str:
     """A setting as the card shows it, in code: an enum's value; strings quoted."""
-    value = getattr(value, "value", value)
+    value = getattr(value, "value", value)  # an enum's value
     return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
 
 def es_card_sections(args, base_model: str | None, peft: bool) -> str:
-    """The card's ES sections (markdown): a table of :data:`CARD_SETTINGS` and the seed-log note.
-
-    Args:
-        args (`ESConfig`): The run's config.
-        base_model (`str` or `None`): The base model's hub id (for the replay snippet).
-        peft (`bool`): Whether ES trained a PEFT adapter.
-    """
-    names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]
+    """The card's ES sections (markdown) for ``args``: a table of :data:`CARD_SETTINGS` and the seed-log note, with a
+    replay snippet from ``base_model`` (a hub id; wrapped with its PEFT adapter if ``peft``)."""
+    names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]  # the penalty only with AWD on
     rows = "\n".join(f"| `{name}` | {_value(getattr(args, name))} |" for name in names)
     trained = "the PEFT adapter's parameters (the base weights are frozen)" if peft else "the model's weights"
     model = f'"{base_model}"' if base_model else '"<base model>"'
     adapter = ", wrapped with its initial PEFT adapter" if peft else ""
-    if args.es_optimizer == "es":
+    if args.es_optimizer == "es":  # the seed log alone rebuilds the weights
         replay = textwrap.dedent(f"""\
             With `es_optimizer="es"` the trained weights are the base model plus this log, bitwise:
 
@@ -145,30 +134,25 @@ def model_card_name(args, folder: str) -> str:
 
 def write_model_card(trainer, folder: str, model_name: str | None = None, dataset_name: str | None = None,
                      tags: str | list[str] | None = None) -> None:
-    """Write ``folder/README.md`` for ``trainer`` (an ESTrainer): TRL's card with the ES sections.
-
-    The arguments of :func:`trl.trainer.utils.generate_model_card` are built as ``_BaseTrainer.create_model_card``
-    builds them (base model from the model's config unless it is a local folder, TRL's tags, tracker urls, the
-    trainer's ``_name`` and ``_paper``); then :func:`es_card_sections` go before "### Framework versions" and, with
-    ``awd_lambda > 0``, AWD's BibTeX before TRL's. Written by the main process only, atomically.
+    """Write ``folder/README.md`` for an ESTrainer (main process, atomically): TRL's card with :func:`es_card_text`.
 
     Args:
         trainer (`ESTrainer`): The trainer.
         folder (`str`): Where ``README.md`` goes.
         model_name (`str`, *optional*): The trained model's name.
-        dataset_name (`str`, *optional*): The training dataset's hub id; default: the train dataset's where it can be
-            told (:func:`hub_dataset_id`), else none.
+        dataset_name (`str`, *optional*): The training dataset's hub id; default :func:`hub_dataset_id`'s.
         tags (`str` or `list[str]`, *optional*): Tags besides the trainer's ``_tag_names``.
     """
     if not trainer.is_world_process_zero():
         return
+    # the arguments of generate_model_card as TRL's _BaseTrainer.create_model_card builds them
     from peft import PeftModel
 
     model_id = get_config_model_id(trainer.model.config)
-    base_model = model_id if model_id and not os.path.isdir(model_id) else None
+    base_model = model_id if model_id and not os.path.isdir(model_id) else None  # not a local folder
     if dataset_name is None:
         dataset_name = hub_dataset_id(getattr(trainer.train_dataset, "dataset", trainer.train_dataset))
-    tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)
+    tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)  # a str is one tag
     if hasattr(trainer.model.config, "unsloth_version"):
         tags.add("unsloth")
     if "JOB_ID" in os.environ:
@@ -199,12 +183,13 @@ def es_card_text(text: str, args, base_model: str | None, peft: bool) -> str:
     """TRL's card body with :func:`es_card_sections` before "### Framework versions" and, with ``awd_lambda > 0``,
     AWD's BibTeX before TRL's (each at the end where the template has no such heading)."""
     sections = es_card_sections(args, base_model, peft)
+    # before "### Framework versions", or at the end of a template without that heading
     head, sep, tail = text.partition("### Framework versions")
     text = f"{head}{sections}\n{sep}{tail}" if sep else f"{text}\n{sections}"
     if args.awd_lambda > 0:
         awd = (f"The weights were anchored with AWD (`awd_lambda={args.awd_lambda}`), introduced in "
                f"[{AWD_PAPER['title']}](https://huggingface.co/papers/{AWD_PAPER['id']}). Cite AWD as:\n\n"
                f"```bibtex\n{AWD_PAPER['citation']}\n```\n\n")
-        head, sep, tail = text.partition("Cite TRL as:")
+        head, sep, tail = text.partition("Cite TRL as:")  # AWD's BibTeX after ES's, before TRL's
         text = f"{head}{awd}{sep}{tail}" if sep else f"{text}\n{awd}"
     return text
