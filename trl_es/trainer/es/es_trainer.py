@@ -321,9 +321,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 raise ValueError(f"tools, environment_factory and rollout_func are not supported with "
                                  f"{' and '.join(unsupported)} in ESTrainer yet: they roll out one member at a time "
                                  "(member_chunk_size=1).")
-        self.generation_engine = make_engine(args, self.accelerator.unwrap_model(self.model), EngineContext(
-            self.processing_class, self.generation_config, self.accelerator, self.es_params, self.population,
-            lambda: self.seed_log, self.sharded, bool(self._agents)))
+        context = EngineContext(processing_class=self.processing_class, generation_config=self.generation_config,
+                                accelerator=self.accelerator, params=self.es_params, population=self.population,
+                                seed_log=lambda: self.seed_log, sharded=self.sharded, agents=bool(self._agents))
+        self.generation_engine = make_engine(args, self.accelerator.unwrap_model(self.model), context)
         self.population = on_engine(self.population, self.generation_engine)  # into an engine with its own weights
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
