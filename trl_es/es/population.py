@@ -7,7 +7,8 @@
 - :meth:`PopulationBackend.apply` is a context manager: on entry the group's members are put into the model, on exit
   the model is restored exactly, also when the body raises (``KeyboardInterrupt`` included).
 
-Two backends, each also inside a generation engine with its own weights (:func:`on_engine`, the vLLM engine):
+Two backends, each also inside a generation engine with its own weights (:func:`on_engine`: a :class:`WeightsHost`,
+such as the vLLM engines):
 
 - :class:`SequentialPopulation`: one full-rank Gaussian member at a time, written into the weights in place
   (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1) and restored bitwise from the master copy;
@@ -248,18 +249,44 @@ class BatchedLowRankPopulation(PopulationBackend):
             self._adapters = None
 
 
-class EngineSequentialPopulation(SequentialPopulation):
-    """:class:`SequentialPopulation` applied inside a generation engine that holds its own copy of the weights
-    (the vLLM engine, ``ESConfig(use_vllm=True)``): each member is written into the *engine's* weights from its seed
-    (bitwise the weights :class:`SequentialPopulation` writes into the model), and restored by loading the current
-    weights again. The model itself is never perturbed, so a parameter in the master dtype may be its own master.
+class WeightsHost(ABC):
+    """Holds its own copy of the weights, and takes full-rank members into it from their seeds (a generation engine
+    such as vLLM's: :class:`~trl_es.generation.base.OwnWeightsEngine`); :func:`on_engine` puts a population there."""
 
-    Args:
-        engine: Has ``perturb_(member, sigma)`` and ``restore_()``
-            (:class:`~trl_es.generation.vllm_engine.VLLMEngine`).
+    name = "weights_host"
+
+    @abstractmethod
+    def perturb_(self, member: Member, sigma: float) -> None:
+        """Write member ``member`` into the held weights: each trained tensor ``cast(master + sign sigma eps)``,
+        bitwise what :class:`SequentialPopulation` writes into the model."""
+
+    @abstractmethod
+    def restore_(self) -> None:
+        """Hold the current weights again, exactly (after :meth:`perturb_`, also a partial one)."""
+
+
+class AdapterHost(WeightsHost):
+    """A :class:`WeightsHost` that also takes low-rank members as per-row-block adapters (vLLM's multi-LoRA)."""
+
+    @abstractmethod
+    def load_adapters_(self, params: TrainedParameters, perturbation: LowRankPerturbation, noise: NoiseSource,
+                       members: Sequence[Member], sigma: float) -> None:
+        """Load ``members`` as adapters: row block ``k`` of the next ``generate`` calls uses member ``k``'s, until
+        :meth:`clear_adapters_`."""
+
+    @abstractmethod
+    def clear_adapters_(self) -> None:
+        """Remove the loaded adapters (none loaded: nothing)."""
+
+
+class EngineSequentialPopulation(SequentialPopulation):
+    """:class:`SequentialPopulation` applied inside an engine that holds its own copy of the weights: each member is
+    written into the *engine's* weights from its seed (bitwise the weights :class:`SequentialPopulation` writes into
+    the model), and restored by loading the current weights again. The model itself is never perturbed, so a
+    parameter in the master dtype may be its own master.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: WeightsHost):
         super().__init__()
         self.engine = engine
 
@@ -277,18 +304,16 @@ class EngineSequentialPopulation(SequentialPopulation):
 
 
 class EngineLowRankPopulation(BatchedLowRankPopulation):
-    """:class:`BatchedLowRankPopulation` whose members are adapters of a generation engine (vLLM multi-LoRA, as the
-    EGGROLL authors run it): a group's members are loaded as one LoRA adapter each
+    """:class:`BatchedLowRankPopulation` whose members are adapters of an engine (vLLM multi-LoRA, as the EGGROLL
+    authors run it): a group's members are loaded as one LoRA adapter each
     (:func:`~trl_es.es.perturbation.lowrank_lora_factors`), row block ``k`` of the group's ``generate`` call uses
     adapter ``k``; the weights are never written. Exit removes the adapters, also on an exception.
 
     Args:
-        engine: Has ``load_adapters_(params, perturbation, noise, members, sigma)`` and ``clear_adapters_()``
-            (:class:`~trl_es.generation.vllm_engine.VLLMEngine`).
         noise_rank (`int`), member_chunk_size (`int` or `None`): As in :class:`BatchedLowRankPopulation`.
     """
 
-    def __init__(self, engine, noise_rank: int = 1, member_chunk_size: int | None = None):
+    def __init__(self, engine: AdapterHost, noise_rank: int = 1, member_chunk_size: int | None = None):
         super().__init__(noise_rank, member_chunk_size)
         self.engine = engine
 
@@ -307,14 +332,20 @@ class EngineLowRankPopulation(BatchedLowRankPopulation):
 
 
 def on_engine(backend: PopulationBackend, engine) -> PopulationBackend:
-    """The same population applied inside ``engine`` (``ESConfig(use_vllm=True)``): a
+    """The population of ``backend`` applied where ``engine`` computes: inside it for a :class:`WeightsHost` (a
     :class:`SequentialPopulation` becomes an :class:`EngineSequentialPopulation`, a
-    :class:`BatchedLowRankPopulation` an :class:`EngineLowRankPopulation` with its rank and chunk size.
+    :class:`BatchedLowRankPopulation` an :class:`EngineLowRankPopulation` with its rank and chunk size), else
+    ``backend`` itself (the engine runs the model).
 
     Raises:
-        ValueError: for another backend.
+        ValueError: for low-rank members and an engine that is no :class:`AdapterHost`, or another backend.
     """
+    if not isinstance(engine, WeightsHost):
+        return backend
     if isinstance(backend, BatchedLowRankPopulation):
+        if not isinstance(engine, AdapterHost):
+            raise ValueError(f"The {engine.name!r} engine takes full-rank members only: use "
+                             "population_backend='sequential'.")
         return EngineLowRankPopulation(engine, backend.noise_rank, backend.member_chunk_size)
     if isinstance(backend, SequentialPopulation):
         return EngineSequentialPopulation(engine)

@@ -5,17 +5,29 @@
 - ``"compiled"`` (:class:`CompiledEngine`): static KV cache + compiled decoding step on fixed batch buckets.
 - ``"continuous_batching"`` (:class:`ContinuousBatchingEngine`): transformers' ``model.generate_batch`` (paged KV
   cache, requests scheduled as they finish), as GRPO's ``use_transformers_continuous_batching=True``.
-- ``"auto"``: the compiled engine on CUDA when the model supports a static cache, else eager.
+- ``"auto"``: the compiled engine on CUDA when the model supports a static cache, else eager;
+- with ``use_vllm``: vLLM, colocated (:class:`~trl_es.generation.vllm_engine.VLLMEngine`) or on ES servers
+  (:class:`~trl_es.generation.vllm_server.VLLMServerEngine`), engines that hold their own weights
+  (:class:`OwnWeightsEngine`).
+
+:func:`make_engine` builds each from the config and the model; :data:`ENGINES` registers them by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
+from ..es.population import AdapterHost, WeightsHost
 from .base import (
     Completions,
+    EngineContext,
     GenerationEngine,
+    OwnWeightsEngine,
     eos_token_ids,
     model_device,
     prompt_add_special_tokens,
@@ -28,50 +40,107 @@ from .eager import EagerEngine, common_prefix_length
 
 
 GENERATION_ENGINES = ("auto", "eager", "compiled", "continuous_batching")
+"""The built-in values of ``ESConfig.generation_engine``."""
 
 
-def resolve_engine_name(name: str, model: nn.Module | None = None) -> str:
-    """``"auto"`` -> ``"compiled"`` on CUDA for a model that supports a static cache, else ``"eager"``.
+@dataclass
+class EngineSettings:
+    """The config fields an engine builder reads, for :func:`make_engine` called with a name (as ``ESConfig``'s)."""
+
+    generation_engine: str = "auto"
+    share_prompt_prefix: bool = False
+    pad_to_multiple_of: int | str | None = None
+    transformers_continuous_batching_config: dict | None = None
+    use_vllm: bool = False
+
+
+def _pad_to_multiple_of(config) -> int | None:
+    return resolve_pad_to_multiple_of(getattr(config, "pad_to_multiple_of", None))
+
+
+def _eager(config, model, context: EngineContext) -> GenerationEngine:
+    return EagerEngine(share_prompt_prefix=config.share_prompt_prefix, pad_to_multiple_of=_pad_to_multiple_of(config))
+
+
+def _compiled(config, model, context: EngineContext) -> GenerationEngine:
+    if model is not None and not supports_static_cache(model):
+        raise ValueError(f"generation_engine='compiled' needs a model with static-cache support "
+                         f"(_can_compile_fullgraph); {type(model).__name__} has none: use 'eager' or 'auto'.")
+    return CompiledEngine(pad_to_multiple_of=_pad_to_multiple_of(config))
+
+
+def _continuous_batching(config, model, context: EngineContext) -> GenerationEngine:
+    unsupported = [what for what, on in (("DeepSpeed ZeRO-3", context.sharded),  # one member a call, whole weights
+                                         ("tools, environment_factory or rollout_func", context.agents)) if on]
+    if unsupported:
+        raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
+                         f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "
+                         "use_transformers_continuous_batching).")
+    engine = ContinuousBatchingEngine(config.transformers_continuous_batching_config)
+    if context.generation_config is not None:  # settings it would not apply, refused before the first member
+        engine.check_generation_config(model, context.generation_config)
+    return engine
+
+
+ENGINES: dict[str, Callable[[Any, nn.Module | None, EngineContext], GenerationEngine]] = {
+    "eager": _eager,
+    "compiled": _compiled,
+    "continuous_batching": _continuous_batching,
+}
+"""The engines ``generation_engine`` names: name -> ``builder(config, model, context)``. A new engine registers
+here; one that holds its own weights subclasses :class:`OwnWeightsEngine` (``AdapterHost`` too for low-rank
+members), and the trainer syncs it and puts the members into it."""
+
+
+def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool = False) -> str:
+    """``"auto"`` -> ``"compiled"`` on CUDA for a model that supports a static cache (not under ZeRO-3, ``sharded``),
+    else ``"eager"``.
 
     Raises:
-        ValueError: for a name not in :data:`GENERATION_ENGINES`.
+        ValueError: for a name that is neither ``"auto"`` nor in :data:`ENGINES`.
     """
-    if name not in GENERATION_ENGINES:
-        raise ValueError(f"generation_engine must be one of {GENERATION_ENGINES}, got {name!r}.")
+    if name != "auto" and name not in ENGINES:
+        raise ValueError(f"generation_engine must be one of {('auto', *ENGINES)}, got {name!r}.")
     if name != "auto":
         return name
-    if model is not None and model_device(model).type == "cuda" and supports_static_cache(model):
+    if not sharded and model is not None and model_device(model).type == "cuda" and supports_static_cache(model):
         return "compiled"
     return "eager"
 
 
-def make_engine(name: str = "auto", model: nn.Module | None = None, share_prompt_prefix: bool = False,
-                pad_to_multiple_of: int | None = None,
-                continuous_batching_config: dict | None = None) -> GenerationEngine:
-    """Build an engine by name (``ESConfig.generation_engine``); ``"auto"`` is resolved against ``model``.
+def make_engine(config="auto", model: nn.Module | None = None, context: EngineContext | None = None,
+                **settings) -> GenerationEngine:
+    """Build the engine ``config`` names, every engine of trl_es: vLLM's with ``use_vllm`` (``vllm_mode``
+    ``"colocate"``: :class:`~trl_es.generation.vllm_engine.VLLMEngine`, ``"server"``:
+    :class:`~trl_es.generation.vllm_server.VLLMServerEngine`), else :data:`ENGINES` ``[generation_engine]``
+    (``"auto"`` resolved against ``model``, see :func:`resolve_engine_name`).
 
     Args:
-        name (`str`): ``"auto"``, ``"eager"``, ``"compiled"`` or ``"continuous_batching"``.
-        model (`nn.Module` or `None`): The model the engine will run (for ``"auto"``).
-        share_prompt_prefix (`bool`): For the eager engine: compute the shared prompt prefix once per row group.
-        pad_to_multiple_of (`int`, *optional*): GRPO's: pad each prompt batch to a multiple of it (the
-            continuous-batching engine pads nothing, as GRPO's continuous batching).
-        continuous_batching_config (`dict`, *optional*): For ``"continuous_batching"``: GRPO's
-            ``transformers_continuous_batching_config``.
+        config (`ESConfig` or `str`): The config, or an engine name with its settings in ``**settings``
+            (:class:`EngineSettings`' fields, ``continuous_batching_config`` for
+            ``transformers_continuous_batching_config``).
+        model (`nn.Module` or `None`): The (unwrapped) model the engine will run, or whose weights it will hold.
+        context (`EngineContext`, *optional*): The trainer's parts the engine reads (needed by the vLLM engines).
 
     Raises:
-        ValueError: for an unknown name, ``"compiled"`` with a model that has no static-cache support, or an invalid
-            ``continuous_batching_config``.
+        ValueError: for an unknown name, ``"compiled"`` with a model that has no static-cache support, an invalid
+            ``continuous_batching_config``, or a setting the chosen engine does not support (named).
+        ImportError: for a vLLM engine without vLLM installed.
     """
-    name = resolve_engine_name(name, model)
-    if name == "compiled":
-        if model is not None and not supports_static_cache(model):
-            raise ValueError(f"generation_engine='compiled' needs a model with static-cache support "
-                             f"(_can_compile_fullgraph); {type(model).__name__} has none: use 'eager' or 'auto'.")
-        return CompiledEngine(pad_to_multiple_of=pad_to_multiple_of)
-    if name == "continuous_batching":
-        return ContinuousBatchingEngine(continuous_batching_config)
-    return EagerEngine(share_prompt_prefix=share_prompt_prefix, pad_to_multiple_of=pad_to_multiple_of)
+    context = context or EngineContext()
+    if isinstance(config, str):
+        if "continuous_batching_config" in settings:
+            settings["transformers_continuous_batching_config"] = settings.pop("continuous_batching_config")
+        config = EngineSettings(config, **settings)
+    if config.use_vllm:  # lazy: vLLM's modules import without vLLM, but the engines need it
+        if config.vllm_mode == "server":
+            from .vllm_server import VLLMServerEngine
+
+            return VLLMServerEngine.from_config(config, model, context)
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_config(config, model, context)
+    return ENGINES[resolve_engine_name(config.generation_engine, model, context.sharded)](config, model, context)
 
 
 @torch.no_grad()
@@ -95,12 +164,17 @@ def generate_completions(
 
 
 __all__ = [
+    "AdapterHost",
     "GENERATION_ENGINES",
     "CompiledEngine",
+    "ENGINES",
     "Completions",
     "ContinuousBatchingEngine",
     "EagerEngine",
+    "EngineContext",
+    "EngineSettings",
     "GenerationEngine",
+    "OwnWeightsEngine",
     "check_continuous_batching_config",
     "common_prefix_length",
     "eos_token_ids",
@@ -111,4 +185,5 @@ __all__ = [
     "resolve_engine_name",
     "stop_token_ids",
     "supports_static_cache",
+    "WeightsHost",
 ]

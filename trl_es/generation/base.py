@@ -1,14 +1,18 @@
-"""The generation-engine interface: prompt strings in, completion token ids and texts out."""
+"""The generation-engine interface: prompt strings in, completion token ids and texts out; the engines that hold
+their own copy of the weights (:class:`OwnWeightsEngine`); what an engine is built from (:class:`EngineContext`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
+
+from ..es.population import WeightsHost
 
 
 @dataclass
@@ -39,10 +43,16 @@ class GenerationEngine(ABC):
     """
 
     name = "engine"
+    max_model_len: int | None = None  # prompt + completion tokens the engine holds (None: the model's own limit)
 
     def describe(self) -> dict:
         """JSON-serializable facts about the engine (logged by the trainer)."""
         return {"name": self.name}
+
+    def iteration_counts(self) -> dict[str, float]:
+        """Counts of this process since the last call, logged summed over the processes once per iteration
+        (``{}``: none)."""
+        return {}
 
     def map_groups(self, fn: Callable, groups: Iterable) -> Iterator:
         """``fn(group)`` for each member group, in order: the member loop's dispatch. One at a time here (lazily); an
@@ -108,6 +118,34 @@ class GenerationEngine(ABC):
         ids = [_cut_after_eos(row, stop) for row in completion]
         texts = processing_class.batch_decode(ids, skip_special_tokens=True)
         return Completions(texts, ids)
+
+
+class OwnWeightsEngine(GenerationEngine, WeightsHost):
+    """An engine that computes with its own copy of the weights (vLLM, colocated or on servers): the trainer loads
+    the model's weights into it (:meth:`sync_weights`), and the population backends put members into it
+    (:meth:`perturb_`/:meth:`restore_`; low-rank members also need :class:`AdapterHost`) instead of the model; the
+    ``model`` given to :meth:`generate` is then read for its generation defaults only.
+    """
+
+    @abstractmethod
+    def sync_weights(self, model: nn.Module, params, noise) -> None:
+        """Load ``model``'s current weights (after an update, a loaded checkpoint, before an evaluation) and bind the
+        trained tensors' masters (``params``: ``TrainedParameters``) and the ``NoiseSource`` for the members."""
+
+
+@dataclass
+class EngineContext:
+    """What an engine builder (:data:`trl_es.generation.ENGINES`) reads besides the config and the model: the
+    trainer's parts. Every field may be left at its default outside a trainer."""
+
+    processing_class: Any = None  # the tokenizer
+    generation_config: GenerationConfig | None = None  # checked against what the engine applies
+    accelerator: Any = None  # rank and world size (vLLM)
+    params: Any = None  # TrainedParameters
+    population: Any = None  # the PopulationBackend, before it goes into an engine that holds its weights
+    seed_log: Callable[[], Any] | None = None  # the trainer's seed log, read at each sync (vLLM servers)
+    sharded: bool = False  # DeepSpeed ZeRO-3: the weights are partitioned over the processes
+    agents: bool = False  # tools, environments or a rollout_func regenerate rows of one member
 
 
 def eos_token_ids(processing_class, model_generation_config: GenerationConfig | None = None) -> list[int]:

@@ -34,7 +34,9 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .base import GenerationEngine, encode_prompts
+from ..es.perturbation import LowRankPerturbation
+from ..es.population import AdapterHost, member_indices
+from .base import EngineContext, OwnWeightsEngine, encode_prompts
 
 
 VLLM_INSTALL_HINT = (
@@ -149,7 +151,7 @@ def _model_directory(model: nn.Module, processing_class) -> str:
     return path
 
 
-class VLLMEngine(GenerationEngine):
+class VLLMEngine(OwnWeightsEngine, AdapterHost):
     """Generation with a colocated vLLM engine (TRL's ``vllm_mode="colocate"``), populations inside it.
 
     Args:
@@ -235,6 +237,47 @@ class VLLMEngine(GenerationEngine):
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len  # the tool loop's context ceiling
         self._adapter_ids = itertools.count(1)
         self._lora_requests: list = []
+
+    @classmethod
+    def from_config(cls, args, model: nn.Module, context: EngineContext) -> VLLMEngine:
+        """The engine of ``ESConfig(use_vllm=True)`` (``vllm_*`` fields), with LoRA slots for a group of low-rank
+        members of this process (``context.population``); ``model`` is the unwrapped HF model.
+
+        Raises:
+            ImportError: if vLLM is not installed (naming what to install).
+            ValueError: for ``vllm_tensor_parallel_size > 1``, under DeepSpeed ZeRO-3, with a PEFT model, for
+                low-rank members of the output embeddings, or generation settings vLLM does not take.
+        """
+        if args.vllm_tensor_parallel_size > 1:
+            raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
+                             "would have to score the same member together (docs/generation.md). Use 1.")
+        if context.sharded:
+            raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
+                             "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
+        if hasattr(model, "peft_config"):
+            raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
+                             "which the engine does not hold. Use use_vllm=False.")
+        lowrank = isinstance(context.population.perturbation, LowRankPerturbation)
+        output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = getattr(output_embeddings, "weight", None)
+        if lowrank and head is not None and any(e.param.data_ptr() == head.data_ptr() for e in context.params.entries):
+            raise ValueError("use_vllm=True with population_backend='batched_lowrank' cannot perturb the output "
+                             "embeddings (lm_head) as a LoRA adapter (vLLM's LoRA covers the Linear projections): "
+                             "set include_parameters, e.g. r'proj\\.weight$'.")
+        cls.check_generation_config(context.generation_config)  # before minutes of engine start-up
+        accelerator = context.accelerator
+        members_here = len(member_indices(args.population_size, accelerator.process_index,
+                                          accelerator.num_processes))
+        return cls(
+            model, context.processing_class, accelerator,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            max_model_length=args.vllm_max_model_length,
+            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
+            lora_rank=args.noise_rank if lowrank else None,
+            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
+            model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
+        )
 
     def describe(self) -> dict:
         facts = {"name": self.name, "mode": "colocate"}

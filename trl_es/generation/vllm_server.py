@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..es.update import Member
-from .base import GenerationEngine, encode_prompts
+from .base import EngineContext, OwnWeightsEngine, encode_prompts
 from .vllm_engine import VLLMEngine, sampling_kwargs, with_model_defaults
 from .vllm_server_worker import API_KEY_ENV, server_checksum
 
@@ -285,7 +285,7 @@ class ESServerClient:
         return [list(c["token_ids"]) for c in sorted(choices, key=lambda c: c.get("index", 0))]
 
 
-class VLLMServerEngine(GenerationEngine):
+class VLLMServerEngine(OwnWeightsEngine):
     """Generation on ES vLLM servers (``ESConfig(use_vllm=True, vllm_mode="server")``): members written into a
     server's weights from their seeds, completions over HTTP; the trainer's model stays the source of truth.
 
@@ -322,12 +322,50 @@ class VLLMServerEngine(GenerationEngine):
         self.max_concurrent_requests = int(max_concurrent_requests)
         self.left_out: dict[int, str] = {}  # server index -> its error, until it answers /health again at a sync
         self.members_rerun = 0  # members run again on another server, so far
+        self._members_rerun_counted = 0  # members_rerun at the last iteration_counts()
         self._host = threading.Lock()  # the trainer process's code runs under it, one server thread at a time
         self._local = threading.local()  # a server thread's server index and whether it holds the host lock
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"es-server-{k}") for k in range(len(self.clients))]
 
+    @classmethod
+    def from_config(cls, args, model: nn.Module, context: EngineContext) -> VLLMServerEngine:
+        """The servers of this process for ``ESConfig(use_vllm=True, vllm_mode="server")``:
+        ``vllm_server_base_urls[process_index::num_processes]``, else ``vllm_server_base_url`` or
+        ``http://vllm_server_host:vllm_server_port``, each waited for up to ``vllm_server_timeout`` seconds; brought
+        to the model's weights by the first sync.
+
+        Raises:
+            ValueError: for fewer servers than processes, ZeRO-3, a PEFT model, a run whose updates a server cannot
+                replay (``es_optimizer='torch'``), or generation settings vLLM does not take.
+            ServerError: if a server does not answer.
+        """
+        world = context.accelerator.num_processes
+        if context.sharded or hasattr(model, "peft_config"):
+            raise ValueError("vllm_mode='server' is not supported with DeepSpeed ZeRO-3 or a PEFT model yet.")
+        if args.es_optimizer != "es":
+            raise ValueError("vllm_mode='server' replays each update on the server from its seed-log record: use "
+                             "es_optimizer='es' (a torch optimizer's state is not in the record).")
+        urls = args.vllm_server_base_urls
+        if urls is None:
+            urls = [args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+        if len(urls) < world:
+            raise ValueError(f"vllm_mode='server' needs at least one server per training process (a server holds "
+                             f"one member at a time): {world} processes, {len(urls)} server(s). Set "
+                             f"vllm_server_base_urls to {world} or more URLs (process i uses entries i, i + {world}, "
+                             "...).")
+        cls.check_generation_config(context.generation_config)
+        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)
+                   for url in urls[context.accelerator.process_index::world]]
+        return cls(context.processing_class, clients, context.seed_log, awd=args.awd_lambda > 0)
+
     def describe(self) -> dict:
         return {"name": self.name, "base_urls": [c.base_url for c in self.clients]}
+
+    def iteration_counts(self) -> dict[str, float]:
+        """``vllm_server/members_rerun`` (members run again on another server since the last call) and
+        ``vllm_server/live_servers`` (servers scoring members)."""
+        rerun, self._members_rerun_counted = self.members_rerun - self._members_rerun_counted, self.members_rerun
+        return {"vllm_server/members_rerun": float(rerun), "vllm_server/live_servers": float(len(self.live_servers()))}
 
     @property
     def client(self) -> ESServerClient:

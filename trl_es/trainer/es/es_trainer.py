@@ -32,7 +32,7 @@ from ...es.population import PopulationBackend, make_population_backend, member_
 from ...es.seedlog import SeedLog
 from ...es.strategy import EvolutionStrategy, Told
 from ...es.update import Member, TrainedParameters, select_parameters
-from ...generation import generate_completions, make_engine, prompt_add_special_tokens, resolve_pad_to_multiple_of
+from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...rewards import RewardScorer
 from ...rollout import Rollout, build_generation_config, prompt_texts, validate_dataset
@@ -258,9 +258,11 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         population = make_population_backend(args.population_backend, **self._population_backend_kwargs())
         self._build_strategy(population, args.noise_source)
         self.agents.check_population(self.sharded, population.stacked and args.member_chunk_size != 1)
-        self.generation_engine = self._make_generation_engine()
-        if args.use_vllm:  # members go into the engine, which holds its own copy of the weights
-            self.strategy.population = on_engine(population, self.generation_engine)
+        context = EngineContext(processing_class=self.processing_class, generation_config=self.generation_config,
+                                accelerator=self.accelerator, params=self.es_params, population=self.population,
+                                seed_log=lambda: self.seed_log, sharded=self.sharded, agents=self.agents.active)
+        self.generation_engine = make_engine(args, self.accelerator.unwrap_model(self.model), context)
+        self.strategy.population = on_engine(self.population, self.generation_engine)  # an engine with own weights
         strategy = self.strategy
         logger.info(
             "ESTrainer: population_backend=%s, perturbation=%s, noise=%s, generation_engine=%s, master copies %.1f "
@@ -271,7 +273,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         )
         self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
-        self._members_rerun = 0  # vllm_mode="server": the engine's count at the last iteration's metrics
         header = strategy.describe(args.es_optimizer) | {"run_settings": run_settings(args, self.reward_func_names)}
         self.seed_log = SeedLog(header=header)
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
@@ -465,8 +466,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                                     evaluate_seconds, update_seconds)
         if self.tools:
             metrics.update(self._tool_metrics())
-        if args.use_vllm and args.vllm_mode == "server":
-            metrics.update(self._server_metrics())
+        metrics.update(self._engine_counts())
         for name, value in metrics.items():
             self._metrics[name].append(value)
         # as GRPOTrainer: num_tokens is the running total of prompt + completion tokens (state.num_input_tokens_seen)
@@ -661,121 +661,23 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
 
     # ------------------------------------------------------------------ generation engine
-    def _make_generation_engine(self):
-        """The generation engine: vLLM with ``use_vllm`` (:meth:`_make_vllm_engine`), else that of
-        ``args.generation_engine`` (``"auto"``: compiled on CUDA where the model supports a static cache, eager
-        otherwise and under ZeRO-3; ``"continuous_batching"``: GRPO's ``use_transformers_continuous_batching``,
-        refused under ZeRO-3 and with tools, environments or a ``rollout_func``)."""
-        if self.args.use_vllm:
-            return self._make_vllm_server_engine() if self.args.vllm_mode == "server" else self._make_vllm_engine()
-        name = self.args.generation_engine
-        if name == "auto" and self.sharded:
-            name = "eager"
-        if name == "continuous_batching":  # one member a call on the live weights, whole in this process
-            unsupported = [what for what, on in (("DeepSpeed ZeRO-3", self.sharded),
-                                                 ("tools, environment_factory or rollout_func", self.agents.active))
-                           if on]
-            if unsupported:
-                raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
-                                 f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "
-                                 "use_transformers_continuous_batching).")
-        engine = make_engine(name, self.accelerator.unwrap_model(self.model), self.args.share_prompt_prefix,
-                             resolve_pad_to_multiple_of(getattr(self.args, "pad_to_multiple_of", None)),
-                             self.args.transformers_continuous_batching_config)
-        if name == "continuous_batching":  # settings it would not apply, refused before the first member
-            engine.check_generation_config(self.accelerator.unwrap_model(self.model), self.generation_config)
-        return engine
-
-    def _make_vllm_engine(self):
-        """One colocated vLLM engine in this process (:class:`~trl_es.generation.vllm_engine.VLLMEngine`), with LoRA
-        slots for a group of low-rank members; the current weights are loaded at the first iteration.
-
-        Raises:
-            ImportError: if vLLM is not installed (naming what to install).
-            ValueError: under DeepSpeed ZeRO-3 or with a PEFT model (not supported with use_vllm yet).
-        """
-        from ...generation.vllm_engine import VLLMEngine
-
-        args = self.args
-        if args.vllm_tensor_parallel_size > 1:
-            raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
-                             "would have to score the same member together (docs/generation.md). Use 1.")
-        if self.sharded:
-            raise ValueError("use_vllm=True is not supported with DeepSpeed ZeRO-3 yet (each engine needs the whole "
-                             "model): use population parallelism (no ZeRO-3) or use_vllm=False.")
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if hasattr(unwrapped, "peft_config"):
-            raise ValueError("use_vllm=True is not supported with a PEFT model yet: ES would perturb the adapter, "
-                             "which the engine does not hold. Use use_vllm=False.")
-        lowrank = isinstance(self.population.perturbation, LowRankPerturbation)
-        output_embeddings = unwrapped.get_output_embeddings() if hasattr(unwrapped, "get_output_embeddings") else None
-        head = getattr(output_embeddings, "weight", None)
-        if lowrank and head is not None and any(e.param.data_ptr() == head.data_ptr() for e in self.es_params.entries):
-            raise ValueError("use_vllm=True with population_backend='batched_lowrank' cannot perturb the output "
-                             "embeddings (lm_head) as a LoRA adapter (vLLM's LoRA covers the Linear projections): "
-                             "set include_parameters, e.g. r'proj\\.weight$'.")
-        VLLMEngine.check_generation_config(self.generation_config)  # before minutes of engine start-up
-        members_here = len(member_indices(args.population_size, self.accelerator.process_index,
-                                          self.accelerator.num_processes))
-        return VLLMEngine(
-            unwrapped, self.processing_class, self.accelerator,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            max_model_length=args.vllm_max_model_length,
-            kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
-            lora_rank=args.noise_rank if lowrank else None,
-            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
-            model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
-        )
-
-    def _make_vllm_server_engine(self):
-        """The ES vLLM servers of this process (``vllm_server_base_urls[process_index::num_processes]``, else
-        ``vllm_server_base_url`` or ``http://vllm_server_host:vllm_server_port``), each waited for up to
-        ``vllm_server_timeout`` seconds; brought to the model's weights by the first sync.
-
-        Raises:
-            ValueError: for fewer servers than processes, ZeRO-3, a PEFT model, or a run whose updates a server
-                cannot replay (``es_optimizer='torch'``).
-            ServerError: if a server does not answer.
-        """
-        from ...generation.vllm_server import ESServerClient, VLLMServerEngine
-
-        args, world = self.args, self.accelerator.num_processes
-        if self.sharded or hasattr(self.accelerator.unwrap_model(self.model), "peft_config"):
-            raise ValueError("vllm_mode='server' is not supported with DeepSpeed ZeRO-3 or a PEFT model yet.")
-        if args.es_optimizer != "es":
-            raise ValueError("vllm_mode='server' replays each update on the server from its seed-log record: use "
-                             "es_optimizer='es' (a torch optimizer's state is not in the record).")
-        urls = args.vllm_server_base_urls
-        if urls is None:
-            urls = [args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
-        if len(urls) < world:
-            raise ValueError(f"vllm_mode='server' needs at least one server per training process (a server holds "
-                             f"one member at a time): {world} processes, {len(urls)} server(s). Set "
-                             f"vllm_server_base_urls to {world} or more URLs (process i uses entries i, i + {world}, "
-                             "...).")
-        VLLMServerEngine.check_generation_config(self.generation_config)
-        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)
-                   for url in urls[self.accelerator.process_index::world]]
-        return VLLMServerEngine(self.processing_class, clients, lambda: self.seed_log, awd=args.awd_lambda > 0)
-
-    def _server_metrics(self) -> dict[str, float]:
-        """``vllm_server/members_rerun`` (members run again on another server this iteration, all processes) and
-        ``vllm_server/live_servers`` (servers scoring members), with ``vllm_mode="server"``."""
-        engine = self.generation_engine
-        counts = torch.tensor([engine.members_rerun - self._members_rerun, len(engine.live_servers())],
-                              dtype=torch.float64)
-        self._members_rerun = engine.members_rerun
+    def _engine_counts(self) -> dict[str, float]:
+        """The engine's :meth:`~trl_es.generation.GenerationEngine.iteration_counts`, summed over the processes
+        (e.g. ``vllm_server/members_rerun`` and ``vllm_server/live_servers`` with ``vllm_mode="server"``)."""
+        counts = self.generation_engine.iteration_counts()
+        if not counts:
+            return {}
+        values = torch.tensor(list(counts.values()), dtype=torch.float64)
         if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
-            self._comm_bytes += counts.numel() * 8
-        return {"vllm_server/members_rerun": float(counts[0]), "vllm_server/live_servers": float(counts[1])}
+            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="sum").cpu()
+            self._comm_bytes += values.numel() * 8
+        return {name: float(v) for name, v in zip(counts, values, strict=True)}
 
     def _sync_engine_weights(self) -> None:
-        """With ``use_vllm``: load the model's current weights into the engine, so that it computes with what the ES
-        update produced: when the engine is built, after every iteration's update (a subclass's ``_tell``
-        included), after a checkpoint is loaded, and before an evaluation."""
-        if self.args.use_vllm:
+        """For an engine that holds its own weights (``use_vllm``): load the model's current weights into it, so that
+        it computes with what the ES update produced: when the engine is built, after every iteration's update (a
+        subclass's ``_tell`` included), after a checkpoint is loaded, and before an evaluation."""
+        if isinstance(self.generation_engine, OwnWeightsEngine):
             self.generation_engine.sync_weights(self.accelerator.unwrap_model(self.model), self.es_params, self.noise)
 
     def _population_backend_kwargs(self) -> dict:
