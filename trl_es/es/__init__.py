@@ -39,7 +39,7 @@ from .population import (
 )
 from .seedlog import SEED_LOG_NAME, SeedLog, replay
 from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
-from .strategy import EvolutionStrategy, Told
+from .strategy import EvolutionStrategy, TellResult
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
 
@@ -66,7 +66,7 @@ __all__ = [
     "SEED_LOG_NAME",
     "SeedLog",
     "SequentialPopulation",
-    "Told",
+    "TellResult",
     "TrainedParameters",
     "centered_ranks",
     "es_gradient_",

@@ -78,7 +78,7 @@ class Perturbation(ABC):
 class GaussianPerturbation(Perturbation):
     """Full-rank Gaussian noise: ``eps_i`` has one i.i.d. N(0, 1) entry per trained element (Qiu et al. 2025,
     arXiv 2509.24372, Algorithm 1), put into the model in place and restored bitwise from the master copy
-    (:meth:`TrainedParameters.render_`).
+    (:meth:`TrainedParameters.write_master_to_model_`).
 
     Works on any floating-point tensor and on partitions (DeepSpeed ZeRO-3): noise is generated only for the locally
     held elements.

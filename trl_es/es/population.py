@@ -122,21 +122,21 @@ class PopulationBackend(ABC):
         """
         try:
             start = time.perf_counter()
-            self._put_in(params, noise, members, sigma, model)
+            self._apply_members(params, noise, members, sigma, model)
             self.timings["perturb"] += time.perf_counter() - start
             yield
         finally:
             start = time.perf_counter()
-            self._take_out(params)
+            self._restore_members(params)
             self.timings["restore"] += time.perf_counter() - start
 
     @abstractmethod
-    def _put_in(self, params, noise, members, sigma, model) -> None:
+    def _apply_members(self, params, noise, members, sigma, model) -> None:
         """Apply ``members`` (see :meth:`apply`)."""
 
     @abstractmethod
-    def _take_out(self, params) -> None:
-        """Undo :meth:`_put_in` exactly (also after a partial :meth:`_put_in`)."""
+    def _restore_members(self, params) -> None:
+        """Undo :meth:`_apply_members` exactly (also after a partial :meth:`_apply_members`)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the backend installed in a model (nothing by default)."""
@@ -154,13 +154,13 @@ class SequentialPopulation(PopulationBackend):
     def __init__(self):
         super().__init__(GaussianPerturbation())
 
-    def _put_in(self, params, noise, members, sigma, model):
+    def _apply_members(self, params, noise, members, sigma, model):
         if len(members) != 1:
             raise ValueError(f"SequentialPopulation applies one member at a time, got {len(members)}.")
         self.perturbation.perturb_(params, noise, members[0], sigma)
 
-    def _take_out(self, params):
-        params.render_()
+    def _restore_members(self, params):
+        params.write_master_to_model_()
 
 
 class BatchedLowRankPopulation(PopulationBackend):
@@ -233,12 +233,12 @@ class BatchedLowRankPopulation(PopulationBackend):
             self._adapters = LowRankAdapters(model, params, self.perturbation)
         return self._adapters
 
-    def _put_in(self, params, noise, members, sigma, model):
+    def _apply_members(self, params, noise, members, sigma, model):
         if model is None:
             raise ValueError("BatchedLowRankPopulation.apply needs the model (its adapters go on its Linear layers).")
         self.adapters(model, params).load_(noise, members, sigma)
 
-    def _take_out(self, params):
+    def _restore_members(self, params):
         if self._adapters is not None:
             self._adapters.clear_()
 
@@ -294,12 +294,12 @@ class EngineSequentialPopulation(SequentialPopulation):
         """``{"name": "sequential", "engine": <engine name>}``."""
         return {"name": self.name, "engine": self.engine.name}
 
-    def _put_in(self, params, noise, members, sigma, model):
+    def _apply_members(self, params, noise, members, sigma, model):
         if len(members) != 1:
             raise ValueError(f"SequentialPopulation applies one member at a time, got {len(members)}.")
         self.engine.perturb_(members[0], sigma)
 
-    def _take_out(self, params):
+    def _restore_members(self, params):
         self.engine.restore_()
 
 
@@ -321,10 +321,10 @@ class EngineLowRankPopulation(BatchedLowRankPopulation):
         """``{"name": "batched_lowrank", "noise_rank": r, "engine": <engine name>}``."""
         return {**super().describe(), "engine": self.engine.name}
 
-    def _put_in(self, params, noise, members, sigma, model):
+    def _apply_members(self, params, noise, members, sigma, model):
         self.engine.load_adapters_(params, self.perturbation, noise, members, sigma)
 
-    def _take_out(self, params):
+    def _restore_members(self, params):
         self.engine.clear_adapters_()
 
     def close(self) -> None:

@@ -45,8 +45,9 @@ _COMPARE_CHUNK = 1 << 24  # elements compared at a time (bounds the temporary ca
 
 
 def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether ``param`` holds bitwise ``cast(master)``, what :meth:`TrainedParameters.render_` writes (compared as
-    integers, so ``-0.0`` differs from ``0.0`` and a NaN equals itself); chunk by chunk, no full-size temporary.
+    """Whether ``param`` holds bitwise ``cast(master)``, what :meth:`TrainedParameters.write_master_to_model_` writes.
+
+    Compared as integers (``-0.0`` differs from ``0.0``, a NaN equals itself), chunk by chunk.
 
     Args:
         param (`torch.Tensor`): The model's tensor (contiguous, any float dtype).
@@ -65,7 +66,7 @@ def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
 
 
 @dataclass
-class Told:
+class TellResult:
     """What :meth:`EvolutionStrategy.tell` did (what the seed log records for the iteration).
 
     Attributes:
@@ -281,7 +282,7 @@ class EvolutionStrategy:
             yield
 
     def tell(self, members: Sequence[Member], fitness: torch.Tensor, learning_rate: float,
-             optimizer_step: Callable[[], None] | None = None) -> Told:
+             optimizer_step: Callable[[], None] | None = None) -> TellResult:
         """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, render.
 
         Without ``optimizer_step``: the ES step ``theta <- theta + alpha / N * sum_i z_i eps_i`` in fp32 into the
@@ -300,7 +301,7 @@ class EvolutionStrategy:
             optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer.
 
         Returns:
-            `Told`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
+            `TellResult`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
 
         Raises:
             ValueError: for members that are not :class:`Member`, a fitness that is not one real value per member, a
@@ -327,8 +328,8 @@ class EvolutionStrategy:
             shrink = learning_rate * self.awd_lambda
             self.params.anchored_weight_decay_(self.anchor, shrink, self.awd_penalty)  # renders
         elif optimizer_step is not None:
-            self.params.render_()
-        return Told(coefficients, learning_rate, shrink)
+            self.params.write_master_to_model_()
+        return TellResult(coefficients, learning_rate, shrink)
 
 
 def _check_fitness(members: Sequence[Member], fitness) -> torch.Tensor:

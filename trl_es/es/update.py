@@ -158,7 +158,7 @@ class TrainedParameters:
             if e.name not in state:
                 raise KeyError(f"Master state has no tensor for parameter {e.name!r}.")
             e.master.copy_(state[e.name].view_as(e.master))
-        self.render_()
+        self.write_master_to_model_()
 
     def refresh_master_from_model_(self) -> None:
         """Set the master to the model's current values (after the model was loaded from a checkpoint)."""
@@ -190,7 +190,7 @@ class TrainedParameters:
         raise KeyError(name)
 
     # ------------------------------------------------------------------ render / restore
-    def render_(self) -> None:
+    def write_master_to_model_(self) -> None:
         """Write ``cast(master)`` into the model: after an update, and as the exact restore after a member (the one
         operation that puts the master into the model; nothing to do where the master is the param)."""
         with torch.no_grad():
@@ -233,7 +233,7 @@ class TrainedParameters:
                 else:
                     delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)
                 e.master.copy_(theta0 + delta)
-        self.render_()
+        self.write_master_to_model_()
 
 
 def es_update_(
@@ -267,7 +267,7 @@ def es_update_(
                 add_scaled_(flat, total, step, noise.portable)
             else:
                 flat.copy_(add_scaled_(flat.float(), total, step, noise.portable))
-    params.render_()
+    params.write_master_to_model_()
 
 
 def es_gradient_(
