@@ -1,6 +1,6 @@
 """OpenAI-ES as one ask/tell object on any ``nn.Module`` (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1).
 
-The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy`` (and :class:`~trl_es.es.cma_search.CMASearch`):
+The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy``:
 
     strategy = EvolutionStrategy.for_module(model, sigma=0.01, population_size=8)
     for step in range(steps):
@@ -11,11 +11,8 @@ The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy`` (and :class:`
                 fitness += score(model)
         strategy.tell(members, torch.tensor(fitness), learning_rate=5e-4)
 
-The module's own weights are the state between calls: weights put into it after the strategy was built
-(``model.load_state_dict``, an in-place ``p.data.copy_``, a ``torch.no_grad()`` ``p.add_``, ``model.to(dtype)``) are
-what the next ``apply`` restores and what the next ``tell`` steps from (:meth:`EvolutionStrategy.sync_with_module`).
-
-Nothing here imports TRL or ``transformers``.
+Weights put into the module between calls are what the next ``apply`` restores and ``tell`` steps from
+(:meth:`EvolutionStrategy.sync_with_module`). Nothing here imports TRL or ``transformers``.
 """
 
 from __future__ import annotations
@@ -67,17 +64,11 @@ def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
 
 @dataclass
 class TellResult:
-    """What :meth:`EvolutionStrategy.tell` did (what the seed log records for the iteration).
+    """What :meth:`EvolutionStrategy.tell` did, as the seed log records it for the iteration."""
 
-    Attributes:
-        coefficients (`list[float]`): The shaped fitness ``z_i``, one per member.
-        learning_rate (`float`): ``alpha`` of the step.
-        shrink (`float`): ``alpha * awd_lambda`` of Anchored Weight Decay (0 without AWD).
-    """
-
-    coefficients: list[float]
-    learning_rate: float
-    shrink: float
+    coefficients: list[float]  # the shaped fitness z_i, one per member
+    learning_rate: float  # alpha of the step
+    shrink: float  # alpha * awd_lambda of Anchored Weight Decay (0 without AWD)
 
 
 class EvolutionStrategy:
@@ -88,22 +79,14 @@ class EvolutionStrategy:
         params (`TrainedParameters`): The trained tensors and their master copy.
         noise (`NoiseSource`): Where ``eps(seed)`` comes from.
         population (`PopulationBackend`): How members are put into the model (in place, or as low-rank adapters).
-        sigma (`float`): The noise scale.
-        population_size (`int`): ``N``, members per iteration (>= 2; even with ``antithetic``).
+        sigma (`float`), population_size (`int`): The noise scale and ``N`` (>= 2; even with ``antithetic``).
         seed (`int`): Base seed of the members' noise seeds.
         antithetic (`bool`): Mirrored pairs ``+eps, -eps`` (Salimans et al. 2017, Sec. 2.1).
         fitness_shaping (`str`): ``"zscore"``, ``"centered_rank"`` or ``"none"`` (:func:`shape_fitness`).
-        awd_lambda (`float`): Anchored Weight Decay after each step (arXiv 2605.30148, Algorithm 1); 0: off.
-        awd_penalty (`str`): ``"l2"`` or ``"l1"``.
+        awd_lambda (`float`), awd_penalty (`str`): Anchored Weight Decay (arXiv 2605.30148, Algorithm 1); 0: off.
         anchor (`Mapping[str, torch.Tensor]`, *optional*): theta_0 of the trained tensors (needed for AWD).
-        module (`nn.Module`, *optional*): The model the trained tensors belong to (:meth:`for_module` sets it): looked
-            up by name on every :meth:`apply` and :meth:`tell`, so a tensor the module holds in new storage
-            (``load_state_dict(..., assign=True)``, ``model.half()``) is followed; the default model of :meth:`apply`.
-        on_module_change (`str`): What :meth:`apply` and :meth:`tell` do first when the module's trained tensors no
-            longer hold what the strategy last wrote into them (:meth:`sync_with_module`): ``"reread"`` (default)
-            takes the module's weights as the new master, ``"raise"`` refuses with a ``ValueError`` naming the
-            tensors, ``"ignore"`` skips the check (the caller keeps the master in step itself, as ``ESTrainer`` does
-            through its checkpoint hooks).
+        module (`nn.Module`, *optional*): The model, whose tensors are looked up by name on every call.
+        on_module_change (`str`): ``"reread"``, ``"raise"`` or ``"ignore"`` (:meth:`sync_with_module`).
 
     Raises:
         ValueError: for an unknown ``on_module_change``.
@@ -123,9 +106,9 @@ class EvolutionStrategy:
     @classmethod
     def for_module(cls, model: nn.Module, sigma: float, population_size: int, include: str | None = None,
                    noise_source: str = "gaussian", **kwargs) -> EvolutionStrategy:
-        """A sequential (in-place, full-rank) strategy on ``model``'s trainable tensors with an fp32 master, following
-        ``model`` (``module=model``: weights loaded into it later are re-read, :meth:`sync_with_module`); with
-        ``awd_lambda > 0`` the anchor is the master at construction. ``kwargs`` go to the constructor."""
+        """A sequential, full-rank strategy on ``model``'s trainable tensors with an fp32 master and
+        ``module=model``; ``kwargs`` go to the constructor.
+        """
         params = TrainedParameters(select_parameters(model, include), torch.float32)
         if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:
             kwargs["anchor"] = {n: t.clone() for n, t in params.master_state_dict().items()}
@@ -139,19 +122,9 @@ class EvolutionStrategy:
               anchor_storage: str | None = None, anchor_files: Sequence[str] = (), **kwargs) -> EvolutionStrategy:
         """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules.
 
-        Args:
-            params (`TrainedParameters`): The trained tensors and their master copy.
-            population (`PopulationBackend`): How members are put into the model.
-            sigma (`float`), population_size (`int`): As the constructor.
-            noise (`NoiseSource` or `str`): A source, or its ``noise_source`` name for :func:`make_noise_source` (on
-                the trained tensors' device; low-rank when the population's perturbation is).
-            noise_table_size (`int`): Entries of a noise table (0: none).
-            lean_memory (`bool`): The memory rule: ``"auto"`` noise holds no table, theta_0 is read from
-                ``anchor_files`` (:func:`~trl_es.es.anchor.make_anchor`; drift logging alone keeps no resident copy).
-            anchor_storage (`str`, *optional*): Where theta_0 is held (``"auto"``, ``"memory"``, ``"file"``);
-                ``None``: no anchor.
-            anchor_files (`Sequence[str]`): safetensors files that may hold theta_0 (the base checkpoint).
-            **kwargs: The constructor's other arguments (``seed``, ``antithetic``, ``awd_lambda``, ...).
+        ``noise`` is a source or its ``noise_source`` name (:func:`make_noise_source`); ``lean_memory`` holds no
+        table and reads theta_0 from ``anchor_files`` (:func:`~trl_es.es.anchor.make_anchor`);
+        ``anchor_storage=None``: no anchor. ``kwargs`` go to the constructor.
 
         Raises:
             ValueError: for ``awd_lambda > 0`` without ``anchor_storage``; as :func:`make_noise_source`,
@@ -204,35 +177,28 @@ class EvolutionStrategy:
         return self.population.groups(indices)
 
     def sync_with_module(self) -> list[str]:
-        """Make the master hold what the module holds, where the two parted outside the strategy; called first by
-        :meth:`apply` and :meth:`tell`.
-
-        The strategy writes the trained tensors only as ``cast(master)`` (plus a member's noise inside
-        :meth:`apply`). A tensor that, outside :meth:`apply`, does not hold ``cast(master)`` bitwise was written by
-        someone else (``load_state_dict``, ``p.data.copy_``, ``torch.no_grad(): p.add_``); the module's tensors are
-        compared, not version counters (``p.data.copy_`` bumps none). With ``on_module_change="reread"`` its master
-        becomes the module's values (a 16-bit tensor: exactly its value in fp32); unchanged tensors keep their fp32
-        master. With :attr:`module` set, a tensor the module now holds in new storage (``assign=True``,
-        ``model.to(dtype)``) is followed first. The AWD anchor is not changed. Masters that are their parameter
-        (``share_params``) hold the module's values already.
+        """Make the master hold what the module holds where the two parted outside the strategy; run first by
+        :meth:`apply` and :meth:`tell`. ``"reread"`` takes the module's values as the master (the anchor stays).
 
         Returns:
-            `list[str]`: The names of the tensors whose master was re-read (empty when nothing changed, inside
-            :meth:`apply`, or with ``on_module_change="ignore"``).
+            `list[str]`: The names of the re-read tensors (empty inside :meth:`apply` or with ``"ignore"``).
 
         Raises:
             ValueError: with ``on_module_change="raise"``, naming the changed tensors; or, with :attr:`module` set,
                 naming a trained tensor the module no longer has, or holds with another shape or on another device
                 (nothing is changed then).
         """
+        # "ignore": the caller keeps the master in step itself (ESTrainer, through its checkpoint hooks)
         if self.on_module_change == "ignore" or self.params is None or self.params.perturbed:
             return []
         live = self._live_tensors()
         moved, changed = [], []
         for e in self.params.entries:
             tensor = live[e.name]
+            # new storage (load_state_dict(assign=True), model.to(dtype)): follow it
             if tensor.data_ptr() != e.param.data_ptr() or tensor.dtype != e.param.dtype:
                 moved.append((e, tensor))
+            # values compared, not version counters (p.data.copy_ bumps none); a shared master is the module's
             if not e.master_is_param and not holds_render(tensor, e.master):
                 changed.append((e, tensor))
         if changed and self.on_module_change == "raise":
@@ -244,7 +210,7 @@ class EvolutionStrategy:
             self.params.rebind_(e.name, tensor)
         with torch.no_grad():
             for e, tensor in changed:
-                e.master.copy_(tensor)
+                e.master.copy_(tensor)  # a 16-bit value is exact in fp32
         return [e.name for e, _ in changed]
 
     def _live_tensors(self) -> dict[str, torch.Tensor]:
@@ -272,33 +238,23 @@ class EvolutionStrategy:
 
     @contextlib.contextmanager
     def apply(self, members: Sequence[Member], model: nn.Module | None = None) -> Iterator[None]:
-        """Context in which ``model`` (default :attr:`module`) computes with ``members`` applied (one group of
-        :meth:`groups`; stacked members own equal row blocks, in order); on exit the weights are restored bitwise to
-        what the module held on entry (:meth:`sync_with_module` runs first), also on an exception. Writes into the
-        weights inside the context are undone with the member."""
+        """Context in which ``model`` (default :attr:`module`) computes with ``members`` (one group of
+        :meth:`groups`) applied; on exit, also on an exception, the weights are restored bitwise to the entry's.
+        """
         self.sync_with_module()
-        model = model if model is not None else self.module
+        model = model if model is not None else self.module  # stacked members own equal row blocks, in order
         with self.population.apply(self.params, self.noise, members, self.sigma, model):
             yield
 
     def tell(self, members: Sequence[Member], fitness: torch.Tensor, learning_rate: float,
              optimizer_step: Callable[[], None] | None = None) -> TellResult:
-        """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, render.
-
-        Without ``optimizer_step``: the ES step ``theta <- theta + alpha / N * sum_i z_i eps_i`` in fp32 into the
-        master (:func:`es_update_`). With it: the ES gradient ``-(1/N) sum_i z_i eps_i`` goes to ``master.grad``
-        (:func:`es_gradient_`), ``optimizer_step()`` steps a torch optimizer owning the masters, and the gradients
-        are cleared. Then AWD (``awd_lambda > 0``) and the render of the master into the model.
-
-        The step starts from what the module holds (:meth:`sync_with_module` runs first, after the checks).
+        """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, write the master.
 
         Args:
             members (`Sequence[Member]`): The ``N`` members of :meth:`ask` (``N >= 2``).
-            fitness (`torch.Tensor`): Shape ``(N,)``, real (a list or array is converted), ``fitness[i]`` that of
-                ``members[i]``; a non-finite value (NaN: an invalid member; +-inf) is ranked worst, with a warning
-                (:func:`~trl_es.es.shaping.shape_fitness`).
+            fitness (`torch.Tensor`): Shape ``(N,)``, real; non-finite values rank worst (:func:`shape_fitness`).
             learning_rate (`float`): ``alpha``, finite.
-            optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer.
+            optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer owning the masters.
 
         Returns:
             `TellResult`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
@@ -315,10 +271,11 @@ class EvolutionStrategy:
         if self.awd_lambda > 0 and self.anchor is None:
             raise ValueError("awd_lambda > 0 needs an anchor (theta_0 of the trained tensors).")
         coefficients = shape_fitness(fitness, self.fitness_shaping).tolist()
-        self.sync_with_module()
-        if optimizer_step is None:
+        self.sync_with_module()  # step from what the module holds
+        if optimizer_step is None:  # theta <- theta + alpha / N * sum_i z_i eps_i, fp32 into the master
             es_update_(self.params, self.perturbation, self.noise, members, coefficients, learning_rate)  # renders
         else:
+            # -(1/N) sum_i z_i eps_i into master.grad, for the torch optimizer
             es_gradient_(self.params, self.perturbation, self.noise, members, coefficients)
             optimizer_step()
             for master in self.params.master_parameters():
