@@ -1,23 +1,9 @@
-"""Population backends: how the members of an ES iteration are drawn and put into the model; the strategy object
-(:class:`~trl_es.es.strategy.EvolutionStrategy`) holds one, and the loop that owns it scores the members (pycma's
-``ask()``/``tell()``: the strategy never evaluates).
+"""Population backends: how the members of an ES iteration are drawn and put into the model.
 
-- :meth:`PopulationBackend.ask` draws the iteration's members (seeds and signs: :func:`sample_population`);
-- :meth:`PopulationBackend.groups` says which members are applied together;
-- :meth:`PopulationBackend.apply` is a context manager: on entry the group's members are put into the model, on exit
-  the model is restored exactly, also when the body raises (``KeyboardInterrupt`` included).
-
-Two backends, each also inside a generation engine with its own weights (:func:`on_engine`: a :class:`WeightsHost`,
-such as the vLLM engines):
-
-- :class:`SequentialPopulation`: one full-rank Gaussian member at a time, written into the weights in place
-  (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1) and restored bitwise from the master copy;
-- :class:`BatchedLowRankPopulation`: groups of rank-``r`` members as per-row adapters, all of a group in one batched
-  forward: member ``group[k]`` owns the ``k``-th of ``len(group)`` equal blocks of rows (EGGROLL, arXiv
-  2511.16652); the weights are never written.
-
-The update (:meth:`EvolutionStrategy.tell <trl_es.es.strategy.EvolutionStrategy.tell>`) is
-:func:`trl_es.es.update.es_update_` / :func:`~trl_es.es.update.es_gradient_`, one function for every perturbation.
+:class:`SequentialPopulation` writes one full-rank member into the weights in place (Qiu et al. 2025, arXiv
+2509.24372, Algorithm 1); :class:`BatchedLowRankPopulation` applies a group of rank-``r`` members as per-row
+adapters in one batched forward (EGGROLL, arXiv 2511.16652). :func:`on_engine` runs either inside a generation
+engine that holds its own weights (:class:`WeightsHost`). The strategy never scores members (pycma's ask/tell).
 """
 
 from __future__ import annotations
@@ -36,19 +22,15 @@ from .update import Member, TrainedParameters
 
 
 def member_seed(base_seed: int, step: int, index: int) -> int:
-    """The noise seed of member ``index`` at iteration ``step``: a 31-bit hash of ``(base_seed, step, index)``.
-
-    Independent of the number of processes, so a run is reproducible from ``base_seed`` alone.
-    """
+    """The noise seed of member ``index`` at iteration ``step``: a 31-bit hash of ``(base_seed, step, index)``."""
+    # independent of the number of processes: a run is reproducible from base_seed alone
     digest = hashlib.blake2b(f"es-member\x00{base_seed}\x00{step}\x00{index}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def sample_population(base_seed: int, step: int, population_size: int, antithetic: bool = False) -> list[Member]:
-    """Draw the ``population_size`` members of iteration ``step``.
-
-    With ``antithetic=True`` (mirrored sampling, Salimans et al. 2017, Sec. 2.1) members ``2k`` and ``2k + 1``
-    share one seed with signs ``+1`` and ``-1``.
+    """The ``population_size`` members of iteration ``step``; ``antithetic`` pairs ``2k, 2k + 1`` share a seed with
+    signs ``+1, -1`` (Salimans et al. 2017, Sec. 2.1).
 
     Raises:
         ValueError: if ``population_size < 2`` or it is odd with ``antithetic=True``.
@@ -68,23 +50,14 @@ def member_indices(population_size: int, rank: int, world_size: int) -> list[int
 
 
 class PopulationBackend(ABC):
-    """How a population's members are drawn and put into the model (never how they are scored).
-
-    Attributes:
-        perturbation (`Perturbation`): What ``eps_i`` is; the ES step (:func:`trl_es.es.update.es_update_`) moves
-            the weights along its direction sums.
-        stacked (`bool`): Whether a group of members shares one batched forward (row blocks), rather than one member
-            at a time.
-        timings (`dict[str, float]`): Seconds spent putting members in (``"perturb"``) and taking them out
-            (``"restore"``) since the last :meth:`reset_timings`.
-    """
+    """How a population's members are drawn and put into the model (never how they are scored)."""
 
     name = "population"
-    stacked = False
+    stacked = False  # a group of members shares one batched forward (row blocks)
 
     def __init__(self, perturbation: Perturbation):
-        self.perturbation = perturbation
-        self.timings: dict[str, float] = {"perturb": 0.0, "restore": 0.0}
+        self.perturbation = perturbation  # what eps_i is; es_update_ moves the weights along its direction sums
+        self.timings: dict[str, float] = {"perturb": 0.0, "restore": 0.0}  # seconds since reset_timings
 
     def describe(self) -> dict:
         """JSON-serializable facts about this backend (written into the seed log header for information)."""
@@ -110,15 +83,8 @@ class PopulationBackend(ABC):
     @contextlib.contextmanager
     def apply(self, params: TrainedParameters, noise: NoiseSource, members: Sequence[Member], sigma: float,
               model: nn.Module | None = None) -> Iterator[None]:
-        """Context in which ``model`` computes with ``members`` applied; restored exactly on exit, also on an
-        exception (``KeyboardInterrupt`` included).
-
-        Args:
-            params (`TrainedParameters`): The trained parameters (with their master copy).
-            noise (`NoiseSource`): The noise source.
-            members (`Sequence[Member]`): One group of :meth:`groups` (the members themselves, in row-block order).
-            sigma (`float`): The noise scale.
-            model (`nn.Module`, *optional*): The model (backends with per-row adapters install them on it).
+        """Context in which ``model`` computes with ``members`` (one group of :meth:`groups`, in row-block order)
+        applied; restored exactly on exit, also on an exception (``KeyboardInterrupt`` included).
         """
         try:
             start = time.perf_counter()
@@ -143,10 +109,8 @@ class PopulationBackend(ABC):
 
 
 class SequentialPopulation(PopulationBackend):
-    """One member at a time, its perturbation written into the weights in place (Qiu et al. 2025, Algorithm 1).
-
-    The weights are restored bitwise from the master copy when :meth:`apply` exits, also on an exception
-    (reward function, generation, ``KeyboardInterrupt``): the model is then exactly as before.
+    """One member at a time, written into the weights in place and restored bitwise from the master (Qiu et al.
+    2025, Algorithm 1).
     """
 
     name = "sequential"
@@ -160,34 +124,21 @@ class SequentialPopulation(PopulationBackend):
         self.perturbation.perturb_(params, noise, members[0], sigma)
 
     def _restore_members(self, params):
-        params.write_master_to_model_()
+        params.write_master_to_model_()  # bitwise: the model is exactly as before, also after an exception
 
 
 class BatchedLowRankPopulation(PopulationBackend):
-    """Many members in one batched forward, each as a per-row low-rank adapter (EGGROLL).
-
-    Member ``i`` perturbs every trained weight ``W`` (``out x in``) by ``E_i = sign_i (sigma/sqrt(r)) A_i B_i^T``
-    (Sarkar et al. 2025, arXiv 2511.16652). On the first :meth:`apply` the backend installs persistent
-    :class:`~trl_es.es.perturbation.LowRankAdapters` on the targeted ``nn.Linear`` modules of the model (nothing is
-    registered per call after that); :meth:`apply` loads a group's factors and clears the adapters on exit (an
-    exception, ``KeyboardInterrupt`` included, leaves the model unperturbed). The weights are never modified, so an
-    fp32 model needs no master copy with this backend.
-
-    Row map: inside ``apply(..., members=group)`` member ``group[k]`` owns the ``k``-th of ``len(group)`` equal
-    blocks of rows of every batch (see :class:`~trl_es.es.perturbation.LowRankAdapters`).
-
-    Trained parameters: every one must be the weight of ``nn.Linear`` modules and of nothing else; otherwise
-    :meth:`check` (and the first :meth:`apply`) raises ``ValueError`` naming them
-    (:func:`~trl_es.es.perturbation.linear_weight_names` gives the default selection).
+    """Many members in one batched forward, each a per-row low-rank adapter (EGGROLL, Sarkar et al. 2025,
+    arXiv 2511.16652): ``E_i = sign_i (sigma/sqrt(r)) A_i B_i^T`` on every trained ``nn.Linear`` weight ``(out, in)``.
+    Member ``group[k]`` owns the ``k``-th of ``len(group)`` equal row blocks; the weights are never written.
 
     Args:
-        noise_rank (`int`): ``r >= 1``, the rank of each member's perturbation of each weight.
-        member_chunk_size (`int` or `None`): Members per group (``None``: all members of this process in one group).
-            The batch is ``member_chunk_size * len(prompts) * num_generations`` rows; lower it to bound activation and
-            KV-cache memory.
+        noise_rank (`int`): ``r >= 1``.
+        member_chunk_size (`int` or `None`): Members per group (``None``: all of this process's).
 
     Raises:
-        ValueError: if ``noise_rank < 1`` or ``member_chunk_size < 1``.
+        ValueError: if ``noise_rank < 1`` or ``member_chunk_size < 1``; from :meth:`check` for a trained tensor that
+            is not only an ``nn.Linear`` weight.
     """
 
     name = "batched_lowrank"
@@ -209,8 +160,7 @@ class BatchedLowRankPopulation(PopulationBackend):
         return {"name": self.name, "noise_rank": self.noise_rank}
 
     def check(self, params: TrainedParameters, model: nn.Module | None = None) -> None:
-        """Raise ``ValueError`` if a trained tensor is not (only) an ``nn.Linear`` weight of ``model`` (nothing is
-        installed: the adapters come with the first :meth:`apply`)."""
+        """Raise ``ValueError`` if a trained tensor is not (only) an ``nn.Linear`` weight of ``model``."""
         super().check(params)
         if model is not None:
             linear_targets(model, params)
@@ -228,6 +178,7 @@ class BatchedLowRankPopulation(PopulationBackend):
             ValueError: see :func:`~trl_es.es.perturbation.linear_targets`.
         """
         current = self._adapters
+        # installed once and kept: nothing is registered per apply
         if current is None or current.model is not model or current.params is not params:
             self.close()
             self._adapters = LowRankAdapters(model, params, self.perturbation)
@@ -250,8 +201,9 @@ class BatchedLowRankPopulation(PopulationBackend):
 
 
 class WeightsHost(ABC):
-    """Holds its own copy of the weights, and takes full-rank members into it from their seeds (a generation engine
-    such as vLLM's: :class:`~trl_es.generation.base.OwnWeightsEngine`); :func:`on_engine` puts a population there."""
+    """An engine holding its own copy of the weights that takes full-rank members from their seeds
+    (:class:`~trl_es.generation.base.OwnWeightsEngine`).
+    """
 
     name = "weights_host"
 
@@ -280,15 +232,13 @@ class AdapterHost(WeightsHost):
 
 
 class EngineSequentialPopulation(SequentialPopulation):
-    """:class:`SequentialPopulation` applied inside an engine that holds its own copy of the weights: each member is
-    written into the *engine's* weights from its seed (bitwise the weights :class:`SequentialPopulation` writes into
-    the model), and restored by loading the current weights again. The model itself is never perturbed, so a
-    parameter in the master dtype may be its own master.
+    """:class:`SequentialPopulation` written into an engine's own weights (bitwise the same); the model is
+    never perturbed.
     """
 
     def __init__(self, engine: WeightsHost):
         super().__init__()
-        self.engine = engine
+        self.engine = engine  # the model is never perturbed: a parameter in the master dtype may be its own master
 
     def describe(self) -> dict:
         """``{"name": "sequential", "engine": <engine name>}``."""
@@ -304,13 +254,8 @@ class EngineSequentialPopulation(SequentialPopulation):
 
 
 class EngineLowRankPopulation(BatchedLowRankPopulation):
-    """:class:`BatchedLowRankPopulation` whose members are adapters of an engine (vLLM multi-LoRA, as the EGGROLL
-    authors run it): a group's members are loaded as one LoRA adapter each
-    (:func:`~trl_es.es.perturbation.lowrank_lora_factors`), row block ``k`` of the group's ``generate`` call uses
-    adapter ``k``; the weights are never written. Exit removes the adapters, also on an exception.
-
-    Args:
-        noise_rank (`int`), member_chunk_size (`int` or `None`): As in :class:`BatchedLowRankPopulation`.
+    """:class:`BatchedLowRankPopulation` as an engine's adapters (vLLM multi-LoRA), one per member; row block
+    ``k`` of the group's ``generate`` uses adapter ``k``.
     """
 
     def __init__(self, engine: AdapterHost, noise_rank: int = 1, member_chunk_size: int | None = None):
@@ -332,10 +277,7 @@ class EngineLowRankPopulation(BatchedLowRankPopulation):
 
 
 def on_engine(backend: PopulationBackend, engine) -> PopulationBackend:
-    """The population of ``backend`` applied where ``engine`` computes: inside it for a :class:`WeightsHost` (a
-    :class:`SequentialPopulation` becomes an :class:`EngineSequentialPopulation`, a
-    :class:`BatchedLowRankPopulation` an :class:`EngineLowRankPopulation` with its rank and chunk size), else
-    ``backend`` itself (the engine runs the model).
+    """``backend`` applied inside ``engine`` when it is a :class:`WeightsHost`, else ``backend`` itself.
 
     Raises:
         ValueError: for low-rank members and an engine that is no :class:`AdapterHost`, or another backend.
