@@ -1,17 +1,7 @@
 """The anchor theta_0: the trained parameters' initial values, for Anchored Weight Decay and drift logging.
 
-Two ways to hold it, behind one read-only mapping ``name -> tensor`` (the local partition of the parameter, in the
-parameter's own dtype, on CPU):
-
-- :class:`MemoryAnchor`: a resident copy in the parameter's dtype. theta_0 *is* the initial parameter, so a copy in
-  its own dtype is exact (an fp32 copy of a bf16 model would double the bytes for nothing).
-- :class:`FileAnchor`: read back, one tensor at a time, from safetensors files that hold exactly these values: the
-  base model's own checkpoint (checked bitwise against the parameters when the anchor is built; a file in another
-  float dtype counts when its values cast to the parameter's dtype are the parameter, as for a bf16 model loaded from
-  an fp32 checkpoint), or an anchor a checkpoint saved. Nothing stays resident: a lookup maps the file, copies one
-  tensor (or the partition's slice of it), casts it and unmaps the file again.
-
-:func:`make_anchor` picks the file where every value matches it and falls back to memory per tensor.
+A read-only mapping ``name -> tensor`` (the local partition, the parameter's dtype, CPU): :class:`MemoryAnchor`
+holds copies, :class:`FileAnchor` reads one tensor at a time from safetensors files that hold exactly these values.
 """
 
 from __future__ import annotations
@@ -34,15 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryAnchor(Mapping):
-    """theta_0 as resident CPU copies in the parameters' dtype.
-
-    Args:
-        tensors (`dict[str, torch.Tensor]`): The values (copied).
-    """
+    """theta_0 as resident CPU copies of ``tensors`` in the parameters' dtype."""
 
     storage = "memory"
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        # theta_0 is the initial parameter: its own dtype is exact (an fp32 copy of bf16 would double the bytes)
         self._tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -65,9 +52,8 @@ class FileAnchor(Mapping):
     Args:
         sources (`dict[str, tuple[str, str, int, int]]`): ``name -> (path, key, start, length)``: the tensor ``key``
             of the file ``path``, flattened, elements ``[start, start + length)``.
-        fallback (`Mapping[str, torch.Tensor]`, *optional*): Values for names not in ``sources`` (resident).
-        shapes (`dict[str, torch.Size]`, *optional*): Shape to give each returned tensor (default: flat).
-        dtypes (`dict[str, torch.dtype]`, *optional*): dtype to cast each returned tensor to (default: the file's).
+        fallback (`Mapping[str, torch.Tensor]`, *optional*): Resident values for names not in ``sources``.
+        shapes, dtypes (`dict`, *optional*): Shape and dtype of each returned tensor (default: flat, the file's).
     """
 
     storage = "file"
@@ -88,7 +74,7 @@ class FileAnchor(Mapping):
             raise ValueError(f"theta_0 is read from {path}, which changed after training started (it was "
                              "overwritten?): the anchor is lost. Keep the base checkpoint unchanged, or use "
                              "anchor_storage='memory'.")
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safe_open(path, framework="pt", device="cpu") as f:  # nothing stays resident: map, copy, unmap
             flat = f.get_slice(key)[:] if length is None else _read_flat_range(f, key, start, length)
         flat = flat.reshape(-1)
         flat = flat.to(self.dtypes[name]) if name in self.dtypes and flat.dtype != self.dtypes[name] else flat.clone()
@@ -137,15 +123,8 @@ def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:
 
 
 def checkpoint_weight_map(folder: str) -> dict[str, str]:
-    """``tensor name -> safetensors file`` of a checkpoint folder: ``model.safetensors`` (its header is read), or the
-    shards that ``model.safetensors.index.json`` lists; ``{}`` if the folder holds neither. The one reader of a
-    checkpoint's weight files (the anchor's theta_0, resuming under DeepSpeed).
-
-    Args:
-        folder (`str`): A ``save_pretrained`` folder.
-
-    Returns:
-        `dict[str, str]`: Paths joined with ``folder``.
+    """``tensor name -> safetensors path`` of a ``save_pretrained`` folder (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``); ``{}`` if it holds neither.
     """
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
@@ -171,22 +150,9 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
                 lean_memory: bool = False, required: bool = True):
     """The anchor theta_0 of ``params`` as they are now.
 
-    Under ``lean_memory`` (the memory rule) ``"auto"`` is ``"file"``, and an anchor that keeps tensors resident (not
-    bitwise in ``files``) is kept only when ``required`` (AWD; with a warning); otherwise it is dropped (``None``:
-    drift logging is skipped).
-
-    Args:
-        params (`TrainedParameters`): The trained parameters, at their initial values.
-        storage (`str`): ``"memory"``: resident copies. ``"file"`` / ``"auto"``: read from ``files`` every tensor
-            whose values there are bitwise the current ones (checked now, one tensor at a time), resident copies for
-            the others (so ``"file"`` and ``"auto"`` behave alike; ``"file"`` exists to state the intent).
-        files (`list[str]`, *optional*): safetensors files (e.g. :func:`checkpoint_files` of the model).
-        lean_memory (`bool`): Hold theta_0 in files only, where it can.
-        required (`bool`): Whether AWD needs the anchor (else only drift logging reads it).
-
-    Returns:
-        (`MemoryAnchor | FileAnchor | None`): The anchor, a read-only mapping ``name -> tensor``; ``None`` only under
-        ``lean_memory`` and not ``required``.
+    ``storage``: ``"memory"`` (resident copies), or ``"file"`` / ``"auto"``: read from ``files`` every tensor whose
+    values there are bitwise the current ones, resident copies for the others. ``lean_memory``: ``"auto"`` is
+    ``"file"``, and an anchor with resident tensors is kept only when ``required`` (AWD; warned), else ``None``.
 
     Raises:
         ValueError: for an unknown ``storage``.
@@ -213,6 +179,7 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
                 numel = 1
                 for dim in f.get_slice(name).get_shape():
                     numel *= int(dim)
+                # another float dtype counts when its values cast to the parameter's are the parameter
                 if numel == e.numel and f.get_slice(name).get_dtype() in _FLOAT_DTYPES:
                     stored = _read_flat_range(f, name, e.start, local).to(e.param.dtype)
                     same = torch.equal(stored, e.param.detach().reshape(-1).cpu())
