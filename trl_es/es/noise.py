@@ -60,20 +60,15 @@ def block_key(seed: int, name: str, block: int) -> int:
 
 
 class NoiseSource:
-    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor.
-
-    A new source is a subclass with a :attr:`kind` and a :meth:`block`, registered with
-    :func:`register_noise_source`: ``noise_source=kind`` then builds it, and the seed log's ``replay`` rebuilds it.
-
-    Args:
-        generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
+    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor; a new
+    source subclasses it with a :attr:`kind` and registers with :func:`register_noise_source`.
     """
 
     kind: str = ""  # the ``noise_source`` name, and the ``type`` of its description
 
     def __init__(self, generator: str = PORTABLE_GENERATOR):
         _check_generator(generator)
-        self.generator = generator
+        self.generator = generator  # PORTABLE_GENERATOR, or LEGACY_GENERATOR for version-1 seed logs
 
     @classmethod
     def from_config(cls, noise_table_size: int) -> NoiseSource:
@@ -115,9 +110,9 @@ class NoiseSource:
         device = torch.device("cpu") if device is None else torch.device(device)
         position = start
         while position < end:
-            index = position // NOISE_BLOCK_SIZE
+            index = position // NOISE_BLOCK_SIZE  # a ZeRO-3 partition generates only the blocks it overlaps
             block_start = index * NOISE_BLOCK_SIZE
-            block_length = min(NOISE_BLOCK_SIZE, numel - block_start)
+            block_length = min(NOISE_BLOCK_SIZE, numel - block_start)  # depends only on the tensor's size
             hi = min(end, block_start + block_length)
             noise = self.block(seed, name, index, block_length, device)
             yield position - start, hi - start, noise[position - block_start : hi - block_start]
@@ -150,11 +145,6 @@ def register_noise_source(cls: type[NoiseSource]) -> type[NoiseSource]:
 class NoiseTable(NoiseSource):
     """A shared table of N(0, 1) values; a block is a contiguous slice at a hashed offset (Salimans et al. 2017).
 
-    Args:
-        size (`int`): Number of fp32 entries, at least ``NOISE_BLOCK_SIZE``. Default ``2**26`` (256 MiB).
-        seed (`int`): Seed of the table, generated on CPU by ``generator`` (:func:`standard_normal`).
-        generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
-
     Raises:
         ValueError: if ``size < NOISE_BLOCK_SIZE`` or ``generator`` is unknown.
     """
@@ -165,8 +155,8 @@ class NoiseTable(NoiseSource):
         if size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 (no table) or >= {NOISE_BLOCK_SIZE}, got {size}.")
         super().__init__(generator)
-        self.size = int(size)
-        self.seed = int(seed)
+        self.size = int(size)  # fp32 entries; default 2**26 (256 MiB)
+        self.seed = int(seed)  # the table is generated on CPU by `generator` (standard_normal)
 
     @classmethod
     def from_config(cls, noise_table_size):
@@ -181,7 +171,7 @@ class NoiseTable(NoiseSource):
         return _table_values(self.size, self.seed, str(torch.device(device)), self.generator)
 
     def block(self, seed, name, index, length, device):
-        offset = block_key(seed, name, index) % (self.size - length + 1)
+        offset = block_key(seed, name, index) % (self.size - length + 1)  # a block never runs past the end
         return self.values(device)[offset : offset + length]
 
     def describe(self) -> dict:

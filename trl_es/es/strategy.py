@@ -42,19 +42,14 @@ _COMPARE_CHUNK = 1 << 24  # elements compared at a time (bounds the temporary ca
 
 
 def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether ``param`` holds bitwise ``cast(master)``, what :meth:`TrainedParameters.write_master_to_model_` writes.
-
-    Compared as integers (``-0.0`` differs from ``0.0``, a NaN equals itself), chunk by chunk.
-
-    Args:
-        param (`torch.Tensor`): The model's tensor (contiguous, any float dtype).
-        master (`torch.Tensor`): Its master (same shape and device; fp32 or the parameter's dtype).
+    """Whether ``param`` holds bitwise ``cast(master)`` (same shape and device), what
+    :meth:`TrainedParameters.write_master_to_model_` writes.
     """
     if param.shape != master.shape:
         return False
     flat_param, flat_master = param.reshape(-1), master.reshape(-1)
-    bits = _BITS[param.element_size()]
-    for lo in range(0, flat_param.numel(), _COMPARE_CHUNK):
+    bits = _BITS[param.element_size()]  # compared as integers: -0.0 differs from 0.0, a NaN equals itself
+    for lo in range(0, flat_param.numel(), _COMPARE_CHUNK):  # chunk by chunk: no full-size temporary
         live = flat_param[lo : lo + _COMPARE_CHUNK]
         rendered = flat_master[lo : lo + _COMPARE_CHUNK].to(param.dtype)
         if not torch.equal(live.view(bits), rendered.view(bits)):
@@ -73,20 +68,7 @@ class TellResult:
 
 class EvolutionStrategy:
     """The ES state of one run (trained tensors with their fp32 master, noise, population, sigma) and its
-    ask / groups / apply / tell.
-
-    Args:
-        params (`TrainedParameters`): The trained tensors and their master copy.
-        noise (`NoiseSource`): Where ``eps(seed)`` comes from.
-        population (`PopulationBackend`): How members are put into the model (in place, or as low-rank adapters).
-        sigma (`float`), population_size (`int`): The noise scale and ``N`` (>= 2; even with ``antithetic``).
-        seed (`int`): Base seed of the members' noise seeds.
-        antithetic (`bool`): Mirrored pairs ``+eps, -eps`` (Salimans et al. 2017, Sec. 2.1).
-        fitness_shaping (`str`): ``"zscore"``, ``"centered_rank"`` or ``"none"`` (:func:`shape_fitness`).
-        awd_lambda (`float`), awd_penalty (`str`): Anchored Weight Decay (arXiv 2605.30148, Algorithm 1); 0: off.
-        anchor (`Mapping[str, torch.Tensor]`, *optional*): theta_0 of the trained tensors (needed for AWD).
-        module (`nn.Module`, *optional*): The model, whose tensors are looked up by name on every call.
-        on_module_change (`str`): ``"reread"``, ``"raise"`` or ``"ignore"`` (:meth:`sync_with_module`).
+    ask / groups / apply / tell (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1).
 
     Raises:
         ValueError: for an unknown ``on_module_change``.
@@ -98,10 +80,21 @@ class EvolutionStrategy:
                  module: nn.Module | None = None, on_module_change: str = "reread"):
         if on_module_change not in MODULE_CHANGE_RULES:
             raise ValueError(f"on_module_change must be one of {MODULE_CHANGE_RULES}, got {on_module_change!r}.")
-        self.params, self.noise, self.population = params, noise, population
-        self.sigma, self.population_size, self.seed, self.antithetic = sigma, population_size, seed, antithetic
-        self.fitness_shaping, self.awd_lambda, self.awd_penalty = fitness_shaping, awd_lambda, awd_penalty
-        self.anchor, self.module, self.on_module_change = anchor, module, on_module_change
+        self.params = params  # the trained tensors and their master copy
+        self.noise = noise  # where eps(seed) comes from
+        self.population = population  # how members are put into the model (in place, or as low-rank adapters)
+        self.sigma = sigma
+        self.population_size = population_size  # N >= 2; even with antithetic
+        self.seed = seed  # base seed of the members' noise seeds
+        self.antithetic = antithetic  # mirrored pairs +eps, -eps (Salimans et al. 2017, Sec. 2.1)
+        self.fitness_shaping = fitness_shaping  # "zscore", "centered_rank" or "none" (shape_fitness)
+        self.awd_lambda = awd_lambda  # Anchored Weight Decay (arXiv 2605.30148, Algorithm 1); 0: off
+        self.awd_penalty = awd_penalty  # "l2" or "l1"
+        self.anchor = anchor  # theta_0 of the trained tensors, needed for AWD
+        self.module = module  # looked up by name on every call, so new storage (assign=True, .half()) is followed
+        # what apply/tell do when the module's tensors changed outside the strategy (sync_with_module):
+        # "reread" takes them as the master, "raise" refuses, "ignore" leaves it to the caller
+        self.on_module_change = on_module_change
 
     @classmethod
     def for_module(cls, model: nn.Module, sigma: float, population_size: int, include: str | None = None,
@@ -110,7 +103,7 @@ class EvolutionStrategy:
         ``module=model``; ``kwargs`` go to the constructor.
         """
         params = TrainedParameters(select_parameters(model, include), torch.float32)
-        if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:
+        if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:  # theta_0: the master at construction
             kwargs["anchor"] = {n: t.clone() for n, t in params.master_state_dict().items()}
         kwargs.setdefault("module", model)
         return cls(params, make_noise_source(0, noise_source), SequentialPopulation(), sigma, population_size,
@@ -120,11 +113,8 @@ class EvolutionStrategy:
     def build(cls, params: TrainedParameters, population: PopulationBackend, sigma: float, population_size: int, *,
               noise: NoiseSource | str = "auto", noise_table_size: int = DEFAULT_TABLE_SIZE, lean_memory: bool = False,
               anchor_storage: str | None = None, anchor_files: Sequence[str] = (), **kwargs) -> EvolutionStrategy:
-        """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules.
-
-        ``noise`` is a source or its ``noise_source`` name (:func:`make_noise_source`); ``lean_memory`` holds no
-        table and reads theta_0 from ``anchor_files`` (:func:`~trl_es.es.anchor.make_anchor`);
-        ``anchor_storage=None``: no anchor. ``kwargs`` go to the constructor.
+        """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules;
+        ``kwargs`` go to the constructor.
 
         Raises:
             ValueError: for ``awd_lambda > 0`` without ``anchor_storage``; as :func:`make_noise_source`,
@@ -137,6 +127,7 @@ class EvolutionStrategy:
         if anchor_storage is not None:  # theta_0, as the parameters hold it now
             anchor = make_anchor(params, anchor_storage, list(anchor_files), lean_memory=lean_memory, required=awd)
         if isinstance(noise, str):
+            # on the trained tensors' device; lean_memory holds no table (the memory rule)
             lowrank = isinstance(population.perturbation, LowRankPerturbation)
             noise = make_noise_source(noise_table_size, noise, params.entries[0].param.device, lowrank=lowrank,
                                       lean_memory=lean_memory)
@@ -178,15 +169,11 @@ class EvolutionStrategy:
 
     def sync_with_module(self) -> list[str]:
         """Make the master hold what the module holds where the two parted outside the strategy; run first by
-        :meth:`apply` and :meth:`tell`. ``"reread"`` takes the module's values as the master (the anchor stays).
-
-        Returns:
-            `list[str]`: The names of the re-read tensors (empty inside :meth:`apply` or with ``"ignore"``).
+        :meth:`apply` and :meth:`tell`. Returns the names of the re-read tensors.
 
         Raises:
             ValueError: with ``on_module_change="raise"``, naming the changed tensors; or, with :attr:`module` set,
-                naming a trained tensor the module no longer has, or holds with another shape or on another device
-                (nothing is changed then).
+                naming a trained tensor the module no longer has, or holds with another shape or on another device.
         """
         # "ignore": the caller keeps the master in step itself (ESTrainer, through its checkpoint hooks)
         if self.on_module_change == "ignore" or self.params is None or self.params.perturbed:

@@ -60,7 +60,7 @@ def select_parameters(
     selected = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad
+        if p.requires_grad  # with PEFT, only the adapter
         and p.is_floating_point()
         and (include_re is None or include_re.search(name))
         and not (exclude_re is not None and exclude_re.search(name))
@@ -74,14 +74,7 @@ def select_parameters(
 
 
 class TrainedParameters:
-    """The trained parameters of a model and their master copy.
-
-    Args:
-        named_params (`Iterable`): ``(name, tensor)`` pairs, contiguous; ``(name, local, numel, start)`` for a
-            partition.
-        master_dtype (`torch.dtype` or `None`): ``torch.float32`` (default), or ``None``: each parameter's dtype.
-        share_params (`bool`): A parameter already in the master dtype is its own master (no copy); only for
-            perturbations that never write into the weights.
+    """The trained parameters of a model and their master copy (one :class:`_Entry` each).
 
     Raises:
         ValueError: for a non-contiguous tensor.
@@ -89,15 +82,18 @@ class TrainedParameters:
 
     def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32,
                  share_params: bool = False):
+        # named_params: (name, tensor) pairs, or (name, local, numel, start) for a ZeRO-3 partition
         self.entries: list[_Entry] = []
         self.master_dtype = master_dtype  # None: each parameter's own dtype
+        # a parameter already in the master dtype is its own master (no copy): only for perturbations that never
+        # write into the weights (low-rank adapters); an in-place perturbation refuses such entries
         self.share_params = bool(share_params)
         for item in named_params:
             name, param = item[0], item[1]
             numel = item[2] if len(item) > 2 else param.numel()
             start = item[3] if len(item) > 3 else 0
             data = param.data if isinstance(param, nn.Parameter) else param
-            if not data.is_contiguous():
+            if not data.is_contiguous():  # perturbations write flattened views in place
                 raise ValueError(f"Parameter {name!r} is not contiguous; ES perturbs flattened views in place.")
             dtype = master_dtype or data.dtype  # None saves memory; the update is still summed in fp32
             if self.share_params and dtype == data.dtype:
@@ -157,7 +153,7 @@ class TrainedParameters:
                                    "model was prepared; it was its own master, which would lose its precision.")
             shared = e.master_is_param
             e.param = tensor
-            if shared:
+            if shared:  # a master that was its parameter follows the new storage
                 e.master = tensor.detach()
             return
         raise KeyError(name)
@@ -194,12 +190,13 @@ class TrainedParameters:
             raise ValueError(f"AWD with the l2 penalty needs 0 <= learning_rate * awd_lambda < 1, got {shrink}.")
         with torch.no_grad():
             for e in self.entries:
+                # one anchor tensor at a time: a lazily loading mapping (FileAnchor) works
                 theta0 = anchor[e.name].to(device=e.master.device, dtype=torch.float32).view_as(e.master)
                 delta = e.master.float() - theta0
                 if penalty == "l2":
                     delta.mul_(1.0 - shrink)
                 else:
-                    delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)
+                    delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)  # soft threshold
                 e.master.copy_(theta0 + delta)
         self.write_master_to_model_()
 
@@ -219,9 +216,9 @@ def es_update_(
     with torch.no_grad():  # streamed: the extra memory is one noise block or one weight matrix
         for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
             flat = e.master.view(-1)[lo:hi]
-            if flat.dtype == torch.float32:
+            if flat.dtype == torch.float32:  # steps below a 16-bit ulp accumulate in the fp32 master
                 add_scaled_(flat, total, step, noise.portable)
-            else:
+            else:  # master_dtype=None: summed in fp32, rounded once per step
                 flat.copy_(add_scaled_(flat.float(), total, step, noise.portable))
     params.write_master_to_model_()
 
