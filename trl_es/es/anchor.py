@@ -47,13 +47,8 @@ class MemoryAnchor(Mapping):
 
 
 class FileAnchor(Mapping):
-    """theta_0 read on demand from safetensors files.
-
-    Args:
-        sources (`dict[str, tuple[str, str, int, int]]`): ``name -> (path, key, start, length)``: the tensor ``key``
-            of the file ``path``, flattened, elements ``[start, start + length)``.
-        fallback (`Mapping[str, torch.Tensor]`, *optional*): Resident values for names not in ``sources``.
-        shapes, dtypes (`dict`, *optional*): Shape and dtype of each returned tensor (default: flat, the file's).
+    """theta_0 read on demand from safetensors files: ``sources`` maps a name to ``(path, key, start, length)``,
+    elements ``[start, start + length)`` of the flattened ``key``; ``fallback`` holds the others in memory.
     """
 
     storage = "file"
@@ -70,7 +65,7 @@ class FileAnchor(Mapping):
         if name in self.fallback:
             return self.fallback[name]
         path, key, start, length = self.sources[name]
-        if _stamp(path) != self._stamps[path]:
+        if _stamp(path) != self._stamps[path]:  # rewritten or replaced since the anchor was built
             raise ValueError(f"theta_0 is read from {path}, which changed after training started (it was "
                              "overwritten?): the anchor is lost. Keep the base checkpoint unchanged, or use "
                              "anchor_storage='memory'.")
@@ -116,7 +111,7 @@ def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:
     row = 1
     for dim in shape[1:]:
         row *= int(dim)
-    first, last = start // row, -(-(start + length) // row)
+    first, last = start // row, -(-(start + length) // row)  # only the rows the range spans are read
     rows = view[first:last].reshape(-1)
     offset = start - first * row
     return rows[offset : offset + length]
@@ -148,21 +143,19 @@ def checkpoint_files(model) -> list[str]:
 
 def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None,
                 lean_memory: bool = False, required: bool = True):
-    """The anchor theta_0 of ``params`` as they are now.
-
-    ``storage``: ``"memory"`` (resident copies), or ``"file"`` / ``"auto"``: read from ``files`` every tensor whose
-    values there are bitwise the current ones, resident copies for the others. ``lean_memory``: ``"auto"`` is
-    ``"file"``, and an anchor with resident tensors is kept only when ``required`` (AWD; warned), else ``None``.
+    """The anchor theta_0 of ``params`` as they are now: ``"memory"`` copies, or ``"file"`` / ``"auto"`` reading from
+    ``files`` every tensor stored there bitwise (copies for the others); ``None`` only under ``lean_memory`` when not
+    ``required``.
 
     Raises:
         ValueError: for an unknown ``storage``.
     """
     if storage not in ANCHOR_STORAGES:
         raise ValueError(f"anchor_storage must be one of {ANCHOR_STORAGES}, got {storage!r}.")
-    if lean_memory:
+    if lean_memory:  # "auto" is "file"; resident tensors are kept only for AWD
         return _lean(make_anchor(params, "file" if storage == "auto" else storage, files), required)
     values = {e.name: e for e in params.entries}
-    if storage == "memory" or not files:
+    if storage == "memory" or not files:  # "file" and "auto" behave alike; "file" states the intent
         return MemoryAnchor({n: e.param for n, e in values.items()})
     where = {}
     for path in files:
@@ -183,7 +176,7 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
                 if numel == e.numel and f.get_slice(name).get_dtype() in _FLOAT_DTYPES:
                     stored = _read_flat_range(f, name, e.start, local).to(e.param.dtype)
                     same = torch.equal(stored, e.param.detach().reshape(-1).cpu())
-        if same:
+        if same:  # checked now, one tensor at a time; otherwise a resident copy
             sources[name] = (path, name, e.start, local)
             shapes[name], dtypes[name] = e.param.shape, e.param.dtype
         else:

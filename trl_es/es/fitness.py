@@ -56,10 +56,8 @@ class MemberScores:
     @classmethod
     def from_rollout(cls, rollout: RolloutResult, success_threshold: float, num_generations: int | None = None,
                      group_size: int | None = None) -> MemberScores:
-        """Sum one member's rollout (the rows it owns).
-
-        ``num_generations`` (consecutive completions per prompt row) also keeps the per-prompt sums;
-        ``group_size`` counts ``groups`` / ``zero_std_groups``. ``None``: not kept.
+        """Sum one member's rollout (the rows it owns); ``None`` for ``num_generations`` / ``group_size`` skips the
+        per-prompt sums / the zero-spread groups.
 
         Raises:
             ValueError: if the completions do not split into rows of ``num_generations`` (or ``group_size``).
@@ -67,7 +65,7 @@ class MemberScores:
         rewards = rollout.rewards.double()
         per_func = rollout.rewards_per_func.double()
         prompt_sum = prompt_count = None
-        if num_generations is not None:
+        if num_generations is not None:  # consecutive completions per prompt row
             if num_generations < 1 or rewards.numel() % num_generations:
                 raise ValueError(f"{rewards.numel()} completions do not split into prompt rows of "
                                  f"num_generations={num_generations}.")
@@ -165,17 +163,13 @@ class PopulationScores:
                 num_shares: int = 1, share_index: int = 0) -> PopulationScores:
         """The members this process scored (``{member index: MemberScores}``) in a population-sized table.
 
-        ``num_prompts``: keep per-prompt sums, this process's at columns from ``prompt_offset``.
-        ``completion_stats``: also the statistics, this process filling share ``share_index`` of ``num_shares`` in
-        ``length_extremes``.
-
         Raises:
             ValueError: if a member's per-function lists do not have ``num_funcs`` entries, or its per-prompt lists
                 are missing or do not fit in ``num_prompts`` columns from ``prompt_offset``.
         """
         table = {name: torch.zeros((population_size, num_funcs) if per_func else (population_size,),
                                    dtype=torch.float64) for name, per_func in _SUMMED}
-        if num_prompts is not None:
+        if num_prompts is not None:  # this process's prompts sit at the columns from prompt_offset
             table["prompt_sum"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
             table["prompt_count"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
         for index, member in scores.items():
@@ -194,7 +188,7 @@ class PopulationScores:
             columns = slice(prompt_offset, prompt_offset + len(sums))
             table["prompt_sum"][index, columns] = torch.tensor(sums, dtype=torch.float64)
             table["prompt_count"][index, columns] = torch.tensor(counts, dtype=torch.float64)
-        if completion_stats:
+        if completion_stats:  # this process fills share share_index of num_shares in length_extremes
             table.update(_collect_stats(scores, population_size, num_funcs, num_shares, share_index))
         return cls(**table)
 
@@ -236,6 +230,7 @@ class PopulationScores:
             values["length_extremes"] = tensor[:, column : column + width].reshape(-1, num_shares, len(LENGTH_EXTREMES))
         return cls(**values)
 
+    # sums, not means: sums add up across processes exactly; a few numbers per member travel
     def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> PopulationScores:
         """Sum every field over processes with ``reduce_sum`` (e.g. ``accelerator.reduce(t, "sum")``); one call."""
         num_funcs = self.per_func_sum.shape[1]
@@ -258,7 +253,7 @@ class PopulationScores:
     def fitness(self) -> torch.Tensor:
         """Per member, the mean weighted reward over its completions; NaN where a reward was invalid or nothing was
         scored. Shape ``(P,)``, float64."""
-        valid = (self.reward_count > 0) & (self.invalid == 0)
+        valid = (self.reward_count > 0) & (self.invalid == 0)  # an invalid member is ranked worst by shaping
         mean = self.reward_sum / self.reward_count.clamp(min=1)
         return torch.where(valid, mean, torch.full_like(mean, math.nan))
 
@@ -271,6 +266,7 @@ class PopulationScores:
         if self.prompt_sum is None:
             raise ValueError("no per-prompt sums: collect the scores with num_prompts (per_prompt_shaping != 'none').")
         matrix = self.prompt_sum / self.prompt_count.clamp(min=1)
+        # NaN where a member has no sample of the prompt, and on the whole row of a member without a fitness
         matrix = torch.where(self.prompt_count > 0, matrix, torch.full_like(matrix, math.nan))
         return torch.where(torch.isnan(self.fitness)[:, None], torch.full_like(matrix, math.nan), matrix)
 

@@ -87,13 +87,14 @@ class GaussianPerturbation(Perturbation):
         return out
 
     def direction_sums(self, params, noise, members, coefficients):
+        # members in population order, zero coefficients skipped: the same sum on every process and in replay
         pairs = [(m, float(c) * m.sign) for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]
         for e in params.entries:
             local = e.param.numel()
             device = e.master.device
             position = 0
             while position < local:
-                hi = min(local, position + _block_span(e.start + position))
+                hi = min(local, position + _block_span(e.start + position))  # one noise block of memory at a time
                 total = torch.zeros(hi - position, dtype=torch.float32, device=device)
                 for member, coef in pairs:
                     for lo2, hi2, eps in noise.pieces(member.seed, e.name, e.numel, e.start + position,
@@ -110,9 +111,9 @@ def _write_perturbed(flat_param: torch.Tensor, flat_master: torch.Tensor, noise:
     scale = float(member.sign) * float(sigma)
     pieces = noise.pieces(member.seed, name, numel, start, start + flat_param.numel(), device=flat_param.device)
     for lo, hi, eps in pieces:
-        if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:
+        if flat_param.dtype == torch.float32 and flat_master.dtype == torch.float32:  # straight into the param
             added_scaled(flat_master[lo:hi], eps, scale, noise.portable, out=flat_param[lo:hi])
-        else:
+        else:  # in fp32, then one rounding to the param's dtype
             flat_param[lo:hi].copy_(added_scaled(flat_master[lo:hi].float(), eps, scale, noise.portable))
 
 
@@ -190,6 +191,7 @@ class LowRankPerturbation(Perturbation):
 
     def direction_sums(self, params, noise, members, coefficients):
         self.check(params)  # before any weight moves
+        # the sum over N members has rank up to N r, so it is formed densely, one weight at a time
         pairs = [(m, float(c) * m.sign / math.sqrt(self.rank))
                  for m, c in zip(members, coefficients, strict=True) if float(c) != 0.0]
         # rank-1 terms in a fixed order, elementwise fp32 (no matmul reduction): bitwise equal in trainer and replay
@@ -217,13 +219,14 @@ def linear_targets(model: nn.Module, params: TrainedParameters) -> list[tuple[_E
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
-            if p.numel():
+            if p.numel():  # keyed by storage: tied weights share one pointer
                 owners.setdefault(p.data_ptr(), []).append((module, pname))
     matched, bad = [], []
     for e in params.entries:
         found = owners.get(e.param.data_ptr(), []) if e.param.numel() else []
         linears = [m for m, pname in found if isinstance(m, nn.Linear) and pname == "weight"
                    and m.weight.shape == e.param.shape]
+        # a whole 2-D weight, owned only by Linear modules as their weight (not tied to an embedding)
         if (e.param.dim() != 2 or e.start != 0 or e.param.numel() != e.numel or not linears
                 or len(linears) != len(found)):
             bad.append(e.name)
@@ -248,7 +251,7 @@ def linear_weight_names(model: nn.Module) -> list[str]:
     names = []
     for name, p in model.named_parameters():
         ptr = p.data_ptr()
-        if p.requires_grad and p.dim() == 2 and ptr in linear_ptrs and owners.get(ptr, 0) == 1:
+        if p.requires_grad and p.dim() == 2 and ptr in linear_ptrs and owners.get(ptr, 0) == 1:  # untied
             names.append(name)
     return names
 
@@ -272,8 +275,9 @@ class _RowBlockAdapter:
         if batch % count:
             raise ValueError(f"Batched low-rank population: the input of {self.name!r} has batch size {batch}, not a "
                              f"multiple of the {count} stacked members.")
+        # row blocks keep their rows through generate (with or without KV cache): the map holds at every step
         x = x.reshape(count, -1, x.shape[-1])
-        b, at = self.b[:count], self.at[:count]
+        b, at = self.b[:count], self.at[:count]  # buffers may hold more members than this group
         if x.dtype != b.dtype:
             x = x.to(b.dtype)
         low = torch.bmm(x, b).to(output.dtype)  # (M, rows * tokens, r)
@@ -282,15 +286,13 @@ class _RowBlockAdapter:
             # in place (generation runs under no_grad): no new activation-sized tensor, one pass over the output
             output.view(count, -1, output.shape[-1]).baddbmm_(low, at)
             return output
-        flat = output.reshape(count, -1, output.shape[-1])
+        flat = output.reshape(count, -1, output.shape[-1])  # autograd needs a new tensor
         return torch.baddbmm(flat, low, at).view(output.shape)
 
 
 class LowRankAdapters:
-    """Persistent per-row-block low-rank adapters on the targeted ``nn.Linear`` modules (multi-LoRA style).
-
-    With ``M`` members loaded, row block ``k`` of each targeted Linear's batch computes
-    ``y = x W^T + (sign_k sigma / sqrt(r)) (x B_k) A_k^T`` at every decoding step; the weights are never written.
+    """Persistent per-row-block low-rank adapters on the targeted ``nn.Linear`` modules (multi-LoRA style): with
+    ``M`` members loaded, row block ``k`` computes ``x W^T + (sign_k sigma / sqrt(r)) (x B_k) A_k^T``.
 
     Raises:
         ValueError: see :func:`linear_targets`.

@@ -40,13 +40,14 @@ def sample_population(base_seed: int, step: int, population_size: int, antitheti
     if antithetic:
         if population_size % 2:
             raise ValueError(f"antithetic=True needs an even population_size, got {population_size}.")
+        # members 2k and 2k + 1 share seed k with signs +1, -1
         return [Member(member_seed(base_seed, step, k), sign) for k in range(population_size // 2) for sign in (1, -1)]
     return [Member(member_seed(base_seed, step, i), 1) for i in range(population_size)]
 
 
 def member_indices(population_size: int, rank: int, world_size: int) -> list[int]:
     """The members a process evaluates: ``i`` with ``i % world_size == rank`` (round robin)."""
-    return list(range(rank, population_size, world_size))
+    return list(range(rank, population_size, world_size))  # round robin
 
 
 class PopulationBackend(ABC):
@@ -86,7 +87,7 @@ class PopulationBackend(ABC):
         """Context in which ``model`` computes with ``members`` (one group of :meth:`groups`, in row-block order)
         applied; restored exactly on exit, also on an exception (``KeyboardInterrupt`` included).
         """
-        try:
+        try:  # the finally restores also after a partial apply or a KeyboardInterrupt
             start = time.perf_counter()
             self._apply_members(params, noise, members, sigma, model)
             self.timings["perturb"] += time.perf_counter() - start
@@ -128,26 +129,22 @@ class SequentialPopulation(PopulationBackend):
 
 
 class BatchedLowRankPopulation(PopulationBackend):
-    """Many members in one batched forward, each a per-row low-rank adapter (EGGROLL, Sarkar et al. 2025,
-    arXiv 2511.16652): ``E_i = sign_i (sigma/sqrt(r)) A_i B_i^T`` on every trained ``nn.Linear`` weight ``(out, in)``.
-    Member ``group[k]`` owns the ``k``-th of ``len(group)`` equal row blocks; the weights are never written.
-
-    Args:
-        noise_rank (`int`): ``r >= 1``.
-        member_chunk_size (`int` or `None`): Members per group (``None``: all of this process's).
+    """Many members in one batched forward, each a per-row low-rank adapter ``E_i = sign_i (sigma/sqrt(r)) A_i
+    B_i^T`` on every trained ``nn.Linear`` weight (EGGROLL, Sarkar et al. 2025, arXiv 2511.16652).
 
     Raises:
-        ValueError: if ``noise_rank < 1`` or ``member_chunk_size < 1``; from :meth:`check` for a trained tensor that
-            is not only an ``nn.Linear`` weight.
+        ValueError: if ``noise_rank < 1`` or ``member_chunk_size < 1``.
     """
 
     name = "batched_lowrank"
     stacked = True
 
     def __init__(self, noise_rank: int = 1, member_chunk_size: int | None = None):
-        super().__init__(LowRankPerturbation(noise_rank))
+        super().__init__(LowRankPerturbation(noise_rank))  # r >= 1, per member and weight
         if member_chunk_size is not None and (isinstance(member_chunk_size, bool) or member_chunk_size < 1):
             raise ValueError(f"member_chunk_size must be None or >= 1, got {member_chunk_size!r}.")
+        # members per group (None: all of this process's); the batch is member_chunk_size * prompts * generations
+        # rows: lower it to bound activation and KV-cache memory
         self.member_chunk_size = member_chunk_size
         self._adapters: LowRankAdapters | None = None
 
@@ -168,7 +165,7 @@ class BatchedLowRankPopulation(PopulationBackend):
     def groups(self, indices: Sequence[int]) -> list[list[int]]:
         """``member_chunk_size`` members a group (all of them when it is ``None``)."""
         indices = list(indices)
-        chunk = self.member_chunk_size or max(1, len(indices))
+        chunk = self.member_chunk_size or max(1, len(indices))  # None: one group of all
         return [indices[lo : lo + chunk] for lo in range(0, len(indices), chunk)]
 
     def adapters(self, model: nn.Module, params: TrainedParameters) -> LowRankAdapters:
@@ -187,10 +184,11 @@ class BatchedLowRankPopulation(PopulationBackend):
     def _apply_members(self, params, noise, members, sigma, model):
         if model is None:
             raise ValueError("BatchedLowRankPopulation.apply needs the model (its adapters go on its Linear layers).")
+        # member group[k] owns the k-th of len(group) equal row blocks; the weights are never written
         self.adapters(model, params).load_(noise, members, sigma)
 
     def _restore_members(self, params):
-        if self._adapters is not None:
+        if self._adapters is not None:  # cleared, not removed: the hooks stay for the next group
             self._adapters.clear_()
 
     def close(self) -> None:
@@ -247,10 +245,10 @@ class EngineSequentialPopulation(SequentialPopulation):
     def _apply_members(self, params, noise, members, sigma, model):
         if len(members) != 1:
             raise ValueError(f"SequentialPopulation applies one member at a time, got {len(members)}.")
-        self.engine.perturb_(members[0], sigma)
+        self.engine.perturb_(members[0], sigma)  # bitwise the weights SequentialPopulation writes into the model
 
     def _restore_members(self, params):
-        self.engine.restore_()
+        self.engine.restore_()  # loads the current weights again
 
 
 class EngineLowRankPopulation(BatchedLowRankPopulation):
@@ -282,7 +280,7 @@ def on_engine(backend: PopulationBackend, engine) -> PopulationBackend:
     Raises:
         ValueError: for low-rank members and an engine that is no :class:`AdapterHost`, or another backend.
     """
-    if not isinstance(engine, WeightsHost):
+    if not isinstance(engine, WeightsHost):  # the engine runs the model itself
         return backend
     if isinstance(backend, BatchedLowRankPopulation):
         if not isinstance(engine, AdapterHost):

@@ -49,7 +49,7 @@ class SeedLog:
             "learning_rate": float(learning_rate),
             "awd_shrink": float(awd_shrink),
         }
-        if int(global_step) != record["step"]:
+        if int(global_step) != record["step"]:  # a second train() on the same trainer restarts Trainer's count
             record["global_step"] = int(global_step)
         self.records.append(record)
 
@@ -106,12 +106,12 @@ def check_steps(steps: list, where: str) -> None:
     Raises:
         ValueError: naming ``where`` and the steps that are missing, repeated, or out of order.
     """
-    if steps == list(range(1, len(steps) + 1)):
+    if steps == list(range(1, len(steps) + 1)):  # a log replays from the base model
         return
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps):
         raise ValueError(f"{where}: every seed-log record needs an integer step >= 1, got steps {steps}.")
     seen = set(steps)
-    missing = [s for s in range(1, max(steps) + 1) if s not in seen]
+    missing = [s for s in range(1, max(steps) + 1) if s not in seen]  # e.g. a log that starts at step 3
     repeated = sorted({s for s in steps if steps.count(s) > 1})
     problems = []
     if missing:
@@ -148,9 +148,8 @@ def apply_record(
 
 
 def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.Module:
-    """Rebuild trained weights from the base model (with PEFT: its initial PeftModel) and a seed log, in place;
-    bitwise equal to the trained model for ``es_optimizer="es"``. ``log_path``: a log file or a folder holding one;
-    ``max_step``: replay iterations ``<= max_step`` only. Returns ``model``.
+    """Rebuild trained weights from the base model (with PEFT: its initial PeftModel) and a seed log (a file or a
+    folder holding one) in place, up to ``max_step``; bitwise the trained model for ``es_optimizer="es"``.
 
     Raises:
         ValueError: if the log was written with ``es_optimizer="torch"``, says it is not replayable (its
@@ -175,6 +174,7 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     # arithmetic (fp32 sums added into fp32 values) is the same either way.
     params = TrainedParameters([(name, named[name]) for name, _ in log.header["parameters"]], master_dtype,
                                share_params=isinstance(perturbation, LowRankPerturbation))
+    # theta_0 for AWD: the base model's values, taken before the first record
     needs_anchor = any(record.get("awd_shrink", 0.0) > 0 for record in log.records)
     anchor = {n: t.detach().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
     noise = noise_source_from_description(log.header["noise"])

@@ -52,6 +52,7 @@ def merge_ties(fitness: torch.Tensor, ulps: int = TIE_ULPS) -> torch.Tensor:
     values, order = torch.sort(f)
     scale = torch.maximum(values[1:].abs(), values[:-1].abs())
     new_group = torch.ones_like(values, dtype=torch.bool)
+    # relative to the two neighbours: a large value elsewhere never merges small, real differences
     new_group[1:] = (values[1:] - values[:-1]) > ulps * torch.finfo(torch.float64).eps * scale
     group = torch.cumsum(new_group.long(), 0) - 1
     count = torch.zeros(int(group[-1]) + 1, dtype=torch.float64).index_add_(0, group, torch.ones_like(values))
@@ -69,15 +70,13 @@ def centered_ranks(fitness: torch.Tensor) -> torch.Tensor:
     n = f.numel()
     less = (f[None, :] < f[:, None]).sum(dim=1).to(torch.float64)
     equal = (f[None, :] == f[:, None]).sum(dim=1).to(torch.float64)
-    ranks = less + (equal - 1) / 2
+    ranks = less + (equal - 1) / 2  # ties share their average rank: equal fitness, equal coefficients
     return ranks / (n - 1) - 0.5
 
 
 def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor:
-    """Turn raw fitness ``(N,)`` into the coefficients ``z_i``: ``(N,)`` float64, finite.
-
-    ``"zscore"``: ``(F - mean) / std`` (ddof 0; Qiu et al. 2025, arXiv 2509.24372, Algorithm 1); ``"centered_rank"``:
-    :func:`centered_ranks`; ``"none"``: ``F`` itself (ties not merged; warns on equal fitness).
+    """Turn raw fitness ``(N,)`` into the coefficients ``z_i``, ``(N,)`` float64 finite: ``"zscore"`` (ddof 0; Qiu
+    et al. 2025, arXiv 2509.24372, Algorithm 1), ``"centered_rank"`` (:func:`centered_ranks`) or ``"none"``.
 
     Raises:
         ValueError: for an unknown ``method`` or a fitness that is not 1-D with at least 2 entries.
