@@ -188,9 +188,9 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
 
 def _lean(anchor, required: bool):
     """lean_memory's rule: an anchor with resident tensors is kept for AWD (warned), dropped for drift logging."""
-    if not anchor.resident_bytes:
+    if not anchor.resident_bytes:  # all in files: nothing resident to weigh
         return anchor
-    if required:
+    if required:  # AWD cannot run without theta_0
         warnings.warn(f"lean_memory: the base checkpoint file does not hold theta_0 of every trained tensor; AWD "
                       f"keeps {anchor.resident_bytes / 2**20:.1f} MiB of it in memory.", stacklevel=4)
         return anchor

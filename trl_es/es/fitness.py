@@ -96,6 +96,7 @@ def _completion_stats(rollout: RolloutResult, rewards: torch.Tensor, per_func: t
     finite = rewards[~torch.isnan(rewards)]
     stats = {"reward_sq_sum": float(finite.pow(2).sum()), "per_func_sq_sum": per_func.pow(2).nansum(dim=0).tolist()}
     lengths = rollout.completion_lengths  # the model's tokens (tool turns left out)
+    # terminated: ended with EOS or pad; the others were clipped at max_completion_length
     done = [n for n, end in zip(lengths, rollout.terminated, strict=True) if end]
     stats.update(terminated=len(done), terminated_tokens=sum(done), prompt_tokens=int(sum(rollout.prompt_lengths)),
                  min_length=min(lengths, default=None), max_length=max(lengths, default=None),
@@ -109,6 +110,7 @@ def _completion_stats(rollout: RolloutResult, rewards: torch.Tensor, per_func: t
         else:
             count = (~torch.isnan(grouped)).sum(dim=1)
             mean = grouped.nanmean(dim=1, keepdim=True)
+            # unbiased nanstd, as GRPOTrainer's frac_reward_zero_std
             variance = (grouped - mean).pow(2).nansum(dim=1) / (count - 1).clamp(min=1)
             std = torch.where(count > 1, variance.sqrt(), torch.full_like(variance, math.nan))
             zero = torch.isclose(std, torch.zeros_like(std))  # NaN (fewer than 2 rewards): not zero, as nanstd
@@ -196,7 +198,7 @@ class PopulationScores:
         blocks = [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _SUMMED]
         if self.prompt_sum is not None:
             blocks += [self.prompt_sum, self.prompt_count]
-        if self.length_extremes is not None:
+        if self.length_extremes is not None:  # the statistics travel in the same flat tensor
             blocks += [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _STATS]
             blocks.append(self.length_extremes.reshape(self.length_extremes.shape[0], -1))
         return blocks

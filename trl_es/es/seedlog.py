@@ -86,7 +86,7 @@ class SeedLog:
             lines = [json.loads(line) for line in f if line.strip()]
         if not lines or lines[0].get("format") != FORMAT:
             raise ValueError(f"{path} is not a trl_es seed log (missing header with format={FORMAT!r}).")
-        version = lines[0].get("version", 1)
+        version = lines[0].get("version", 1)  # version-1 headers name no version
         if version not in VERSIONS or isinstance(version, bool):
             raise ValueError(f"{path} is a trl_es seed log of version {version!r}; this trl_es reads versions "
                              f"{sorted(VERSIONS)}: {'; '.join(f'{v}: {text}' for v, text in VERSIONS.items())}.")
@@ -168,6 +168,7 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     missing = [name for name, _ in log.header["parameters"] if name not in named]
     if missing:
         raise ValueError(f"The model has no parameters named {missing[:3]} (and {max(0, len(missing) - 3)} more).")
+    # null: the master was kept in each parameter's own dtype
     master_dtype = torch.float32 if log.header.get("master_dtype", "float32") == "float32" else None
     perturbation = header_perturbation(log.header)
     # Low-rank noise never writes into the weights, so an entry already in the master dtype needs no copy; the
@@ -180,7 +181,7 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     noise = noise_source_from_description(log.header["noise"])
     penalty = log.header.get("awd_penalty", "l2")
     for record in log.records:
-        if max_step is not None and record["step"] > max_step:
+        if max_step is not None and record["step"] > max_step:  # records are steps 1..N in order
             break
         apply_record(params, noise, record, anchor, penalty, perturbation)
     return model

@@ -215,6 +215,7 @@ class EvolutionStrategy:
             if param is None:
                 raise ValueError(f"The module no longer has the trained parameter {e.name!r}; build a new strategy.")
             tensor = param.data
+            # the master keeps its shape and device: a reshaped or moved model needs a new strategy
             if tensor.shape != e.param.shape or tensor.device != e.master.device or not tensor.is_contiguous():
                 raise ValueError(
                     f"The module's parameter {e.name!r} is now {tuple(tensor.shape)} on {tensor.device} "
@@ -289,7 +290,7 @@ def _check_fitness(members: Sequence[Member], fitness) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError) as error:
             raise ValueError(f"fitness must be one real value per member ({len(members)} members), got "
                              f"{fitness!r}: {error}") from error
-    if fitness.is_complex() or fitness.dtype == torch.bool:
+    if fitness.is_complex() or fitness.dtype == torch.bool:  # real numbers only, as pycma's tell
         raise ValueError(f"fitness must be real numbers, got dtype {fitness.dtype}.")
     if fitness.dim() != 1 or fitness.numel() != len(members):
         raise ValueError(f"fitness has shape {tuple(fitness.shape)} ({fitness.numel()} values) for {len(members)} "
