@@ -1,8 +1,5 @@
-"""The ES algorithm on any ``nn.Module``: the strategy object (:class:`EvolutionStrategy`, ask/tell), noise,
-perturbations, fitness shaping, the update, population backends, the seed log; and CMA-ES in the unit box
-(:mod:`.cma_search`, Hyper-ES's search over merge coefficients).
-
-Nothing here imports TRL or ``transformers.Trainer``.
+"""The ES algorithm on any ``nn.Module`` (ask/tell :class:`EvolutionStrategy`, noise, perturbations, shaping,
+update, population backends, seed log) and CMA-ES in the unit box (:mod:`.cma_search`); no TRL imports.
 """
 
 from .cma_search import CMASearch, stand_in_fitness

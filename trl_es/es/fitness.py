@@ -274,15 +274,14 @@ class PopulationScores:
 
     def per_prompt_fitness(self, method: str) -> torch.Tensor:
         """Fitness ``(P,)`` float64: each prompt's column of :meth:`fitness_matrix` shaped across the members, then
-        the ``nanmean`` over prompts. ``method``: ``"center"`` (minus the column mean), ``"zscore"`` /
-        ``"centered_rank"`` (:func:`~trl_es.es.shaping.shape_fitness` of the column) or ``"none"`` (:attr:`fitness`).
+        the ``nanmean`` over prompts; ``method`` is one of :data:`PER_PROMPT_SHAPINGS`.
 
         Raises:
             ValueError: for an unknown ``method``, or (``method != "none"``) if the per-prompt sums were not collected.
         """
         if method not in PER_PROMPT_SHAPINGS:
             raise ValueError(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got {method!r}.")
-        if method == "none":
+        if method == "none":  # the mean over all of a member's completions
             return self.fitness
         matrix = self.fitness_matrix()
         shaped = torch.full_like(matrix, math.nan)
@@ -295,7 +294,7 @@ class PopulationScores:
                 shaped[have, p] = column[have] - column[have].mean()
             elif int(have.sum()) == 1:
                 shaped[have, p] = 0.0  # one member alone on a prompt: nothing to compare it with
-            else:
+            else:  # "zscore" / "centered_rank": every prompt that separates the members weighs the same
                 shaped[have, p] = shape_fitness(column[have], method)
         fitness = shaped.nanmean(dim=1)  # over the prompts the member has
         # a member without a fitness stays NaN: ranked worst by the shaping that follows

@@ -29,11 +29,8 @@ def member_seed(base_seed: int, step: int, index: int) -> int:
 
 
 def sample_population(base_seed: int, step: int, population_size: int, antithetic: bool = False) -> list[Member]:
-    """The ``population_size`` members of iteration ``step``; ``antithetic`` pairs ``2k, 2k + 1`` share a seed with
-    signs ``+1, -1`` (Salimans et al. 2017, Sec. 2.1).
-
-    Raises:
-        ValueError: if ``population_size < 2`` or it is odd with ``antithetic=True``.
+    """The ``population_size`` members of iteration ``step``, antithetic pairs with ``antithetic`` (Salimans et al.
+    2017, Sec. 2.1); ``ValueError`` if ``population_size < 2`` or odd with ``antithetic``.
     """
     if population_size < 2:
         raise ValueError(f"population_size must be >= 2, got {population_size}.")

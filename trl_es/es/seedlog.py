@@ -152,9 +152,8 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     folder holding one) in place, up to ``max_step``; bitwise the trained model for ``es_optimizer="es"``.
 
     Raises:
-        ValueError: if the log was written with ``es_optimizer="torch"``, says it is not replayable (its
-            ``not_replayable`` header, e.g. ES + SFT parallel averaging), names parameters the model lacks, has
-            missing, repeated or misplaced steps (:meth:`SeedLog.load`), or ends before ``max_step``.
+        ValueError: for a torch-optimizer or ``not_replayable`` log, parameters the model lacks, steps that are not
+            ``1..N`` (:meth:`SeedLog.load`), or a log that ends before ``max_step``.
     """
     log = SeedLog.load(log_path)  # the same fp32 master arithmetic then runs in the same order
     if max_step is not None and max_step > len(log.records):

@@ -238,14 +238,9 @@ class EvolutionStrategy:
              optimizer_step: Callable[[], None] | None = None) -> TellResult:
         """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, write the master.
 
-        Args:
-            members (`Sequence[Member]`): The ``N`` members of :meth:`ask` (``N >= 2``).
-            fitness (`torch.Tensor`): Shape ``(N,)``, real; non-finite values rank worst (:func:`shape_fitness`).
-            learning_rate (`float`): ``alpha``, finite.
-            optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer owning the masters.
-
-        Returns:
-            `TellResult`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
+        ``members``: the ``N >= 2`` of :meth:`ask`; ``fitness``: ``(N,)`` real, non-finite values rank worst
+        (:func:`shape_fitness`); ``learning_rate``: ``alpha``, finite; ``optimizer_step``: steps a torch optimizer
+        owning the masters. Returns the :class:`TellResult` the seed log records.
 
         Raises:
             ValueError: for members that are not :class:`Member`, a fitness that is not one real value per member, a

@@ -1,8 +1,7 @@
 """The ES state (the fp32 master copy of the trained parameters), the ES step and Anchored Weight Decay.
 
-The model's parameters hold ``cast(master)``: a member writes ``cast(master + sign sigma eps)``, the restore writes
-``cast(master)`` back (bitwise, whatever the dtype), and the update accumulates in fp32 into the master. Entries may
-be partitions ``[start, start + local numel)`` of their flattened tensor (DeepSpeed ZeRO-3).
+The model's parameters hold ``cast(master)``; entries may be ZeRO-3 partitions ``[start, start + local numel)`` of
+their flattened tensor.
 """
 
 from __future__ import annotations
@@ -46,11 +45,8 @@ class _Entry:
 def select_parameters(
     model: nn.Module, include: str | None = None, exclude: str | None = None
 ) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ES trains: ``requires_grad`` floating-point ones (with PEFT only the adapter), kept by
-    ``include`` and dropped by ``exclude`` (``re.search``), in ``named_parameters()`` order.
-
-    Raises:
-        ValueError: if a regular expression is invalid or no parameter is selected.
+    """The parameters ES trains (``requires_grad``, floating point), kept by ``include`` and dropped by ``exclude``
+    (``re.search``), in ``named_parameters()`` order; ``ValueError`` for a bad pattern or an empty selection.
     """
     try:
         include_re = re.compile(include) if include else None
@@ -137,11 +133,8 @@ class TrainedParameters:
                 e.master.copy_(e.param)
 
     def rebind_(self, name: str, tensor: torch.Tensor) -> None:
-        """Point entry ``name`` at the model's new storage ``tensor`` (same shape and values), keeping its master.
-
-        Raises:
-            RuntimeError: if the shape changed, or the dtype of a parameter that is its own master.
-            KeyError: for an unknown ``name``.
+        """Point entry ``name`` at the model's new storage ``tensor``, keeping its master; ``RuntimeError`` if the shape
+        changed (or the dtype of a parameter that is its own master), ``KeyError`` for an unknown ``name``.
         """
         for e in self.entries:
             if e.name != name:
@@ -175,11 +168,8 @@ class TrainedParameters:
 
     # ------------------------------------------------------------------ AWD
     def anchored_weight_decay_(self, anchor, shrink: float, penalty: str = "l2") -> None:
-        """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) on the master in fp32, then write the model.
-
-        With ``delta = theta - theta_0``, ``shrink = alpha * lambda``: ``"l2"``: ``delta <- (1 - shrink) delta``;
-        ``"l1"``: ``delta <- sign(delta) max(|delta| - shrink, 0)``. ``anchor`` maps names to ``theta_0`` (the local
-        partition, any device and float dtype).
+        """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) toward ``anchor`` (``theta_0`` by name, the local
+        partition, any device and float dtype) on the master in fp32, then write the model; ``shrink = alpha * lambda``.
 
         Raises:
             ValueError: for an unknown penalty or ``shrink`` outside ``[0, 1)`` with ``"l2"``.
@@ -194,10 +184,10 @@ class TrainedParameters:
                 theta0 = anchor[e.name].to(device=e.master.device, dtype=torch.float32).view_as(e.master)
                 delta = e.master.float() - theta0
                 if penalty == "l2":
-                    delta.mul_(1.0 - shrink)
+                    delta.mul_(1.0 - shrink)  # delta <- (1 - shrink) delta
                 else:
                     delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)  # soft threshold
-                e.master.copy_(theta0 + delta)
+                e.master.copy_(theta0 + delta)  # theta = theta_0 + delta
         self.write_master_to_model_()
 
 
