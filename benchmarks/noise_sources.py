@@ -1,7 +1,7 @@
 """Cost of the ES noise sources: perturb + restore of every trained weight, and one update, per source and device.
 
 For a model's trained tensors (default: the SmolLM2-135M architecture with random weights, all 134.5M parameters),
-times ``GaussianPerturbation.perturb_`` + the restore (``TrainedParameters.render_``) for ``--members`` members and one ``es_update_`` over them,
+times ``GaussianPerturbation.perturb_`` + the restore (``TrainedParameters.write_master_to_model_``) for ``--members`` members and one ``es_update_`` over them,
 with each noise source of ``trl_es.es.noise``:
 
 - ``table``: slices of the shared 256 MiB table (memory-bound adds);
@@ -76,12 +76,12 @@ def main():
     for generator, kind in itertools.product(args.generators, args.sources):
         noise = sources[kind](generator)
         perturbation.perturb_(params, noise, members[0], 1e-3)  # warm-up: builds the table, loads kernels
-        params.render_()
+        params.write_master_to_model_()
         sync()
         start = time.perf_counter()
         for member in members:
             perturbation.perturb_(params, noise, member, 1e-3)
-            params.render_()
+            params.write_master_to_model_()
         sync()
         perturb = (time.perf_counter() - start) / len(members)
         start = time.perf_counter()

@@ -228,7 +228,7 @@ def check_perturb_restore_cycles(model, cycles: int):
     for i in range(cycles):
         perturb_(params, SMALL_TABLE, Member(i, 1 if i % 2 else -1), sigma=1e-2)
         assert not torch.equal(model[0].weight, before["0.weight"])
-        params.render_()
+        params.write_master_to_model_()
     assert_bitwise_equal(state(model), before)
 
 
@@ -333,7 +333,7 @@ def test_torch_gradient_with_sgd_equals_es_update():
     update_(a, SMALL_TABLE, members, z, learning_rate=0.1)
     es_gradient_(b, GAUSSIAN, SMALL_TABLE, members, z)
     torch.optim.SGD(b.master_parameters(), lr=0.1).step()
-    b.render_()
+    b.write_master_to_model_()
     for (na, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
         assert torch.allclose(pa, pb, atol=1e-7), na
 

@@ -102,5 +102,5 @@ def independent_optimizer_run(name, base, logged):
         for group in optimizer.param_groups:
             group["lr"] = record["learning_rate"]
         optimizer.step()
-        params.render_()
+        params.write_master_to_model_()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

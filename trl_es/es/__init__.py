@@ -1,8 +1,5 @@
-"""The ES algorithm on any ``nn.Module``: the strategy object (:class:`EvolutionStrategy`, ask/tell), noise,
-perturbations, fitness shaping, the update, population backends, the seed log; and CMA-ES in the unit box
-(:mod:`.cma_search`, Hyper-ES's search over merge coefficients).
-
-Nothing here imports TRL or ``transformers.Trainer``.
+"""The ES algorithm on any ``nn.Module`` (ask/tell :class:`EvolutionStrategy`, noise, perturbations, shaping,
+update, population backends, seed log) and CMA-ES in the unit box (:mod:`.cma_search`); no TRL imports.
 """
 
 from .cma_search import CMASearch, stand_in_fitness
@@ -39,7 +36,7 @@ from .population import (
 )
 from .seedlog import SEED_LOG_NAME, SeedLog, replay
 from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
-from .strategy import EvolutionStrategy, Told
+from .strategy import EvolutionStrategy, TellResult
 from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
 
@@ -66,7 +63,7 @@ __all__ = [
     "SEED_LOG_NAME",
     "SeedLog",
     "SequentialPopulation",
-    "Told",
+    "TellResult",
     "TrainedParameters",
     "centered_ranks",
     "es_gradient_",

@@ -1,17 +1,7 @@
 """The anchor theta_0: the trained parameters' initial values, for Anchored Weight Decay and drift logging.
 
-Two ways to hold it, behind one read-only mapping ``name -> tensor`` (the local partition of the parameter, in the
-parameter's own dtype, on CPU):
-
-- :class:`MemoryAnchor`: a resident copy in the parameter's dtype. theta_0 *is* the initial parameter, so a copy in
-  its own dtype is exact (an fp32 copy of a bf16 model would double the bytes for nothing).
-- :class:`FileAnchor`: read back, one tensor at a time, from safetensors files that hold exactly these values: the
-  base model's own checkpoint (checked bitwise against the parameters when the anchor is built; a file in another
-  float dtype counts when its values cast to the parameter's dtype are the parameter, as for a bf16 model loaded from
-  an fp32 checkpoint), or an anchor a checkpoint saved. Nothing stays resident: a lookup maps the file, copies one
-  tensor (or the partition's slice of it), casts it and unmaps the file again.
-
-:func:`make_anchor` picks the file where every value matches it and falls back to memory per tensor.
+A read-only mapping ``name -> tensor`` (the local partition, the parameter's dtype, CPU): :class:`MemoryAnchor`
+holds copies, :class:`FileAnchor` reads one tensor at a time from safetensors files that hold exactly these values.
 """
 
 from __future__ import annotations
@@ -34,15 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryAnchor(Mapping):
-    """theta_0 as resident CPU copies in the parameters' dtype.
-
-    Args:
-        tensors (`dict[str, torch.Tensor]`): The values (copied).
-    """
+    """theta_0 as resident CPU copies of ``tensors`` in the parameters' dtype."""
 
     storage = "memory"
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        # theta_0 is the initial parameter: its own dtype is exact (an fp32 copy of bf16 would double the bytes)
         self._tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -60,14 +47,8 @@ class MemoryAnchor(Mapping):
 
 
 class FileAnchor(Mapping):
-    """theta_0 read on demand from safetensors files.
-
-    Args:
-        sources (`dict[str, tuple[str, str, int, int]]`): ``name -> (path, key, start, length)``: the tensor ``key``
-            of the file ``path``, flattened, elements ``[start, start + length)``.
-        fallback (`Mapping[str, torch.Tensor]`, *optional*): Values for names not in ``sources`` (resident).
-        shapes (`dict[str, torch.Size]`, *optional*): Shape to give each returned tensor (default: flat).
-        dtypes (`dict[str, torch.dtype]`, *optional*): dtype to cast each returned tensor to (default: the file's).
+    """theta_0 read on demand from safetensors files: ``sources`` maps a name to ``(path, key, start, length)``,
+    elements ``[start, start + length)`` of the flattened ``key``; ``fallback`` holds the others in memory.
     """
 
     storage = "file"
@@ -84,11 +65,11 @@ class FileAnchor(Mapping):
         if name in self.fallback:
             return self.fallback[name]
         path, key, start, length = self.sources[name]
-        if _stamp(path) != self._stamps[path]:
+        if _stamp(path) != self._stamps[path]:  # rewritten or replaced since the anchor was built
             raise ValueError(f"theta_0 is read from {path}, which changed after training started (it was "
                              "overwritten?): the anchor is lost. Keep the base checkpoint unchanged, or use "
                              "anchor_storage='memory'.")
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safe_open(path, framework="pt", device="cpu") as f:  # nothing stays resident: map, copy, unmap
             flat = f.get_slice(key)[:] if length is None else _read_flat_range(f, key, start, length)
         flat = flat.reshape(-1)
         flat = flat.to(self.dtypes[name]) if name in self.dtypes and flat.dtype != self.dtypes[name] else flat.clone()
@@ -130,22 +111,15 @@ def _read_flat_range(handle, key: str, start: int, length: int) -> torch.Tensor:
     row = 1
     for dim in shape[1:]:
         row *= int(dim)
-    first, last = start // row, -(-(start + length) // row)
+    first, last = start // row, -(-(start + length) // row)  # only the rows the range spans are read
     rows = view[first:last].reshape(-1)
     offset = start - first * row
     return rows[offset : offset + length]
 
 
 def checkpoint_weight_map(folder: str) -> dict[str, str]:
-    """``tensor name -> safetensors file`` of a checkpoint folder: ``model.safetensors`` (its header is read), or the
-    shards that ``model.safetensors.index.json`` lists; ``{}`` if the folder holds neither. The one reader of a
-    checkpoint's weight files (the anchor's theta_0, resuming under DeepSpeed).
-
-    Args:
-        folder (`str`): A ``save_pretrained`` folder.
-
-    Returns:
-        `dict[str, str]`: Paths joined with ``folder``.
+    """``tensor name -> safetensors path`` of a ``save_pretrained`` folder (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``); ``{}`` if it holds neither.
     """
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
@@ -169,34 +143,19 @@ def checkpoint_files(model) -> list[str]:
 
 def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[str] | None = None,
                 lean_memory: bool = False, required: bool = True):
-    """The anchor theta_0 of ``params`` as they are now.
-
-    Under ``lean_memory`` (the memory rule) ``"auto"`` is ``"file"``, and an anchor that keeps tensors resident (not
-    bitwise in ``files``) is kept only when ``required`` (AWD; with a warning); otherwise it is dropped (``None``:
-    drift logging is skipped).
-
-    Args:
-        params (`TrainedParameters`): The trained parameters, at their initial values.
-        storage (`str`): ``"memory"``: resident copies. ``"file"`` / ``"auto"``: read from ``files`` every tensor
-            whose values there are bitwise the current ones (checked now, one tensor at a time), resident copies for
-            the others (so ``"file"`` and ``"auto"`` behave alike; ``"file"`` exists to state the intent).
-        files (`list[str]`, *optional*): safetensors files (e.g. :func:`checkpoint_files` of the model).
-        lean_memory (`bool`): Hold theta_0 in files only, where it can.
-        required (`bool`): Whether AWD needs the anchor (else only drift logging reads it).
-
-    Returns:
-        (`MemoryAnchor | FileAnchor | None`): The anchor, a read-only mapping ``name -> tensor``; ``None`` only under
-        ``lean_memory`` and not ``required``.
+    """The anchor theta_0 of ``params`` as they are now: ``"memory"`` copies, or ``"file"`` / ``"auto"`` reading from
+    ``files`` every tensor stored there bitwise (copies for the others); ``None`` only under ``lean_memory`` when not
+    ``required``.
 
     Raises:
         ValueError: for an unknown ``storage``.
     """
     if storage not in ANCHOR_STORAGES:
         raise ValueError(f"anchor_storage must be one of {ANCHOR_STORAGES}, got {storage!r}.")
-    if lean_memory:
+    if lean_memory:  # "auto" is "file"; resident tensors are kept only for AWD
         return _lean(make_anchor(params, "file" if storage == "auto" else storage, files), required)
     values = {e.name: e for e in params.entries}
-    if storage == "memory" or not files:
+    if storage == "memory" or not files:  # "file" and "auto" behave alike; "file" states the intent
         return MemoryAnchor({n: e.param for n, e in values.items()})
     where = {}
     for path in files:
@@ -213,10 +172,11 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
                 numel = 1
                 for dim in f.get_slice(name).get_shape():
                     numel *= int(dim)
+                # another float dtype counts when its values cast to the parameter's are the parameter
                 if numel == e.numel and f.get_slice(name).get_dtype() in _FLOAT_DTYPES:
                     stored = _read_flat_range(f, name, e.start, local).to(e.param.dtype)
                     same = torch.equal(stored, e.param.detach().reshape(-1).cpu())
-        if same:
+        if same:  # checked now, one tensor at a time; otherwise a resident copy
             sources[name] = (path, name, e.start, local)
             shapes[name], dtypes[name] = e.param.shape, e.param.dtype
         else:
@@ -228,9 +188,9 @@ def make_anchor(params: TrainedParameters, storage: str = "auto", files: list[st
 
 def _lean(anchor, required: bool):
     """lean_memory's rule: an anchor with resident tensors is kept for AWD (warned), dropped for drift logging."""
-    if not anchor.resident_bytes:
+    if not anchor.resident_bytes:  # all in files: nothing resident to weigh
         return anchor
-    if required:
+    if required:  # AWD cannot run without theta_0
         warnings.warn(f"lean_memory: the base checkpoint file does not hold theta_0 of every trained tensor; AWD "
                       f"keeps {anchor.resident_bytes / 2**20:.1f} MiB of it in memory.", stacklevel=4)
         return anchor

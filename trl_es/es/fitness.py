@@ -1,24 +1,9 @@
-"""Member scores and population fitness: what the rollouts of one ES iteration add up to, in named fields.
+"""Member scores and population fitness: the rollouts of one ES iteration as sums and counts.
 
-A member's rollout on this process's prompts gives a :class:`MemberScores` (sums and counts, no means: sums add up
-across processes exactly). :class:`PopulationScores` holds them for the whole population, one row per member, in
-float64; :meth:`PopulationScores.all_reduce` sums them over processes (one flat float64 tensor: a few numbers per
-member travel, nothing else), and :attr:`PopulationScores.fitness` is then the fitness, computed once: the mean
-weighted reward over all of a member's completions (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1: ``R_n``), NaN
-for a member with an invalid (non-finite) reward or nothing scored (such a member is ranked worst by
-:func:`trl_es.es.shaping.shape_fitness`).
-
-With per-prompt shaping (``ESConfig.per_prompt_shaping``) the members also keep one reward sum and count per prompt:
-the fitness matrix ``R[i, p]`` (member ``i``'s mean reward on prompt ``p``, over its ``num_generations`` samples)
-travels instead of one number per member, and :meth:`PopulationScores.per_prompt_fitness` normalizes each prompt's
-column across the members before the mean over prompts (EGGROLL's members x prompts fitness, Sarkar et al. 2025,
-arXiv 2511.16652; GRPO's group baseline, Shao et al. 2024, arXiv 2402.03300, Eq. 3, turned sideways: the group is
-the population on one prompt).
-
-Completion statistics (optional fields, for the logged metrics only: they never reach the fitness): sums of squared
-rewards, prompt tokens, terminated (EOS) completions and their tokens, reward groups with zero spread, and per
-process the fewest/most completion tokens (min and max do not add up, so each process fills its own columns, as the
-per-prompt sums do). They travel in the same flat tensor when collected (``completion_stats=True``).
+:class:`MemberScores` is one member on this process; :class:`PopulationScores` is the population, float64, one row
+per member, summed over processes in one flat tensor. Fitness: the mean weighted reward ``R_n`` (Qiu et al. 2025,
+arXiv 2509.24372, Algorithm 1), NaN for an invalid member; per prompt: EGGROLL's members x prompts matrix (Sarkar
+et al. 2025, arXiv 2511.16652) with GRPO's group baseline (Shao et al. 2024, arXiv 2402.03300, Eq. 3) per column.
 """
 
 from __future__ import annotations
@@ -41,71 +26,38 @@ PER_PROMPT_SHAPINGS = ("none", "center", "zscore", "centered_rank")
 
 @dataclass
 class MemberScores:
-    """One member's rollout on this process's prompt rows, as sums and counts.
+    """One member's rollout on this process's prompt rows, as sums and counts (``None`` rewards skipped)."""
 
-    Attributes:
-        reward_sum (`float`): Sum of the weighted rewards over the completions (``None`` rewards skipped).
-        reward_count (`int`): Completions with a weighted reward (not all-``None``).
-        completions (`int`): Completions generated.
-        tokens (`int`): Completion tokens generated.
-        per_func_sum (`list[float]`): Per reward function, the sum of its rewards (``None`` skipped).
-        per_func_count (`list[int]`): Per reward function, how many rewards it gave (not ``None``).
-        invalid (`int`): Rewards that were a non-finite number (NaN, +-inf): the member then has no fitness.
-        successes (`int`): Completions whose weighted reward is ``>= success_threshold``.
-        seconds (`float`): Wall-clock seconds of the rollout (this process; not summed across processes).
-        texts (`list[str]`): The completions.
-        prompt_reward_sum (`list[float]`, *optional*): Per prompt row (in order), the sum of its completions' weighted
-            rewards (``None`` skipped); only kept for per-prompt shaping.
-        prompt_reward_count (`list[int]`, *optional*): Per prompt row, its completions with a weighted reward.
-        prompt_tokens (`int`): Prompt tokens, counted once per completion (as GRPOTrainer counts ``num_tokens``).
-        reward_sq_sum (`float`): Sum of the squared weighted rewards (``None`` skipped).
-        per_func_sq_sum (`list[float]`, *optional*): Per reward function, the sum of its squared rewards.
-        terminated (`int`): Completions that ended with a stop (EOS) or pad id; the others were clipped at
-            ``max_completion_length``.
-        terminated_tokens (`int`): Completion tokens of the terminated completions.
-        min_length, max_length (`int`, *optional*): Fewest / most completion tokens (``None``: no completion).
-        min_terminated_length, max_terminated_length (`int`, *optional*): The same over the terminated completions.
-        groups (`int`): Prompt rows (groups of ``num_generations`` completions) counted for ``zero_std_groups``.
-        zero_std_groups (`int`): Groups whose weighted rewards have zero spread (GRPOTrainer's
-            ``frac_reward_zero_std``: unbiased ``nanstd`` close to 0; every group when ``num_generations == 1``).
-    """
-
-    reward_sum: float
-    reward_count: int
+    reward_sum: float  # sum of the weighted rewards
+    reward_count: int  # completions with a weighted reward
     completions: int
-    tokens: int
-    per_func_sum: list[float]
-    per_func_count: list[int]
-    invalid: int
-    successes: int
-    seconds: float = 0.0
+    tokens: int  # completion tokens
+    per_func_sum: list[float]  # per reward function, the sum of its rewards
+    per_func_count: list[int]  # per reward function, how many rewards it gave
+    invalid: int  # non-finite rewards (NaN, +-inf): the member then has no fitness
+    successes: int  # completions whose weighted reward is >= success_threshold
+    seconds: float = 0.0  # wall-clock of the rollout on this process (not summed across processes)
     texts: list[str] | None = None
-    prompt_reward_sum: list[float] | None = None
+    prompt_reward_sum: list[float] | None = None  # per prompt row, in order; only for per-prompt shaping
     prompt_reward_count: list[int] | None = None
-    prompt_tokens: int = 0
+    # the statistics below feed the logged metrics only, never the fitness
+    prompt_tokens: int = 0  # counted once per completion, as GRPOTrainer's num_tokens
     reward_sq_sum: float = 0.0
     per_func_sq_sum: list[float] | None = None
-    terminated: int = 0
+    terminated: int = 0  # ended with EOS or pad; the others were clipped at max_completion_length
     terminated_tokens: int = 0
-    min_length: int | None = None
+    min_length: int | None = None  # None: no completion
     max_length: int | None = None
     min_terminated_length: int | None = None
     max_terminated_length: int | None = None
-    groups: int = 0
-    zero_std_groups: int = 0
+    groups: int = 0  # prompt rows counted for zero_std_groups
+    zero_std_groups: int = 0  # GRPOTrainer's frac_reward_zero_std: unbiased nanstd close to 0
 
     @classmethod
     def from_rollout(cls, rollout: RolloutResult, success_threshold: float, num_generations: int | None = None,
                      group_size: int | None = None) -> MemberScores:
-        """Sum one member's rollout (the rows it owns).
-
-        Args:
-            rollout (`RolloutResult`): The member's completions and rewards.
-            success_threshold (`float`): A completion succeeds when its weighted reward is at least this.
-            num_generations (`int`, *optional*): Completions per prompt row (consecutive): when given, the per-prompt
-                sums are kept too.
-            group_size (`int`, *optional*): Completions per prompt row, for ``groups`` / ``zero_std_groups`` (the
-                statistics only; ``None``: not counted).
+        """Sum one member's rollout (the rows it owns); ``None`` for ``num_generations`` / ``group_size`` skips the
+        per-prompt sums / the zero-spread groups.
 
         Raises:
             ValueError: if the completions do not split into rows of ``num_generations`` (or ``group_size``).
@@ -113,7 +65,7 @@ class MemberScores:
         rewards = rollout.rewards.double()
         per_func = rollout.rewards_per_func.double()
         prompt_sum = prompt_count = None
-        if num_generations is not None:
+        if num_generations is not None:  # consecutive completions per prompt row
             if num_generations < 1 or rewards.numel() % num_generations:
                 raise ValueError(f"{rewards.numel()} completions do not split into prompt rows of "
                                  f"num_generations={num_generations}.")
@@ -144,6 +96,7 @@ def _completion_stats(rollout: RolloutResult, rewards: torch.Tensor, per_func: t
     finite = rewards[~torch.isnan(rewards)]
     stats = {"reward_sq_sum": float(finite.pow(2).sum()), "per_func_sq_sum": per_func.pow(2).nansum(dim=0).tolist()}
     lengths = rollout.completion_lengths  # the model's tokens (tool turns left out)
+    # terminated: ended with EOS or pad; the others were clipped at max_completion_length
     done = [n for n, end in zip(lengths, rollout.terminated, strict=True) if end]
     stats.update(terminated=len(done), terminated_tokens=sum(done), prompt_tokens=int(sum(rollout.prompt_lengths)),
                  min_length=min(lengths, default=None), max_length=max(lengths, default=None),
@@ -157,6 +110,7 @@ def _completion_stats(rollout: RolloutResult, rewards: torch.Tensor, per_func: t
         else:
             count = (~torch.isnan(grouped)).sum(dim=1)
             mean = grouped.nanmean(dim=1, keepdim=True)
+            # unbiased nanstd, as GRPOTrainer's frac_reward_zero_std
             variance = (grouped - mean).pow(2).nansum(dim=1) / (count - 1).clamp(min=1)
             std = torch.where(count > 1, variance.sqrt(), torch.full_like(variance, math.nan))
             zero = torch.isclose(std, torch.zeros_like(std))  # NaN (fewer than 2 rewards): not zero, as nanstd
@@ -179,21 +133,11 @@ _SUMMED = (("reward_sum", False), ("reward_count", False), ("completions", False
 
 @dataclass
 class PopulationScores:
-    """The population's scores, one row per member, float64 (zeros for members no process has scored yet).
+    """The population's scores, one row per member, float64 (zeros for members not scored yet).
 
-    Attributes:
-        reward_sum, reward_count, completions, tokens, invalid, successes (`torch.Tensor`): Shape ``(P,)``.
-        per_func_sum, per_func_count (`torch.Tensor`): Shape ``(P, F)``.
-        prompt_sum, prompt_count (`torch.Tensor` or `None`): Shape ``(P, B)`` for the ``B`` prompts of the iteration
-            (all processes'): member ``i``'s weighted-reward sum and count on prompt ``p``. Kept only for per-prompt
-            shaping; ``None`` otherwise (then nothing per prompt travels).
-        prompt_tokens, reward_sq_sum, terminated, terminated_tokens, groups, zero_std_groups (`torch.Tensor` or
-            `None`): Shape ``(P,)``, the sums of the :class:`MemberScores` fields of those names (metrics only).
-        per_func_sq_sum (`torch.Tensor` or `None`): Shape ``(P, F)``.
-        length_extremes (`torch.Tensor` or `None`): Shape ``(P, S, 6)``: per member and process share ``s`` (``S``
-            processes that each score their own prompts of every member, ZeRO-3; else ``S = 1``), the columns of
-            :data:`LENGTH_EXTREMES` (completions, min/max tokens, terminated, min/max terminated tokens; 0 where
-            there are none). ``None`` for all of these when the statistics were not collected.
+    Shapes: ``(P,)`` per member, ``(P, F)`` per reward function, ``(P, B)`` per prompt of the iteration (all
+    processes'), ``length_extremes`` ``(P, S, 6)`` per process share ``S`` (columns :data:`LENGTH_EXTREMES`, 0 where
+    none). Optional fields are ``None`` when not collected.
     """
 
     reward_sum: torch.Tensor
@@ -204,7 +148,7 @@ class PopulationScores:
     per_func_count: torch.Tensor
     invalid: torch.Tensor
     successes: torch.Tensor
-    prompt_sum: torch.Tensor | None = None
+    prompt_sum: torch.Tensor | None = None  # (P, B): member i's weighted-reward sum on prompt p
     prompt_count: torch.Tensor | None = None
     prompt_tokens: torch.Tensor | None = None
     reward_sq_sum: torch.Tensor | None = None
@@ -213,7 +157,7 @@ class PopulationScores:
     groups: torch.Tensor | None = None
     zero_std_groups: torch.Tensor | None = None
     per_func_sq_sum: torch.Tensor | None = None
-    length_extremes: torch.Tensor | None = None
+    length_extremes: torch.Tensor | None = None  # min and max do not add up: each process fills its own share
 
     @classmethod
     def collect(cls, scores: Mapping[int, MemberScores], population_size: int, num_funcs: int,
@@ -221,21 +165,13 @@ class PopulationScores:
                 num_shares: int = 1, share_index: int = 0) -> PopulationScores:
         """The members this process scored (``{member index: MemberScores}``) in a population-sized table.
 
-        Args:
-            num_prompts (`int`, *optional*): The iteration's prompts over all processes: when given, the members'
-                per-prompt sums fill ``prompt_sum``/``prompt_count``, this process's prompts at columns
-                ``prompt_offset, prompt_offset + 1, ...`` (a sharded process scores its own share of the prompts).
-            completion_stats (`bool`): Also collect the completion statistics (``prompt_tokens``, ...,
-                ``length_extremes``); this process fills share ``share_index`` of ``num_shares`` in
-                ``length_extremes``.
-
         Raises:
             ValueError: if a member's per-function lists do not have ``num_funcs`` entries, or its per-prompt lists
                 are missing or do not fit in ``num_prompts`` columns from ``prompt_offset``.
         """
         table = {name: torch.zeros((population_size, num_funcs) if per_func else (population_size,),
                                    dtype=torch.float64) for name, per_func in _SUMMED}
-        if num_prompts is not None:
+        if num_prompts is not None:  # this process's prompts sit at the columns from prompt_offset
             table["prompt_sum"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
             table["prompt_count"] = torch.zeros(population_size, num_prompts, dtype=torch.float64)
         for index, member in scores.items():
@@ -254,7 +190,7 @@ class PopulationScores:
             columns = slice(prompt_offset, prompt_offset + len(sums))
             table["prompt_sum"][index, columns] = torch.tensor(sums, dtype=torch.float64)
             table["prompt_count"][index, columns] = torch.tensor(counts, dtype=torch.float64)
-        if completion_stats:
+        if completion_stats:  # this process fills share share_index of num_shares in length_extremes
             table.update(_collect_stats(scores, population_size, num_funcs, num_shares, share_index))
         return cls(**table)
 
@@ -262,14 +198,13 @@ class PopulationScores:
         blocks = [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _SUMMED]
         if self.prompt_sum is not None:
             blocks += [self.prompt_sum, self.prompt_count]
-        if self.length_extremes is not None:
+        if self.length_extremes is not None:  # the statistics travel in the same flat tensor
             blocks += [getattr(self, name) if per_func else getattr(self, name)[:, None] for name, per_func in _STATS]
             blocks.append(self.length_extremes.reshape(self.length_extremes.shape[0], -1))
         return blocks
 
     def to_tensor(self) -> torch.Tensor:
-        """All fields as one ``(P, 6 + 2F [+ 2B] [+ 6 + F + 6S])`` float64 tensor (the layout of
-        :meth:`from_tensor`)."""
+        """All fields as one ``(P, 6 + 2F [+ 2B] [+ 6 + F + 6S])`` float64 tensor."""
         return torch.cat(self._blocks(), dim=1)
 
     @classmethod
@@ -297,6 +232,7 @@ class PopulationScores:
             values["length_extremes"] = tensor[:, column : column + width].reshape(-1, num_shares, len(LENGTH_EXTREMES))
         return cls(**values)
 
+    # sums, not means: sums add up across processes exactly; a few numbers per member travel
     def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> PopulationScores:
         """Sum every field over processes with ``reduce_sum`` (e.g. ``accelerator.reduce(t, "sum")``); one call."""
         num_funcs = self.per_func_sum.shape[1]
@@ -319,14 +255,12 @@ class PopulationScores:
     def fitness(self) -> torch.Tensor:
         """Per member, the mean weighted reward over its completions; NaN where a reward was invalid or nothing was
         scored. Shape ``(P,)``, float64."""
-        valid = (self.reward_count > 0) & (self.invalid == 0)
+        valid = (self.reward_count > 0) & (self.invalid == 0)  # an invalid member is ranked worst by shaping
         mean = self.reward_sum / self.reward_count.clamp(min=1)
         return torch.where(valid, mean, torch.full_like(mean, math.nan))
 
     def fitness_matrix(self) -> torch.Tensor:
-        """``R[i, p]``: member ``i``'s mean weighted reward on prompt ``p`` (over its samples of that prompt); NaN where
-        it has none, and on the whole row of a member without a fitness (:attr:`fitness` NaN). Shape ``(P, B)``,
-        float64.
+        """``R[i, p]``, member ``i``'s mean weighted reward on prompt ``p``: ``(P, B)`` float64, NaN where none.
 
         Raises:
             ValueError: if the per-prompt sums were not collected.
@@ -334,56 +268,36 @@ class PopulationScores:
         if self.prompt_sum is None:
             raise ValueError("no per-prompt sums: collect the scores with num_prompts (per_prompt_shaping != 'none').")
         matrix = self.prompt_sum / self.prompt_count.clamp(min=1)
+        # NaN where a member has no sample of the prompt, and on the whole row of a member without a fitness
         matrix = torch.where(self.prompt_count > 0, matrix, torch.full_like(matrix, math.nan))
         return torch.where(torch.isnan(self.fitness)[:, None], torch.full_like(matrix, math.nan), matrix)
 
     def per_prompt_fitness(self, method: str) -> torch.Tensor:
-        r"""Fitness with each prompt's column of the fitness matrix shaped across the members first.
-
-        For every prompt ``p``, over the members ``V_p`` with a value ``R[i, p]`` (:meth:`fitness_matrix`):
-
-        - ``"center"``: ``R[i, p] - mean_{j in V_p} R[j, p]`` (a per-prompt baseline, the population on prompt ``p``
-          as GRPO's group). When every member has every prompt (no ``None`` rewards) the member means shift by one
-          constant, so after ``zscore`` or ``centered_rank`` fitness shaping the update is that of ``"none"``: it
-          changes the update only where members miss prompts.
-        - ``"zscore"``: :func:`~trl_es.es.shaping.shape_fitness` ``"zscore"`` of the column,
-          ``(R[i, p] - mean) / std`` with ties merged and a column of equal values giving 0: every prompt that
-          separates the members weighs the same, whatever its reward scale, and a prompt all members solve (or
-          all fail) weighs nothing.
-        - ``"centered_rank"``: the column's centered ranks in ``[-0.5, 0.5]`` (Salimans et al. 2017, per prompt).
-        - ``"none"``: :attr:`fitness` (the mean over all of a member's completions).
-
-        The member's fitness is then the mean of its shaped cells over the prompts it has (``nanmean``); a member
-        without a fitness stays NaN (ranked worst by the fitness shaping that follows). Then ``fitness_shaping``
-        applies as usual.
-
-        Args:
-            method (`str`): One of :data:`PER_PROMPT_SHAPINGS`.
-
-        Returns:
-            `torch.Tensor`: Shape ``(P,)``, float64.
+        """Fitness ``(P,)`` float64: each prompt's column of :meth:`fitness_matrix` shaped across the members, then
+        the ``nanmean`` over prompts; ``method`` is one of :data:`PER_PROMPT_SHAPINGS`.
 
         Raises:
             ValueError: for an unknown ``method``, or (``method != "none"``) if the per-prompt sums were not collected.
         """
         if method not in PER_PROMPT_SHAPINGS:
             raise ValueError(f"per_prompt_shaping must be one of {PER_PROMPT_SHAPINGS}, got {method!r}.")
-        if method == "none":
+        if method == "none":  # the mean over all of a member's completions
             return self.fitness
         matrix = self.fitness_matrix()
         shaped = torch.full_like(matrix, math.nan)
-        for p in range(matrix.shape[1]):
+        for p in range(matrix.shape[1]):  # the population on one prompt is GRPO's group
             column = matrix[:, p]
             have = ~torch.isnan(column)
             if int(have.sum()) == 0:
                 continue
-            if method == "center":
+            if method == "center":  # with every cell present this is a constant shift: the update of "none"
                 shaped[have, p] = column[have] - column[have].mean()
             elif int(have.sum()) == 1:
                 shaped[have, p] = 0.0  # one member alone on a prompt: nothing to compare it with
-            else:
+            else:  # "zscore" / "centered_rank": every prompt that separates the members weighs the same
                 shaped[have, p] = shape_fitness(column[have], method)
-        fitness = shaped.nanmean(dim=1)
+        fitness = shaped.nanmean(dim=1)  # over the prompts the member has
+        # a member without a fitness stays NaN: ranked worst by the shaping that follows
         return torch.where(torch.isnan(self.fitness), torch.full_like(fitness, math.nan), fitness)
 
     def reward_means_per_func(self) -> list[float | None]:

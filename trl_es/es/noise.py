@@ -1,35 +1,9 @@
 """Seeded, partition-invariant Gaussian noise for ES perturbations.
 
-Every trained tensor is flattened and cut into fixed-size blocks of ``NOISE_BLOCK_SIZE`` elements. The noise of block
-``k`` of tensor ``name`` for member seed ``s`` is a standard-normal fp32 vector that depends only on
-``(s, name, k)`` (and on the block's length, which depends only on the tensor's size). So the value of element ``j``
-depends only on ``(s, name, j)``: never on how the tensor is split across processes (DeepSpeed ZeRO-3 partitions
-generate only the blocks they overlap), and never on which other tensors exist, so two tensors never share noise
-(the public reference code seeds every tensor with the member seed, so all same-shape tensors move together).
-
-**Portable values.** A block's values come from NumPy's PCG64 bit generator and its float32 ziggurat normal
-sampler (``numpy.random.Generator.standard_normal(dtype=float32)``): one compiled code path, the same on every CPU,
-so a seed log replays to the same weights on any machine, and processes on nodes with different CPUs agree on every
-member. (``torch.randn`` on CPU is not portable: its float32 kernel has an AVX2 variant whose values differ from the
-scalar one that other CPUs run, e.g. with ``ATEN_CPU_CAPABILITY=default`` or AVX-512. Version-1 seed logs
-whose noise description has no ``"generator"`` replay with ``torch.randn`` as they were trained:
-:data:`LEGACY_GENERATOR`, bitwise only on a CPU that dispatches as the training one did.)
-
-Three sources produce a block:
-
-- :class:`NoiseTable` (default): a shared table of i.i.d. N(0, 1) fp32 values generated once from a fixed seed;
-  block ``(s, name, k)`` is the contiguous slice of the table that starts at an offset hashed from
-  ``(s, name, k)``. This is the shared noise table of Salimans et al. 2017 ("Evolution Strategies as a Scalable
-  Alternative to Reinforcement Learning", arXiv 1703.03864, Sec. 2.1): perturbing is then a memory-bound add, not a
-  random-number generation, which keeps noise, perturb, restore and update far below generation time.
-- :class:`GaussianNoise`: a fresh draw per block from a generator seeded with the hashed key. Exactly independent
-  Gaussian noise, identical on every machine and device, about 10x slower than the table on CPU. No table in memory.
-- :class:`DeviceGaussianNoise`: the same draw from a generator on the tensor's own device, keyed the same way
-  (Philox on CUDA: no host work, no transfer, no table). Values depend on the device type (a CUDA run's noise is
-  not a CPU run's), so ``replay`` must run on the same kind of device; on CPU it equals :class:`GaussianNoise`.
-
-:func:`make_noise_source` with ``kind="auto"`` picks per device and backend (see its docstring and
-``benchmarks/noise_sources.py``).
+Element ``j`` of tensor ``name`` for member seed ``s`` depends only on ``(s, name, j)``: tensors are cut into blocks
+of ``NOISE_BLOCK_SIZE`` elements, block ``k`` is a float32 N(0, 1) vector keyed by ``(s, name, k)``. Sources:
+:class:`NoiseTable` (shared table, Salimans et al. 2017, arXiv 1703.03864, Sec. 2.1), :class:`GaussianNoise`
+(fresh CPU draws) and :class:`DeviceGaussianNoise` (fresh draws on the tensor's device).
 """
 
 from __future__ import annotations
@@ -62,61 +36,39 @@ GENERATORS = (PORTABLE_GENERATOR, LEGACY_GENERATOR)
 
 
 def standard_normal(length: int, seed: int, generator: str = PORTABLE_GENERATOR) -> torch.Tensor:
-    """``length`` i.i.d. N(0, 1) float32 values from ``seed``, on CPU.
-
-    Args:
-        length (`int`): Number of values.
-        seed (`int`): A non-negative integer below ``2**63``.
-        generator (`str`): :data:`PORTABLE_GENERATOR` (NumPy PCG64 + float32 ziggurat: the same values on every
-            CPU) or :data:`LEGACY_GENERATOR` (``torch.randn``: depends on the CPU's SIMD dispatch).
-
-    Returns:
-        `torch.Tensor`: Shape ``(length,)``, float32, CPU.
+    """``length`` i.i.d. N(0, 1) values from ``seed`` in ``[0, 2**63)``: shape ``(length,)``, float32, CPU.
 
     Raises:
         ValueError: for an unknown ``generator``.
     """
-    if generator == PORTABLE_GENERATOR:
+    if generator == PORTABLE_GENERATOR:  # PCG64 + float32 ziggurat: one compiled path, the same on every CPU
         values = np.random.Generator(np.random.PCG64(int(seed))).standard_normal(int(length), dtype=np.float32)
         return torch.from_numpy(values)
-    if generator == LEGACY_GENERATOR:
+    if generator == LEGACY_GENERATOR:  # torch's float32 kernel differs between AVX2 and scalar dispatch
         return torch.randn(int(length), generator=torch.Generator(device="cpu").manual_seed(int(seed)),
                            dtype=torch.float32)
     raise ValueError(f"Unknown noise generator {generator!r}: expected one of {GENERATORS}.")
 
 
 def block_key(seed: int, name: str, block: int) -> int:
-    """Hash ``(seed, name, block)`` to a 63-bit integer, identically on every process and machine.
-
-    Python's ``hash`` is salted per process, so a keyed BLAKE2b digest is used instead.
-
-    Args:
-        seed (`int`): The member seed.
-        name (`str`): The parameter name (as in ``model.named_parameters()`` of the unwrapped model).
-        block (`int`): The block index within the flattened tensor.
-
-    Returns:
-        `int`: A non-negative integer below ``2**63``.
+    """Hash ``(seed, name, block)`` (``name`` as in the unwrapped model's ``named_parameters()``) to an ``int`` in
+    ``[0, 2**63)``, identically on every process and machine.
     """
+    # BLAKE2b, not hash(): Python's hash is salted per process
     digest = hashlib.blake2b(f"{int(seed)}\x00{name}\x00{int(block)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class NoiseSource:
-    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor.
-
-    A new source is a subclass with a :attr:`kind` and a :meth:`block`, registered with
-    :func:`register_noise_source`: ``noise_source=kind`` then builds it, and the seed log's ``replay`` rebuilds it.
-
-    Args:
-        generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
+    """Base class of the noise sources: :meth:`block` gives one block, :meth:`pieces` a range of a tensor; a new
+    source subclasses it with a :attr:`kind` and registers with :func:`register_noise_source`.
     """
 
     kind: str = ""  # the ``noise_source`` name, and the ``type`` of its description
 
     def __init__(self, generator: str = PORTABLE_GENERATOR):
         _check_generator(generator)
-        self.generator = generator
+        self.generator = generator  # PORTABLE_GENERATOR, or LEGACY_GENERATOR for version-1 seed logs
 
     @classmethod
     def from_config(cls, noise_table_size: int) -> NoiseSource:
@@ -142,27 +94,15 @@ class NoiseSource:
 
     @property
     def portable(self) -> bool:
-        """Whether the runs of this source use the portable arithmetic of :mod:`trl_es.es.arithmetic` (every source
-        but a :data:`LEGACY_GENERATOR` one, which replays version-1 seed logs that name no generator as they were
-        trained)."""
+        """Whether runs use the portable arithmetic of :mod:`trl_es.es.arithmetic` (all but the legacy one)."""
         return getattr(self, "generator", PORTABLE_GENERATOR) != LEGACY_GENERATOR
 
     def pieces(
         self, seed: int, name: str, numel: int, start: int = 0, end: int | None = None, device=None
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Iterate over the noise of the elements ``[start, end)`` of a flattened tensor of ``numel`` elements.
-
-        Args:
-            seed (`int`): The member seed.
-            name (`str`): The parameter name.
-            numel (`int`): Number of elements of the *whole* tensor (not of the partition).
-            start (`int`), end (`int` or `None`): The range of flattened element indices held locally;
-                ``end=None`` means ``numel``.
-            device (`torch.device` or `str` or `None`): Device of the returned views (default CPU).
-
-        Yields:
-            `(lo, hi, noise)`: ``noise`` (float32, shape ``(hi - lo,)``) is the noise of elements
-            ``[start + lo, start + hi)``, i.e. of ``local_flat[lo:hi]``.
+        """Yield ``(lo, hi, noise)`` over the local range ``[start, end)`` of a flattened tensor of ``numel``
+        elements (the whole tensor's, not the partition's): ``noise`` (float32, ``(hi - lo,)``, on ``device``,
+        default CPU) is the noise of ``local_flat[lo:hi]``. Raises ``ValueError`` for a range outside ``[0, numel]``.
         """
         end = numel if end is None else end
         if not 0 <= start <= end <= numel:
@@ -170,9 +110,9 @@ class NoiseSource:
         device = torch.device("cpu") if device is None else torch.device(device)
         position = start
         while position < end:
-            index = position // NOISE_BLOCK_SIZE
+            index = position // NOISE_BLOCK_SIZE  # a ZeRO-3 partition generates only the blocks it overlaps
             block_start = index * NOISE_BLOCK_SIZE
-            block_length = min(NOISE_BLOCK_SIZE, numel - block_start)
+            block_length = min(NOISE_BLOCK_SIZE, numel - block_start)  # depends only on the tensor's size
             hi = min(end, block_start + block_length)
             noise = self.block(seed, name, index, block_length, device)
             yield position - start, hi - start, noise[position - block_start : hi - block_start]
@@ -205,12 +145,6 @@ def register_noise_source(cls: type[NoiseSource]) -> type[NoiseSource]:
 class NoiseTable(NoiseSource):
     """A shared table of N(0, 1) values; a block is a contiguous slice at a hashed offset (Salimans et al. 2017).
 
-    Args:
-        size (`int`): Number of fp32 entries, at least ``NOISE_BLOCK_SIZE``. Default ``2**26`` (256 MiB).
-        seed (`int`): Seed of the table. The table is generated on CPU by ``generator`` (:func:`standard_normal`).
-        generator (`str`): :data:`PORTABLE_GENERATOR` (default: the same table on every CPU) or
-            :data:`LEGACY_GENERATOR` (version-1 seed logs that name no generator).
-
     Raises:
         ValueError: if ``size < NOISE_BLOCK_SIZE`` or ``generator`` is unknown.
     """
@@ -221,8 +155,8 @@ class NoiseTable(NoiseSource):
         if size < NOISE_BLOCK_SIZE:
             raise ValueError(f"noise_table_size must be 0 (no table) or >= {NOISE_BLOCK_SIZE}, got {size}.")
         super().__init__(generator)
-        self.size = int(size)
-        self.seed = int(seed)
+        self.size = int(size)  # fp32 entries; default 2**26 (256 MiB)
+        self.seed = int(seed)  # the table is generated on CPU by `generator` (standard_normal)
 
     @classmethod
     def from_config(cls, noise_table_size):
@@ -237,7 +171,7 @@ class NoiseTable(NoiseSource):
         return _table_values(self.size, self.seed, str(torch.device(device)), self.generator)
 
     def block(self, seed, name, index, length, device):
-        offset = block_key(seed, name, index) % (self.size - length + 1)
+        offset = block_key(seed, name, index) % (self.size - length + 1)  # a block never runs past the end
         return self.values(device)[offset : offset + length]
 
     def describe(self) -> dict:
@@ -253,7 +187,7 @@ class GaussianNoise(NoiseSource):
         generator (`str`): :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
     """
 
-    kind = "gaussian"
+    kind = "gaussian"  # fresh CPU draws per block; the name stays: seed logs record it and must replay
 
     def block(self, seed, name, index, length, device):
         return standard_normal(length, block_key(seed, name, index), self.generator).to(device)
@@ -263,20 +197,16 @@ class GaussianNoise(NoiseSource):
 class DeviceGaussianNoise(NoiseSource):
     """Fresh Gaussian noise per block from a ``torch.Generator`` on the tensor's device, seeded with ``block_key``.
 
-    On CUDA this is the counter-based Philox generator: a block costs one kernel, nothing crosses the bus and no
-    table occupies device memory. The values depend on the device type; on CPU they equal :class:`GaussianNoise`
-    (with the same ``generator``).
-
-    Args:
-        generator (`str`): On CPU, :data:`PORTABLE_GENERATOR` (default) or :data:`LEGACY_GENERATOR`.
+    Values depend on the device type (replay on the same kind); on CPU they equal :class:`GaussianNoise`.
     """
 
     kind = "device_gaussian"
 
     def block(self, seed, name, index, length, device):
         device = torch.device(device)
-        if device.type == "cpu":
+        if device.type == "cpu":  # the portable CPU draw, as GaussianNoise
             return standard_normal(length, block_key(seed, name, index), self.generator)
+        # CUDA: counter-based Philox, one kernel per block, no host transfer, no table in device memory
         generator = torch.Generator(device=device).manual_seed(block_key(seed, name, index))
         return torch.randn(length, generator=generator, dtype=torch.float32, device=device)
 
@@ -297,23 +227,11 @@ NOISE_SOURCES = ("auto", *NOISE_SOURCE_KINDS)
 
 def make_noise_source(noise_table_size: int = DEFAULT_TABLE_SIZE, kind: str = "table", device=None,
                       lowrank: bool = False, lean_memory: bool = False) -> NoiseSource:
-    """Build a noise source: a registered ``kind`` (:data:`NOISE_SOURCE_KINDS`) or ``"auto"``.
-
-    ``"auto"`` picks, as measured by ``benchmarks/noise_sources.py``: :class:`GaussianNoise` for low-rank noise
-    (``lowrank=True``: a few thousand values per member and weight) or ``noise_table_size=0``;
-    :class:`DeviceGaussianNoise` full-rank on CUDA; the table full-rank elsewhere (about 10x faster than fresh draws
-    on CPU). With ``lean_memory`` it never picks the table. ``"table"`` with ``noise_table_size=0`` is
-    :class:`GaussianNoise`.
-
-    Args:
-        noise_table_size (`int`): Entries of the table: 0 or ``>= NOISE_BLOCK_SIZE``.
-        kind (`str`): ``"auto"`` or a registered kind (``"table"``, ``"gaussian"``, ``"device_gaussian"``, ...).
-        device (`torch.device` or `str` or `None`): The trained tensors' device (for ``"auto"``).
-        lowrank (`bool`): Whether the perturbation is low-rank (for ``"auto"``).
-        lean_memory (`bool`): Hold no table (for ``"auto"``).
+    """Build a registered ``kind`` (:data:`NOISE_SOURCE_KINDS`) or pick one for ``"auto"`` from ``device``,
+    ``lowrank`` and ``lean_memory`` (see ``benchmarks/noise_sources.py``).
 
     Raises:
-        ValueError: for an unknown ``kind`` or a table size that is neither 0 nor ``>= NOISE_BLOCK_SIZE``.
+        ValueError: for an unknown ``kind`` or a ``noise_table_size`` neither 0 nor ``>= NOISE_BLOCK_SIZE``.
     """
     if kind != "auto" and kind not in NOISE_SOURCE_KINDS:
         raise ValueError(f"noise_source must be one of {('auto', *NOISE_SOURCE_KINDS)}, got {kind!r}.")
@@ -324,16 +242,15 @@ def make_noise_source(noise_table_size: int = DEFAULT_TABLE_SIZE, kind: str = "t
         cuda = device is not None and torch.device(device).type == "cuda"
         if lean_memory:  # no table: fresh blocks (the device generator on CUDA)
             kind = "device_gaussian" if cuda else "gaussian"
-        elif noise_table_size == 0 or lowrank:
+        elif noise_table_size == 0 or lowrank:  # low-rank: a few thousand values per member and weight
             kind = "gaussian"
         else:
-            kind = "device_gaussian" if cuda else "table"
+            kind = "device_gaussian" if cuda else "table"  # the table: ~10x faster than fresh draws on CPU
     return NOISE_SOURCE_KINDS[kind].from_config(noise_table_size)
 
 
 def noise_source_from_description(description: dict) -> NoiseSource:
-    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``). A description without ``"generator"`` (a
-    version-1 seed log) gives the :data:`LEGACY_GENERATOR` source it was trained with.
+    """Inverse of :meth:`NoiseSource.describe` (used by ``replay``).
 
     Raises:
         ValueError: for another block size, an unknown type or generator.
@@ -344,6 +261,7 @@ def noise_source_from_description(description: dict) -> NoiseSource:
     if kind is None:
         raise ValueError(f"Unknown noise source type {description['type']!r}: expected one of "
                          f"{tuple(NOISE_SOURCE_KINDS)}.")
+    # no "generator": a version-1 seed log, replayed with the torch generator it was trained with
     return kind.from_description(description, description.get("generator", LEGACY_GENERATOR))
 
 

@@ -1,14 +1,5 @@
-"""The seed log: every iteration's member seeds and coefficients, and :func:`replay`.
-
-An ES update is a deterministic function of the member seeds, the shaped coefficients and the learning rate, so a
-whole run is the base model plus this log: a few hundred bytes per iteration. The file is JSON Lines: a header line
-(noise source, sigma, trained parameter names) then one line per iteration::
-
-    {"format": "trl_es.seedlog", "version": 2, "noise": {...}, "parameters": [["model.layers.0...", 4096], ...], ...}
-    {"step": 1, "members": [[1234, 1], [1234, -1], ...], "coefficients": [0.7, -0.7, ...], "learning_rate": 0.0005}
-
-The ``version`` says which noise generator and arithmetic the run was trained with (:data:`VERSIONS`), so
-``replay`` redoes the same operations.
+"""The seed log: every iteration's member seeds and coefficients (JSON Lines, a header then a line per
+iteration), and :func:`replay`, which rebuilds the trained weights from the base model and the log.
 """
 
 from __future__ import annotations
@@ -38,35 +29,19 @@ VERSION = 2  # what a new log is written as
 
 @dataclass
 class SeedLog:
-    """In-memory seed log.
-
-    Attributes:
-        header (`dict`): Run-level facts, as :meth:`EvolutionStrategy.describe
-            <trl_es.es.strategy.EvolutionStrategy.describe>` gives them: ``noise`` (the noise source description),
-            ``perturbation`` (its description, e.g. ``{"type": "lowrank", "rank": 1}``), ``sigma``, ``parameters``
-            (``[name, numel]`` of every trained tensor), ``master_dtype`` (``"float32"`` or ``null``), ``optimizer``
-            (``"es"`` or ``"torch"``), ``awd_penalty``; the trainer adds ``run_settings``. Logs written before the
-            ``perturbation`` key existed name it through ``population_backend`` (``{"name": "batched_lowrank",
-            "noise_rank": r}`` or ``{"name": "sequential"}``); :func:`header_perturbation` reads both.
-        records (`list[dict]`): One per iteration: ``step`` (1-based, contiguous: record ``k`` is step ``k``, the
-            ``k``-th iteration since the base model), ``members`` (``[seed, sign]`` pairs), ``coefficients`` (the shaped
-            fitness), ``learning_rate``, ``awd_shrink`` (``alpha * lambda``, 0 if off) and, only where it differs from
-            ``step`` (a second ``train()`` call on the same trainer restarts ``Trainer``'s count), ``global_step``.
-        version (`int`): The format version (:data:`VERSIONS`): :data:`VERSION` for a new log, the file's for a
-            loaded one (saved again as it was read).
+    """In-memory seed log: ``header`` (:meth:`EvolutionStrategy.describe
+    <trl_es.es.strategy.EvolutionStrategy.describe>` plus ``run_settings``), one record per iteration, and the
+    format ``version`` (:data:`VERSIONS`).
     """
 
-    header: dict
+    header: dict  # older logs name the perturbation through population_backend (header_perturbation reads both)
+    # per record: step (1-based, contiguous from the base model), members ([seed, sign]), coefficients,
+    # learning_rate, awd_shrink (alpha * lambda), and global_step where a second train() restarted Trainer's count
     records: list[dict] = field(default_factory=list)
-    version: int = VERSION
+    version: int = VERSION  # a loaded log is saved again as the version it was read
 
     def append(self, global_step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
-        """Record one iteration as the log's next step (``len(records) + 1``).
-
-        Args:
-            global_step (`int`): ``Trainer``'s count of this iteration (``state.global_step + 1``); kept in the
-                record only where it differs from the log's step (a second ``train()`` on the same trainer).
-        """
+        """Record one iteration as the log's next step; ``global_step`` is kept only where it differs from it."""
         record = {
             "step": len(self.records) + 1,
             "members": [[int(m.seed), int(m.sign)] for m in members],
@@ -74,7 +49,7 @@ class SeedLog:
             "learning_rate": float(learning_rate),
             "awd_shrink": float(awd_shrink),
         }
-        if int(global_step) != record["step"]:
+        if int(global_step) != record["step"]:  # a second train() on the same trainer restarts Trainer's count
             record["global_step"] = int(global_step)
         self.records.append(record)
 
@@ -90,8 +65,7 @@ class SeedLog:
         return int(self.records[-1].get("global_step", self.records[-1]["step"]))
 
     def save(self, path: str) -> None:
-        """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`: a temporary file, then a
-        rename)."""
+        """Write the log as JSON Lines, atomically (:func:`trl_es.files.write_text`)."""
         from ..files import write_text
 
         lines = [json.dumps({"format": FORMAT, "version": self.version, **self.header})]
@@ -100,12 +74,11 @@ class SeedLog:
 
     @classmethod
     def load(cls, path: str) -> SeedLog:
-        """Read a log written by :meth:`save`. A directory is read as ``<dir>/es_seed_log.jsonl``.
+        """Read a log written by :meth:`save`; a directory is read as ``<dir>/es_seed_log.jsonl``.
 
         Raises:
-            ValueError: if the file is not a trl_es seed log, has a version not in :data:`VERSIONS` (naming the
-                supported ones), a version-2 header names another noise generator, or its steps are not
-                ``1, 2, ..., N`` in order (:func:`check_steps`: the missing, repeated or misplaced steps are named).
+            ValueError: if the file is not a trl_es seed log, has a version not in :data:`VERSIONS`, a version-2 header
+                names another noise generator, or its steps are not ``1, 2, ..., N`` (:func:`check_steps`).
         """
         if os.path.isdir(path):
             path = os.path.join(path, SEED_LOG_NAME)
@@ -113,7 +86,7 @@ class SeedLog:
             lines = [json.loads(line) for line in f if line.strip()]
         if not lines or lines[0].get("format") != FORMAT:
             raise ValueError(f"{path} is not a trl_es seed log (missing header with format={FORMAT!r}).")
-        version = lines[0].get("version", 1)
+        version = lines[0].get("version", 1)  # version-1 headers name no version
         if version not in VERSIONS or isinstance(version, bool):
             raise ValueError(f"{path} is a trl_es seed log of version {version!r}; this trl_es reads versions "
                              f"{sorted(VERSIONS)}: {'; '.join(f'{v}: {text}' for v, text in VERSIONS.items())}.")
@@ -128,22 +101,17 @@ class SeedLog:
 
 
 def check_steps(steps: list, where: str) -> None:
-    """A seed log replays from the base model: its records must be steps ``1, 2, ..., N``, each once, in order.
-
-    Args:
-        steps (`list[int]`): The records' ``step`` values, in file order.
-        where (`str`): The log's path, named in the error.
+    """Check that ``steps`` (the records', in file order) are ``1, 2, ..., N``, each once, in order.
 
     Raises:
-        ValueError: naming the steps that are missing (e.g. a log that starts at step 3 lacks steps 1-2), repeated,
-            or out of order.
+        ValueError: naming ``where`` and the steps that are missing, repeated, or out of order.
     """
-    if steps == list(range(1, len(steps) + 1)):
+    if steps == list(range(1, len(steps) + 1)):  # a log replays from the base model
         return
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps):
         raise ValueError(f"{where}: every seed-log record needs an integer step >= 1, got steps {steps}.")
     seen = set(steps)
-    missing = [s for s in range(1, max(steps) + 1) if s not in seen]
+    missing = [s for s in range(1, max(steps) + 1) if s not in seen]  # e.g. a log that starts at step 3
     repeated = sorted({s for s in steps if steps.count(s) > 1})
     problems = []
     if missing:
@@ -158,8 +126,7 @@ def check_steps(steps: list, where: str) -> None:
 
 
 def header_perturbation(header: dict) -> Perturbation:
-    """The perturbation a seed log was written with: its ``perturbation`` key, else (older logs) the
-    ``population_backend`` key (``batched_lowrank`` -> rank-``noise_rank`` low-rank noise, else full-rank)."""
+    """The perturbation a seed log was written with (its ``perturbation`` key, else ``population_backend``)."""
     if "perturbation" in header:
         return perturbation_from_description(header["perturbation"])
     backend = header.get("population_backend", {"name": "sequential"})
@@ -172,8 +139,7 @@ def apply_record(
     params: TrainedParameters, noise: NoiseSource, record: dict, anchor=None, penalty="l2",
     perturbation: Perturbation | None = None,
 ) -> None:
-    """Apply one logged iteration to ``params``: the ES step along ``perturbation`` (default full-rank), then AWD if
-    ``awd_shrink > 0``."""
+    """Apply one logged iteration to ``params``: the ES step along ``perturbation`` (default full-rank), then AWD."""
     members = [Member(seed, sign) for seed, sign in record["members"]]
     es_update_(params, perturbation or GaussianPerturbation(), noise, members, record["coefficients"],
                record["learning_rate"])
@@ -182,49 +148,39 @@ def apply_record(
 
 
 def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.Module:
-    """Rebuild trained weights from the base model and a seed log, in place.
-
-    With the ``"es"`` optimizer the result is bitwise equal to the trained model: the same fp32 master arithmetic
-    runs in the same order. (With ``es_optimizer="torch"`` the optimizer's state is not in the log; replay raises.)
-
-    Args:
-        model (`nn.Module`): The *base* model (same architecture, same initial weights; with PEFT, the PeftModel with
-            its initial adapter). Modified in place.
-        log_path (`str`): A seed log file, or a directory (checkpoint or output dir) holding ``es_seed_log.jsonl``.
-        max_step (`int` or `None`): Replay only iterations ``step <= max_step`` (at most the log's last step).
-
-    Returns:
-        `nn.Module`: ``model``, now holding the trained weights.
+    """Rebuild trained weights from the base model (with PEFT: its initial PeftModel) and a seed log (a file or a
+    folder holding one) in place, up to ``max_step``; bitwise the trained model for ``es_optimizer="es"``.
 
     Raises:
-        ValueError: if the log was written with ``es_optimizer="torch"``, says it is not replayable (its
-            ``not_replayable`` header, e.g. ES + SFT parallel averaging), names parameters the model lacks, has
-            missing, repeated or misplaced steps (:meth:`SeedLog.load`), or ends before ``max_step``.
+        ValueError: for a torch-optimizer or ``not_replayable`` log, parameters the model lacks, steps that are not
+            ``1..N`` (:meth:`SeedLog.load`), or a log that ends before ``max_step``.
     """
-    log = SeedLog.load(log_path)
+    log = SeedLog.load(log_path)  # the same fp32 master arithmetic then runs in the same order
     if max_step is not None and max_step > len(log.records):
         raise ValueError(f"max_step={max_step} is beyond the seed log {log_path!r}, which ends at step "
                          f"{len(log.records)}: steps {list(range(len(log.records) + 1, max_step + 1))} are missing.")
     if log.header.get("not_replayable"):
         raise ValueError(f"This seed log cannot be replayed: {log.header['not_replayable']}")
-    if log.header.get("optimizer", "es") != "es":
+    if log.header.get("optimizer", "es") != "es":  # a torch optimizer's state is not in the log
         raise ValueError("replay reproduces es_optimizer='es' runs only; this log was written with a torch optimizer.")
     named = dict(model.named_parameters())
     missing = [name for name, _ in log.header["parameters"] if name not in named]
     if missing:
         raise ValueError(f"The model has no parameters named {missing[:3]} (and {max(0, len(missing) - 3)} more).")
+    # null: the master was kept in each parameter's own dtype
     master_dtype = torch.float32 if log.header.get("master_dtype", "float32") == "float32" else None
     perturbation = header_perturbation(log.header)
     # Low-rank noise never writes into the weights, so an entry already in the master dtype needs no copy; the
     # arithmetic (fp32 sums added into fp32 values) is the same either way.
     params = TrainedParameters([(name, named[name]) for name, _ in log.header["parameters"]], master_dtype,
                                share_params=isinstance(perturbation, LowRankPerturbation))
+    # theta_0 for AWD: the base model's values, taken before the first record
     needs_anchor = any(record.get("awd_shrink", 0.0) > 0 for record in log.records)
     anchor = {n: t.detach().clone() for n, t in params.master_state_dict().items()} if needs_anchor else None
     noise = noise_source_from_description(log.header["noise"])
     penalty = log.header.get("awd_penalty", "l2")
     for record in log.records:
-        if max_step is not None and record["step"] > max_step:
+        if max_step is not None and record["step"] > max_step:  # records are steps 1..N in order
             break
         apply_record(params, noise, record, anchor, penalty, perturbation)
     return model

@@ -1,6 +1,6 @@
 """OpenAI-ES as one ask/tell object on any ``nn.Module`` (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1).
 
-The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy`` (and :class:`~trl_es.es.cma_search.CMASearch`):
+The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy``:
 
     strategy = EvolutionStrategy.for_module(model, sigma=0.01, population_size=8)
     for step in range(steps):
@@ -11,11 +11,8 @@ The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy`` (and :class:`
                 fitness += score(model)
         strategy.tell(members, torch.tensor(fitness), learning_rate=5e-4)
 
-The module's own weights are the state between calls: weights put into it after the strategy was built
-(``model.load_state_dict``, an in-place ``p.data.copy_``, a ``torch.no_grad()`` ``p.add_``, ``model.to(dtype)``) are
-what the next ``apply`` restores and what the next ``tell`` steps from (:meth:`EvolutionStrategy.sync_with_module`).
-
-Nothing here imports TRL or ``transformers``.
+Weights put into the module between calls are what the next ``apply`` restores and ``tell`` steps from
+(:meth:`EvolutionStrategy.sync_with_module`). Nothing here imports TRL or ``transformers``.
 """
 
 from __future__ import annotations
@@ -45,18 +42,14 @@ _COMPARE_CHUNK = 1 << 24  # elements compared at a time (bounds the temporary ca
 
 
 def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether ``param`` holds bitwise ``cast(master)``, what :meth:`TrainedParameters.render_` writes (compared as
-    integers, so ``-0.0`` differs from ``0.0`` and a NaN equals itself); chunk by chunk, no full-size temporary.
-
-    Args:
-        param (`torch.Tensor`): The model's tensor (contiguous, any float dtype).
-        master (`torch.Tensor`): Its master (same shape and device; fp32 or the parameter's dtype).
+    """Whether ``param`` holds bitwise ``cast(master)`` (same shape and device), what
+    :meth:`TrainedParameters.write_master_to_model_` writes.
     """
     if param.shape != master.shape:
         return False
     flat_param, flat_master = param.reshape(-1), master.reshape(-1)
-    bits = _BITS[param.element_size()]
-    for lo in range(0, flat_param.numel(), _COMPARE_CHUNK):
+    bits = _BITS[param.element_size()]  # compared as integers: -0.0 differs from 0.0, a NaN equals itself
+    for lo in range(0, flat_param.numel(), _COMPARE_CHUNK):  # chunk by chunk: no full-size temporary
         live = flat_param[lo : lo + _COMPARE_CHUNK]
         rendered = flat_master[lo : lo + _COMPARE_CHUNK].to(param.dtype)
         if not torch.equal(live.view(bits), rendered.view(bits)):
@@ -65,44 +58,17 @@ def holds_render(param: torch.Tensor, master: torch.Tensor) -> bool:
 
 
 @dataclass
-class Told:
-    """What :meth:`EvolutionStrategy.tell` did (what the seed log records for the iteration).
+class TellResult:
+    """What :meth:`EvolutionStrategy.tell` did, as the seed log records it for the iteration."""
 
-    Attributes:
-        coefficients (`list[float]`): The shaped fitness ``z_i``, one per member.
-        learning_rate (`float`): ``alpha`` of the step.
-        shrink (`float`): ``alpha * awd_lambda`` of Anchored Weight Decay (0 without AWD).
-    """
-
-    coefficients: list[float]
-    learning_rate: float
-    shrink: float
+    coefficients: list[float]  # the shaped fitness z_i, one per member
+    learning_rate: float  # alpha of the step
+    shrink: float  # alpha * awd_lambda of Anchored Weight Decay (0 without AWD)
 
 
 class EvolutionStrategy:
     """The ES state of one run (trained tensors with their fp32 master, noise, population, sigma) and its
-    ask / groups / apply / tell.
-
-    Args:
-        params (`TrainedParameters`): The trained tensors and their master copy.
-        noise (`NoiseSource`): Where ``eps(seed)`` comes from.
-        population (`PopulationBackend`): How members are put into the model (in place, or as low-rank adapters).
-        sigma (`float`): The noise scale.
-        population_size (`int`): ``N``, members per iteration (>= 2; even with ``antithetic``).
-        seed (`int`): Base seed of the members' noise seeds.
-        antithetic (`bool`): Mirrored pairs ``+eps, -eps`` (Salimans et al. 2017, Sec. 2.1).
-        fitness_shaping (`str`): ``"zscore"``, ``"centered_rank"`` or ``"none"`` (:func:`shape_fitness`).
-        awd_lambda (`float`): Anchored Weight Decay after each step (arXiv 2605.30148, Algorithm 1); 0: off.
-        awd_penalty (`str`): ``"l2"`` or ``"l1"``.
-        anchor (`Mapping[str, torch.Tensor]`, *optional*): theta_0 of the trained tensors (needed for AWD).
-        module (`nn.Module`, *optional*): The model the trained tensors belong to (:meth:`for_module` sets it): looked
-            up by name on every :meth:`apply` and :meth:`tell`, so a tensor the module holds in new storage
-            (``load_state_dict(..., assign=True)``, ``model.half()``) is followed; the default model of :meth:`apply`.
-        on_module_change (`str`): What :meth:`apply` and :meth:`tell` do first when the module's trained tensors no
-            longer hold what the strategy last wrote into them (:meth:`sync_with_module`): ``"reread"`` (default)
-            takes the module's weights as the new master, ``"raise"`` refuses with a ``ValueError`` naming the
-            tensors, ``"ignore"`` skips the check (the caller keeps the master in step itself, as ``ESTrainer`` does
-            through its checkpoint hooks).
+    ask / groups / apply / tell (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1).
 
     Raises:
         ValueError: for an unknown ``on_module_change``.
@@ -114,19 +80,30 @@ class EvolutionStrategy:
                  module: nn.Module | None = None, on_module_change: str = "reread"):
         if on_module_change not in MODULE_CHANGE_RULES:
             raise ValueError(f"on_module_change must be one of {MODULE_CHANGE_RULES}, got {on_module_change!r}.")
-        self.params, self.noise, self.population = params, noise, population
-        self.sigma, self.population_size, self.seed, self.antithetic = sigma, population_size, seed, antithetic
-        self.fitness_shaping, self.awd_lambda, self.awd_penalty = fitness_shaping, awd_lambda, awd_penalty
-        self.anchor, self.module, self.on_module_change = anchor, module, on_module_change
+        self.params = params  # the trained tensors and their master copy
+        self.noise = noise  # where eps(seed) comes from
+        self.population = population  # how members are put into the model (in place, or as low-rank adapters)
+        self.sigma = sigma
+        self.population_size = population_size  # N >= 2; even with antithetic
+        self.seed = seed  # base seed of the members' noise seeds
+        self.antithetic = antithetic  # mirrored pairs +eps, -eps (Salimans et al. 2017, Sec. 2.1)
+        self.fitness_shaping = fitness_shaping  # "zscore", "centered_rank" or "none" (shape_fitness)
+        self.awd_lambda = awd_lambda  # Anchored Weight Decay (arXiv 2605.30148, Algorithm 1); 0: off
+        self.awd_penalty = awd_penalty  # "l2" or "l1"
+        self.anchor = anchor  # theta_0 of the trained tensors, needed for AWD
+        self.module = module  # looked up by name on every call, so new storage (assign=True, .half()) is followed
+        # what apply/tell do when the module's tensors changed outside the strategy (sync_with_module):
+        # "reread" takes them as the master, "raise" refuses, "ignore" leaves it to the caller
+        self.on_module_change = on_module_change
 
     @classmethod
     def for_module(cls, model: nn.Module, sigma: float, population_size: int, include: str | None = None,
                    noise_source: str = "gaussian", **kwargs) -> EvolutionStrategy:
-        """A sequential (in-place, full-rank) strategy on ``model``'s trainable tensors with an fp32 master, following
-        ``model`` (``module=model``: weights loaded into it later are re-read, :meth:`sync_with_module`); with
-        ``awd_lambda > 0`` the anchor is the master at construction. ``kwargs`` go to the constructor."""
+        """A sequential, full-rank strategy on ``model``'s trainable tensors with an fp32 master and
+        ``module=model``; ``kwargs`` go to the constructor.
+        """
         params = TrainedParameters(select_parameters(model, include), torch.float32)
-        if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:
+        if kwargs.get("awd_lambda", 0) > 0 and kwargs.get("anchor") is None:  # theta_0: the master at construction
             kwargs["anchor"] = {n: t.clone() for n, t in params.master_state_dict().items()}
         kwargs.setdefault("module", model)
         return cls(params, make_noise_source(0, noise_source), SequentialPopulation(), sigma, population_size,
@@ -136,21 +113,8 @@ class EvolutionStrategy:
     def build(cls, params: TrainedParameters, population: PopulationBackend, sigma: float, population_size: int, *,
               noise: NoiseSource | str = "auto", noise_table_size: int = DEFAULT_TABLE_SIZE, lean_memory: bool = False,
               anchor_storage: str | None = None, anchor_files: Sequence[str] = (), **kwargs) -> EvolutionStrategy:
-        """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules.
-
-        Args:
-            params (`TrainedParameters`): The trained tensors and their master copy.
-            population (`PopulationBackend`): How members are put into the model.
-            sigma (`float`), population_size (`int`): As the constructor.
-            noise (`NoiseSource` or `str`): A source, or its ``noise_source`` name for :func:`make_noise_source` (on
-                the trained tensors' device; low-rank when the population's perturbation is).
-            noise_table_size (`int`): Entries of a noise table (0: none).
-            lean_memory (`bool`): The memory rule: ``"auto"`` noise holds no table, theta_0 is read from
-                ``anchor_files`` (:func:`~trl_es.es.anchor.make_anchor`; drift logging alone keeps no resident copy).
-            anchor_storage (`str`, *optional*): Where theta_0 is held (``"auto"``, ``"memory"``, ``"file"``);
-                ``None``: no anchor.
-            anchor_files (`Sequence[str]`): safetensors files that may hold theta_0 (the base checkpoint).
-            **kwargs: The constructor's other arguments (``seed``, ``antithetic``, ``awd_lambda``, ...).
+        """The strategy of ``params`` with its noise source and anchor, each built by its own module's rules;
+        ``kwargs`` go to the constructor.
 
         Raises:
             ValueError: for ``awd_lambda > 0`` without ``anchor_storage``; as :func:`make_noise_source`,
@@ -163,6 +127,7 @@ class EvolutionStrategy:
         if anchor_storage is not None:  # theta_0, as the parameters hold it now
             anchor = make_anchor(params, anchor_storage, list(anchor_files), lean_memory=lean_memory, required=awd)
         if isinstance(noise, str):
+            # on the trained tensors' device; lean_memory holds no table (the memory rule)
             lowrank = isinstance(population.perturbation, LowRankPerturbation)
             noise = make_noise_source(noise_table_size, noise, params.entries[0].param.device, lowrank=lowrank,
                                       lean_memory=lean_memory)
@@ -203,35 +168,24 @@ class EvolutionStrategy:
         return self.population.groups(indices)
 
     def sync_with_module(self) -> list[str]:
-        """Make the master hold what the module holds, where the two parted outside the strategy; called first by
-        :meth:`apply` and :meth:`tell`.
-
-        The strategy writes the trained tensors only as ``cast(master)`` (plus a member's noise inside
-        :meth:`apply`). A tensor that, outside :meth:`apply`, does not hold ``cast(master)`` bitwise was written by
-        someone else (``load_state_dict``, ``p.data.copy_``, ``torch.no_grad(): p.add_``); the module's tensors are
-        compared, not version counters (``p.data.copy_`` bumps none). With ``on_module_change="reread"`` its master
-        becomes the module's values (a 16-bit tensor: exactly its value in fp32); unchanged tensors keep their fp32
-        master. With :attr:`module` set, a tensor the module now holds in new storage (``assign=True``,
-        ``model.to(dtype)``) is followed first. The AWD anchor is not changed. Masters that are their parameter
-        (``share_params``) hold the module's values already.
-
-        Returns:
-            `list[str]`: The names of the tensors whose master was re-read (empty when nothing changed, inside
-            :meth:`apply`, or with ``on_module_change="ignore"``).
+        """Make the master hold what the module holds where the two parted outside the strategy; run first by
+        :meth:`apply` and :meth:`tell`. Returns the names of the re-read tensors.
 
         Raises:
             ValueError: with ``on_module_change="raise"``, naming the changed tensors; or, with :attr:`module` set,
-                naming a trained tensor the module no longer has, or holds with another shape or on another device
-                (nothing is changed then).
+                naming a trained tensor the module no longer has, or holds with another shape or on another device.
         """
+        # "ignore": the caller keeps the master in step itself (ESTrainer, through its checkpoint hooks)
         if self.on_module_change == "ignore" or self.params is None or self.params.perturbed:
             return []
         live = self._live_tensors()
         moved, changed = [], []
         for e in self.params.entries:
             tensor = live[e.name]
+            # new storage (load_state_dict(assign=True), model.to(dtype)): follow it
             if tensor.data_ptr() != e.param.data_ptr() or tensor.dtype != e.param.dtype:
                 moved.append((e, tensor))
+            # values compared, not version counters (p.data.copy_ bumps none); a shared master is the module's
             if not e.master_is_param and not holds_render(tensor, e.master):
                 changed.append((e, tensor))
         if changed and self.on_module_change == "raise":
@@ -243,7 +197,7 @@ class EvolutionStrategy:
             self.params.rebind_(e.name, tensor)
         with torch.no_grad():
             for e, tensor in changed:
-                e.master.copy_(tensor)
+                e.master.copy_(tensor)  # a 16-bit value is exact in fp32
         return [e.name for e, _ in changed]
 
     def _live_tensors(self) -> dict[str, torch.Tensor]:
@@ -261,6 +215,7 @@ class EvolutionStrategy:
             if param is None:
                 raise ValueError(f"The module no longer has the trained parameter {e.name!r}; build a new strategy.")
             tensor = param.data
+            # the master keeps its shape and device: a reshaped or moved model needs a new strategy
             if tensor.shape != e.param.shape or tensor.device != e.master.device or not tensor.is_contiguous():
                 raise ValueError(
                     f"The module's parameter {e.name!r} is now {tuple(tensor.shape)} on {tensor.device} "
@@ -271,36 +226,21 @@ class EvolutionStrategy:
 
     @contextlib.contextmanager
     def apply(self, members: Sequence[Member], model: nn.Module | None = None) -> Iterator[None]:
-        """Context in which ``model`` (default :attr:`module`) computes with ``members`` applied (one group of
-        :meth:`groups`; stacked members own equal row blocks, in order); on exit the weights are restored bitwise to
-        what the module held on entry (:meth:`sync_with_module` runs first), also on an exception. Writes into the
-        weights inside the context are undone with the member."""
+        """Context in which ``model`` (default :attr:`module`) computes with ``members`` (one group of
+        :meth:`groups`) applied; on exit, also on an exception, the weights are restored bitwise to the entry's.
+        """
         self.sync_with_module()
-        model = model if model is not None else self.module
+        model = model if model is not None else self.module  # stacked members own equal row blocks, in order
         with self.population.apply(self.params, self.noise, members, self.sigma, model):
             yield
 
     def tell(self, members: Sequence[Member], fitness: torch.Tensor, learning_rate: float,
-             optimizer_step: Callable[[], None] | None = None) -> Told:
-        """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, render.
+             optimizer_step: Callable[[], None] | None = None) -> TellResult:
+        """Move the weights for one iteration: shape the fitness, step, decay toward the anchor, write the master.
 
-        Without ``optimizer_step``: the ES step ``theta <- theta + alpha / N * sum_i z_i eps_i`` in fp32 into the
-        master (:func:`es_update_`). With it: the ES gradient ``-(1/N) sum_i z_i eps_i`` goes to ``master.grad``
-        (:func:`es_gradient_`), ``optimizer_step()`` steps a torch optimizer owning the masters, and the gradients
-        are cleared. Then AWD (``awd_lambda > 0``) and the render of the master into the model.
-
-        The step starts from what the module holds (:meth:`sync_with_module` runs first, after the checks).
-
-        Args:
-            members (`Sequence[Member]`): The ``N`` members of :meth:`ask` (``N >= 2``).
-            fitness (`torch.Tensor`): Shape ``(N,)``, real (a list or array is converted), ``fitness[i]`` that of
-                ``members[i]``; a non-finite value (NaN: an invalid member; +-inf) is ranked worst, with a warning
-                (:func:`~trl_es.es.shaping.shape_fitness`).
-            learning_rate (`float`): ``alpha``, finite.
-            optimizer_step (`Callable[[], None]`, *optional*): Clips and steps a torch optimizer.
-
-        Returns:
-            `Told`: the coefficients, ``alpha`` and the AWD shrink, as the seed log records them.
+        ``members``: the ``N >= 2`` of :meth:`ask`; ``fitness``: ``(N,)`` real, non-finite values rank worst
+        (:func:`shape_fitness`); ``learning_rate``: ``alpha``, finite; ``optimizer_step``: steps a torch optimizer
+        owning the masters. Returns the :class:`TellResult` the seed log records.
 
         Raises:
             ValueError: for members that are not :class:`Member`, a fitness that is not one real value per member, a
@@ -314,10 +254,11 @@ class EvolutionStrategy:
         if self.awd_lambda > 0 and self.anchor is None:
             raise ValueError("awd_lambda > 0 needs an anchor (theta_0 of the trained tensors).")
         coefficients = shape_fitness(fitness, self.fitness_shaping).tolist()
-        self.sync_with_module()
-        if optimizer_step is None:
+        self.sync_with_module()  # step from what the module holds
+        if optimizer_step is None:  # theta <- theta + alpha / N * sum_i z_i eps_i, fp32 into the master
             es_update_(self.params, self.perturbation, self.noise, members, coefficients, learning_rate)  # renders
         else:
+            # -(1/N) sum_i z_i eps_i into master.grad, for the torch optimizer
             es_gradient_(self.params, self.perturbation, self.noise, members, coefficients)
             optimizer_step()
             for master in self.params.master_parameters():
@@ -327,8 +268,8 @@ class EvolutionStrategy:
             shrink = learning_rate * self.awd_lambda
             self.params.anchored_weight_decay_(self.anchor, shrink, self.awd_penalty)  # renders
         elif optimizer_step is not None:
-            self.params.render_()
-        return Told(coefficients, learning_rate, shrink)
+            self.params.write_master_to_model_()
+        return TellResult(coefficients, learning_rate, shrink)
 
 
 def _check_fitness(members: Sequence[Member], fitness) -> torch.Tensor:
@@ -344,7 +285,7 @@ def _check_fitness(members: Sequence[Member], fitness) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError) as error:
             raise ValueError(f"fitness must be one real value per member ({len(members)} members), got "
                              f"{fitness!r}: {error}") from error
-    if fitness.is_complex() or fitness.dtype == torch.bool:
+    if fitness.is_complex() or fitness.dtype == torch.bool:  # real numbers only, as pycma's tell
         raise ValueError(f"fitness must be real numbers, got dtype {fitness.dtype}.")
     if fitness.dim() != 1 or fitness.numel() != len(members):
         raise ValueError(f"fitness has shape {tuple(fitness.shape)} ({fitness.numel()} values) for {len(members)} "

@@ -1,19 +1,7 @@
-"""The ES state (the master copy of the trained parameters), the ES step (one function for every perturbation) and AWD.
+"""The ES state (the fp32 master copy of the trained parameters), the ES step and Anchored Weight Decay.
 
-The trained parameters' true values live in the *master* tensors (fp32 by default). The model's own parameters are
-a rendering of the master (a cast, for a bf16/fp16 model). Hence:
-
-- a full-rank member writes ``cast(master + sign * sigma * eps)`` into the model (:mod:`trl_es.es.perturbation`);
-- restore writes ``cast(master)`` back: bitwise exact whatever the dtype and however many cycles (subtracting the
-  noise again, as the public reference code does, is not exact in floating point);
-- the update is accumulated in fp32 into the master, so steps smaller than a 16-bit ulp are not lost.
-
-When nothing ever writes a perturbation into the weights (the low-rank backend) and the model is already in the
-master's dtype, the master *is* the parameter (:class:`TrainedParameters` with ``share_params=True``): no copy, and
-the update goes straight into the weights.
-
-Everything here works on *partitions*: an entry may hold only the elements ``[start, start + local numel)`` of its
-flattened tensor (DeepSpeed ZeRO-3), and noise is generated only for those elements.
+The model's parameters hold ``cast(master)``; entries may be ZeRO-3 partitions ``[start, start + local numel)`` of
+their flattened tensor.
 """
 
 from __future__ import annotations
@@ -34,14 +22,9 @@ AWD_PENALTIES = ("l2", "l1")
 
 @dataclass
 class Member:
-    """One population member: the noise ``sign * eps(seed)``.
+    """One population member: the noise ``sign * eps(seed)`` (antithetic pairs share a seed, signs ``+1, -1``)."""
 
-    Attributes:
-        seed (`int`): Seed of the noise ``eps`` (see :mod:`trl_es.es.noise`).
-        sign (`int`): ``+1`` or ``-1`` (antithetic pairs share a seed with opposite signs).
-    """
-
-    seed: int
+    seed: int  # keys the noise eps (trl_es.es.noise)
     sign: int = 1
 
 
@@ -62,18 +45,8 @@ class _Entry:
 def select_parameters(
     model: nn.Module, include: str | None = None, exclude: str | None = None
 ) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ES trains: those with ``requires_grad`` (so with PEFT only the adapter), then filtered.
-
-    Args:
-        model (`nn.Module`): The (unwrapped) model.
-        include (`str` or `None`): If set, keep only names matching this regular expression (``re.search``).
-        exclude (`str` or `None`): If set, drop names matching this regular expression.
-
-    Returns:
-        `list[tuple[str, nn.Parameter]]`: In ``named_parameters()`` order (tied weights appear once).
-
-    Raises:
-        ValueError: if a regular expression is invalid or no parameter is selected.
+    """The parameters ES trains (``requires_grad``, floating point), kept by ``include`` and dropped by ``exclude``
+    (``re.search``), in ``named_parameters()`` order; ``ValueError`` for a bad pattern or an empty selection.
     """
     try:
         include_re = re.compile(include) if include else None
@@ -83,7 +56,7 @@ def select_parameters(
     selected = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad
+        if p.requires_grad  # with PEFT, only the adapter
         and p.is_floating_point()
         and (include_re is None or include_re.search(name))
         and not (exclude_re is not None and exclude_re.search(name))
@@ -97,41 +70,34 @@ def select_parameters(
 
 
 class TrainedParameters:
-    """The trained parameters of a model and their master copy.
+    """The trained parameters of a model and their master copy (one :class:`_Entry` each).
 
-    Args:
-        named_params (`Iterable[tuple[str, torch.Tensor]]`): The parameters (e.g. from :func:`select_parameters`).
-            Each tensor must be contiguous. For a partitioned tensor pass a ``(name, local, numel, start)`` tuple.
-        master_dtype (`torch.dtype`): dtype of the master copy. ``torch.float32`` (default) keeps an fp32 master
-            of 16-bit parameters; ``None`` keeps it in each parameter's own dtype (saves memory for bf16/fp16
-            models; the update is still summed in fp32 and rounded once per step).
-        share_params (`bool`): If True, a parameter already in the master dtype *is* its master (no copy). Only for
-            perturbations that never write into the weights (low-rank adapters); an in-place perturbation refuses
-            such entries.
-
-    Attributes:
-        perturbed (`bool`): True between an in-place perturbation and the next render/restore.
+    Raises:
+        ValueError: for a non-contiguous tensor.
     """
 
     def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32,
                  share_params: bool = False):
+        # named_params: (name, tensor) pairs, or (name, local, numel, start) for a ZeRO-3 partition
         self.entries: list[_Entry] = []
         self.master_dtype = master_dtype  # None: each parameter's own dtype
+        # a parameter already in the master dtype is its own master (no copy): only for perturbations that never
+        # write into the weights (low-rank adapters); an in-place perturbation refuses such entries
         self.share_params = bool(share_params)
         for item in named_params:
             name, param = item[0], item[1]
             numel = item[2] if len(item) > 2 else param.numel()
             start = item[3] if len(item) > 3 else 0
             data = param.data if isinstance(param, nn.Parameter) else param
-            if not data.is_contiguous():
+            if not data.is_contiguous():  # perturbations write flattened views in place
                 raise ValueError(f"Parameter {name!r} is not contiguous; ES perturbs flattened views in place.")
-            dtype = master_dtype or data.dtype
+            dtype = master_dtype or data.dtype  # None saves memory; the update is still summed in fp32
             if self.share_params and dtype == data.dtype:
                 master = data.detach()
             else:
                 master = data.detach().to(dtype=dtype, copy=True)
             self.entries.append(_Entry(name, data, master, int(numel), int(start)))
-        self.perturbed = False
+        self.perturbed = False  # True between an in-place perturbation and the next write_master_to_model_
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -153,12 +119,12 @@ class TrainedParameters:
         return {e.name: e.master for e in self.entries}
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy master values from ``state`` (missing or mis-shaped names raise) and render them into the model."""
+        """Copy master values from ``state`` and write them into the model; a missing name raises ``KeyError``."""
         for e in self.entries:
             if e.name not in state:
                 raise KeyError(f"Master state has no tensor for parameter {e.name!r}.")
             e.master.copy_(state[e.name].view_as(e.master))
-        self.render_()
+        self.write_master_to_model_()
 
     def refresh_master_from_model_(self) -> None:
         """Set the master to the model's current values (after the model was loaded from a checkpoint)."""
@@ -167,12 +133,8 @@ class TrainedParameters:
                 e.master.copy_(e.param)
 
     def rebind_(self, name: str, tensor: torch.Tensor) -> None:
-        """Point entry ``name`` at the model's new storage ``tensor`` (same shape and values), keeping its master.
-
-        A master that was its parameter follows the new storage.
-
-        Raises:
-            RuntimeError: if the shape changed.
+        """Point entry ``name`` at the model's new storage ``tensor``, keeping its master; ``RuntimeError`` if the shape
+        changed (or the dtype of a parameter that is its own master), ``KeyError`` for an unknown ``name``.
         """
         for e in self.entries:
             if e.name != name:
@@ -184,18 +146,19 @@ class TrainedParameters:
                                    "model was prepared; it was its own master, which would lose its precision.")
             shared = e.master_is_param
             e.param = tensor
-            if shared:
+            if shared:  # a master that was its parameter follows the new storage
                 e.master = tensor.detach()
             return
         raise KeyError(name)
 
-    # ------------------------------------------------------------------ render / restore
-    def render_(self) -> None:
-        """Write ``cast(master)`` into the model: after an update, and as the exact restore after a member (the one
-        operation that puts the master into the model; nothing to do where the master is the param)."""
+    # ------------------------------------------------------------------ write / restore
+    def write_master_to_model_(self) -> None:
+        """Write ``cast(master)`` into the model's tensors (rounded to their dtype): after an update, and as the
+        exact restore after a member.
+        """
         with torch.no_grad():
             for e in self.entries:
-                if not e.master_is_param:
+                if not e.master_is_param:  # exact, unlike subtracting the noise again as the reference code does
                     e.param.copy_(e.master)
         self.perturbed = False
 
@@ -205,20 +168,11 @@ class TrainedParameters:
 
     # ------------------------------------------------------------------ AWD
     def anchored_weight_decay_(self, anchor, shrink: float, penalty: str = "l2") -> None:
-        """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) on the master, in fp32, then render.
-
-        With ``delta = theta - theta_0``: ``"l2"``: ``delta <- (1 - alpha * lambda) * delta``;
-        ``"l1"``: ``delta <- sign(delta) * max(|delta| - alpha * lambda, 0)`` (soft threshold). Then
-        ``theta = theta_0 + delta``.
-
-        Args:
-            anchor (`Mapping[str, torch.Tensor]`): ``theta_0`` by name (the local partition; any device and float
-                dtype; read one tensor at a time, so a lazily loading mapping works).
-            shrink (`float`): ``alpha * lambda``; must be in ``[0, 1)`` for ``"l2"``.
-            penalty (`str`): ``"l2"`` or ``"l1"``.
+        """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) toward ``anchor`` (``theta_0`` by name, the local
+        partition, any device and float dtype) on the master in fp32, then write the model; ``shrink = alpha * lambda``.
 
         Raises:
-            ValueError: for an unknown penalty or ``shrink >= 1`` with ``"l2"``.
+            ValueError: for an unknown penalty or ``shrink`` outside ``[0, 1)`` with ``"l2"``.
         """
         if penalty not in AWD_PENALTIES:
             raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {penalty!r}.")
@@ -226,65 +180,51 @@ class TrainedParameters:
             raise ValueError(f"AWD with the l2 penalty needs 0 <= learning_rate * awd_lambda < 1, got {shrink}.")
         with torch.no_grad():
             for e in self.entries:
+                # one anchor tensor at a time: a lazily loading mapping (FileAnchor) works
                 theta0 = anchor[e.name].to(device=e.master.device, dtype=torch.float32).view_as(e.master)
                 delta = e.master.float() - theta0
                 if penalty == "l2":
-                    delta.mul_(1.0 - shrink)
+                    delta.mul_(1.0 - shrink)  # delta <- (1 - shrink) delta
                 else:
-                    delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)
-                e.master.copy_(theta0 + delta)
-        self.render_()
+                    delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)  # soft threshold
+                e.master.copy_(theta0 + delta)  # theta = theta_0 + delta
+        self.write_master_to_model_()
 
 
 def es_update_(
     params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
     coefficients: Sequence[float], learning_rate: float,
 ) -> None:
-    """The ES step: ``theta <- theta + alpha / N * sum_i z_i * eps_i``, in fp32 into the master, then render.
-
-    Source: Qiu et al. 2025 (arXiv 2509.24372), Algorithm 1 (the noise scale sigma is folded into ``alpha``); for
-    antithetic pairs ``eps_i = sign_i * eps(seed_i)``. The same function serves every perturbation: the direction
-    ``sum_i z_i eps_i`` comes from ``perturbation.direction_sums`` (full-rank Gaussian blocks, or rank-``r``
-    products one weight at a time), streamed so the extra memory is one block or one weight matrix.
-
-    Args:
-        params (`TrainedParameters`): The trained parameters and their master copy.
-        perturbation (`Perturbation`): What ``eps_i`` is (:mod:`trl_es.es.perturbation`).
-        noise (`NoiseSource`): The noise source used for the perturbations.
-        members (`Sequence[Member]`): The ``N`` members.
-        coefficients (`Sequence[float]`): The shaped fitness ``z_i``, one per member.
-        learning_rate (`float`): ``alpha``.
+    """The ES step ``theta <- theta + alpha / N * sum_i z_i * eps_i`` in fp32 into the master, then write the model
+    (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1, sigma folded into ``alpha``).
 
     Raises:
         ValueError: if the perturbation cannot apply to a trained tensor (nothing is changed then).
     """
     perturbation.check(params)
     step = float(learning_rate) / len(members)
-    with torch.no_grad():
+    with torch.no_grad():  # streamed: the extra memory is one noise block or one weight matrix
         for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
             flat = e.master.view(-1)[lo:hi]
-            if flat.dtype == torch.float32:
+            if flat.dtype == torch.float32:  # steps below a 16-bit ulp accumulate in the fp32 master
                 add_scaled_(flat, total, step, noise.portable)
-            else:
+            else:  # master_dtype=None: summed in fp32, rounded once per step
                 flat.copy_(add_scaled_(flat.float(), total, step, noise.portable))
-    params.render_()
+    params.write_master_to_model_()
 
 
 def es_gradient_(
     params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
     coefficients: Sequence[float],
 ) -> None:
-    """Store ``-(1 / N) * sum_i z_i * eps_i`` in ``master.grad`` (fp32), for a torch optimizer to descend.
-
-    This is the ES gradient estimate of Salimans et al. 2017 (arXiv 1703.03864, Eq. 2) in the scaling of Qiu et al.
-    2025 (sigma folded into the learning rate), negated because torch optimizers minimize: plain SGD with
-    ``lr = alpha`` then reproduces :func:`es_update_`.
+    """Store ``-(1 / N) * sum_i z_i * eps_i`` in ``master.grad`` (fp32) for a torch optimizer (Salimans et al. 2017,
+    arXiv 1703.03864, Eq. 2); SGD with ``lr = alpha`` reproduces :func:`es_update_`.
 
     Raises:
         ValueError: if a master is not fp32 (``es_optimizer='torch'`` needs ``fp32_master_weights=True``).
     """
     perturbation.check(params)
-    scale = -1.0 / len(members)
+    scale = -1.0 / len(members)  # negated: torch optimizers minimize
     for e in params.entries:
         if e.master.dtype != torch.float32:
             raise ValueError("es_optimizer='torch' needs an fp32 master copy (fp32_master_weights=True).")

@@ -74,19 +74,19 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
         return list(zip(self._es_model_params, self.es_params.master_parameters(), strict=False))
 
     def _tell(self, members, fitness: torch.Tensor, learning_rate: float):
-        """The ES share, the SFT step from the same snapshot, their average; returns the ES share's ``Told``."""
+        """The ES share, the SFT step from the same snapshot, their average; returns the ES share's ``TellResult``."""
         args = self.args
         masters = self.es_params.master_parameters()
         theta_bar = snapshot(masters)  # the fp32 master
         # the seed log stores w_ES * alpha: theta_ES is bitwise what replay() computes from the record
         told = super()._tell(members, fitness, args.es_weight * learning_rate)
         theta_es = restore_snapshot(masters, theta_bar)  # the SFT step starts from theta_bar
-        self.es_params.render_()
+        self.es_params.write_master_to_model_()
         self.sft_step.create_scheduler(self.state.max_steps)
         self.sft_step.targets = self._sft_targets()
         self._sft_step_and_log(theta_es, masters, theta_bar, float32=False)
         with torch.no_grad():
             for m, bar, es in zip(masters, theta_bar, theta_es, strict=True):
                 m.copy_(es + args.sft_weight * (m - bar))  # float32, in this order
-        self.es_params.render_()
+        self.es_params.write_master_to_model_()
         return told

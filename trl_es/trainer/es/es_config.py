@@ -256,8 +256,8 @@ class ESConfig(_BaseConfig):
         default="auto",
         metadata={
             "help": "Where the Gaussian noise comes from: 'table' (slices of a shared table at hashed offsets, "
-            f"Salimans et al. 2017), 'gaussian' (a fresh draw per {NOISE_BLOCK_SIZE}-element block from a CPU "
-            "generator: identical on every device, ~10x slower than the table on CPU, no table memory), "
+            f"Salimans et al. 2017), 'gaussian' (fresh CPU draws: a new draw per {NOISE_BLOCK_SIZE}-element block from "
+            "a CPU generator, identical on every device, ~10x slower than the table on CPU, no table memory), "
             "'device_gaussian' (the same from a generator on the weights' device: Philox on CUDA; values depend on "
             "the device type) or 'auto' (measured defaults: 'gaussian' for the low-rank backend, 'device_gaussian' "
             "for full-rank noise on CUDA, 'table' for full-rank noise elsewhere; see benchmarks/noise_sources.py)."

@@ -146,7 +146,7 @@ class ESDistributedMixin:
             tensors = list(unwrapped.parameters()) + list(unwrapped.buffers())
             tensors += [e.master for e in self.es_params.entries if not e.master_is_param]
             self._comm_bytes += broadcast_tensors_(tensors)
-        self.es_params.render_()
+        self.es_params.write_master_to_model_()
         if self.anchor is not None:  # theta_0 is now process 0's initial weights
             files = checkpoint_files(unwrapped) if self.args.anchor_storage != "memory" else []
             self.strategy.anchor = make_anchor(self.es_params, self.args.anchor_storage, files)

@@ -30,7 +30,7 @@ from ...es.fitness import MemberScores, PopulationScores
 from ...es.perturbation import LowRankPerturbation, linear_weight_names
 from ...es.population import PopulationBackend, make_population_backend, member_indices, member_seed, on_engine
 from ...es.seedlog import SeedLog
-from ...es.strategy import EvolutionStrategy, Told
+from ...es.strategy import EvolutionStrategy, TellResult
 from ...es.update import Member, TrainedParameters, select_parameters
 from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
@@ -572,7 +572,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             self._comm_bytes += scores.nbytes()
         return scores
 
-    def _tell(self, members: list[Member], fitness: torch.Tensor, learning_rate: float) -> Told:
+    def _tell(self, members: list[Member], fitness: torch.Tensor, learning_rate: float) -> TellResult:
         """The strategy's tell (shaping, ES step or a step of the Trainer's optimizer, AWD, render); a seam for
         trainers that combine ES with another update (ES + SFT parallel averaging)."""
         optimizer_step = self._optimizer_step if self.args.es_optimizer == "torch" else None
