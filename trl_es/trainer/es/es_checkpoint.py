@@ -76,7 +76,7 @@ def run_settings(args, reward_func_names) -> dict:
 
 
 def _present_or_sharded(folder: str, name: str) -> bool:
-    """``name`` (``es_master.safetensors``) is there, or ZeRO-3's non-empty shards of every rank ``0..W-1`` of one ``W``."""
+    """``name`` is there, or ZeRO-3's non-empty shards of it for every rank ``0..W-1`` of one world size ``W``."""
     if is_present(folder, name):
         return True
     stem = name[: -len(".safetensors")]
