@@ -227,23 +227,13 @@ class ESServerWorkerExtension(ESWorkerExtension):
     """
 
     def es_server_init(self, spec, api_key: str | None = None) -> dict:
-        """Build the ES state from the served checkpoint and a seed log's header, then replay ``records``; the new
-        state is built and checked aside and replaces the old one only when complete.
-
-        Args:
-            spec (`str` or `dict`): JSON ``{"header": <seed-log header>, "weights": [<name>, ...], "records":
-                [<seed-log record>, ...]}`` (``weights`` in ``named_parameters()`` order; records of steps ``1..k``);
-                optional ``"checkpoint"`` (default: the served folder) and ``"awd": true`` (keep theta_0).
-            api_key (`str`, *optional*): The server's key (``VLLM_API_KEY``), if it has one.
-
-        Returns:
-            `dict`: ``{"step": k, "checksum": server_checksum(weights), "num_parameters": trained tensors}``.
+        """Build the ES state from the served checkpoint and ``spec``, a JSON ``{"header": <seed-log header>,
+        "weights": [<name>, ...] (named_parameters order), "records": [<records of steps 1..k>]}`` (optional
+        ``"checkpoint"``, ``"awd": true``); returns ``{"step", "checksum", "num_parameters"}``.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: for a malformed spec (naming the field), a low-rank perturbation, a trained tensor the
-                checkpoint lacks, or bad records; the state is unchanged then.
-            FileNotFoundError: if the checkpoint has no ``.safetensors`` file.
+            PermissionError, FileNotFoundError (no ``.safetensors``), or ValueError (a malformed spec, named; a
+            low-rank perturbation; a tensor the checkpoint lacks): the state is then unchanged.
         """
         _authorize(api_key, "es_server_init")
         state = self._es_build(_load(spec, "es_server_init's spec"))  # built aside, swapped in when complete
@@ -275,16 +265,11 @@ class ESServerWorkerExtension(ESWorkerExtension):
         _reload(self, self._es_weights.items())  # exact: no subtraction of noise
 
     def es_server_update(self, record, api_key: str | None = None) -> dict:
-        """Apply one iteration's seed-log record (``step``, ``members``, ``coefficients``, ``learning_rate``,
-        ``awd_shrink``) to the masters, render and load the new weights.
-
-        Returns:
-            `dict`: ``{"step": step, "checksum": ...}``.
+        """Apply one seed-log record to the masters and load the new weights; returns ``{"step", "checksum"}``.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: if the record's step is not the next one (re-init the server) or a field is malformed; the
-                weights are unchanged then.
+            PermissionError, or ValueError if the step is not the next one (re-init the server) or a field is
+            malformed (the weights are then unchanged).
         """
         _authorize(api_key, "es_server_update")
         self._es_require_init()
