@@ -232,8 +232,8 @@ class ESServerWorkerExtension(ESWorkerExtension):
         ``"checkpoint"``, ``"awd": true``); returns ``{"step", "checksum", "num_parameters"}``.
 
         Raises:
-            PermissionError, FileNotFoundError (no ``.safetensors``), or ValueError (a malformed spec, named; a
-            low-rank perturbation; a tensor the checkpoint lacks): the state is then unchanged.
+            ValueError: for a malformed spec (named), a low-rank perturbation, a tensor the checkpoint lacks; the
+                state is then unchanged. Also ``PermissionError`` and ``FileNotFoundError`` (no ``.safetensors``).
         """
         _authorize(api_key, "es_server_init")
         state = self._es_build(_load(spec, "es_server_init's spec"))  # built aside, swapped in when complete
@@ -268,8 +268,8 @@ class ESServerWorkerExtension(ESWorkerExtension):
         """Apply one seed-log record to the masters and load the new weights; returns ``{"step", "checksum"}``.
 
         Raises:
-            PermissionError, or ValueError if the step is not the next one (re-init the server) or a field is
-            malformed (the weights are then unchanged).
+            ValueError: if the step is not the next one (re-init the server) or a field is malformed (the weights are
+                then unchanged). Also ``PermissionError``.
         """
         _authorize(api_key, "es_server_update")
         self._es_require_init()
