@@ -24,13 +24,9 @@ class CandidateSampler(LogitsProcessor):
     ``do_sample=True`` (the same distribution). The last processor of a greedy ``generate``
     (:func:`use_candidate_sampler`): scores are ``0`` at the drawn token, ``-inf`` elsewhere.
 
-    Args:
-        temperature (`float`): ``> 0``, the sampling temperature.
-        top_p (`float`): In ``(0, 1]``.
-        candidates (`int`): Tokens searched for the nucleus before the fallback.
-
     Raises:
-        ValueError: for ``temperature <= 0``, ``top_p`` outside ``(0, 1]`` or ``candidates < 1``.
+        ValueError: for ``temperature <= 0``, ``top_p`` outside ``(0, 1]`` or ``candidates < 1`` (tokens searched for
+            the nucleus before the fallback).
     """
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, candidates: int = 256):
@@ -95,12 +91,8 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
     Applies where :func:`trl_es.generation.top_p.use_candidate_top_p` would (also at an explicit ``top_p = 1``),
     with one return sequence and nothing that reads the scores after the sampler; otherwise both come back unchanged.
 
-    Args:
-        candidates (`int`): See :class:`CandidateSampler`.
-        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
-
     Returns:
-        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
+        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate`` (on ``model``).
     """
     top_p = generation_config.top_p
     if top_p is None or not 0 < top_p <= 1 or not swap_is_safe(generation_config, generate_kwargs, model):

@@ -27,13 +27,9 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
     :math:`\sum_{k<j} d_k < \text{top\_p}` (``TopPLogitsWarper``'s rule; equal up to float32 rounding and ties).
     Runs before transformers' temperature warper: returns the input scores, ``-inf`` outside the nucleus.
 
-    Args:
-        top_p (`float`): In ``(0, 1)``.
-        temperature (`float`): ``> 0``, the sampling temperature.
-        candidates (`int`): Tokens searched before the fallback.
-
     Raises:
-        ValueError: for ``top_p`` outside ``(0, 1)``, ``temperature <= 0`` or ``candidates < 1``.
+        ValueError: for ``top_p`` outside ``(0, 1)``, ``temperature <= 0`` or ``candidates < 1`` (tokens searched
+            before the fallback).
     """
 
     def __init__(self, top_p: float, temperature: float = 1.0, candidates: int = 256):
@@ -60,19 +56,10 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
 
 
 def nucleus_among_candidates(z: torch.Tensor, top_p: float, candidates: int):
-    """The top-p nucleus of ``softmax(z)`` searched among the ``candidates`` largest entries of each row.
-
-    Args:
-        z (`torch.Tensor`): float32 logits already divided by the temperature, shape ``(batch, vocab)``.
-        top_p (`float`): In ``(0, 1)``.
-        candidates (`int`): ``>= 1``; at most ``vocab`` are searched.
-
-    Returns:
-        `tuple`: ``indices`` (int64, ``(batch, k)``, the candidates by decreasing probability), ``probs`` (float32,
-        ``(batch, k)``, their probabilities under the full softmax), ``keep`` (bool, ``(batch, k)``: in the nucleus
-        by transformers' rule, the mass strictly before the token below ``top_p``) and ``missed`` (bool,
-        ``(batch,)``: the candidates hold less than ``top_p`` of the mass, so the row's nucleus is not settled).
-    """
+    """The top-p nucleus of ``softmax(z)`` (``z``: float32 ``(batch, vocab)``, divided by the temperature) among the
+    ``candidates`` largest entries of each row: ``indices`` (int64 ``(batch, k)``, by decreasing probability),
+    ``probs`` (float32, under the full softmax), ``keep`` (bool, in the nucleus) and ``missed`` (bool ``(batch,)``:
+    the candidates hold less than ``top_p``, the row is not settled)."""
     k = min(candidates, z.shape[-1])
     values, indices = z.topk(k, dim=-1)
     probs = (values - torch.logsumexp(z, dim=-1, keepdim=True)).exp()
@@ -89,12 +76,8 @@ def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: di
 
     Applies only where :func:`swap_is_safe` and ``0 < top_p < 1``; otherwise both come back unchanged.
 
-    Args:
-        candidates (`int`): See :class:`CandidateTopPLogitsWarper`.
-        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
-
     Returns:
-        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
+        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate`` (on ``model``).
     """
     top_p, temperature = generation_config.top_p, generation_config.temperature
     if top_p is None or not 0 < top_p < 1 or not swap_is_safe(generation_config, generate_kwargs, model):
