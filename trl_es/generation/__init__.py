@@ -84,7 +84,7 @@ ENGINES: dict[str, Callable[[Any, nn.Module | None, EngineContext], GenerationEn
 
 
 def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool = False) -> str:
-    """``"auto"`` -> ``"compiled"`` on CUDA for a model that supports a static cache (not ``sharded``), else ``"eager"``.
+    """``"auto"`` -> ``"compiled"`` on CUDA for a model with static-cache support (not ``sharded``), else ``"eager"``.
 
     Raises:
         ValueError: for a name that is neither ``"auto"`` nor in :data:`ENGINES`.

@@ -25,12 +25,8 @@ class ESWorkerExtension:
     """
 
     def es_bind(self, weights: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], noise) -> None:
-        """Bind the current weights, the trained tensors' masters and the noise source.
-
-        Args:
-            weights (`dict[str, torch.Tensor]`): The unwrapped HF model's ``named_parameters()`` (tied weights once).
-            masters (`dict[str, torch.Tensor]`): The master of each trained tensor (a subset of ``weights``).
-            noise (`NoiseSource`): The ES noise source.
+        """Bind ``weights`` (the unwrapped HF model's ``named_parameters()``, tied ones once), the trained tensors'
+        ``masters`` (a subset of its names) and the ``noise`` source.
 
         Raises:
             KeyError: if a master names no weight.
