@@ -74,19 +74,9 @@ class GenerationEngine(ABC):
         add_special_tokens: bool = False,
         **generate_kwargs,
     ) -> Completions:
-        """Generate ``num_generations`` completions for each prompt.
-
-        Args:
-            model (`nn.Module`): A causal LM (``transformers`` ``GenerationMixin``).
-            processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
-            prompts (`Sequence[str]` or `Sequence[list[int]]`): Prompt strings (already through the chat template),
-                or token ids (the tool loop's prompt + completion + tool turn; eager and compiled engines).
-            generation_config (`GenerationConfig`): Decoding settings.
-            num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
-            num_row_groups (`int`): ``M`` equal consecutive row blocks (see the class doc).
-            add_special_tokens (`bool`): Tokenize with the tokenizer's special tokens: ``True`` for plain-text
-                prompts, ``False`` for chat-templated ones (:func:`prompt_add_special_tokens`).
-            **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True`` under ZeRO-3).
+        """Generate ``num_generations`` completions for each prompt (strings through the chat template, or token ids)
+        with a causal LM; ``add_special_tokens`` as :func:`prompt_add_special_tokens`; ``generate_kwargs`` go to
+        ``model.generate``.
 
         Returns:
             `Completions`: ``len(prompts) * num_generations`` texts and id lists; unpacks as ``texts, ids``.
@@ -94,7 +84,7 @@ class GenerationEngine(ABC):
         Raises:
             ValueError: if ``num_row_groups`` does not divide the number of rows.
         """
-        texts = [p for p in prompts for _ in range(num_generations)]  # one text per batch row
+        texts = [p for p in prompts for _ in range(num_generations)]  # one text per row, prompt 0's first
         if num_row_groups < 1 or len(texts) % num_row_groups:
             raise ValueError(f"num_row_groups ({num_row_groups}) must divide the number of rows ({len(texts)}).")
         was_training = model.training

@@ -248,9 +248,8 @@ class ESServerWorkerExtension(ESWorkerExtension):
         """Load member ``(seed, sign)`` at ``sigma`` into the engine; undo with :meth:`es_server_restore`.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: for a bad seed, sign or sigma (named; nothing is loaded).
-            RuntimeError: before :meth:`es_server_init`.
+            ValueError: for a bad seed, sign or sigma (named; nothing is loaded). Also ``PermissionError``, and
+                ``RuntimeError`` before :meth:`es_server_init`.
         """
         _authorize(api_key, "es_server_perturb")
         self._es_require_init()
