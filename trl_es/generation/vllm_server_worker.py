@@ -232,9 +232,8 @@ class ESServerWorkerExtension(ESWorkerExtension):
         ``"checkpoint"``, ``"awd": true``); returns ``{"step", "checksum", "num_parameters"}``.
 
         Raises:
-            ValueError: for a malformed spec (named), a low-rank perturbation, a tensor the checkpoint lacks; the
-                state is then unchanged. Also ``PermissionError`` and ``FileNotFoundError`` (no ``.safetensors``).
-        """
+            ValueError: for a malformed spec (named), a low-rank perturbation, a tensor the checkpoint lacks (state
+                unchanged). Also ``PermissionError``, ``FileNotFoundError``."""
         _authorize(api_key, "es_server_init")
         state = self._es_build(_load(spec, "es_server_init's spec"))  # built aside, swapped in when complete
         self._es_params = None  # no ES state (step -1) unless the engine takes the new weights
