@@ -187,7 +187,7 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"use_vllm=True runs the model in its own dtype; vLLM cannot run {dtype}.")
-        on_cpu = not torch.cuda.is_available()
+        on_cpu = not torch.cuda.is_available()  # vLLM's CPU backend
         self.processing_class = processing_class
         self.lora_rank = lora_rank
         self.structured_outputs_regex = structured_outputs_regex
@@ -277,17 +277,17 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
         weights = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once (vLLM ties it too)
         masters = {e.name: e.master for e in params.entries}
         self.llm.collective_rpc("es_bind", args=(weights, masters, noise))
-        self.llm.collective_rpc("es_load_current")
+        self.llm.collective_rpc("es_load_current")  # the new weights (also the restore point)
         self.llm.reset_prefix_cache()
 
     def perturb_(self, member, sigma: float) -> None:
         """Write full-rank member ``member`` into the engine's weights (in the worker, from its seed)."""
-        self.llm.collective_rpc("es_perturb", args=(int(member.seed), int(member.sign), float(sigma)))
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("es_perturb", args=(int(member.seed), int(member.sign), float(sigma)))  # the seed only
+        self.llm.reset_prefix_cache()  # cached prefixes hold the previous weights' keys and values
 
     def restore_(self) -> None:
         """Load the current (bound) weights again: the exact restore after :meth:`perturb_`."""
-        self.llm.collective_rpc("es_load_current")
+        self.llm.collective_rpc("es_load_current")  # a reload, not a subtraction of noise: exact
         self.llm.reset_prefix_cache()
 
     def read_weights(self) -> dict[str, torch.Tensor]:
@@ -315,8 +315,8 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                              f"(max_lora_rank {lora_slot_rank(self.lora_rank)}).")
         self.clear_adapters_()
         rank = perturbation.rank
-        modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})
-        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")
+        modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})  # "q_proj", ...
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")  # scale alpha / r = 1
         requests = self._lora_requests  # filled as written: a failure part-way leaves nothing untracked
         for member in members:
             adapter_id = next(self._adapter_ids)
@@ -328,7 +328,7 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                 module = e.name.removesuffix(".weight")
                 tensors[f"base_model.model.{module}.lora_A.weight"] = lora_a
                 tensors[f"base_model.model.{module}.lora_B.weight"] = lora_b
-            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))
+            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))  # tracked before it exists
             config.save_pretrained(path)
             save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
 
@@ -389,10 +389,10 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                 raise ValueError(f"{len(self._lora_requests)} member adapters are loaded but the rows form "
                                  f"{num_row_groups} blocks.")
             width = len(prompt_ids) // num_row_groups
-            lora = [self._lora_requests[j // width] for j in range(len(prompt_ids))]
+            lora = [self._lora_requests[j // width] for j in range(len(prompt_ids))]  # adapter k for row block k
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     lora_request=lora, use_tqdm=False)
-        return [list(out.outputs[0].token_ids) for out in outputs]
+        return [list(out.outputs[0].token_ids) for out in outputs]  # in prompt order
 
     def close(self) -> None:
         """Remove the adapters and the temporary folders now (otherwise done when the engine is freed, or at exit)."""
