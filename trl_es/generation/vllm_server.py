@@ -156,7 +156,7 @@ class ESServerClient:
             except ValueError as error:  # requests' URL handling (InvalidURL, InvalidSchema, urllib3's parse errors)
                 raise ValueError(f"ES server URL {self.base_url!r} cannot be used: {type(error).__module__}."
                                  f"{type(error).__name__}: {error}") from None
-            except requests.RequestException:
+            except requests.RequestException:  # not up yet: try again
                 pass
             if time.monotonic() - start >= total_timeout:
                 raise ServerError(f"ES server {self.base_url} is not reachable (GET /health) after {total_timeout:.0f} "
@@ -192,8 +192,8 @@ class ESServerClient:
         Raises:
             ServerMismatchError: if the server's weights are not ``model``'s (another base checkpoint or dtype).
         """
-        spec = {"header": header, "records": list(records), "awd": bool(awd),
-                "weights": [name for name, _ in model.named_parameters()]}
+        spec = {"header": header, "records": list(records), "awd": bool(awd),  # awd: the server keeps theta_0
+                "weights": [name for name, _ in model.named_parameters()]}  # the checksum's names and order
         results = self.rpc("es_server_init", json.dumps(spec))
         self._check(results, model, f"after es_server_init at step {len(records)}")
         return int(results[0]["step"])
@@ -373,7 +373,7 @@ class VLLMServerEngine(OwnWeightsEngine):
                         except ServerRefusedError as error:  # configuration, not a fault: stop
                             failure.append(error)
                             return
-                        except ServerError as error:
+                        except ServerError as error:  # this server failed: leave it out, the group goes back
                             pending.appendleft(j)
                             self.members_rerun += len(groups[j])
                             self._leave_out(index, error, groups[j])
@@ -385,7 +385,7 @@ class VLLMServerEngine(OwnWeightsEngine):
                 self._local.server, self._local.holding = None, False
 
         try:
-            while pending and not failure:
+            while pending and not failure:  # again with the live servers while groups are left
                 live = [k for k in range(len(self.clients)) if k not in self.left_out]
                 if not live:
                     raise self._all_left_out()
@@ -439,8 +439,8 @@ class VLLMServerEngine(OwnWeightsEngine):
             raise self._all_left_out()
 
     def perturb_(self, member: Member, sigma: float) -> None:
-        client = self.client
-        with self._waiting():
+        client = self.client  # this thread's server
+        with self._waiting():  # the host lock is released while the server works
             client.perturb(member, sigma)
 
     def restore_(self) -> None:
@@ -456,7 +456,7 @@ class VLLMServerEngine(OwnWeightsEngine):
         config = with_model_defaults(generation_config, getattr(model, "generation_config", None))
         rows = sampling_kwargs(config, len(prompt_ids), self.processing_class.eos_token_id)  # the colocated engine's
         for row in rows:
-            row.pop("detokenize")
+            row.pop("detokenize")  # not a /v1/completions field
         client = self.client
         if all(row == rows[0] for row in rows):  # greedy: one request
             kwargs = dict(rows[0])
