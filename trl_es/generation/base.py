@@ -17,16 +17,10 @@ from ..es.population import WeightsHost
 
 @dataclass
 class Completions:
-    """The output of :meth:`GenerationEngine.generate`.
+    """The output of :meth:`GenerationEngine.generate`, one entry per row."""
 
-    Attributes:
-        texts (`list[str]`): One decoded completion per row (special tokens removed).
-        ids (`list[list[int]]`): Its token ids, cut after the first EOS token (included, as GRPOTrainer does): any id
-            of the generation config's ``eos_token_id`` (see :func:`stop_token_ids`).
-    """
-
-    texts: list[str]
-    ids: list[list[int]]
+    texts: list[str]  # decoded, special tokens removed
+    ids: list[list[int]]  # cut after the first EOS (included, as GRPOTrainer), see stop_token_ids
 
     def __iter__(self):  # ``texts, ids = engine.generate(...)``
         return iter((self.texts, self.ids))

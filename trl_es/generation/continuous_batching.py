@@ -79,11 +79,7 @@ class ContinuousBatchingEngine(GenerationEngine):
         return {"name": self.name, "config": dict(self.config)} if self.config else {"name": self.name}
 
     def check_generation_config(self, model, generation_config: GenerationConfig) -> None:
-        """Refuse generation settings continuous batching would not apply (:func:`unsupported_processors`).
-
-        Raises:
-            ValueError: naming them.
-        """
+        """Raise ``ValueError`` naming the generation settings continuous batching would not apply."""
         unsupported = unsupported_processors(model, generation_config)
         if unsupported:
             raise ValueError(f"use_transformers_continuous_batching: transformers' continuous batching does not apply "
