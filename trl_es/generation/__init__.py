@@ -39,11 +39,11 @@ GENERATION_ENGINES = ("auto", "eager", "compiled", "continuous_batching")
 class EngineSettings:
     """The config fields an engine builder reads, for :func:`make_engine` called with a name (as ``ESConfig``'s)."""
 
-    generation_engine: str = "auto"
-    share_prompt_prefix: bool = False
-    pad_to_multiple_of: int | str | None = None
-    transformers_continuous_batching_config: dict | None = None
-    use_vllm: bool = False
+    generation_engine: str = "auto"  # a name of ENGINES, or "auto"
+    share_prompt_prefix: bool = False  # eager: the shared prompt prefix once per row group
+    pad_to_multiple_of: int | str | None = None  # GRPO's, resolved by resolve_pad_to_multiple_of
+    transformers_continuous_batching_config: dict | None = None  # ContinuousBatchingConfig keyword arguments
+    use_vllm: bool = False  # True needs ESConfig's vllm_* fields
 
 
 def _pad_to_multiple_of(config) -> int | None:
@@ -68,7 +68,7 @@ def _continuous_batching(config, model, context: EngineContext) -> GenerationEng
         raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
                          f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "
                          "use_transformers_continuous_batching).")
-    engine = ContinuousBatchingEngine(config.transformers_continuous_batching_config)
+    engine = ContinuousBatchingEngine(config.transformers_continuous_batching_config)  # checks the config
     if context.generation_config is not None:  # settings it would not apply, refused before the first member
         engine.check_generation_config(model, context.generation_config)
     return engine
@@ -93,6 +93,7 @@ def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool
         raise ValueError(f"generation_engine must be one of {('auto', *ENGINES)}, got {name!r}.")
     if name != "auto":
         return name
+    # compiled only on CUDA, for a model with a static cache, and not under ZeRO-3
     if not sharded and model is not None and model_device(model).type == "cuda" and supports_static_cache(model):
         return "compiled"
     return "eager"

@@ -150,7 +150,7 @@ def _real(value, what: str, low: float, high: float = math.inf, low_open: bool =
     inside = number is not None and math.isfinite(number) and (low < number if low_open else low <= number) and (
         number < high if high_open else number <= high)
     if not inside:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"  # "[0, 1)"
         raise ValueError(f"{what} must be a finite number in {interval}, got {value!r}.")
     return number
 
@@ -158,7 +158,7 @@ def _real(value, what: str, low: float, high: float = math.inf, low_open: bool =
 def _member(seed, sign, what: str = "es_server_perturb") -> Member:
     seed = _integer(seed, f"{what}: seed", 0, 2**63)
     sign = _integer(sign, f"{what}: sign (1 or -1)", -1, 2)
-    if sign == 0:
+    if sign == 0:  # in [-1, 2) but not a sign
         raise ValueError(f"{what}: sign (1 or -1) must be 1 or -1, got 0.")
     return Member(seed, sign)
 
@@ -356,6 +356,7 @@ class ESServerWorkerExtension(ESWorkerExtension):
             raise ValueError(f"The served checkpoint does not hold the trainer's weights: missing {absent[:3]}, "
                              f"trained tensors absent or of another size {wrong[:3]}; serve the trainer's base model.")
         weights = {n: checkpoint[n] for n in names}  # the trainer's names and order (a tied weight once)
+        # None: masters in the parameters' own dtype
         master_dtype = torch.float32 if header.get("master_dtype", "float32") == "float32" else None
         params = TrainedParameters([(n, weights[n]) for n, _ in trained], master_dtype)
         awd = bool(spec.get("awd", False)) or any(r["awd_shrink"] > 0 for r in records)
