@@ -71,12 +71,7 @@ def lora_slot_rank(rank: int) -> int:
 
 
 def _vllm_generation_class():
-    """TRL's ``VLLMGeneration`` with a hook for the extra ``vllm.LLM`` arguments ES needs.
-
-    ``VLLMGeneration._init_vllm`` builds ``LLM(...)`` with a fixed argument list; the subclass makes that one call
-    go through :func:`_build_llm`, which adds (and where ES needs its own value, sets) arguments, and leaves the rest
-    of TRL's set-up as it is.
-    """
+    """TRL's ``VLLMGeneration`` with a hook for the extra ``vllm.LLM`` arguments ES needs."""
     from trl.generation import vllm_generation
 
     class _ESVLLMGeneration(vllm_generation.VLLMGeneration):
@@ -87,6 +82,7 @@ def _vllm_generation_class():
         def _init_vllm(self):
             module = sys.modules[vllm_generation.VLLMGeneration.__module__]
             original = module.LLM
+            # TRL builds LLM(...) with a fixed argument list: route that one call through _build_llm
             module.LLM = functools.partial(_build_llm, original, self._llm_kwargs)
             try:
                 super()._init_vllm()
@@ -97,18 +93,14 @@ def _vllm_generation_class():
 
 
 def _build_llm(llm_class, overrides: dict, **kwargs):
-    kwargs.update(overrides)
+    kwargs.update(overrides)  # added, or ES's own value where TRL sets one
     return llm_class(**kwargs)
 
 
 @contextlib.contextmanager
 def _global_random_states_kept():
-    """Restore Python's, NumPy's and torch's global random states on exit.
-
-    Building an engine seeds them (vLLM's ``set_random_seed`` with TRL's per-process seed): without this, process 1
-    of a two-process run would shuffle the training prompts differently from process 0 and from a one-process run
-    (measured: another prompt batch in the first iteration).
-    """
+    """Restore Python's, NumPy's and torch's global random states on exit."""
+    # building an engine seeds them per process (vLLM's set_random_seed): the processes' prompt shuffles would differ
     import random
 
     import numpy as np
@@ -123,15 +115,13 @@ def _global_random_states_kept():
 
 
 def _model_directory(model: nn.Module, processing_class) -> str:
-    """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config, its tokenizer and a generation
-    config whose EOS is the tokenizer's only: every stop id comes with each request (:func:`sampling_kwargs`, from
-    the trainer's generation config: the tokenizer's and the model's EOS ids unless ``generation_kwargs`` set
-    others), so that vLLM adds none of its own. The weights come from memory. Written by every process for its own
-    engine."""
+    """A temporary directory with what ``vllm.LLM`` reads from disk (config, tokenizer, generation config; not the
+    weights), one per process."""
     path = tempfile.mkdtemp(prefix="trl_es_vllm_")
     try:
         model.config.save_pretrained(path)
         processing_class.save_pretrained(path)
+        # EOS the tokenizer's only: every stop id comes with each request (sampling_kwargs), vLLM adds none
         GenerationConfig(eos_token_id=processing_class.eos_token_id, pad_token_id=processing_class.pad_token_id,
                          bos_token_id=processing_class.bos_token_id).save_pretrained(path)
     except BaseException:
