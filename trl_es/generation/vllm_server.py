@@ -301,9 +301,9 @@ class VLLMServerEngine(OwnWeightsEngine):
                              f"one member at a time): {world} processes, {len(urls)} server(s). Set "
                              f"vllm_server_base_urls to {world} or more URLs (process i uses entries i, i + {world}, "
                              "...).")
-        cls.check_generation_config(context.generation_config)
-        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)
-                   for url in urls[context.accelerator.process_index::world]]
+        cls.check_generation_config(context.generation_config)  # before waiting for the servers
+        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)  # each waited for
+                   for url in urls[context.accelerator.process_index::world]]  # process i: entries i, i + W, ...
         return cls(context.processing_class, clients, context.seed_log, awd=args.awd_lambda > 0)
 
     def describe(self) -> dict:
@@ -319,7 +319,7 @@ class VLLMServerEngine(OwnWeightsEngine):
     def client(self) -> ESServerClient:
         """This server thread's server; outside the member loop (an evaluation) the first one not left out."""
         index = getattr(self._local, "server", None)
-        if index is None:
+        if index is None:  # not a server thread
             index = next((k for k in range(len(self.clients)) if k not in self.left_out), 0)
         return self.clients[index]
 
@@ -328,7 +328,7 @@ class VLLMServerEngine(OwnWeightsEngine):
         return [c.base_url for k, c in enumerate(self.clients) if k not in self.left_out]
 
     def _leave_out(self, index: int, error: BaseException, group=None) -> None:
-        self.left_out[index] = str(error)
+        self.left_out[index] = str(error)  # until it answers /health at a sync
         rerun = "" if group is None else f"; its member(s) {list(group)} run again on another server"
         logger.warning("%s%s. It scores no member until it answers /health again (checked at each weight sync, "
                        "then re-initialised from the seed log).", error, rerun)
@@ -341,10 +341,10 @@ class VLLMServerEngine(OwnWeightsEngine):
     def _waiting(self):
         """Around a call to this thread's server: other server threads run the process's code meanwhile; this
         thread's global generator states are put back when it resumes."""
-        if not getattr(self._local, "holding", False):
+        if not getattr(self._local, "holding", False):  # the caller's thread: nothing to hand over
             yield
             return
-        states = _global_rng_states()
+        states = _global_rng_states()  # this thread's, put back when it resumes
         self._host.release()
         try:
             yield
