@@ -70,12 +70,12 @@ class CompiledEngine(GenerationEngine):
         needed = prompt_length + int(config.max_new_tokens or 0)  # rounded up; transformers never shrinks it
         config.max_cache_len = -(-needed // self.length_bucket) * self.length_bucket
         if self.compile:
-            mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")
-            compile_config = CompileConfig(fullgraph=self.fullgraph, dynamic=False, mode=mode)
+            mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")  # CUDA graphs on GPUs
+            compile_config = CompileConfig(fullgraph=self.fullgraph, dynamic=False, mode=mode)  # fixed shapes
             if device.type not in ("cuda", "xpu"):
                 compile_config._compile_all_devices = True
             config.compile_config = compile_config
-        else:
+        else:  # static cache only (debugging, CPU tests)
             config.disable_compile = True
         return config
 
@@ -83,7 +83,7 @@ class CompiledEngine(GenerationEngine):
                       add_special_tokens=False, **generate_kwargs):
         device = model_device(model)
         per_group = len(texts) // num_row_groups
-        padded_group = bucket(per_group, self.batch_buckets)
+        padded_group = bucket(per_group, self.batch_buckets)  # one compile per batch bucket, not per call
         padded = []
         for g in range(num_row_groups):
             group = texts[g * per_group : (g + 1) * per_group]
@@ -93,4 +93,5 @@ class CompiledEngine(GenerationEngine):
         self.shapes_seen.add((len(padded), config.max_cache_len))
         output = model.generate(**inputs, generation_config=config, **generate_kwargs)
         completion = output[:, inputs["input_ids"].shape[1] :].tolist()
+        # the padding rows dropped, every row in its group
         return [completion[g * padded_group + k] for g in range(num_row_groups) for k in range(per_group)]

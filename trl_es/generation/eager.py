@@ -34,7 +34,7 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     """Length of the longest token prefix shared by every row, leaving each row at least one token of its own."""
     if not rows:
         return 0
-    limit = min(len(r) for r in rows) - 1
+    limit = min(len(r) for r in rows) - 1  # the last token of each row stays its own
     first = rows[0]
     length = 0
     while length < limit and all(r[length] == first[length] for r in rows):
@@ -119,14 +119,14 @@ class EagerEngine(GenerationEngine):
     def _generate_shared(self, model, processing_class, encoded, shared, generation_config, num_row_groups, device,
                          **generate_kwargs):
         pad = processing_class.pad_token_id if processing_class.pad_token_id is not None \
-            else processing_class.eos_token_id
+            else processing_class.eos_token_id  # masked out, any id does
         prefix = encoded[0][:shared]
         key = cache_kwarg(model)
         cache = DynamicCache(config=model.config)
         prefix_ids = torch.tensor([prefix] * num_row_groups, dtype=torch.long, device=device)
         model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})  # one prefix row per group
         cache.batch_repeat_interleave(len(encoded) // num_row_groups)  # ... repeated to every row of its group
-        suffixes = [row[shared:] for row in encoded]
+        suffixes = [row[shared:] for row in encoded]  # each row's own tokens
         width = max(len(s) for s in suffixes)
         if self.pad_to_multiple_of:  # GRPO's padding: the whole row (prefix | padding | suffix) to a multiple
             width = -(-(shared + width) // self.pad_to_multiple_of) * self.pad_to_multiple_of - shared
