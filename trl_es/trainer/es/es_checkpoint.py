@@ -321,7 +321,7 @@ class ESCheckpointMixin:
         """
         current = self.seed_log.header
         saved = dict(saved)
-        if "perturbation" not in saved and "parameters" in saved:  # logs written before the key: its backend says
+        if "perturbation" not in saved and "parameters" in saved:  # a log without the key: read it from the header
             saved["perturbation"] = header_perturbation(saved).describe()
         differences = [(field, saved[key], current.get(key)) for key, field in RESUME_HEADER_FIELDS.items()
                        if key in saved and saved[key] != current.get(key)]
