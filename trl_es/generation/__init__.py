@@ -1,16 +1,8 @@
 """Generation engines: prompt texts in, completion ids out; the one path to generation in trl_es.
 
-- ``"eager"`` (:class:`EagerEngine`): ``model.generate`` as transformers runs it; optionally with the shared prompt
-  prefix computed once per row group (``share_prompt_prefix``, the default in ``ESConfig``).
-- ``"compiled"`` (:class:`CompiledEngine`): static KV cache + compiled decoding step on fixed batch buckets.
-- ``"continuous_batching"`` (:class:`ContinuousBatchingEngine`): transformers' ``model.generate_batch`` (paged KV
-  cache, requests scheduled as they finish), as GRPO's ``use_transformers_continuous_batching=True``.
-- ``"auto"``: the compiled engine on CUDA when the model supports a static cache, else eager;
-- with ``use_vllm``: vLLM, colocated (:class:`~trl_es.generation.vllm_engine.VLLMEngine`) or on ES servers
-  (:class:`~trl_es.generation.vllm_server.VLLMServerEngine`), engines that hold their own weights
-  (:class:`OwnWeightsEngine`).
-
-:func:`make_engine` builds each from the config and the model; :data:`ENGINES` registers them by name.
+``"eager"`` (:class:`EagerEngine`), ``"compiled"`` (:class:`CompiledEngine`), ``"continuous_batching"``
+(:class:`ContinuousBatchingEngine`), ``"auto"`` (compiled on CUDA where it can, else eager), and with ``use_vllm``
+the engines that hold their own weights (:class:`OwnWeightsEngine`). :func:`make_engine` builds each.
 """
 
 from __future__ import annotations
@@ -47,11 +39,11 @@ GENERATION_ENGINES = ("auto", "eager", "compiled", "continuous_batching")
 class EngineSettings:
     """The config fields an engine builder reads, for :func:`make_engine` called with a name (as ``ESConfig``'s)."""
 
-    generation_engine: str = "auto"
-    share_prompt_prefix: bool = False
-    pad_to_multiple_of: int | str | None = None
-    transformers_continuous_batching_config: dict | None = None
-    use_vllm: bool = False
+    generation_engine: str = "auto"  # a name of ENGINES, or "auto"
+    share_prompt_prefix: bool = False  # eager: the shared prompt prefix once per row group
+    pad_to_multiple_of: int | str | None = None  # GRPO's, resolved by resolve_pad_to_multiple_of
+    transformers_continuous_batching_config: dict | None = None  # ContinuousBatchingConfig keyword arguments
+    use_vllm: bool = False  # True needs ESConfig's vllm_* fields
 
 
 def _pad_to_multiple_of(config) -> int | None:
@@ -76,7 +68,7 @@ def _continuous_batching(config, model, context: EngineContext) -> GenerationEng
         raise ValueError(f"use_transformers_continuous_batching=True is not supported with "
                          f"{' and '.join(unsupported)} in ESTrainer: use generation_engine='eager' (unset "
                          "use_transformers_continuous_batching).")
-    engine = ContinuousBatchingEngine(config.transformers_continuous_batching_config)
+    engine = ContinuousBatchingEngine(config.transformers_continuous_batching_config)  # checks the config
     if context.generation_config is not None:  # settings it would not apply, refused before the first member
         engine.check_generation_config(model, context.generation_config)
     return engine
@@ -87,14 +79,12 @@ ENGINES: dict[str, Callable[[Any, nn.Module | None, EngineContext], GenerationEn
     "compiled": _compiled,
     "continuous_batching": _continuous_batching,
 }
-"""The engines ``generation_engine`` names: name -> ``builder(config, model, context)``. A new engine registers
-here; one that holds its own weights subclasses :class:`OwnWeightsEngine` (``AdapterHost`` too for low-rank
-members), and the trainer syncs it and puts the members into it."""
+"""The engines ``generation_engine`` names: name -> ``builder(config, model, context)``; a new engine registers here
+(one that holds its own weights subclasses :class:`OwnWeightsEngine`)."""
 
 
 def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool = False) -> str:
-    """``"auto"`` -> ``"compiled"`` on CUDA for a model that supports a static cache (not under ZeRO-3, ``sharded``),
-    else ``"eager"``.
+    """``"auto"`` -> ``"compiled"`` on CUDA for a model with static-cache support (not ``sharded``), else ``"eager"``.
 
     Raises:
         ValueError: for a name that is neither ``"auto"`` nor in :data:`ENGINES`.
@@ -103,6 +93,7 @@ def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool
         raise ValueError(f"generation_engine must be one of {('auto', *ENGINES)}, got {name!r}.")
     if name != "auto":
         return name
+    # compiled only on CUDA, for a model with a static cache, and not under ZeRO-3
     if not sharded and model is not None and model_device(model).type == "cuda" and supports_static_cache(model):
         return "compiled"
     return "eager"
@@ -110,21 +101,11 @@ def resolve_engine_name(name: str, model: nn.Module | None = None, sharded: bool
 
 def make_engine(config="auto", model: nn.Module | None = None, context: EngineContext | None = None,
                 **settings) -> GenerationEngine:
-    """Build the engine ``config`` names, every engine of trl_es: vLLM's with ``use_vllm`` (``vllm_mode``
-    ``"colocate"``: :class:`~trl_es.generation.vllm_engine.VLLMEngine`, ``"server"``:
-    :class:`~trl_es.generation.vllm_server.VLLMServerEngine`), else :data:`ENGINES` ``[generation_engine]``
-    (``"auto"`` resolved against ``model``, see :func:`resolve_engine_name`).
-
-    Args:
-        config (`ESConfig` or `str`): The config, or an engine name with its settings in ``**settings``
-            (:class:`EngineSettings`' fields, ``continuous_batching_config`` for
-            ``transformers_continuous_batching_config``).
-        model (`nn.Module` or `None`): The (unwrapped) model the engine will run, or whose weights it will hold.
-        context (`EngineContext`, *optional*): The trainer's parts the engine reads (needed by the vLLM engines).
+    """Build the engine ``config`` (an ``ESConfig``, or a name with :class:`EngineSettings` fields in ``settings``)
+    names, for the unwrapped ``model``; ``context`` holds the trainer's parts (needed by the vLLM engines).
 
     Raises:
-        ValueError: for an unknown name, ``"compiled"`` with a model that has no static-cache support, an invalid
-            ``continuous_batching_config``, or a setting the chosen engine does not support (named).
+        ValueError: for an unknown name or a setting the chosen engine does not support (named).
         ImportError: for a vLLM engine without vLLM installed.
     """
     context = context or EngineContext()
@@ -133,13 +114,14 @@ def make_engine(config="auto", model: nn.Module | None = None, context: EngineCo
             settings["transformers_continuous_batching_config"] = settings.pop("continuous_batching_config")
         config = EngineSettings(config, **settings)
     if config.use_vllm:  # lazy: vLLM's modules import without vLLM, but the engines need it
-        if config.vllm_mode == "server":
+        if config.vllm_mode == "server":  # ES servers; else colocated
             from .vllm_server import VLLMServerEngine
 
             return VLLMServerEngine.from_config(config, model, context)
         from .vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(config, model, context)
+    # "auto" resolved against the model
     return ENGINES[resolve_engine_name(config.generation_engine, model, context.sharded)](config, model, context)
 
 

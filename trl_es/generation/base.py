@@ -17,29 +17,20 @@ from ..es.population import WeightsHost
 
 @dataclass
 class Completions:
-    """The output of :meth:`GenerationEngine.generate`.
+    """The output of :meth:`GenerationEngine.generate`, one entry per row."""
 
-    Attributes:
-        texts (`list[str]`): One decoded completion per row (special tokens removed).
-        ids (`list[list[int]]`): Its token ids, cut after the first EOS token (included, as GRPOTrainer does): any id
-            of the generation config's ``eos_token_id`` (see :func:`stop_token_ids`).
-    """
-
-    texts: list[str]
-    ids: list[list[int]]
+    texts: list[str]  # decoded, special tokens removed
+    ids: list[list[int]]  # cut after the first EOS (included, as GRPOTrainer), see stop_token_ids
 
     def __iter__(self):  # ``texts, ids = engine.generate(...)``
         return iter((self.texts, self.ids))
 
 
 class GenerationEngine(ABC):
-    """Turns prompt texts into completions; the one path to generation in trl_es (scoring, both population backends,
-    ``ESTrainer.evaluate``, ``trl-es eval``, the race script).
+    """Turns prompt texts into completions; the one path to generation in trl_es.
 
-    Rows and row groups: ``generate`` receives ``len(prompts) * num_generations`` rows (each prompt repeated
-    ``num_generations`` times, consecutively). With ``num_row_groups = M`` the rows form ``M`` consecutive equal
-    blocks that may see different models (the batched low-rank population's per-row adapters): an engine must keep
-    every row in its block (it may add padding rows only inside a block, at its end, and drop them again).
+    ``generate`` receives ``len(prompts) * num_generations`` rows; with ``num_row_groups = M`` they form ``M``
+    consecutive equal blocks that may see different models (low-rank members): an engine keeps every row in its block.
     """
 
     name = "engine"
@@ -50,15 +41,12 @@ class GenerationEngine(ABC):
         return {"name": self.name}
 
     def iteration_counts(self) -> dict[str, float]:
-        """Counts of this process since the last call, logged summed over the processes once per iteration
-        (``{}``: none)."""
+        """Counts of this process since the last call, logged summed over the processes once per iteration."""
         return {}
 
     def map_groups(self, fn: Callable, groups: Iterable) -> Iterator:
-        """``fn(group)`` for each member group, in order: the member loop's dispatch. One at a time here (lazily); an
-        engine over several servers runs groups concurrently (:meth:`VLLMServerEngine.map_groups
-        <trl_es.generation.vllm_server.VLLMServerEngine.map_groups>`)."""
-        return (fn(group) for group in groups)
+        """``fn(group)`` for each member group, in order (several vLLM servers run them concurrently)."""
+        return (fn(group) for group in groups)  # lazily, one at a time
 
     @abstractmethod
     def _generate_ids(
@@ -80,23 +68,9 @@ class GenerationEngine(ABC):
         add_special_tokens: bool = False,
         **generate_kwargs,
     ) -> Completions:
-        """Generate ``num_generations`` completions for each prompt.
-
-        Args:
-            model (`nn.Module`): A causal LM (``transformers`` ``GenerationMixin``).
-            processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
-            prompts (`Sequence[str]` or `Sequence[list[int]]`): Prompt strings (already through the chat template),
-                or token ids (the tool loop's prompt + completion + tool turn; eager and compiled engines).
-            generation_config (`GenerationConfig`): Decoding settings.
-            num_generations (`int`): Completions per prompt; the output holds prompt 0's completions first.
-            num_row_groups (`int`): ``M``: the rows form ``M`` equal consecutive blocks (see the class doc); must
-                divide the number of rows.
-            add_special_tokens (`bool`): Tokenize the prompts with the tokenizer's special tokens (its
-                post-processor's BOS, as Llama-2 and Gemma tokenizers add): ``True`` for plain-text prompts, as
-                GRPOTrainer tokenizes them (``processing_class(text=prompts)``); ``False`` (default) for prompts
-                rendered by a chat template, which holds its own BOS (GRPO's ``apply_chat_template(tokenize=True)``
-                adds none either). See :func:`prompt_add_special_tokens`.
-            **generate_kwargs (`Any`): Passed to ``model.generate`` (e.g. ``synced_gpus=True`` under ZeRO-3).
+        """Generate ``num_generations`` completions for each prompt (strings through the chat template, or token ids)
+        with a causal LM; ``add_special_tokens`` as :func:`prompt_add_special_tokens`; ``generate_kwargs`` go to
+        ``model.generate``.
 
         Returns:
             `Completions`: ``len(prompts) * num_generations`` texts and id lists; unpacks as ``texts, ids``.
@@ -104,7 +78,7 @@ class GenerationEngine(ABC):
         Raises:
             ValueError: if ``num_row_groups`` does not divide the number of rows.
         """
-        texts = [p for p in prompts for _ in range(num_generations)]  # one text per batch row
+        texts = [p for p in prompts for _ in range(num_generations)]  # one text per row, prompt 0's first
         if num_row_groups < 1 or len(texts) % num_row_groups:
             raise ValueError(f"num_row_groups ({num_row_groups}) must divide the number of rows ({len(texts)}).")
         was_training = model.training
@@ -121,11 +95,8 @@ class GenerationEngine(ABC):
 
 
 class OwnWeightsEngine(GenerationEngine, WeightsHost):
-    """An engine that computes with its own copy of the weights (vLLM, colocated or on servers): the trainer loads
-    the model's weights into it (:meth:`sync_weights`), and the population backends put members into it
-    (:meth:`perturb_`/:meth:`restore_`; low-rank members also need :class:`AdapterHost`) instead of the model; the
-    ``model`` given to :meth:`generate` is then read for its generation defaults only.
-    """
+    """An engine that computes with its own copy of the weights (vLLM): the population backends put members into it
+    instead of the model, which :meth:`generate` then reads for its generation defaults only."""
 
     @abstractmethod
     def sync_weights(self, model: nn.Module, params, noise) -> None:
@@ -135,8 +106,7 @@ class OwnWeightsEngine(GenerationEngine, WeightsHost):
 
 @dataclass
 class EngineContext:
-    """What an engine builder (:data:`trl_es.generation.ENGINES`) reads besides the config and the model: the
-    trainer's parts. Every field may be left at its default outside a trainer."""
+    """The trainer's parts an engine builder (:data:`trl_es.generation.ENGINES`) reads; all optional."""
 
     processing_class: Any = None  # the tokenizer
     generation_config: GenerationConfig | None = None  # checked against what the engine applies
@@ -149,18 +119,9 @@ class EngineContext:
 
 
 def eos_token_ids(processing_class, model_generation_config: GenerationConfig | None = None) -> list[int]:
-    """Every id that ends a completion, as TRL's ``GRPOTrainer`` takes them: the model's
-    ``generation_config.eos_token_id`` (an int or a list: Gemma-3-it, Phi-3.5 and Llama-3 end a turn on an id the
-    tokenizer does not call ``eos_token``), with the tokenizer's ``eos_token_id`` put first when it is not among them.
-
-    Args:
-        processing_class (`PreTrainedTokenizerBase`): The tokenizer (its ``eos_token_id`` may be ``None``).
-        model_generation_config (`GenerationConfig` or `None`): The model's ``generation_config``; ``None``: the
-            tokenizer's id only.
-
-    Returns:
-        `list[int]`: Distinct ids in that order; empty when neither declares one.
-    """
+    """Every id that ends a completion, as GRPOTrainer takes them: the tokenizer's ``eos_token_id`` first, then the
+    model's ``generation_config.eos_token_id`` (distinct; possibly empty)."""
+    # an int or a list: Gemma-3-it, Phi-3.5 and Llama-3 end a turn on an id the tokenizer does not call eos_token
     declared = getattr(model_generation_config, "eos_token_id", None)
     ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
     if processing_class.eos_token_id is not None and processing_class.eos_token_id not in ids:
@@ -169,15 +130,10 @@ def eos_token_ids(processing_class, model_generation_config: GenerationConfig | 
 
 
 def stop_token_ids(generation_config: GenerationConfig, model: nn.Module, processing_class) -> list[int]:
-    """The ids a completion is cut after: ``generation_config.eos_token_id`` (an int or a list), or, when it is
-    unset (``generate`` then takes the model's), :func:`eos_token_ids` of the tokenizer and the model's
-    ``generation_config``.
-
-    Returns:
-        `list[int]`: Possibly empty (nothing is cut).
-    """
+    """The ids a completion is cut after (possibly none): ``generation_config.eos_token_id``, else
+    :func:`eos_token_ids`."""
     eos = generation_config.eos_token_id
-    if eos is None:
+    if eos is None:  # generate then takes the model's
         return eos_token_ids(processing_class, getattr(model, "generation_config", None))
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
@@ -211,9 +167,8 @@ def encode_prompts(processing_class, prompts: Sequence, add_special_tokens: bool
 
 def tokenize_left_padded(processing_class, texts: Sequence, device, add_special_tokens: bool = False,
                          pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``texts`` (strings, or token-id lists taken as they are), left-padded
-    (to a multiple of ``pad_to_multiple_of`` when set, as GRPOTrainer pads its prompt batches), with or without the
-    tokenizer's special tokens, on ``device``."""
+    """``input_ids`` and ``attention_mask`` of ``texts`` (strings, or token-id lists), left-padded to a multiple of
+    ``pad_to_multiple_of`` (as GRPOTrainer), on ``device``."""
     if is_token_ids(texts):
         inputs = processing_class.pad({"input_ids": [list(ids) for ids in texts]}, padding=True, padding_side="left",
                                       pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
@@ -224,26 +179,16 @@ def tokenize_left_padded(processing_class, texts: Sequence, device, add_special_
 
 
 def prompt_add_special_tokens(prompts: Sequence) -> bool:
-    """Whether the prompt strings of these dataset prompts are tokenized with the tokenizer's special tokens, as
-    GRPOTrainer's ``_tokenize_prompts`` does: plain-text prompts with them (``processing_class(text=prompts)``: a
-    post-processor's BOS), conversational ones without (the chat template renders its own BOS;
-    ``apply_chat_template(tokenize=True)`` adds no other). Decided on the first prompt, as GRPO does.
-
-    Args:
-        prompts (`Sequence`): The dataset prompts (strings, or lists of messages), before the chat template.
-
-    Returns:
-        `bool`: ``True`` for plain-text prompts (and for an empty sequence).
-    """
+    """Whether these dataset prompts (strings or messages, before the chat template) are tokenized with the special
+    tokens, as GRPOTrainer's ``_tokenize_prompts``: ``True`` for plain text (and for none)."""
     from trl.data_utils import is_conversational
 
+    # decided on the first prompt, as GRPO; a chat template renders its own BOS
     return not prompts or not is_conversational({"prompt": prompts[0]})
 
 
 def resolve_pad_to_multiple_of(value) -> int | None:
-    """GRPO's ``pad_to_multiple_of`` as an int or ``None``: ``"auto"`` is ``None`` (GRPO pads only on AWS Neuron,
-    which ES does not run on), ``"none"``/``"null"`` (any case) are ``None``, digit strings their int (as GRPOConfig
-    parses them).
+    """GRPO's ``pad_to_multiple_of`` as an int or ``None`` (as GRPOConfig parses it).
 
     Raises:
         ValueError: for anything else than ``None``, ``"auto"`` or a positive integer.
@@ -251,7 +196,7 @@ def resolve_pad_to_multiple_of(value) -> int | None:
     original = value
     if isinstance(value, str):
         text = value.strip()
-        if text == "auto" or text.lower() in ("none", "null"):
+        if text == "auto" or text.lower() in ("none", "null"):  # "auto": GRPO pads only on AWS Neuron
             return None
         value = int(text) if text.isdigit() else text
     if value is None:

@@ -33,18 +33,9 @@ def bucket(value: int, buckets=DEFAULT_BATCH_BUCKETS) -> int:
 
 
 class CompiledEngine(GenerationEngine):
-    """``model.generate`` with a static KV cache and a compiled decoding step (transformers' ``cache_implementation=
-    "static"`` + ``compile_config``; CUDA graphs through ``mode="reduce-overhead"`` on GPUs), so a decoding step costs
-    one graph replay instead of hundreds of Python-launched kernels.
-
-    Fixed shapes, compiled once per bucket: the rows of every row group are padded up to a batch bucket
-    (:data:`DEFAULT_BATCH_BUCKETS`; padding rows repeat the group's last prompt and are dropped), and the cache
-    length is rounded up to a multiple of ``length_bucket`` and never shrinks across calls (transformers keeps the
-    largest length it has seen), so a run compiles once per batch bucket, not once per call. The prefill runs
-    uncompiled (transformers compiles decoding steps only), so prompt lengths need no bucket.
-
-    Greedy output equals :class:`~trl_es.generation.EagerEngine`'s token for token wherever the two kernels agree
-    to rounding (tested on CPU without compilation and on CUDA with it).
+    """``model.generate`` with a static KV cache and a compiled decoding step (CUDA graphs with
+    ``mode="reduce-overhead"``), compiled once per batch bucket. Greedy output equals
+    :class:`~trl_es.generation.EagerEngine`'s wherever the two kernels agree to rounding.
 
     Args:
         compile (`bool`): Compile the decoding step (``False``: static cache only; for debugging and CPU tests).
@@ -75,16 +66,16 @@ class CompiledEngine(GenerationEngine):
     def _config(self, generation_config: GenerationConfig, device: torch.device,
                 prompt_length: int) -> GenerationConfig:
         config = copy.deepcopy(generation_config)
-        config.cache_implementation = "static"
-        needed = prompt_length + int(config.max_new_tokens or 0)
+        config.cache_implementation = "static"  # prefill runs uncompiled: prompt lengths need no bucket
+        needed = prompt_length + int(config.max_new_tokens or 0)  # rounded up; transformers never shrinks it
         config.max_cache_len = -(-needed // self.length_bucket) * self.length_bucket
         if self.compile:
-            mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")
-            compile_config = CompileConfig(fullgraph=self.fullgraph, dynamic=False, mode=mode)
+            mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")  # CUDA graphs on GPUs
+            compile_config = CompileConfig(fullgraph=self.fullgraph, dynamic=False, mode=mode)  # fixed shapes
             if device.type not in ("cuda", "xpu"):
                 compile_config._compile_all_devices = True
             config.compile_config = compile_config
-        else:
+        else:  # static cache only (debugging, CPU tests)
             config.disable_compile = True
         return config
 
@@ -92,14 +83,15 @@ class CompiledEngine(GenerationEngine):
                       add_special_tokens=False, **generate_kwargs):
         device = model_device(model)
         per_group = len(texts) // num_row_groups
-        padded_group = bucket(per_group, self.batch_buckets)
+        padded_group = bucket(per_group, self.batch_buckets)  # one compile per batch bucket, not per call
         padded = []
         for g in range(num_row_groups):
             group = texts[g * per_group : (g + 1) * per_group]
-            padded += group + [group[-1]] * (padded_group - per_group)
+            padded += group + [group[-1]] * (padded_group - per_group)  # repeat the last prompt, dropped below
         inputs = tokenize_left_padded(processing_class, padded, device, add_special_tokens, self.pad_to_multiple_of)
         config = self._config(generation_config, device, inputs["input_ids"].shape[1])
         self.shapes_seen.add((len(padded), config.max_cache_len))
         output = model.generate(**inputs, generation_config=config, **generate_kwargs)
         completion = output[:, inputs["input_ids"].shape[1] :].tolist()
+        # the padding rows dropped, every row in its group
         return [completion[g * padded_group + k] for g in range(num_row_groups) for k in range(per_group)]

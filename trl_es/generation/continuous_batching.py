@@ -25,9 +25,7 @@ def check_continuous_batching_config(config) -> dict:
     :class:`~transformers.generation.ContinuousBatchingConfig` (``None``: empty), checked by building one.
 
     Raises:
-        ValueError: naming the field, for a value that is not a dict, a key ``ContinuousBatchingConfig`` does not
-            take or a value it refuses, and for ``seed`` (ES seeds each member's sampling from ``seed``; one fixed
-            seed would give every member the same draws).
+        ValueError: naming the field, for anything ``ContinuousBatchingConfig`` refuses, and for ``seed``.
     """
     from transformers.generation import ContinuousBatchingConfig
 
@@ -36,7 +34,7 @@ def check_continuous_batching_config(config) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"transformers_continuous_batching_config must be None or a dict of ContinuousBatchingConfig "
                          f"keyword arguments, got {config!r}.")
-    if "seed" in config:
+    if "seed" in config:  # one fixed seed would give every member the same draws
         raise ValueError(f"transformers_continuous_batching_config={config!r}: remove 'seed': ES seeds each member's "
                          "sampling from the config's seed (one fixed seed would give every member the same draws).")
     try:
@@ -48,11 +46,10 @@ def check_continuous_batching_config(config) -> dict:
 
 
 def unsupported_processors(model, generation_config: GenerationConfig) -> list[str]:
-    """The logits processors of ``generation_config`` that continuous batching would not apply as ``generate`` does:
-    those transformers drops (``supports_continuous_batching = False``: ``repetition_penalty``, ``min_length``,
-    ``min_new_tokens``) and those that read a row's token order (n-gram settings: the engine packs rows into one
-    sequence). Returns processor class names and setting names, empty when every processor applies."""
+    """The names of the logits processors (and settings) of ``generation_config`` that continuous batching would not
+    apply as ``generate`` does; empty when every one applies."""
     processors = model._get_logits_processor(generation_config, input_ids_seq_length=1)  # as generate builds them
+    # those transformers drops (repetition_penalty, ...)
     found = [type(p).__name__ for p in processors if getattr(p, "supports_continuous_batching", None) is False]
     found += [name for name in ("min_length", "min_new_tokens", *ORDER_DEPENDENT_PROCESSORS)
               if getattr(generation_config, name, None)]  # need generate's EOS tensor, or read a row's token order
@@ -60,23 +57,9 @@ def unsupported_processors(model, generation_config: GenerationConfig) -> list[s
 
 
 class ContinuousBatchingEngine(GenerationEngine):
-    """``model.generate_batch``: transformers' continuous batching (paged attention, a paged KV cache, requests
-    packed into one token stream and replaced as they finish), called as GRPOTrainer calls it: one request per row
-    (each prompt repeated ``num_generations`` times), ``progress_bar=False``, the completions read from
-    ``generated_tokens`` in request order.
-
-    It runs the live model, so it sees the member perturbed into its weights (or adapters) in place. One member a
-    call: ``num_row_groups`` must be 1 (rows are separate requests; per-row members of the batched low-rank backend
-    do not apply). Sampling is seeded from torch's global generator (the trainer seeds it per member): a seed drawn
-    from it becomes ``ContinuousBatchingConfig.seed``; the caller's random state is left as it was.
-
-    Greedy completions equal :class:`~trl_es.generation.EagerEngine`'s wherever the paged and the padded attention
-    kernels agree to rounding (tested on the CPU in fp32).
-
-    Memory: ``max_memory_percent`` defaults to GRPOTrainer's 0.5 of the free accelerator memory. On the CPU,
-    transformers sizes it from the machine's RAM, so without ``num_blocks`` or ``max_memory_percent`` in the config
-    the cache is sized to the call (every row's prompt and completion at once) and ``max_batch_tokens`` capped at
-    :data:`CPU_MAX_BATCH_TOKENS`.
+    """``model.generate_batch``: transformers' continuous batching (paged KV cache), called as GRPOTrainer calls it,
+    one request per row, on the live model (one member a call: ``num_row_groups=1``). Greedy completions equal
+    :class:`~trl_es.generation.EagerEngine`'s wherever the paged and padded attention kernels agree to rounding.
 
     Args:
         config (`dict`, *optional*): ``transformers_continuous_batching_config``: keyword arguments of
@@ -96,11 +79,7 @@ class ContinuousBatchingEngine(GenerationEngine):
         return {"name": self.name, "config": dict(self.config)} if self.config else {"name": self.name}
 
     def check_generation_config(self, model, generation_config: GenerationConfig) -> None:
-        """Refuse generation settings continuous batching would not apply (:func:`unsupported_processors`).
-
-        Raises:
-            ValueError: naming them.
-        """
+        """Raise ``ValueError`` naming the generation settings continuous batching would not apply."""
         unsupported = unsupported_processors(model, generation_config)
         if unsupported:
             raise ValueError(f"use_transformers_continuous_batching: transformers' continuous batching does not apply "
@@ -114,6 +93,7 @@ class ContinuousBatchingEngine(GenerationEngine):
 
         kwargs = dict(self.config)
         if model_device(model).type == "cpu" and "num_blocks" not in kwargs and "max_memory_percent" not in kwargs:
+            # transformers would size the cache from the machine's RAM: size it to the call instead
             page = kwargs.get("page_size", ContinuousBatchingConfig.page_size)
             kwargs["num_blocks"] = sum(math.ceil((len(row) + max_new_tokens) / page) for row in encoded)
             longest = max(len(row) for row in encoded)
@@ -140,7 +120,7 @@ class ContinuousBatchingEngine(GenerationEngine):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # its manual_seed stays inside
             outputs = model.generate_batch(encoded, generation_config=config, continuous_batching_config=batching,
                                            progress_bar=False)
-        results = list(outputs.values())
+        results = list(outputs.values())  # in request order
         failed = [r.request_id for r in results if r.error is not None]
         if len(results) != len(encoded) or failed:
             raise RuntimeError(f"transformers' generate_batch returned {len(results)} of {len(encoded)} completions"

@@ -34,7 +34,7 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     """Length of the longest token prefix shared by every row, leaving each row at least one token of its own."""
     if not rows:
         return 0
-    limit = min(len(r) for r in rows) - 1
+    limit = min(len(r) for r in rows) - 1  # the last token of each row stays its own
     first = rows[0]
     length = 0
     while length < limit and all(r[length] == first[length] for r in rows):
@@ -49,32 +49,17 @@ def cache_kwarg(model) -> str:
 
 
 class EagerEngine(GenerationEngine):
-    """Today's path: one left-padded ``model.generate`` call per batch (any model, any generation setting).
+    """One left-padded ``model.generate`` call per batch (any model, any generation setting).
 
-    With ``share_prompt_prefix=True`` the token prefix that every row shares (chat templates put a system prompt and
-    role markers before each question: 27 of the 47 prompt tokens of SmolLM2-Instruct on the arithmetic task) is run
-    **once per row group** instead of once per row: one forward over the prefix with a batch of ``num_row_groups``
-    rows fills a ``DynamicCache``, which is repeated to every row of its group; ``generate`` then runs on
-    ``[prefix | padding | own suffix]`` rows (padding in the middle, masked; position ids from the attention mask, so
-    every token keeps the position it has without sharing). Mathematically the same computation; numerically it
-    differs at rounding level (other matmul shapes), as any change of batch composition does. Used only where it is
-    safe: decoder-only models with ``sdpa``/``eager`` attention and a default dynamic cache, no beam search, not under
-    ``synced_gpus`` (ZeRO-3, where every process must run the same number of forwards), and a shared prefix of at
-    least ``min_shared_prefix`` tokens, no n-gram logits processor (``no_repeat_ngram_size``, ``bad_words_ids``,
-    ``sequence_bias``: they read the prompt's token order); otherwise the plain path runs.
-
-    Sampling with top-p swaps transformers' sorting top-p for :class:`trl_es.generation.top_p.CandidateTopPLogitsWarper`
-    (the same tokens). With ``candidate_sampling=True`` the whole sampling step (temperature, top-p and the draw) is
-    :class:`trl_es.generation.sampling.CandidateSampler` instead, under greedy decoding: the same distribution
-    without ``torch.multinomial`` over the vocabulary, but other random draws than transformers' for a seed.
+    With ``share_prompt_prefix=True`` the token prefix every row shares (a chat template's system prompt) runs once
+    per row group, where :meth:`can_share` allows it; the result equals the plain path's up to rounding.
 
     Args:
         share_prompt_prefix (`bool`): Compute the shared prompt prefix once per row group.
         min_shared_prefix (`int`): Shortest shared prefix (tokens) worth a separate forward.
         candidate_sampling (`bool`): Draw sampled tokens with :func:`trl_es.generation.sampling.use_candidate_sampler`
-            where it applies (the evaluation's setting; training keeps transformers' draws).
-        pad_to_multiple_of (`int`, *optional*): GRPO's ``pad_to_multiple_of``: the left-padded prompt batch (with a
-            shared prefix: prefix, padding and suffix together) is padded to a multiple of it, masked out.
+            (same distribution, other draws than transformers' for a seed).
+        pad_to_multiple_of (`int`, *optional*): GRPO's ``pad_to_multiple_of`` for the left-padded prompt batch.
     """
 
     name = "eager"
@@ -94,7 +79,7 @@ class EagerEngine(GenerationEngine):
         return {**facts, "candidate_sampling": True} if self.candidate_sampling else facts
 
     def can_share(self, model, generation_config, generate_kwargs) -> bool:
-        """Whether prefix sharing applies to this model and these settings (see the class doc)."""
+        """Whether prefix sharing applies to this model and these settings."""
         config = model.config
         attention = getattr(config, "_attn_implementation", None) or "eager"
         return (
@@ -104,9 +89,9 @@ class EagerEngine(GenerationEngine):
             and getattr(model, "_supports_default_dynamic_cache", lambda: True)()
             and generation_config.use_cache is not False
             and generate_kwargs.get("use_cache", True) is not False
-            and not generate_kwargs.get("synced_gpus", False)
+            and not generate_kwargs.get("synced_gpus", False)  # ZeRO-3: every process runs the same forwards
             and not synced_forwards()
-            and not any(getattr(generation_config, name, None) for name in ORDER_DEPENDENT_PROCESSORS)
+            and not any(getattr(generation_config, name, None) for name in ORDER_DEPENDENT_PROCESSORS)  # n-grams
             and (generation_config.num_beams or 1) == 1
             and (generation_config.num_return_sequences or 1) == 1
             and generation_config.cache_implementation in (None, "dynamic")
@@ -117,6 +102,7 @@ class EagerEngine(GenerationEngine):
         self.last_shared_prefix = 0
         if self.candidate_sampling:
             generation_config, generate_kwargs = use_candidate_sampler(generation_config, generate_kwargs, model=model)
+        # top-p without sorting the vocabulary (the same tokens)
         generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
@@ -133,19 +119,20 @@ class EagerEngine(GenerationEngine):
     def _generate_shared(self, model, processing_class, encoded, shared, generation_config, num_row_groups, device,
                          **generate_kwargs):
         pad = processing_class.pad_token_id if processing_class.pad_token_id is not None \
-            else processing_class.eos_token_id
+            else processing_class.eos_token_id  # masked out, any id does
         prefix = encoded[0][:shared]
         key = cache_kwarg(model)
         cache = DynamicCache(config=model.config)
         prefix_ids = torch.tensor([prefix] * num_row_groups, dtype=torch.long, device=device)
-        model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})
-        cache.batch_repeat_interleave(len(encoded) // num_row_groups)
-        suffixes = [row[shared:] for row in encoded]
+        model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1, **{key: cache})  # one prefix row per group
+        cache.batch_repeat_interleave(len(encoded) // num_row_groups)  # ... repeated to every row of its group
+        suffixes = [row[shared:] for row in encoded]  # each row's own tokens
         width = max(len(s) for s in suffixes)
         if self.pad_to_multiple_of:  # GRPO's padding: the whole row (prefix | padding | suffix) to a multiple
             width = -(-(shared + width) // self.pad_to_multiple_of) * self.pad_to_multiple_of - shared
         input_ids = torch.tensor([prefix + [pad] * (width - len(s)) + s for s in suffixes], dtype=torch.long,
                                  device=device)
+        # [prefix | padding | suffix], the padding masked: positions come from the mask, as without sharing
         attention_mask = torch.tensor([[1] * shared + [0] * (width - len(s)) + [1] * len(s) for s in suffixes],
                                       dtype=torch.long, device=device)
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,

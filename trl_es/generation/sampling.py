@@ -1,11 +1,5 @@
-"""Sampling the next token without ``torch.multinomial`` over the vocabulary: the same distribution, drawn in a
-logits processor.
-
-transformers samples every decoding step with ``torch.multinomial(softmax(scores), 1)``. On a CPU that draw (one
-exponential variate per vocabulary entry) is the largest part of sampling once the top-p sort is gone; timings in
-docs/benchmarks.md ("Sampling per decoding step", ``benchmarks/top_p_speed.py``). The sampler applies the
-temperature and top-p and draws each row's token by inverse transform sampling (one uniform per row); it returns
-scores that are ``0`` at the drawn token and ``-inf`` elsewhere, and ``generate`` runs greedy (argmax) on them.
+"""Sampling the next token without ``torch.multinomial`` over the vocabulary (slow on a CPU, docs/benchmarks.md): the
+same distribution, drawn in a logits processor under greedy decoding.
 """
 
 from __future__ import annotations
@@ -25,27 +19,14 @@ class CandidateSampler(LogitsProcessor):
     r"""Draws each row's next token from ``softmax(scores / temperature)`` truncated to its top-p nucleus (Holtzman
     et al. 2020, arXiv 1904.09751, Eq. 3) by inverse transform sampling, and returns the draw as scores.
 
-    The nucleus follows transformers' ``TopPLogitsWarper`` rule, found as
-    :class:`trl_es.generation.top_p.CandidateTopPLogitsWarper` finds it: among the ``candidates`` largest scores
-    when their probabilities sum to at least ``top_p``, else with ``TopPLogitsWarper`` itself. With the kept
-    probabilities :math:`q_1, \dots, q_n` of a row (in the order searched) and one :math:`u \sim U[0, 1)` per row
-    (``torch.rand``, the global generator), the token is the first :math:`j` with
-    :math:`\sum_{i \le j} q_i > u \sum_i q_i`: token :math:`j` is drawn with probability
-    :math:`q_j / \sum_i q_i`, the renormalised nucleus, as transformers' ``multinomial`` draws it. The random
-    numbers differ from transformers', so a seed gives other samples than ``do_sample=True`` does (the same
-    distribution); the same seed gives the same samples every time. ``top_p = 1`` draws from the whole
-    distribution (cumulative sum over the vocabulary).
-
-    Meant to be the last processor of a **greedy** ``generate`` (``do_sample=False``), so that argmax picks the drawn
-    token; :func:`use_candidate_sampler` sets that up.
-
-    Args:
-        temperature (`float`): ``> 0``, the sampling temperature.
-        top_p (`float`): In ``(0, 1]``.
-        candidates (`int`): Tokens searched for the nucleus before the fallback.
+    With the kept probabilities :math:`q_1, \dots, q_n` of a row and one :math:`u \sim U[0, 1)`, the token is the
+    first :math:`j` with :math:`\sum_{i \le j} q_i > u \sum_i q_i`. A seed gives other samples than
+    ``do_sample=True`` (the same distribution). The last processor of a greedy ``generate``
+    (:func:`use_candidate_sampler`): scores are ``0`` at the drawn token, ``-inf`` elsewhere.
 
     Raises:
-        ValueError: for ``temperature <= 0``, ``top_p`` outside ``(0, 1]`` or ``candidates < 1``.
+        ValueError: for ``temperature <= 0``, ``top_p`` outside ``(0, 1]`` or ``candidates < 1`` (tokens searched for
+            the nucleus before the fallback).
     """
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0, candidates: int = 256):
@@ -61,26 +42,24 @@ class CandidateSampler(LogitsProcessor):
     def draw(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor:
         """The drawn token of every row, int64 of shape ``(batch,)``.
 
-        Cumulative sums are float64: over a 49,152-token vocabulary a float32 sum stops growing at tokens of
-        probability below about 3e-8, which could then never be drawn.
-
         Raises:
             ValueError: for a row whose kept probabilities are not finite or sum to 0 (NaN or all ``-inf`` scores),
                 as transformers' ``multinomial`` refuses them.
         """
         z = scores.float() / self.temperature
         # one uniform per row, whichever path the row takes
+        # float64: over a 49,152-token vocabulary a float32 cumsum stops growing below p ~ 3e-8
         u = torch.rand(z.shape[0], 1, device=z.device, dtype=torch.float64)
         tokens = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
         pending = torch.ones(z.shape[0], dtype=torch.bool, device=z.device)
-        if self.top_p < 1:
+        if self.top_p < 1:  # the nucleus among the candidates, as CandidateTopPLogitsWarper finds it
             indices, probs, keep, pending = nucleus_among_candidates(z, self.top_p, self.candidates)
             kept = (probs.double() * keep).cumsum(dim=-1)
             _check_mass(kept[~pending, -1])
             j = torch.searchsorted(kept, u * kept[:, -1:], right=True).clamp_(max=indices.shape[-1] - 1)
             tokens = indices.gather(1, j).squeeze(1)
             self.fallback_rows += int(pending.sum())
-        if pending.any():
+        if pending.any():  # the rest through TopPLogitsWarper itself (top_p = 1: the whole vocabulary)
             rows = pending.nonzero(as_tuple=True)[0]
             full = z[rows]
             if self.top_p < 1:
@@ -109,22 +88,11 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
     """Swap transformers' sampling (temperature, top-p, ``multinomial``) for :class:`CandidateSampler` under greedy
     decoding, where the sampled distribution is the same.
 
-    Applies where :func:`trl_es.generation.top_p.use_candidate_top_p` would (sampling without beams, explicit
-    temperature, ``top_k == 0``, no other warper, no sampling keyword argument), also at ``top_p = 1`` (set
-    explicitly: an unset one is filled from ``model.generation_config``), with one return sequence and no
-    ``penalty_alpha`` (greedy decoding refuses the one, the other turns it into contrastive search), and only when
-    nothing reads or changes the scores after the sampler: no watermarking, no ``renormalize_logits``, no
-    ``output_scores``/``output_logits`` (the scores returned would be the draw). The config is copied with
-    ``do_sample=False`` (temperature and top-p unset, top-k left at 0: greedy decoding reads none of them) and the
-    sampler is appended to ``logits_processor`` (after any custom processor, e.g. an entropy recorder, which still
-    sees the untruncated scores). Otherwise both come back unchanged.
-
-    Args:
-        candidates (`int`): See :class:`CandidateSampler`.
-        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
+    Applies where :func:`trl_es.generation.top_p.use_candidate_top_p` would (also at an explicit ``top_p = 1``),
+    with one return sequence and nothing that reads the scores after the sampler; otherwise both come back unchanged.
 
     Returns:
-        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
+        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate`` (on ``model``).
     """
     top_p = generation_config.top_p
     if top_p is None or not 0 < top_p <= 1 or not swap_is_safe(generation_config, generate_kwargs, model):
@@ -134,7 +102,7 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
     if any((getattr(c, "num_return_sequences", None) or 1) != 1 or getattr(c, "penalty_alpha", None)
            for c in configs) or "num_return_sequences" in generate_kwargs or "penalty_alpha" in generate_kwargs:
         return generation_config, generate_kwargs
-    reads_scores = ("output_scores", "output_logits", "renormalize_logits")
+    reads_scores = ("output_scores", "output_logits", "renormalize_logits")  # they would read the draw
     if any(getattr(c, "watermarking_config", None) is not None or any(getattr(c, name, False) for name in reads_scores)
            for c in configs) or any(generate_kwargs.get(name) for name in (*reads_scores, "watermarking_config")):
         return generation_config, generate_kwargs
@@ -143,5 +111,6 @@ def use_candidate_sampler(generation_config: GenerationConfig, generate_kwargs: 
     config.do_sample, config.temperature, config.top_p = False, None, None  # top_k stays 0 (explicit, not refilled)
     kwargs = dict(generate_kwargs)
     processors = list(kwargs.get("logits_processor") or [])
+    # after any custom processor (an entropy recorder still sees the untruncated scores)
     kwargs["logits_processor"] = [*processors, CandidateSampler(temperature, top_p, candidates)]
     return config, kwargs

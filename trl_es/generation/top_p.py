@@ -1,9 +1,7 @@
 """Nucleus (top-p) sampling without sorting the vocabulary: the same tokens as transformers' ``TopPLogitsWarper``.
 
-``TopPLogitsWarper`` sorts every row's whole vocabulary at every decoding step. On a CPU that sort dominates
-sampling (timings in docs/benchmarks.md, "Sampling per decoding step", ``benchmarks/top_p_speed.py``).
-:class:`CandidateTopPLogitsWarper` finds the nucleus among the ``candidates`` most likely tokens and falls back to
-transformers' warper for the rows whose nucleus is not inside them.
+``TopPLogitsWarper`` sorts every row's whole vocabulary at every step, which dominates sampling on a CPU
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,25 +23,13 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
     r"""Top-p on ``softmax(scores / temperature)`` (Holtzman et al. 2020, arXiv 1904.09751, Eq. 3), found among the
     ``candidates`` largest scores.
 
-    With the probabilities :math:`d_1 \ge d_2 \ge \dots` of a row (the full softmax), token :math:`j` is kept when
-    the mass strictly before it, :math:`\sum_{k<j} d_k`, is below ``top_p`` (the most likely token always is):
-    transformers' ``TopPLogitsWarper`` rule (it removes a token when the ascending cumulative mass up to it is at
-    most ``1 - top_p``). When the ``candidates`` largest probabilities sum to at least ``top_p``, every token
-    outside them has at least ``top_p`` before it, so the nucleus is found exactly among them; other rows go
-    through ``TopPLogitsWarper`` itself. The kept set can differ from transformers' only where a token sits on the
-    boundary up to float32 rounding of the cumulative sum, or among tied scores.
-
-    Meant to run where transformers' top-p would, *before* its temperature warper (custom processors come first
-    in transformers >= 5): it divides by ``temperature`` itself to find the nucleus and returns the input scores with
-    every other token set to ``-inf`` (the temperature warper then divides the kept scores as usual).
-
-    Args:
-        top_p (`float`): In ``(0, 1)``.
-        temperature (`float`): ``> 0``, the sampling temperature.
-        candidates (`int`): Tokens searched before the fallback.
+    With the probabilities :math:`d_1 \ge d_2 \ge \dots` of a row, token :math:`j` is kept when
+    :math:`\sum_{k<j} d_k < \text{top\_p}` (``TopPLogitsWarper``'s rule; equal up to float32 rounding and ties).
+    Runs before transformers' temperature warper: returns the input scores, ``-inf`` outside the nucleus.
 
     Raises:
-        ValueError: for ``top_p`` outside ``(0, 1)``, ``temperature <= 0`` or ``candidates < 1``.
+        ValueError: for ``top_p`` outside ``(0, 1)``, ``temperature <= 0`` or ``candidates < 1`` (tokens searched
+            before the fallback).
     """
 
     def __init__(self, top_p: float, temperature: float = 1.0, candidates: int = 256):
@@ -57,11 +43,11 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
         self.fallback_rows = 0  # rows whose nucleus was not among the candidates (for tests and tuning)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        z = scores.float() / self.temperature
+        z = scores.float() / self.temperature  # the temperature warper runs after us: divide here to find the nucleus
         indices, probs, keep, missed = nucleus_among_candidates(z, self.top_p, self.candidates)
         out = torch.full_like(scores, -float("inf"))
         out.scatter_(1, indices, torch.where(keep, scores.gather(1, indices), out.gather(1, indices)))
-        if missed.any():
+        if missed.any():  # the candidates hold less than top_p: TopPLogitsWarper itself
             self.fallback_rows += int(missed.sum())
             rows = missed.nonzero(as_tuple=True)[0]
             removed = torch.isinf(TopPLogitsWarper(self.top_p)(input_ids[rows], z[rows])) & ~torch.isinf(z[rows])
@@ -70,24 +56,16 @@ class CandidateTopPLogitsWarper(LogitsProcessor):
 
 
 def nucleus_among_candidates(z: torch.Tensor, top_p: float, candidates: int):
-    """The top-p nucleus of ``softmax(z)`` searched among the ``candidates`` largest entries of each row.
-
-    Args:
-        z (`torch.Tensor`): float32 logits already divided by the temperature, shape ``(batch, vocab)``.
-        top_p (`float`): In ``(0, 1)``.
-        candidates (`int`): ``>= 1``; at most ``vocab`` are searched.
-
-    Returns:
-        `tuple`: ``indices`` (int64, ``(batch, k)``, the candidates by decreasing probability), ``probs`` (float32,
-        ``(batch, k)``, their probabilities under the full softmax), ``keep`` (bool, ``(batch, k)``: in the nucleus
-        by transformers' rule, the mass strictly before the token below ``top_p``) and ``missed`` (bool,
-        ``(batch,)``: the candidates hold less than ``top_p`` of the mass, so the row's nucleus is not settled).
-    """
+    """The top-p nucleus of ``softmax(z)`` (``z``: float32 ``(batch, vocab)``, divided by the temperature) among the
+    ``candidates`` largest entries of each row: ``indices`` (int64 ``(batch, k)``, by decreasing probability),
+    ``probs`` (float32, under the full softmax), ``keep`` (bool, in the nucleus) and ``missed`` (bool ``(batch,)``:
+    the candidates hold less than ``top_p``, the row is not settled)."""
     k = min(candidates, z.shape[-1])
     values, indices = z.topk(k, dim=-1)
     probs = (values - torch.logsumexp(z, dim=-1, keepdim=True)).exp()
     cumulative = probs.cumsum(dim=-1)
-    keep = (cumulative - probs) < top_p
+    keep = (cumulative - probs) < top_p  # the mass strictly before the token
+    # a token outside the candidates of a row they cover has >= top_p before it: the nucleus is exact
     keep[:, 0] = True
     return indices, probs, keep, cumulative[:, -1] < top_p
 
@@ -96,28 +74,16 @@ def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: di
                         model=None) -> tuple[GenerationConfig, dict]:
     """Swap transformers' top-p for :class:`CandidateTopPLogitsWarper` where it gives the same tokens.
 
-    Applies only when the settings are fully known and transformers would run temperature then top-p and nothing
-    that interacts with them: sampling (``do_sample``) without beams, ``0 < top_p < 1``, an explicit
-    ``temperature``, ``top_k == 0`` explicitly (an unset top-k becomes transformers' default of 50), none of the
-    warpers that transformers runs between temperature and top-p or after it (``top_h``, ``min_p``, ``typical_p``,
-    ``epsilon_cutoff``, ``eta_cutoff``) in the config or in ``model.generation_config`` (whose values fill the
-    unset ones), and no sampling setting passed as a keyword argument (it would override the config inside
-    ``generate``). The config is then copied with ``top_p=1.0`` and the warper is appended to ``logits_processor``
-    (after any custom processor, e.g. an entropy recorder, which then still sees the untruncated scores).
-    Otherwise both come back unchanged.
-
-    Args:
-        candidates (`int`): See :class:`CandidateTopPLogitsWarper`.
-        model (`PreTrainedModel`, *optional*): The model ``generate`` runs on (its ``generation_config`` is read).
+    Applies only where :func:`swap_is_safe` and ``0 < top_p < 1``; otherwise both come back unchanged.
 
     Returns:
-        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate``.
+        `(GenerationConfig, dict)`: The config and keyword arguments to give ``generate`` (on ``model``).
     """
     top_p, temperature = generation_config.top_p, generation_config.temperature
     if top_p is None or not 0 < top_p < 1 or not swap_is_safe(generation_config, generate_kwargs, model):
         return generation_config, generate_kwargs
     config = copy.deepcopy(generation_config)
-    config.top_p = 1.0
+    config.top_p = 1.0  # the warper, appended after any custom processor, does top-p
     kwargs = dict(generate_kwargs)
     processors = list(kwargs.get("logits_processor") or [])
     kwargs["logits_processor"] = [*processors, CandidateTopPLogitsWarper(top_p, temperature, candidates)]
@@ -125,16 +91,14 @@ def use_candidate_top_p(generation_config: GenerationConfig, generate_kwargs: di
 
 
 def swap_is_safe(generation_config: GenerationConfig, generate_kwargs: dict, model=None) -> bool:
-    """Whether transformers would sample with exactly temperature then top-p (the settings a swap replaces):
-    ``do_sample`` without beams, an explicit ``temperature > 0``, ``top_k == 0`` explicitly (an unset top-k becomes
-    transformers' default of 50), no other warper in the config or in ``model.generation_config`` (whose values fill
-    the unset ones), and no sampling setting among ``generate_kwargs`` (it would override the config)."""
+    """Whether transformers would sample with exactly temperature then top-p (the settings a swap replaces)."""
     temperature = generation_config.temperature
+    # top_k explicitly 0: an unset one becomes transformers' default of 50
     if not generation_config.do_sample or temperature is None or not temperature > 0 or generation_config.top_k != 0:
         return False
-    if (generation_config.num_beams or 1) != 1 or _SAMPLING_KEYS & set(generate_kwargs):
+    if (generation_config.num_beams or 1) != 1 or _SAMPLING_KEYS & set(generate_kwargs):  # kwargs override config
         return False
-    configs = [generation_config, getattr(model, "generation_config", None)]
+    configs = [generation_config, getattr(model, "generation_config", None)]  # the model's fill the unset ones
     return not any(_sets_other_warper(config) for config in configs if config is not None)
 
 

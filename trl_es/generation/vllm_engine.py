@@ -1,20 +1,9 @@
 """The vLLM generation engine: ES populations on the engine its users run at scale (``ESConfig(use_vllm=True)``).
 
-One colocated vLLM engine per process (TRL's ``vllm_mode="colocate"``), built by TRL's
-:class:`trl.generation.vllm_generation.VLLMGeneration` (its rank environment, tensor-parallel groups, per-rank seed,
-``distributed_executor_backend="external_launcher"``), with the engine arguments ES needs added (the ES worker
-extension, LoRA slots, an explicit KV-cache size on the CPU, dummy initial weights: the trainer's weights are loaded
-right after). Two kinds of members:
-
-- **full-rank members in place** (``population_backend="sequential"``): member ``i`` is written into the engine's
-  weights inside the vLLM worker from its seed (:mod:`.vllm_worker`), bitwise the weights the HF-side population
-  gives the HF model; restored by loading the current weights again;
-- **low-rank members as LoRA adapters** (``population_backend="batched_lowrank"``, EGGROLL's layout): member ``i``'s
-  rank-``r`` perturbation is a PEFT LoRA adapter (:func:`~trl_es.es.perturbation.lowrank_lora_factors`), the whole
-  group in one ``generate`` call with one ``LoRARequest`` per row block; base weights untouched within an iteration.
-
-The ES update stays the trainer's (fp32 master, seeds + coefficients); :meth:`VLLMEngine.sync_weights` loads the new
-weights into the engine once per iteration. See ``docs/generation.md``.
+One colocated vLLM engine per process (TRL's ``vllm_mode="colocate"``, built by TRL's ``VLLMGeneration``). Full-rank
+members are written into the engine's weights from their seeds (:mod:`.vllm_worker`), bitwise as on the HF side;
+low-rank members (EGGROLL) are LoRA adapters, one ``LoRARequest`` per row block. The ES update stays the trainer's.
+See ``docs/generation.md``.
 """
 
 from __future__ import annotations
@@ -82,12 +71,7 @@ def lora_slot_rank(rank: int) -> int:
 
 
 def _vllm_generation_class():
-    """TRL's ``VLLMGeneration`` with a hook for the extra ``vllm.LLM`` arguments ES needs.
-
-    ``VLLMGeneration._init_vllm`` builds ``LLM(...)`` with a fixed argument list; the subclass makes that one call
-    go through :func:`_build_llm`, which adds (and where ES needs its own value, sets) arguments, and leaves the rest
-    of TRL's set-up as it is.
-    """
+    """TRL's ``VLLMGeneration`` with a hook for the extra ``vllm.LLM`` arguments ES needs."""
     from trl.generation import vllm_generation
 
     class _ESVLLMGeneration(vllm_generation.VLLMGeneration):
@@ -98,6 +82,7 @@ def _vllm_generation_class():
         def _init_vllm(self):
             module = sys.modules[vllm_generation.VLLMGeneration.__module__]
             original = module.LLM
+            # TRL builds LLM(...) with a fixed argument list: route that one call through _build_llm
             module.LLM = functools.partial(_build_llm, original, self._llm_kwargs)
             try:
                 super()._init_vllm()
@@ -108,18 +93,14 @@ def _vllm_generation_class():
 
 
 def _build_llm(llm_class, overrides: dict, **kwargs):
-    kwargs.update(overrides)
+    kwargs.update(overrides)  # added, or ES's own value where TRL sets one
     return llm_class(**kwargs)
 
 
 @contextlib.contextmanager
 def _global_random_states_kept():
-    """Restore Python's, NumPy's and torch's global random states on exit.
-
-    Building an engine seeds them (vLLM's ``set_random_seed`` with TRL's per-process seed): without this, process 1
-    of a two-process run would shuffle the training prompts differently from process 0 and from a one-process run
-    (measured: another prompt batch in the first iteration).
-    """
+    """Restore Python's, NumPy's and torch's global random states on exit."""
+    # building an engine seeds them per process (vLLM's set_random_seed): the processes' prompt shuffles would differ
     import random
 
     import numpy as np
@@ -134,15 +115,13 @@ def _global_random_states_kept():
 
 
 def _model_directory(model: nn.Module, processing_class) -> str:
-    """A temporary directory with what ``vllm.LLM`` reads from disk: the model's config, its tokenizer and a generation
-    config whose EOS is the tokenizer's only: every stop id comes with each request (:func:`sampling_kwargs`, from
-    the trainer's generation config: the tokenizer's and the model's EOS ids unless ``generation_kwargs`` set
-    others), so that vLLM adds none of its own. The weights come from memory. Written by every process for its own
-    engine."""
+    """A temporary directory with what ``vllm.LLM`` reads from disk (config, tokenizer, generation config; not the
+    weights), one per process."""
     path = tempfile.mkdtemp(prefix="trl_es_vllm_")
     try:
         model.config.save_pretrained(path)
         processing_class.save_pretrained(path)
+        # EOS the tokenizer's only: every stop id comes with each request (sampling_kwargs), vLLM adds none
         GenerationConfig(eos_token_id=processing_class.eos_token_id, pad_token_id=processing_class.pad_token_id,
                          bos_token_id=processing_class.bos_token_id).save_pretrained(path)
     except BaseException:
@@ -155,21 +134,19 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
     """Generation with a colocated vLLM engine (TRL's ``vllm_mode="colocate"``), populations inside it.
 
     Args:
-        model (`PreTrainedModel`): The (unwrapped) HF model being trained: its config and tokenizer build the engine,
-            its weights are loaded into it (:meth:`sync_weights`).
+        model (`PreTrainedModel`): The (unwrapped) HF model being trained.
         processing_class (`PreTrainedTokenizerBase`): Its tokenizer.
         accelerator (`accelerate.Accelerator`): The trainer's accelerator (rank, world size).
         gpu_memory_utilization (`float`): vLLM's ``gpu_memory_utilization`` (ignored on the CPU).
         tensor_parallel_size (`int`): vLLM's ``tensor_parallel_size``; must divide the number of processes.
         max_model_length (`int`, *optional*): vLLM's ``max_model_len`` (prompt + completion tokens).
-        kv_cache_memory_bytes (`int`, *optional*): vLLM's ``kv_cache_memory_bytes``; default
-            :data:`DEFAULT_CPU_KV_CACHE_BYTES` on the CPU, vLLM's own sizing on GPUs.
+        kv_cache_memory_bytes (`int`, *optional*): vLLM's ``kv_cache_memory_bytes`` (default on the CPU:
+            :data:`DEFAULT_CPU_KV_CACHE_BYTES`).
         lora_rank (`int`, *optional*): Rank of the low-rank members (enables LoRA); ``None``: no adapters.
         max_loras (`int`): Adapters one ``generate`` call may mix (the members of a group).
         enable_prefix_caching (`bool`): vLLM's prefix caching (reset after every weight change).
         model_impl (`str`): vLLM's ``model_impl`` (GRPO's ``vllm_model_impl``): ``"vllm"`` or ``"transformers"``.
-        structured_outputs_regex (`str`, *optional*): Constrain every completion to this regex (vLLM structured
-            outputs; GRPO's ``vllm_structured_outputs_regex``).
+        structured_outputs_regex (`str`, *optional*): GRPO's ``vllm_structured_outputs_regex``.
 
     Raises:
         ImportError: if vLLM is not installed (naming what to install).
@@ -200,7 +177,7 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"use_vllm=True runs the model in its own dtype; vLLM cannot run {dtype}.")
-        on_cpu = not torch.cuda.is_available()
+        on_cpu = not torch.cuda.is_available()  # vLLM's CPU backend
         self.processing_class = processing_class
         self.lora_rank = lora_rank
         self.structured_outputs_regex = structured_outputs_regex
@@ -240,13 +217,11 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
 
     @classmethod
     def from_config(cls, args, model: nn.Module, context: EngineContext) -> VLLMEngine:
-        """The engine of ``ESConfig(use_vllm=True)`` (``vllm_*`` fields), with LoRA slots for a group of low-rank
-        members of this process (``context.population``); ``model`` is the unwrapped HF model.
+        """The engine of ``ESConfig(use_vllm=True)`` for the unwrapped HF ``model``.
 
         Raises:
-            ImportError: if vLLM is not installed (naming what to install).
-            ValueError: for ``vllm_tensor_parallel_size > 1``, under DeepSpeed ZeRO-3, with a PEFT model, for
-                low-rank members of the output embeddings, or generation settings vLLM does not take.
+            ImportError: if vLLM is not installed.
+            ValueError: for a setting the colocated engine cannot run (named).
         """
         if args.vllm_tensor_parallel_size > 1:
             raise ValueError("vllm_tensor_parallel_size > 1 is not supported yet: the processes sharing one engine "
@@ -275,7 +250,7 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
             max_model_length=args.vllm_max_model_length,
             kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
             lora_rank=args.noise_rank if lowrank else None,
-            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,
+            max_loras=min(args.member_chunk_size or members_here, members_here) if lowrank else 1,  # a chunk's members
             model_impl=args.vllm_model_impl, structured_outputs_regex=args.vllm_structured_outputs_regex,
         )
 
@@ -287,28 +262,22 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: nn.Module, params, noise) -> None:
-        """Load ``model``'s current weights into the engine and bind the trained tensors' masters and the noise
-        source for in-place members (once per iteration; before an evaluation).
-
-        Args:
-            model (`nn.Module`): The unwrapped HF model (its ``named_parameters()`` are the checkpoint names).
-            params (`TrainedParameters`): The trained parameters (their masters key the members' weights).
-            noise (`NoiseSource`): The noise source.
-        """
+        """Load the unwrapped HF ``model``'s weights into the engine and bind ``params``' masters and ``noise`` for
+        in-place members (once per iteration; before an evaluation)."""
         weights = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once (vLLM ties it too)
         masters = {e.name: e.master for e in params.entries}
         self.llm.collective_rpc("es_bind", args=(weights, masters, noise))
-        self.llm.collective_rpc("es_load_current")
+        self.llm.collective_rpc("es_load_current")  # the new weights (also the restore point)
         self.llm.reset_prefix_cache()
 
     def perturb_(self, member, sigma: float) -> None:
         """Write full-rank member ``member`` into the engine's weights (in the worker, from its seed)."""
-        self.llm.collective_rpc("es_perturb", args=(int(member.seed), int(member.sign), float(sigma)))
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("es_perturb", args=(int(member.seed), int(member.sign), float(sigma)))  # the seed only
+        self.llm.reset_prefix_cache()  # cached prefixes hold the previous weights' keys and values
 
     def restore_(self) -> None:
         """Load the current (bound) weights again: the exact restore after :meth:`perturb_`."""
-        self.llm.collective_rpc("es_load_current")
+        self.llm.collective_rpc("es_load_current")  # a reload, not a subtraction of noise: exact
         self.llm.reset_prefix_cache()
 
     def read_weights(self) -> dict[str, torch.Tensor]:
@@ -336,8 +305,8 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                              f"(max_lora_rank {lora_slot_rank(self.lora_rank)}).")
         self.clear_adapters_()
         rank = perturbation.rank
-        modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})
-        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")
+        modules = sorted({e.name.removesuffix(".weight").rsplit(".", 1)[-1] for e in params.entries})  # "q_proj", ...
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, bias="none")  # scale alpha / r = 1
         requests = self._lora_requests  # filled as written: a failure part-way leaves nothing untracked
         for member in members:
             adapter_id = next(self._adapter_ids)
@@ -349,7 +318,7 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                 module = e.name.removesuffix(".weight")
                 tensors[f"base_model.model.{module}.lora_A.weight"] = lora_a
                 tensors[f"base_model.model.{module}.lora_B.weight"] = lora_b
-            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))
+            requests.append(LoRARequest(f"es-member-{adapter_id}", adapter_id, path))  # tracked before it exists
             config.save_pretrained(path)
             save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
 
@@ -410,10 +379,10 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
                 raise ValueError(f"{len(self._lora_requests)} member adapters are loaded but the rows form "
                                  f"{num_row_groups} blocks.")
             width = len(prompt_ids) // num_row_groups
-            lora = [self._lora_requests[j // width] for j in range(len(prompt_ids))]
+            lora = [self._lora_requests[j // width] for j in range(len(prompt_ids))]  # adapter k for row block k
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     lora_request=lora, use_tqdm=False)
-        return [list(out.outputs[0].token_ids) for out in outputs]
+        return [list(out.outputs[0].token_ids) for out in outputs]  # in prompt order
 
     def close(self) -> None:
         """Remove the adapters and the temporary folders now (otherwise done when the engine is freed, or at exit)."""
@@ -425,14 +394,8 @@ class VLLMEngine(OwnWeightsEngine, AdapterHost):
 
 def with_model_defaults(generation_config: GenerationConfig,
                         model_generation_config: GenerationConfig | None) -> GenerationConfig:
-    """``generation_config`` with its unset (``None``) settings that vLLM takes filled from the model's
-    ``generation_config``, as transformers' ``generate`` fills every unset setting (e.g. a model's
-    ``repetition_penalty``, or its ``eos_token_id`` list when the config leaves it unset): vLLM then decodes with
-    what the HF engines decode with. A copy; the input is unchanged.
-
-    Returns:
-        `GenerationConfig`: ``generation_config`` itself when nothing is filled.
-    """
+    """A copy of ``generation_config`` with its unset settings that vLLM takes filled from the model's, as
+    ``generate`` fills them (``generation_config`` itself when nothing is filled)."""
     if model_generation_config is None:
         return generation_config
     filled = {key: getattr(model_generation_config, key, None) for key in sorted(_SUPPORTED_GENERATION_KEYS)
@@ -447,23 +410,8 @@ def with_model_defaults(generation_config: GenerationConfig,
 
 def sampling_kwargs(generation_config: GenerationConfig, num_rows: int,
                     primary_eos_token_id: int | None = None) -> list[dict]:
-    """The keyword arguments of one ``vllm.SamplingParams`` per row (no vLLM needed): greedy when ``do_sample`` is
-    off; with sampling, row ``j``'s seed is ``s + j`` where ``s`` is drawn from torch's global generator (the
-    trainer seeds it per member), so a rollout is reproducible from the ES seed.
-
-    A completion stops at every id of ``generation_config.eos_token_id`` (an int or a list: ``stop_token_ids``), as
-    ``generate`` stops. vLLM also stops at its own EOS, ``primary_eos_token_id`` (the tokenizer's); when the
-    config's ids leave it out (``generation_kwargs={"eos_token_id": ...}``), ``ignore_eos`` turns that stop off.
-
-    Args:
-        generation_config (`GenerationConfig`): Decoding settings (see :meth:`VLLMEngine.check_generation_config`).
-        num_rows (`int`): Rows of the ``generate`` call.
-        primary_eos_token_id (`int`, *optional*): The EOS id vLLM stops at on its own.
-
-    Returns:
-        `list[dict]`: ``num_rows`` dicts with ``max_tokens``, ``stop_token_ids`` (`list[int]`), ``ignore_eos``,
-        ``detokenize``, ``repetition_penalty``, ``min_tokens``, ``temperature`` and, when sampling, ``top_p``,
-        ``top_k``, ``min_p``, ``seed``.
+    """The keyword arguments of ``vllm.SamplingParams`` for each of ``num_rows`` rows (no vLLM needed);
+    ``primary_eos_token_id`` is the EOS vLLM stops at on its own (the tokenizer's).
 
     Raises:
         ValueError: for a generation setting vLLM's sampler does not take here (named).
@@ -473,7 +421,8 @@ def sampling_kwargs(generation_config: GenerationConfig, num_rows: int,
     eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(i) for i in eos])
     common = {
         "max_tokens": int(generation_config.max_new_tokens),
-        "stop_token_ids": eos,
+        "stop_token_ids": eos,  # every id of eos_token_id, as generate stops
+        # the config's ids leave vLLM's own EOS out (generation_kwargs={"eos_token_id": ...}): don't stop there
         "ignore_eos": bool(eos) and primary_eos_token_id is not None and primary_eos_token_id not in eos,
         "detokenize": False,
         "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
@@ -481,6 +430,7 @@ def sampling_kwargs(generation_config: GenerationConfig, num_rows: int,
     }
     if not generation_config.do_sample:
         return [{"temperature": 0.0, **common} for _ in range(num_rows)]
+    # row j's seed is base + j, base from torch's global generator (seeded per member): reproducible from the ES seed
     base = int(torch.randint(0, 2**31 - 1 - num_rows, ()).item())
     return [{"temperature": float(generation_config.temperature), "top_p": float(generation_config.top_p),
              "top_k": int(generation_config.top_k or 0), "min_p": float(generation_config.min_p or 0.0),

@@ -1,20 +1,10 @@
 """The trainer's side of an ES vLLM server: :class:`ESServerClient` drives one ``vllm serve`` running
 :class:`~.vllm_server_worker.ESServerWorkerExtension` with seeds, and asks it for completions by token ids.
 
-Over ``POST /collective_rpc`` (vLLM's dev-mode endpoint, ``VLLM_SERVER_DEV_MODE=1``) go the ES calls, their arguments
-as JSON strings: the seed log's header and records once (:meth:`ESServerClient.init`), a member's ``(seed, sign,
-sigma)`` (:meth:`~ESServerClient.perturb`), the restore, one record per iteration (:meth:`~ESServerClient.update`).
-Over ``POST /v1/completions`` go token-id prompts and come back completion token ids (the request of TRL's
-``VLLMClient.generate``: ``return_token_ids``). After ``init`` and every ``update`` the server's checksum is compared
-with the trainer's weights; a mismatch raises :class:`ServerMismatchError` naming the server.
-
-With a shared key (``VLLM_API_KEY`` where the trainer and the servers run, as vLLM and OpenAI clients take it) every
-request carries it: in the ``Authorization: Bearer`` header (vLLM's ``--api-key`` check of the ``/v1`` routes) and
-as the ES calls' ``api_key`` argument (the extension's own check: vLLM does not guard ``/collective_rpc``). A refused
-key raises :class:`ServerRefusedError`. The key is never logged nor written into the seed log or a checkpoint.
-
-The session makes no automatic retries: whether a call may be repeated is the caller's decision (a perturbation
-or a restore may be: it is absolute, not relative; an update is refused by the server when repeated).
+ES calls go over ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``), prompts over ``POST /v1/completions``. After
+``init`` and every ``update`` the server's checksum is compared with the trainer's weights
+(:class:`ServerMismatchError`). A shared ``VLLM_API_KEY`` goes with every request, never logged
+(:class:`ServerRefusedError` when refused). No automatic retries: the caller decides.
 """
 
 from __future__ import annotations
@@ -73,16 +63,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def normalize_server_url(url: str, what: str = "base_url") -> str:
-    """``url`` in one spelling per server: ``scheme://host[:port][/path]`` with the scheme and host in lower case,
-    the scheme's default port dropped and no trailing ``/``. A URL without a scheme (``host:port``) is
-    ``http://host:port``, as TRL's ``VLLMClient`` takes it.
-
-    Args:
-        url (`str`): An ``http`` or ``https`` URL, or ``host:port``.
-        what (`str`): The name in the error (a config field).
-
-    Returns:
-        `str`: e.g. ``"HTTP://Node1:80/"`` -> ``"http://node1"``, ``"127.0.0.1:8000"`` -> ``"http://127.0.0.1:8000"``.
+    """``url`` (http(s), or ``host:port``) in one spelling per server, e.g. ``"HTTP://Node1:80/"`` -> ``"http://node1"``.
 
     Raises:
         ValueError: naming ``what`` for another scheme, no host, a bad port, a query or a fragment.
@@ -97,7 +78,7 @@ def normalize_server_url(url: str, what: str = "base_url") -> str:
         port = parts.port
     except ValueError as error:
         raise ValueError(f"{what} must be a server URL (http://host:port), got {url!r}: {error}.") from None
-    scheme = parts.scheme.lower()
+    scheme = parts.scheme.lower()  # lower-case scheme and host, default port dropped, no trailing /
     if scheme not in _DEFAULT_PORTS or not parts.hostname or parts.query or parts.fragment:
         raise ValueError(f"{what} must be an http or https URL with a host and no query or fragment "
                          f"(http://host:port), got {url!r}.")
@@ -113,16 +94,14 @@ class ESServerClient:
     """One ES vLLM server.
 
     Args:
-        base_url (`str`): The server's URL (``http://host:port``, or ``host:port`` as TRL's ``VLLMClient`` takes it),
-            as TRL's ``vllm_server_base_url``; normalised by :func:`normalize_server_url`.
+        base_url (`str`): The server's URL (``http://host:port`` or ``host:port``, as TRL's ``vllm_server_base_url``).
         timeout (`float`): Seconds one request may take (a generation included), then :class:`ServerError`.
         connection_timeout (`float`): Seconds to wait for the server's ``/health`` at construction (TRL's
             ``vllm_server_timeout``); ``0``: one try.
-        api_key (`str`, *optional*): The servers' shared key; ``None``: ``VLLM_API_KEY`` from the environment
-            (unset or empty: no key).
+        api_key (`str`, *optional*): The servers' shared key; default ``VLLM_API_KEY`` (unset or empty: none).
 
     Raises:
-        ValueError: for a URL that is not one (:func:`normalize_server_url`, or requests' URL handling), at once.
+        ValueError: for a URL that is not one.
         ServerError: if the server does not answer ``/health`` within ``connection_timeout``.
         ServerRefusedError: if the server refuses the key.
     """
@@ -177,7 +156,7 @@ class ESServerClient:
             except ValueError as error:  # requests' URL handling (InvalidURL, InvalidSchema, urllib3's parse errors)
                 raise ValueError(f"ES server URL {self.base_url!r} cannot be used: {type(error).__module__}."
                                  f"{type(error).__name__}: {error}") from None
-            except requests.RequestException:
+            except requests.RequestException:  # not up yet: try again
                 pass
             if time.monotonic() - start >= total_timeout:
                 raise ServerError(f"ES server {self.base_url} is not reachable (GET /health) after {total_timeout:.0f} "
@@ -207,23 +186,14 @@ class ESServerClient:
 
     # ------------------------------------------------------------------ ES calls
     def init(self, model: nn.Module, header: dict, records: Sequence[dict] = (), awd: bool = False) -> int:
-        """Initialise the server's ES state from its base checkpoint, ``header`` and ``records`` (a seed log), and
-        check it now holds ``model``'s weights.
-
-        Args:
-            model (`nn.Module`): The trainer's unwrapped HF model, at the step of the last record.
-            header (`dict`): The seed log's header.
-            records (`Sequence[dict]`): The seed log's records, steps ``1..k``.
-            awd (`bool`): Whether the run uses Anchored Weight Decay (the server keeps theta_0).
-
-        Returns:
-            `int`: ``k``, the server's step.
+        """Initialise the server's ES state from its base checkpoint and a seed log (``header``, ``records`` of steps
+        ``1..k``), check it holds ``model``'s weights, and return ``k``.
 
         Raises:
             ServerMismatchError: if the server's weights are not ``model``'s (another base checkpoint or dtype).
         """
-        spec = {"header": header, "records": list(records), "awd": bool(awd),
-                "weights": [name for name, _ in model.named_parameters()]}
+        spec = {"header": header, "records": list(records), "awd": bool(awd),  # awd: the server keeps theta_0
+                "weights": [name for name, _ in model.named_parameters()]}  # the checksum's names and order
         results = self.rpc("es_server_init", json.dumps(spec))
         self._check(results, model, f"after es_server_init at step {len(records)}")
         return int(results[0]["step"])
@@ -237,8 +207,7 @@ class ESServerClient:
         self.rpc("es_server_restore")
 
     def update(self, record: dict, model: nn.Module) -> None:
-        """Apply one seed-log record on the server and check it then holds ``model``'s weights (the trainer's,
-        after the same step).
+        """Apply one seed-log record on the server (refused when repeated) and check it holds ``model``'s weights.
 
         Raises:
             ServerMismatchError: if the checksums differ.
@@ -264,18 +233,8 @@ class ESServerClient:
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], max_tokens: int, sampling: dict | None = None
                  ) -> list[list[int]]:
-        """Completions of the token-id prompts with the server's current weights (TRL's ``VLLMClient.generate``
-        request, one completion a prompt).
-
-        Args:
-            prompt_ids (`Sequence[Sequence[int]]`): Token ids, one list a prompt.
-            max_tokens (`int`): New tokens at most.
-            sampling (`dict`, *optional*): Further ``/v1/completions`` fields (``temperature``, ``top_p``,
-                ``top_k``, ``seed``, ``stop_token_ids``, ...); greedy (``temperature=0``) by default.
-
-        Returns:
-            `list[list[int]]`: One completion's token ids a prompt, in order.
-        """
+        """One completion's token ids per token-id prompt, in order, with the server's current weights; ``sampling``
+        holds further ``/v1/completions`` fields (greedy by default)."""
         payload = {"model": self.model, "prompt": [list(map(int, p)) for p in prompt_ids], "n": 1,
                    "max_tokens": int(max_tokens), "temperature": 0.0, "return_token_ids": True,
                    **(sampling or {})}
@@ -289,19 +248,8 @@ class VLLMServerEngine(OwnWeightsEngine):
     """Generation on ES vLLM servers (``ESConfig(use_vllm=True, vllm_mode="server")``): members written into a
     server's weights from their seeds, completions over HTTP; the trainer's model stays the source of truth.
 
-    Several servers: :meth:`map_groups` dispatches the member groups dynamically, one group in flight per server
-    (each server has its own thread). What runs in the trainer's process (rewards, tools, environments, the
-    rollout's bookkeeping) runs one thread at a time: a thread holds the host lock except while it waits for its
-    server, and Python's, NumPy's and torch's global generator states travel with the thread across that wait, so a
-    member's rollout is the one a sequential loop would give. A server that fails a member's call (dead, timed out,
-    an error) is left out and the member is run again on another server (counted in :attr:`members_rerun`); the
-    iteration fails, naming the servers, only when no server is left. The trainer's weights are never touched by a
-    member.
-
-    :meth:`sync_weights` (once per iteration, after the update is in the seed log) brings every server to the
-    trainer's step: the last record when a server is one step behind, else (a new server, one that restarted, a
-    resumed run) a re-initialisation from the base checkpoint and the whole seed log; then the checksums are
-    compared. A left-out server that answers ``/health`` again is re-initialised there, before it scores again.
+    Several servers: :meth:`map_groups` runs one member group per server at a time, each rollout as a sequential
+    loop would give it; a failed server is left out and its member run on another (:attr:`members_rerun`).
 
     Args:
         processing_class (`PreTrainedTokenizerBase`): The tokenizer (its EOS is vLLM's own stop).
@@ -323,16 +271,16 @@ class VLLMServerEngine(OwnWeightsEngine):
         self.left_out: dict[int, str] = {}  # server index -> its error, until it answers /health again at a sync
         self.members_rerun = 0  # members run again on another server, so far
         self._members_rerun_counted = 0  # members_rerun at the last iteration_counts()
-        self._host = threading.Lock()  # the trainer process's code runs under it, one server thread at a time
+        # the trainer process's code (rewards, tools) runs under it, one server thread at a time; released while a
+        # thread waits for its server, the global RNG states travelling with the thread
+        self._host = threading.Lock()
         self._local = threading.local()  # a server thread's server index and whether it holds the host lock
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"es-server-{k}") for k in range(len(self.clients))]
 
     @classmethod
     def from_config(cls, args, model: nn.Module, context: EngineContext) -> VLLMServerEngine:
-        """The servers of this process for ``ESConfig(use_vllm=True, vllm_mode="server")``:
-        ``vllm_server_base_urls[process_index::num_processes]``, else ``vllm_server_base_url`` or
-        ``http://vllm_server_host:vllm_server_port``, each waited for up to ``vllm_server_timeout`` seconds; brought
-        to the model's weights by the first sync.
+        """The engine over this process's servers (``vllm_server_base_urls[process_index::num_processes]``, else the
+        one server of ``vllm_server_base_url`` or host and port).
 
         Raises:
             ValueError: for fewer servers than processes, ZeRO-3, a PEFT model, a run whose updates a server cannot
@@ -353,9 +301,9 @@ class VLLMServerEngine(OwnWeightsEngine):
                              f"one member at a time): {world} processes, {len(urls)} server(s). Set "
                              f"vllm_server_base_urls to {world} or more URLs (process i uses entries i, i + {world}, "
                              "...).")
-        cls.check_generation_config(context.generation_config)
-        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)
-                   for url in urls[context.accelerator.process_index::world]]
+        cls.check_generation_config(context.generation_config)  # before waiting for the servers
+        clients = [ESServerClient(url, connection_timeout=args.vllm_server_timeout)  # each waited for
+                   for url in urls[context.accelerator.process_index::world]]  # process i: entries i, i + W, ...
         return cls(context.processing_class, clients, context.seed_log, awd=args.awd_lambda > 0)
 
     def describe(self) -> dict:
@@ -371,7 +319,7 @@ class VLLMServerEngine(OwnWeightsEngine):
     def client(self) -> ESServerClient:
         """This server thread's server; outside the member loop (an evaluation) the first one not left out."""
         index = getattr(self._local, "server", None)
-        if index is None:
+        if index is None:  # not a server thread
             index = next((k for k in range(len(self.clients)) if k not in self.left_out), 0)
         return self.clients[index]
 
@@ -380,7 +328,7 @@ class VLLMServerEngine(OwnWeightsEngine):
         return [c.base_url for k, c in enumerate(self.clients) if k not in self.left_out]
 
     def _leave_out(self, index: int, error: BaseException, group=None) -> None:
-        self.left_out[index] = str(error)
+        self.left_out[index] = str(error)  # until it answers /health at a sync
         rerun = "" if group is None else f"; its member(s) {list(group)} run again on another server"
         logger.warning("%s%s. It scores no member until it answers /health again (checked at each weight sync, "
                        "then re-initialised from the seed log).", error, rerun)
@@ -393,10 +341,10 @@ class VLLMServerEngine(OwnWeightsEngine):
     def _waiting(self):
         """Around a call to this thread's server: other server threads run the process's code meanwhile; this
         thread's global generator states are put back when it resumes."""
-        if not getattr(self._local, "holding", False):
+        if not getattr(self._local, "holding", False):  # the caller's thread: nothing to hand over
             yield
             return
-        states = _global_rng_states()
+        states = _global_rng_states()  # this thread's, put back when it resumes
         self._host.release()
         try:
             yield
@@ -405,11 +353,8 @@ class VLLMServerEngine(OwnWeightsEngine):
             _set_global_rng_states(states)
 
     def map_groups(self, fn: Callable, groups: Sequence) -> list:
-        """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically.
-
-        A :class:`ServerError` inside ``fn`` (its server failed: perturb, generate or restore) leaves that server
-        out and puts the group back for another server; any other exception, a :class:`ServerRefusedError`
-        included, stops the dispatch (the groups in flight finish, their servers restored) and is raised.
+        """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically; a
+        :class:`ServerError` in ``fn`` reruns the group elsewhere, any other exception stops the dispatch and is raised.
 
         Raises:
             ServerError: if every server has been left out with groups still to score (naming each server's error).
@@ -428,7 +373,7 @@ class VLLMServerEngine(OwnWeightsEngine):
                         except ServerRefusedError as error:  # configuration, not a fault: stop
                             failure.append(error)
                             return
-                        except ServerError as error:
+                        except ServerError as error:  # this server failed: leave it out, the group goes back
                             pending.appendleft(j)
                             self.members_rerun += len(groups[j])
                             self._leave_out(index, error, groups[j])
@@ -440,7 +385,7 @@ class VLLMServerEngine(OwnWeightsEngine):
                 self._local.server, self._local.holding = None, False
 
         try:
-            while pending and not failure:
+            while pending and not failure:  # again with the live servers while groups are left
                 live = [k for k in range(len(self.clients)) if k not in self.left_out]
                 if not live:
                     raise self._all_left_out()
@@ -453,9 +398,8 @@ class VLLMServerEngine(OwnWeightsEngine):
         return [results[j] for j in range(len(groups))]
 
     def sync_weights(self, model: nn.Module, params=None, noise=None) -> None:
-        """Bring every server to the trainer's weights (``model``, after the seed log's last record); checked. A
-        server that fails the sync is left out (warned); one left out that answers ``/health`` again is
-        re-initialised.
+        """Bring every server to the trainer's weights (``model``, after the seed log's last record), checked; a
+        server that fails is left out, and re-initialised once it answers ``/health`` again.
 
         Raises:
             ServerMismatchError: if, after the catch-up, a server's checksum is not ``model``'s.
@@ -478,12 +422,12 @@ class VLLMServerEngine(OwnWeightsEngine):
             step = client.step()
             if step == len(records):  # nothing new (an evaluation): check
                 client.check(model, f"at step {step}")
-            elif records and step == len(records) - 1:
+            elif records and step == len(records) - 1:  # one step behind: the last record
                 client.update(records[-1], model)
             else:  # a new or restarted server, a resumed run: base checkpoint + seed log
                 client.init(model, log.header, records, self.awd)
 
-        futures = [(k, self._threads[k].submit(sync, k)) for k in range(len(self.clients))]
+        futures = [(k, self._threads[k].submit(sync, k)) for k in range(len(self.clients))]  # servers in parallel
         for index, future in futures:
             try:
                 future.result()
@@ -495,8 +439,8 @@ class VLLMServerEngine(OwnWeightsEngine):
             raise self._all_left_out()
 
     def perturb_(self, member: Member, sigma: float) -> None:
-        client = self.client
-        with self._waiting():
+        client = self.client  # this thread's server
+        with self._waiting():  # the host lock is released while the server works
             client.perturb(member, sigma)
 
     def restore_(self) -> None:
@@ -512,7 +456,7 @@ class VLLMServerEngine(OwnWeightsEngine):
         config = with_model_defaults(generation_config, getattr(model, "generation_config", None))
         rows = sampling_kwargs(config, len(prompt_ids), self.processing_class.eos_token_id)  # the colocated engine's
         for row in rows:
-            row.pop("detokenize")
+            row.pop("detokenize")  # not a /v1/completions field
         client = self.client
         if all(row == rows[0] for row in rows):  # greedy: one request
             kwargs = dict(rows[0])

@@ -2,34 +2,15 @@
 
 A user starts vLLM's own server with it (``VLLM_SERVER_DEV_MODE=1 vllm serve DIR --worker-extension-cls
 trl_es.generation.vllm_server_worker.ESServerWorkerExtension --no-enable-prefix-caching``); the trainer drives it
-through ``POST /collective_rpc`` (``{"method", "args", "kwargs"}``, run on every worker). Unlike the colocated
-:class:`~.vllm_worker.ESWorkerExtension`, which receives the trainer's tensors by reference, this one owns a copy:
+through ``POST /collective_rpc``. Unlike the colocated :class:`~.vllm_worker.ESWorkerExtension`, it owns a copy of
+the weights, the fp32 masters and the noise source, and replays seed-log records bitwise as the trainer does.
 
-- ``es_server_init(spec)``: reads the base weights under their Hugging Face names from the served checkpoint
-  (``DIR/*.safetensors``), builds the fp32 master of every trained tensor and the noise source from the seed log's
-  header, and replays the records it is given (a server that restarts catches up from seeds, not weights);
-- ``es_server_perturb(seed, sign, sigma)``: member ``sign * eps(seed)`` written into the engine, bitwise what the
-  trainer's population writes into its model (:meth:`GaussianPerturbation.perturbed_tensor`);
-- ``es_server_restore()``: the current weights loaded again (exact: no subtraction of noise);
-- ``es_server_update(record)``: one seed-log record applied by :func:`trl_es.es.seedlog.apply_record`, the
-  arithmetic of the trainer's update and of ``replay``;
-- ``es_server_checksum()``: the SHA-256 of the current weights, equal to the trainer's
-  :func:`server_checksum` of its model exactly when the two hold the same weights bitwise.
-
-Arguments arrive as JSON strings or numbers (vLLM's ``/collective_rpc`` passes them through); each is cast and
-checked (seeds and signs integers in range; sigma, coefficients, learning rate and AWD shrink finite and in range),
-and a bad one raises ``ValueError`` naming it, before any weight or state changes: ``es_server_init`` builds the new
-state aside and swaps it in only when complete. Member operations must be serialised per server by the client: vLLM
-runs utility calls between engine steps, so a perturbation sent while requests are in flight would change the
-weights mid-generation.
-
-Key: vLLM's ``--api-key`` (``VLLM_API_KEY``) guards only its ``/v1``-like routes, not ``/collective_rpc``. When
-``VLLM_API_KEY`` is set where the server runs, every ES call must carry that key as its ``api_key`` argument
-(compared in constant time), else it raises ``PermissionError`` before anything is read or changed;
-:class:`ESAuthenticationMiddleware` (``--middleware``) also requires it on every route but ``/health``.
-
-This module imports no vLLM symbol, so it loads (and is tested) without vLLM.
+Every argument (JSON) is checked before any state changes (``ValueError`` naming it). When ``VLLM_API_KEY`` is set
+where the server runs, every ES call must carry it as ``api_key`` (``PermissionError`` otherwise): vLLM's
+``--api-key`` does not guard ``/collective_rpc``. The client serialises member calls per server.
 """
+
+# no vLLM import: this module loads (and is tested) without vLLM
 
 from __future__ import annotations
 
@@ -53,16 +34,8 @@ from .vllm_worker import ESWorkerExtension
 
 
 def server_checksum(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
-    """The weights' checksum as a server reports it: SHA-256 (hex) of the tensors in the given order.
-
-    Args:
-        weights: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()`` of the unwrapped HF model (tied weights
-            once), any dtype and device.
-
-    Returns:
-        `str`: 64 hexadecimal characters; equal for two sets of weights exactly when they hold the same names,
-        dtypes, shapes and bytes (up to SHA-256 collisions).
-    """
+    """SHA-256 (64 hex characters) of ``(name, tensor)`` pairs in the given order, e.g. the unwrapped HF model's
+    ``named_parameters()``: equal exactly when names, dtypes, shapes and bytes are."""
     items = weights.items() if isinstance(weights, Mapping) else weights
     return tensors_fingerprint({name: t.detach() for name, t in items}).hex()
 
@@ -92,15 +65,14 @@ API_KEY_ENV = "VLLM_API_KEY"  # the shared key: vLLM's (its /v1 routes) and Open
 
 
 def _authorize(api_key, method: str) -> None:
-    """Refuse ``method`` unless ``api_key`` is the server's key (``VLLM_API_KEY`` where the server runs; no key on
-    either side: open). Constant-time: both are hashed, then compared with :func:`hmac.compare_digest`.
+    """Refuse ``method`` unless ``api_key`` is the server's key (``VLLM_API_KEY``; no key on either side: open).
 
     Raises:
         PermissionError: naming ``method`` and what is wrong (never the key).
     """
     expected = os.environ.get(API_KEY_ENV) or None
     given = api_key or None
-    if expected is None and given is None:
+    if expected is None and given is None:  # an open server
         return
     if expected is None:
         raise PermissionError(f"{method} refused: the call carries an API key, but this server has none "
@@ -120,10 +92,9 @@ def _key_matches(given, expected: str) -> bool:
 
 
 class ESAuthenticationMiddleware:
-    """ASGI middleware for ``vllm serve --middleware`` (``trl-es vllm-serve`` adds it): when ``VLLM_API_KEY`` is set,
-    every HTTP route but ``/health`` needs ``Authorization: Bearer <key>`` (vLLM's own ``--api-key`` check covers
-    ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only; this one also covers ``/collective_rpc``, whose vLLM worker
-    methods the ES extension cannot guard, and the other development endpoints). Answers 401 otherwise."""
+    """ASGI middleware for ``vllm serve --middleware``: when ``VLLM_API_KEY`` is set, every HTTP route but ``/health``
+    (``/collective_rpc`` included, which vLLM's ``--api-key`` leaves open) needs ``Authorization: Bearer <key>``, else
+    401."""
 
     def __init__(self, app):
         self.app = app
@@ -155,7 +126,7 @@ def _load(value, what: str):
 def _integer(value, what: str, low: int, high: int) -> int:
     """``value`` (an int, an integral float or a decimal string, as JSON carries them; not a bool) as an int in
     ``[low, high)``; else ``ValueError`` naming ``what``."""
-    number = None
+    number = None  # JSON carries numbers as ints, floats or strings
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     elif isinstance(value, float) and value.is_integer():
@@ -179,7 +150,7 @@ def _real(value, what: str, low: float, high: float = math.inf, low_open: bool =
     inside = number is not None and math.isfinite(number) and (low < number if low_open else low <= number) and (
         number < high if high_open else number <= high)
     if not inside:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open or high == math.inf else ']'}"  # "[0, 1)"
         raise ValueError(f"{what} must be a finite number in {interval}, got {value!r}.")
     return number
 
@@ -187,7 +158,7 @@ def _real(value, what: str, low: float, high: float = math.inf, low_open: bool =
 def _member(seed, sign, what: str = "es_server_perturb") -> Member:
     seed = _integer(seed, f"{what}: seed", 0, 2**63)
     sign = _integer(sign, f"{what}: sign (1 or -1)", -1, 2)
-    if sign == 0:
+    if sign == 0:  # in [-1, 2) but not a sign
         raise ValueError(f"{what}: sign (1 or -1) must be 1 or -1, got 0.")
     return Member(seed, sign)
 
@@ -239,7 +210,7 @@ def _noise(header: dict):
 def _reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load ``weights`` into the engine (vLLM's in-place reload, then the tied heads; see
     :meth:`ESWorkerExtension._es_reload`)."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # in place
     ESWorkerExtension._es_reprocess_tied_heads(worker)
 
 
@@ -251,42 +222,20 @@ class ESServerWorkerExtension(ESWorkerExtension):
     """Methods mixed into the worker of a ``vllm serve`` process (``--worker-extension-cls
     trl_es.generation.vllm_server_worker.ESServerWorkerExtension``); called through ``POST /collective_rpc``.
 
-    State (after :meth:`es_server_init`): the current weights by HF name in the served dtype, the trained tensors'
-    masters (:class:`~trl_es.es.update.TrainedParameters` over those weights), the noise source, the anchor of
-    AWD, and the last applied step.
-
-    Every ``es_server_*`` call takes ``api_key`` (keyword): when ``VLLM_API_KEY`` is set where the server runs, a
-    call without that key, or with another, raises ``PermissionError`` before anything is read or changed. The
-    colocated engine's calls (``es_bind``, ``es_perturb``, ``es_load_current``) are refused here, and the state
-    changing helpers are module functions, not methods, so ``/collective_rpc`` cannot reach them by name.
+    Every ``es_server_*`` call takes ``api_key`` (keyword). The colocated engine's calls are refused here; the state
+    changing helpers are module functions, so ``/collective_rpc`` cannot reach them by name.
     """
 
     def es_server_init(self, spec, api_key: str | None = None) -> dict:
-        """Build the ES state from the served checkpoint and a seed log's header, then replay ``records``; the new
-        state is built and checked aside and replaces the old one only when complete.
-
-        Args:
-            spec (`str` or `dict`): JSON ``{"header": <seed-log header>, "weights": [<name>, ...], "records":
-                [<seed-log record>, ...]}``: ``weights`` the HF model's weight names in ``named_parameters()``
-                order (what the checksum covers, in that order); the header's ``noise``, ``parameters``
-                (``[name, numel]``), ``master_dtype``, ``perturbation`` (full-rank Gaussian only) and
-                ``awd_penalty``; the records of steps ``1..k`` (may be empty). The checkpoint is the served model's
-                folder unless ``"checkpoint"`` names another; ``"awd": true`` keeps theta_0 of the trained tensors
-                for Anchored Weight Decay (fp32, their size again).
-            api_key (`str`, *optional*): The server's key (``VLLM_API_KEY``), if it has one.
-
-        Returns:
-            `dict`: ``{"step": k, "checksum": server_checksum(weights), "num_parameters": trained tensors}``.
+        """Build the ES state from the served checkpoint and ``spec``, a JSON ``{"header": <seed-log header>,
+        "weights": [<name>, ...] (named_parameters order), "records": [<records of steps 1..k>]}`` (optional
+        ``"checkpoint"``, ``"awd": true``); returns ``{"step", "checksum", "num_parameters"}``.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: for a malformed spec (naming the field), a low-rank perturbation, a trained tensor the
-                checkpoint lacks or of another size, or records that are not steps ``1..k`` or hold a non-finite or
-                out-of-range number; the server's state and weights are unchanged then.
-            FileNotFoundError: if the checkpoint has no ``.safetensors`` file.
-        """
+            ValueError: for a malformed spec (named), a low-rank perturbation, a tensor the checkpoint lacks (state
+                unchanged). Also ``PermissionError``, ``FileNotFoundError``."""
         _authorize(api_key, "es_server_init")
-        state = self._es_build(_load(spec, "es_server_init's spec"))
+        state = self._es_build(_load(spec, "es_server_init's spec"))  # built aside, swapped in when complete
         self._es_params = None  # no ES state (step -1) unless the engine takes the new weights
         _reload(self, state["_es_weights"].items())
         for name, value in state.items():
@@ -298,34 +247,27 @@ class ESServerWorkerExtension(ESWorkerExtension):
         """Load member ``(seed, sign)`` at ``sigma`` into the engine; undo with :meth:`es_server_restore`.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: for a bad seed, sign or sigma (named; nothing is loaded).
-            RuntimeError: before :meth:`es_server_init`.
+            ValueError: for a bad seed, sign or sigma (named; nothing is loaded). Also ``PermissionError``, and
+                ``RuntimeError`` before :meth:`es_server_init`.
         """
         _authorize(api_key, "es_server_perturb")
         self._es_require_init()
         member = _member(seed, sign)
         sigma = _real(sigma, "es_server_perturb: sigma", 0.0, low_open=True)
-        _reload(self, self._es_member_weights(member, sigma))
+        _reload(self, self._es_member_weights(member, sigma))  # bitwise what the trainer's population writes
 
     def es_server_restore(self, api_key: str | None = None) -> None:
         """Load the current weights again: the exact restore after :meth:`es_server_perturb`."""
         _authorize(api_key, "es_server_restore")
         self._es_require_init()
-        _reload(self, self._es_weights.items())
+        _reload(self, self._es_weights.items())  # exact: no subtraction of noise
 
     def es_server_update(self, record, api_key: str | None = None) -> dict:
-        """Apply one iteration's seed-log record (``step``, ``members``, ``coefficients``, ``learning_rate``,
-        ``awd_shrink``) to the masters, render and load the new weights.
-
-        Returns:
-            `dict`: ``{"step": step, "checksum": ...}``.
+        """Apply one seed-log record to the masters and load the new weights; returns ``{"step", "checksum"}``.
 
         Raises:
-            PermissionError: for a missing or wrong ``api_key``.
-            ValueError: if the record's step is not the next one (the server missed or repeated an update: re-init
-                it) or the record is malformed (a field named: a non-finite or out-of-range coefficient, learning
-                rate, shrink, seed or sign included); the weights are unchanged then.
+            ValueError: if the step is not the next one (re-init the server) or a field is malformed (the weights are
+                then unchanged). Also ``PermissionError``.
         """
         _authorize(api_key, "es_server_update")
         self._es_require_init()
@@ -334,7 +276,7 @@ class ESServerWorkerExtension(ESWorkerExtension):
         if record["awd_shrink"] > 0 and self._es_anchor is None:
             raise ValueError("es_server_update: the record has awd_shrink > 0 but this server keeps no anchor "
                              "(theta_0): initialise it with spec 'awd': true.")
-        apply_record(self._es_params, self._es_noise, record, self._es_anchor, self._es_penalty)
+        apply_record(self._es_params, self._es_noise, record, self._es_anchor, self._es_penalty)  # replay's arithmetic
         self._es_step = record["step"]
         _reload(self, self._es_weights.items())
         return {"step": self._es_step, "checksum": server_checksum(self._es_weights)}
@@ -373,8 +315,8 @@ class ESServerWorkerExtension(ESWorkerExtension):
 
     # -------------------------------------------------------------------------------------------- internals
     def _es_build(self, spec) -> dict:
-        """The ES state of ``spec`` (see :meth:`es_server_init`) as attributes to set, built and checked without
-        touching the server's current state; the records replayed on it."""
+        """The ES state of ``spec`` (see :meth:`es_server_init`) as attributes to set, records replayed; the server's
+        current state is not touched."""
         if not isinstance(spec, dict):
             raise ValueError(f"es_server_init's spec must be an object, got {str(spec)[:80]!r}.")
         header, records = spec.get("header"), spec.get("records", [])
@@ -385,7 +327,7 @@ class ESServerWorkerExtension(ESWorkerExtension):
             perturbation = header_perturbation(header)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"es_server_init: header.perturbation is malformed: {error}") from None
-        if not isinstance(perturbation, GaussianPerturbation):
+        if not isinstance(perturbation, GaussianPerturbation):  # low-rank members need adapters, not in-place writes
             raise ValueError(f"An ES server applies full-rank members in place; the run's perturbation is "
                              f"{header['perturbation']}. Use population_backend='sequential' with vllm_mode='server'.")
         penalty = header.get("awd_penalty", "l2")
@@ -406,6 +348,7 @@ class ESServerWorkerExtension(ESWorkerExtension):
                              f"got {str(trained)[:120]!r}.")
         noise = _noise(header)
         config = self.model_runner.model_config
+        # the base weights under their HF names, from the served folder (a restarted server catches up from seeds)
         checkpoint = read_checkpoint(spec.get("checkpoint") or config.model, config.dtype)
         absent = [n for n in names if n not in checkpoint]
         wrong = [(n, k) for n, k in trained if n not in names or n not in checkpoint or checkpoint[n].numel() != k]
@@ -413,11 +356,12 @@ class ESServerWorkerExtension(ESWorkerExtension):
             raise ValueError(f"The served checkpoint does not hold the trainer's weights: missing {absent[:3]}, "
                              f"trained tensors absent or of another size {wrong[:3]}; serve the trainer's base model.")
         weights = {n: checkpoint[n] for n in names}  # the trainer's names and order (a tied weight once)
+        # None: masters in the parameters' own dtype
         master_dtype = torch.float32 if header.get("master_dtype", "float32") == "float32" else None
         params = TrainedParameters([(n, weights[n]) for n, _ in trained], master_dtype)
         awd = bool(spec.get("awd", False)) or any(r["awd_shrink"] > 0 for r in records)
         anchor = {n: t.clone() for n, t in params.master_state_dict().items()} if awd else None  # theta_0
-        for record in records:
+        for record in records:  # replay: bitwise the trainer's update
             apply_record(params, noise, record, anchor, penalty)
         return {"_es_noise": noise, "_es_params": params, "_es_anchor": anchor, "_es_penalty": penalty,
                 "_es_weights": weights, "_es_masters": params.master_state_dict(), "_es_step": len(records)}

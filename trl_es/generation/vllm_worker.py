@@ -1,18 +1,11 @@
 """The vLLM worker side of ES: members applied inside the engine from their seeds (a vLLM worker extension).
 
-vLLM mixes ``worker_extension_cls`` into its worker class; the engine calls the methods below through
-``LLM.collective_rpc`` (``"es_bind"``, ``"es_perturb"``, ``"es_load_current"``). Weights go in through vLLM's own
-in-place reload (``model_runner.reload_weights``: the model's ``load_weights`` with its stacked-parameter mapping,
-``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, ``gate_proj``/``up_proj`` -> ``gate_up_proj``, tensor-parallel
-sharding, then each layer's ``process_weights_after_loading``, which on the CPU re-packs the oneDNN linear weights).
-
-Member ``i`` of the full-rank Gaussian population is ``cast(master + sign_i sigma eps_i)`` computed here, per Hugging
-Face tensor, by :meth:`trl_es.es.perturbation.GaussianPerturbation.perturbed_tensor` (bitwise what the HF-side
-population writes into the model); the restore loads the current weights again (exact: no subtraction of noise).
-Only a seed, a sign and sigma travel per member.
-
-This module imports no vLLM symbol at import time, so it loads on a machine without vLLM (for documentation).
+The engine calls the methods below through ``LLM.collective_rpc``; only a seed, a sign and sigma travel per member.
+Member ``i`` is ``cast(master + sign_i sigma eps_i)`` per Hugging Face tensor, bitwise what the HF-side population
+writes; the restore loads the current weights again (exact).
 """
+
+# no vLLM import: this module loads without vLLM (for documentation)
 
 from __future__ import annotations
 
@@ -28,20 +21,12 @@ class ESWorkerExtension:
     """Methods mixed into vLLM's worker (``LLM(...,
     worker_extension_cls="trl_es.generation.vllm_worker.ESWorkerExtension")``).
 
-    State bound once per iteration by :meth:`es_bind` (in-process, colocated engines receive references, not
-    copies): the current weights of the Hugging Face model by name, the fp32 master of each trained tensor, and the
-    noise source.
+    State bound once per iteration by :meth:`es_bind` (references, not copies).
     """
 
     def es_bind(self, weights: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], noise) -> None:
-        """Bind the current weights, the trained tensors' masters and the noise source.
-
-        Args:
-            weights (`dict[str, torch.Tensor]`): Every weight of the HF model under its checkpoint name, current
-                values (``model.named_parameters()`` of the unwrapped model; tied weights once).
-            masters (`dict[str, torch.Tensor]`): The master (fp32, or the parameter's dtype) of each trained tensor;
-                names are a subset of ``weights``.
-            noise (`NoiseSource`): The ES noise source.
+        """Bind ``weights`` (the unwrapped HF model's ``named_parameters()``, tied ones once), the trained tensors'
+        ``masters`` (a subset of its names) and the ``noise`` source.
 
         Raises:
             KeyError: if a master names no weight.
@@ -64,11 +49,8 @@ class ESWorkerExtension:
         self._es_reload(self._es_member_weights(member, float(sigma)))
 
     def es_read_weights(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the engine model's own parameters by vLLM name (fused ``qkv_proj``/``gate_up_proj``), for
-        tests (on the CPU whatever the engine's device, so they compare with an HF model anywhere).
-
-        On the CPU the oneDNN linear path keeps packed weights and empties ``weight``: such tensors come back empty.
-        """
+        """CPU copies of the engine model's own parameters by vLLM name (fused ``qkv_proj``), for tests; empty for
+        oneDNN-packed CPU weights."""
         model = self.model_runner.get_model()
         return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
 
@@ -78,19 +60,20 @@ class ESWorkerExtension:
             master = self._es_masters.get(name)
             if master is None:
                 yield name, weight
-            else:
+            else:  # bitwise what the HF-side population writes
                 yield name, GaussianPerturbation.perturbed_tensor(master, self._es_noise, member, sigma, name,
                                                                   weight.dtype)
 
     def _es_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # vLLM's in-place reload: load_weights (q/k/v -> qkv_proj, TP sharding), then process_weights_after_loading
         self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         self._es_reprocess_tied_heads()
 
     def _es_reprocess_tied_heads(self) -> None:
         """Re-run the weight processing of layers whose weight is tied to another module's (an ``lm_head`` tied to
-        the embeddings): the in-place reload processes the module that owns the loaded name only, so on the CPU
-        such a head would keep its packed copy of the old embeddings (measured: greedy completions then differ from
-        the HF model's on 16/16 prompts; with this, equal 16/16 in fp32)."""
+        the embeddings)."""
+        # the reload processes only the module that owns the loaded name: on the CPU a tied head would keep its
+        # packed copy of the old embeddings
         model = self.model_runner.get_model()
         owners: dict[int, int] = {}
         for module in model.modules():

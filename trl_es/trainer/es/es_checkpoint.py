@@ -1,21 +1,9 @@
 """ESTrainer's checkpoint I/O: the seed log beside every saved model, the fp32 master and theta_0 in checkpoints (one
 file, or one shard per process under ZeRO-3), and resume to the weights of an uninterrupted run.
 
-Every ``Trainer`` path that puts other weights into the model keeps the ES state (master, anchor, seed log) in step
-with them: resuming (:meth:`ESCheckpointMixin._load_from_checkpoint`, and under DeepSpeed
-``_load_deepspeed_checkpoint``), ``load_best_model_at_end`` (:meth:`ESCheckpointMixin._load_best_model`) and a model
-re-created by ``model_init`` (``hyperparameter_search``; see :meth:`ESCheckpointMixin.call_model_init`). A checkpoint
-is checked before anything is loaded (:meth:`ESCheckpointMixin._check_checkpoint`): every file it needs, a seed log
-of steps 1..N that ends where ``trainer_state.json`` does, and the settings the run continues with.
-
-Preemption: with ``ESConfig(resume_from_checkpoint="latest")`` a job relaunched by ``torchrun --max-restarts N`` (or
-any scheduler) resumes by itself from the newest *complete* checkpoint of ``output_dir``
-(:meth:`ESCheckpointMixin._latest_complete_checkpoint`): ``Trainer._save_checkpoint`` writes ``checkpoint-N`` in place
-and ``trainer_state.json`` last, so a kill mid-write leaves a folder that the completeness check
-(:meth:`ESCheckpointMixin._check_checkpoint_files`) refuses, and the one before is used.
-
-A mixin of :class:`~trl_es.trainer.es.es_trainer.ESTrainer` (it reads the trainer's ES state: ``es_params``, ``anchor``,
-``seed_log``, ``population``); every file goes through :mod:`trl_es.files` (one writer, complete or absent).
+Every ``Trainer`` path that loads other weights (resume, ``load_best_model_at_end``, ``model_init``) keeps the ES state
+(master, anchor, seed log) in step; a checkpoint is checked before anything is loaded. Files go through
+:mod:`trl_es.files` (complete or absent).
 """
 
 from __future__ import annotations
@@ -88,8 +76,7 @@ def run_settings(args, reward_func_names) -> dict:
 
 
 def _present_or_sharded(folder: str, name: str) -> bool:
-    """``name`` (``es_master.safetensors``), or ZeRO-3's per-process shards of it: every rank ``0..W-1`` of one
-    world size ``W``, each a non-empty file (a process killed before writing its shard leaves the set incomplete)."""
+    """``name`` is there, or ZeRO-3's non-empty shards of it for every rank ``0..W-1`` of one world size ``W``."""
     if is_present(folder, name):
         return True
     stem = name[: -len(".safetensors")]
@@ -111,26 +98,16 @@ class ESCheckpointMixin:
     """Saving and resuming an ES run (see the module docstring)."""
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """``Trainer.train``, then the seed log is written to ``output_dir`` (a whole run in a few kilobytes).
+        """``Trainer.train``, then the seed log is written to ``output_dir``.
 
-        A checkpoint to resume from (``resume_from_checkpoint=True``: the last one in ``output_dir``) is checked
-        first, before anything is loaded (:meth:`_check_checkpoint`). Whatever the population backend installed in
-        the model (the low-rank adapters' hooks) is removed at the end, also when training raises.
-
-        Called without ``resume_from_checkpoint`` (``None``; ``False`` starts fresh), the config's
-        ``resume_from_checkpoint`` is used: a checkpoint folder, or ``"latest"`` (:data:`AUTO_RESUME`): the newest
-        complete checkpoint of ``output_dir``, skipping (with a warning) newer ones a kill left incomplete, or a fresh
-        start if there is none (:meth:`_latest_complete_checkpoint`; every process resumes from the one the main
-        process chose). A job relaunched after preemption (``torchrun --max-restarts N``) thus resumes by itself.
+        ``resume_from_checkpoint=None`` takes the config's (a folder, or ``"latest"``: :data:`AUTO_RESUME`).
 
         Raises:
-            ValueError: if the checkpoint is incomplete, its seed log has missing steps or ends elsewhere than its
-                ``trainer_state.json``, or this run's settings differ from the checkpoint's where the run's
-                trajectory depends on them (:meth:`_check_checkpoint`).
+            ValueError: if the checkpoint fails :meth:`_check_checkpoint`.
         """
-        if resume_from_checkpoint is None:
+        if resume_from_checkpoint is None:  # False starts fresh
             resume_from_checkpoint = getattr(self.args, "resume_from_checkpoint", None) or None
-        if resume_from_checkpoint == AUTO_RESUME:
+        if resume_from_checkpoint == AUTO_RESUME:  # a job relaunched after preemption resumes by itself
             resume_from_checkpoint = self._latest_complete_checkpoint()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # None: Trainer says so
@@ -140,21 +117,15 @@ class ESCheckpointMixin:
         try:
             output = super().train(resume_from_checkpoint, trial, **kwargs)
         finally:
-            self.population.close()
+            self.population.close()  # removes what the backend installed in the model (low-rank hooks)
         if self.args.should_save:
             os.makedirs(self.args.output_dir, exist_ok=True)
             self.seed_log.save(os.path.join(self.args.output_dir, SEED_LOG_NAME))
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model as ``Trainer`` does, plus the seed log (``es_seed_log.jsonl``) and, outside a checkpoint,
-        the model card (``README.md``, :meth:`create_model_card`'s, after ``save_pretrained``, whose PEFT adapter
-        card it replaces); in a checkpoint (``_internal_call``, the first thing ``Trainer._save_checkpoint`` writes)
-        also the ES state: the fp32 master and theta_0 (:meth:`_save_es_state`), so they are on disk before
-        ``trainer_state.json`` marks the checkpoint and old checkpoints are rotated away.
-
-        Under ZeRO-3 ``Trainer`` gathers the partitions into one ``from_pretrained``-loadable model (DeepSpeed's
-        ``stage3_gather_16bit_weights_on_model_save``, which ES turns on by default); every process must call this.
+        """Save the model as ``Trainer`` does, plus the seed log and, outside a checkpoint, the model card; in a
+        checkpoint (``_internal_call``) also the ES state (:meth:`_save_es_state`). Every process must call this.
 
         Raises:
             RuntimeError: if ``save_pretrained`` wrote no weights or no config where this process should have
@@ -169,20 +140,18 @@ class ESCheckpointMixin:
             # without weights (ESConfig refuses save_on_each_node=True for the same reason).
             require_files(output_dir, SAVED_MODEL_FILES, "the model saved by ESTrainer")
             self.seed_log.save(os.path.join(output_dir, SEED_LOG_NAME))
-        if _internal_call:
+        if _internal_call:  # before trainer_state.json marks the checkpoint and old ones are rotated away
             self._save_es_state(output_dir)
         else:  # a checkpoint's card is written in output_dir by _save_checkpoint; a saved model gets its own
             write_model_card(self, output_dir, model_card_name(self.args, output_dir))
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None) -> None:
-        """TRL's ``create_model_card``: ``output_dir/README.md``, with the ES settings, the seed-log note and the
-        papers to cite (:func:`~trl_es.trainer.es.model_card.write_model_card`; main process only).
+        """TRL's ``create_model_card``: ``output_dir/README.md``, with the ES settings (main process only).
 
         Args:
             model_name (`str`, *optional*): The trained model's name.
-            dataset_name (`str`, *optional*): The training dataset's hub id; default: the train dataset's, where it
-                can be told (:func:`~trl_es.trainer.es.model_card.hub_dataset_id`).
+            dataset_name (`str`, *optional*): The training dataset's hub id; default: the train dataset's, if known.
             tags (`str` or `list[str]`, *optional*): Tags besides ``trl``, ``trl-es``, ``evolution-strategies``.
         """
         write_model_card(self, self.args.output_dir, model_name, dataset_name, tags)
@@ -202,16 +171,14 @@ class ESCheckpointMixin:
             self.strategy.anchor = self.anchor.materialize()
 
     def _save_es_state(self, folder: str) -> None:
-        """The ES state of a checkpoint: the fp32 master (when it differs in dtype from the model's weights, which are
-        then its rendering) and theta_0, each written atomically by the main process, or under ZeRO-3 one shard per
-        process (:meth:`_save_es_shards`)."""
+        """Write the fp32 master (if not the model's dtype) and theta_0; under ZeRO-3 one shard per process."""
         if self.sharded:
             self._save_es_shards(folder)
             return
         if not self.args.should_save:
             return
         masters = self.es_params.master_state_dict()
-        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
+        if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):  # else the model is the master
             with atomic_path(os.path.join(folder, MASTER_WEIGHTS_NAME)) as tmp:
                 save_file({n: t.detach().cpu().contiguous() for n, t in masters.items()}, tmp)
         if self.anchor is not None:
@@ -219,13 +186,11 @@ class ESCheckpointMixin:
                 save_file({n: t.contiguous() for n, t in self.anchor.items()}, tmp)
 
     def _save_es_shards(self, folder: str) -> None:
-        """ZeRO-3: every process writes its partitions of the master (when it differs in dtype from the model, i.e.
-        an fp32 master of a 16-bit model) and of the anchor, as ``es_master.rank{r}-of-{W}.safetensors`` with each
-        tensor's ``[start, start + len)`` in the file's metadata. The 16-bit model itself is gathered by ``Trainer``.
-        """
+        """ZeRO-3: every process writes its partitions of the master (if not the model's dtype) and of the anchor, as
+        ``es_master.rank{r}-of-{W}.safetensors``."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         os.makedirs(folder, exist_ok=True)
-        metadata = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}
+        metadata = {e.name: f"{e.start},{e.param.numel()},{e.numel}" for e in self.es_params.entries}  # start,len,numel
         suffix = f".rank{rank:05d}-of-{world:05d}.safetensors"
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
             masters = {n: t.detach().cpu().contiguous() for n, t in self.es_params.master_state_dict().items()}
@@ -237,9 +202,8 @@ class ESCheckpointMixin:
                 save_file(anchor, tmp, metadata)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Under DeepSpeed the optimizer is ``Trainer``'s torch optimizer over ES's masters, not DeepSpeed's: save it
-        and the scheduler as without DeepSpeed (per process under ZeRO-3, where the masters are partitions) instead
-        of a DeepSpeed engine checkpoint (which would hold no optimizer and, under ZeRO-3, no weights)."""
+        """Under DeepSpeed, save the torch optimizer over ES's masters (per process under ZeRO-3) and the scheduler as
+        without DeepSpeed, instead of a DeepSpeed engine checkpoint."""
         if not self.is_deepspeed_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
@@ -254,25 +218,18 @@ class ESCheckpointMixin:
 
     # ------------------------------------------------------------------ what a checkpoint must hold
     def _missing_checkpoint_files(self, folder: str, resume: bool = True) -> list[str]:
-        """The files of ``folder`` that this run needs and that are absent (or empty).
-
-        Always: the model (``model.safetensors``, or its index and every shard it lists, or a PEFT adapter) and its
-        config, the seed log, the fp32 master (``es_master.safetensors``, or ZeRO-3 shards of it) when it differs in
-        dtype from the model's weights, theta_0 (``es_anchor.safetensors``) when this run holds one (``awd_lambda >
-        0`` or ``log_parameter_drift``). To resume (``resume=True``) also ``trainer_state.json`` (the step),
-        ``scheduler.pt`` (the learning rate's place in its schedule), an RNG state (``rng_state*.pth``) and, with
-        ``es_optimizer="torch"``, the optimizer's state (``optimizer.pt``, or ZeRO-3's per-process files).
-        """
-        missing = missing_files(folder, SAVED_MODEL_FILES)
+        """The files of ``folder`` that this run needs and that are absent (or empty); ``resume`` adds the trainer
+        state, scheduler, RNG state and (``es_optimizer="torch"``) optimizer files."""
+        missing = missing_files(folder, SAVED_MODEL_FILES)  # the model (or a PEFT adapter) and its config
         index = os.path.join(folder, "model.safetensors.index.json")
         if not is_present(folder, "model.safetensors") and os.path.isfile(index):
             shards = sorted(set(checkpoint_weight_map(folder).values()))
             missing += [os.path.basename(f) for f in shards if not is_present(folder, os.path.basename(f))]
         needed = [SEED_LOG_NAME]
         if any(e.master.dtype != e.param.dtype for e in self.es_params.entries):
-            needed.append(MASTER_WEIGHTS_NAME)
+            needed.append(MASTER_WEIGHTS_NAME)  # the fp32 master of a 16-bit model
         if self.anchor is not None:
-            needed.append(ANCHOR_WEIGHTS_NAME)
+            needed.append(ANCHOR_WEIGHTS_NAME)  # theta_0 (awd_lambda > 0 or log_parameter_drift)
         missing += [name for name in needed if not _present_or_sharded(folder, name)]
         if resume:
             missing += [name for name in (TRAINER_STATE_NAME, SCHEDULER_NAME) if not is_present(folder, name)]
@@ -285,34 +242,20 @@ class ESCheckpointMixin:
         return missing
 
     def _check_checkpoint(self, folder: str, resume: bool = True) -> SeedLog:
-        """Refuse, before anything is loaded, a checkpoint this run cannot continue exactly.
-
-        Checked: every file the run needs is there (:meth:`_missing_checkpoint_files`); the seed log holds steps
-        1..N (:meth:`SeedLog.load`) and, to resume, ends at the ``global_step`` of ``trainer_state.json``; and, to
-        resume, every setting that :func:`trl_es.replay` or the resumed run reads equals the checkpoint's:
-        :data:`RESUME_HEADER_FIELDS` and the seed log's ``run_settings`` (:data:`RESUME_SETTINGS`, with
-        ``es_optimizer="torch"`` also :data:`TORCH_OPTIMIZER_SETTINGS`, and the reward functions' names). Logs
-        written before a key existed are compared on the keys they hold. Everything else may change on resume
-        (``max_steps``, ``num_train_epochs``, ``output_dir``, logging, saving and evaluation settings, the generation
-        engine, ``use_vllm``, ``anchor_storage``, ``success_threshold``, the number of processes where the
-        checkpoint allows it...).
-
-        Returns:
-            `SeedLog`: The checkpoint's seed log.
+        """Refuse, before anything is loaded, a checkpoint this run cannot continue exactly; returns its seed log.
 
         Raises:
-            ValueError: naming the missing files, the missing or extra steps, or the setting whose value differs
-                (the checkpoint's value and this run's).
+            ValueError: naming the missing files, a seed log that is not steps 1..N of ``trainer_state.json``, or (to
+                resume) the :data:`RESUME_HEADER_FIELDS` / :data:`RESUME_SETTINGS` value that differs.
         """
         saved = self._check_checkpoint_files(folder, resume)
-        if resume:
+        if resume:  # everything else (max_steps, logging, the engine, the number of processes...) may change
             self._check_resume_settings(folder, saved.header)
         return saved
 
     def _check_checkpoint_files(self, folder: str, resume: bool = True) -> SeedLog:
-        """The completeness part of :meth:`_check_checkpoint` (everything but the settings): the folder holds every
-        file the run needs, its seed log holds steps 1..N and, to resume, ``trainer_state.json`` is readable and at
-        step N. What a kill during a checkpoint write leaves fails here (``trainer_state.json`` is written last).
+        """The completeness part of :meth:`_check_checkpoint` (everything but the settings); a checkpoint a kill left
+        half-written fails here (``trainer_state.json`` is written last).
 
         Raises:
             ValueError: naming the missing files or the steps that disagree.
@@ -341,13 +284,8 @@ class ESCheckpointMixin:
 
     def _latest_complete_checkpoint(self) -> str | None:
         """``resume_from_checkpoint="latest"``: the newest ``checkpoint-N`` of ``output_dir`` that
-        :meth:`_check_checkpoint_files` accepts, or ``None`` (start fresh) if there is none.
-
-        A newer folder that is incomplete (a process killed while writing it) is skipped with a warning naming it and
-        why. The main process decides and broadcasts its choice, so every process resumes from the same checkpoint.
-        (Checkpoints whose *settings* differ from this run's are not skipped: :meth:`_check_checkpoint` refuses them
-        afterwards, naming the setting.)
-        """
+        :meth:`_check_checkpoint_files` accepts (incomplete ones skipped with a warning), or ``None`` to start fresh.
+        Different settings are not skipped: :meth:`_check_checkpoint` refuses them afterwards."""
         choice = [None]
         if self.accelerator.is_main_process:
             output_dir = self.args.output_dir
@@ -372,7 +310,7 @@ class ESCheckpointMixin:
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
-            broadcast_object_list(choice, from_process=0)
+            broadcast_object_list(choice, from_process=0)  # every process resumes from the main process's choice
         return choice[0]
 
     def _check_resume_settings(self, folder: str, saved: dict) -> None:
@@ -383,7 +321,7 @@ class ESCheckpointMixin:
         """
         current = self.seed_log.header
         saved = dict(saved)
-        if "perturbation" not in saved and "parameters" in saved:  # logs written before the key: its backend says
+        if "perturbation" not in saved and "parameters" in saved:  # a log without the key: read it from the header
             saved["perturbation"] = header_perturbation(saved).describe()
         differences = [(field, saved[key], current.get(key)) for key, field in RESUME_HEADER_FIELDS.items()
                        if key in saved and saved[key] != current.get(key)]
@@ -403,9 +341,8 @@ class ESCheckpointMixin:
         self._load_es_state(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """With ``es_optimizer="es"`` the optimizer never steps: only the scheduler's state is loaded and the
-        learning rate it gives the next iteration is set (so a checkpoint's optimizer file, or its absence, makes no
-        difference). ``"torch"``: as ``Trainer`` (its file is checked by :meth:`_check_checkpoint`)."""
+        """``es_optimizer="es"``: load only the scheduler and set its learning rate (the optimizer never steps);
+        ``"torch"``: as ``Trainer``."""
         if checkpoint is None or self.args.es_optimizer != "es":
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
@@ -413,10 +350,8 @@ class ESCheckpointMixin:
             group["lr"] = learning_rate
 
     def _load_best_model(self):
-        """``load_best_model_at_end``: the best checkpoint's weights, and with them its ES state: the master, theta_0
-        and the seed log up to the best step, so that the saved model replays from its seed log and further training
-        continues from the best weights. (With ``es_optimizer="torch"`` the optimizer's state stays at the last step,
-        as in ``Trainer``.)
+        """``load_best_model_at_end``: the best checkpoint's weights with its ES state (master, theta_0, seed log); the
+        optimizer's state stays at the last step, as in ``Trainer``.
 
         Raises:
             ValueError: if the best checkpoint lacks a file its ES state needs (:meth:`_missing_checkpoint_files`).
@@ -445,15 +380,14 @@ class ESCheckpointMixin:
             self._init_es_state()
 
     def _load_es_state(self, folder: str) -> None:
-        """The checkpoint's ES master, anchor and seed log, whatever number of processes wrote it (one file each, or
-        ZeRO-3's per-process shards): every process reads exactly its elements (:func:`read_flat_ranges`).
+        """Load the checkpoint's ES master, anchor and seed log, whatever number of processes wrote it.
 
         Raises:
             ValueError: if the checkpoint lacks the fp32 master of a 16-bit model (or, see
                 :meth:`_check_checkpoint`, another ES file), or its seed log has missing steps.
         """
         saved_log = self._check_checkpoint(folder, resume=False)
-        layout = {e.name: (e.start, e.param.numel()) for e in self.es_params.entries}
+        layout = {e.name: (e.start, e.param.numel()) for e in self.es_params.entries}  # the elements this process reads
         masters = read_flat_ranges(folder, MASTER_WEIGHTS_NAME, layout)
         if masters is not None:
             self.es_params.load_master_state_dict(masters)
@@ -468,34 +402,27 @@ class ESCheckpointMixin:
         self._sync_engine_weights()  # use_vllm: the engine computes with the loaded weights
 
     def _adopt_checkpoint_anchor(self, saved: dict[str, torch.Tensor]) -> None:
-        """Use the checkpoint's theta_0: keep the current anchor where it holds the same values (e.g. read from the
-        base model's file), else hold the checkpoint's values in memory (a resumed run decays toward the anchor of
-        the run it continues, whatever model it was started from)."""
+        """Use the checkpoint's theta_0: keep the current anchor if it holds the same values, else hold ``saved``."""
         same = all(torch.equal(saved[n].reshape(-1), self.anchor[n].reshape(-1).to(saved[n].dtype))
                    for n in self.anchor)
-        if not same:
+        if not same:  # decay toward the anchor of the run it continues, whatever model this run started from
             shapes = {e.name: e.param.shape for e in self.es_params.entries}
             self.strategy.anchor = MemoryAnchor({n: saved[n].view(shapes[n]) for n in self.anchor})
 
     def _load_deepspeed_checkpoint(self, folder: str) -> None:
-        """Resume under DeepSpeed from a checkpoint written by this trainer, to the same weights as an uninterrupted
-        run.
+        """Resume under DeepSpeed from this trainer's checkpoint (the gathered model, not a DeepSpeed engine
+        checkpoint), to the same weights as an uninterrupted run.
 
-        The checkpoint holds the model gathered into ``model.safetensors`` (or shards with an index; written by
-        every ZeRO stage), the ES master and anchor (one file, or ZeRO-3's per-process shards with each tensor's
-        ``start,length,numel`` in the metadata) and the seed log. Every process copies its share: its partition of
-        every trained tensor under ZeRO-3, whole tensors otherwise, whatever number of processes wrote the
-        checkpoint (:func:`read_flat_ranges`). Runs before any iteration; raises ``ValueError`` for a PEFT model (its
-        adapter checkpoint is not read here), a checkpoint without the gathered model, or, with
-        ``es_optimizer='torch'``, an optimizer state written by another number of processes. (DeepSpeed's own
-        engine checkpoint is never written: ES has no DeepSpeed optimizer.)
+        Raises:
+            ValueError: for a PEFT model, a checkpoint without the gathered model, or (``es_optimizer='torch'``) an
+                optimizer state written by another number of processes.
         """
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         unwrapped = self.accelerator.unwrap_model(self.model)
         if hasattr(unwrapped, "peft_config"):
             raise ValueError("Resuming a PEFT model under DeepSpeed is not supported: start a new run from the "
                              "checkpoint's adapter, or resume without DeepSpeed.")
-        files = checkpoint_weight_map(folder)
+        files = checkpoint_weight_map(folder)  # model.safetensors or its shards, written by every ZeRO stage
         missing = [e.name for e in self.es_params.entries if e.name not in files]
         if not files or missing:
             raise ValueError(f"Cannot resume ESTrainer under DeepSpeed from {folder!r}: its gathered model "
@@ -511,7 +438,7 @@ class ESCheckpointMixin:
             for e in self.es_params.entries:
                 with safe_open(files[e.name], framework="pt") as f:
                     flat = f.get_tensor(e.name).reshape(-1)
-                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])
+                e.param.view(-1).copy_(flat[e.start : e.start + e.param.numel()])  # this process's partition (ZeRO-3)
         self._load_es_state(folder)
         if optimizer_path is not None:
             self.optimizer.load_state_dict(torch.load(optimizer_path, weights_only=True))

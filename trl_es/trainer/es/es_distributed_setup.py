@@ -31,20 +31,11 @@ class ESDistributedMixin:
 
     @property
     def sharded(self) -> bool:
-        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (members are then scored by all processes
-        together, each on its share of the prompts; see ``docs/scaling.md``)."""
+        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (sharded ES, ``docs/scaling.md``)."""
         return any(is_zero3_param(p) for p in self._es_model_params)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        """Prepare the model without gradient machinery: ES has no backward pass and syncs no weights.
-
-        One process: ``Trainer``'s own preparation. Several processes without DeepSpeed (population parallelism):
-        the model goes through ``accelerator.prepare_model(model, evaluation_mode=True)``, i.e. it is *not* wrapped in
-        ``DistributedDataParallel`` (DDP would broadcast the weights once and allocate gradient buckets as large as
-        the model, never used). DeepSpeed: the engine is built without optimizer (see :func:`es_deepspeed_config`).
-        The torch optimizer owning the fp32 masters and the scheduler are ``Trainer``'s, never given to DeepSpeed.
-        Then the processes' weights are checked to be identical (population parallelism needs it).
-        """
+        """Prepare the model without gradient machinery (ES has no backward pass); returns ``(model, dataloader)``."""
         if not self.is_deepspeed_enabled and self.accelerator.num_processes == 1:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
             self._rebind_es_params()
@@ -54,8 +45,9 @@ class ESDistributedMixin:
             self._created_lr_scheduler = False
         if self.is_deepspeed_enabled:
             model = self._prepare_deepspeed_engine(max_steps)
-            self.create_optimizer()
+            self.create_optimizer()  # Trainer's torch optimizer over the fp32 masters, never given to DeepSpeed
         else:
+            # no DDP wrapper: it would broadcast the weights and allocate gradient buckets never used
             model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
             self.create_optimizer()
             self.optimizer = self.accelerator.prepare(self.optimizer)
@@ -63,7 +55,7 @@ class ESDistributedMixin:
         self.model_wrapped = model
         if not self.sharded:
             self._rebind_es_params()
-            self._check_replicas_identical()
+            self._check_replicas_identical()  # population parallelism needs identical replicas
         if resume_from_checkpoint is not None:
             if self.is_deepspeed_enabled:
                 self._load_deepspeed_checkpoint(resume_from_checkpoint)
@@ -75,10 +67,7 @@ class ESDistributedMixin:
         return model, train_dataloader
 
     def _prepare_deepspeed_engine(self, max_steps: int = 0):
-        """``accelerator.prepare(model)`` under DeepSpeed with the ES config (no optimizer); built once.
-
-        Under ZeRO-3 the ES state is then rebuilt from this process's partitions (``param.ds_tensor``).
-        """
+        """``accelerator.prepare(model)`` under DeepSpeed with the ES config (no optimizer); built once."""
         if getattr(self, "deepspeed", None) is not None:
             return self.deepspeed
         plugin = self.accelerator.state.deepspeed_plugin
@@ -90,16 +79,13 @@ class ESDistributedMixin:
         logger.info(ES_DEEPSPEED_NOTE)
         engine = self.accelerator.prepare(self.model)
         self.deepspeed = self.model_wrapped = engine
-        if self.sharded:
+        if self.sharded:  # rebuild the ES state on this process's partitions (param.ds_tensor)
             self._build_strategy(self.strategy.population, self.strategy.noise)  # the partitions; same noise
             self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
         return engine
 
     def _rebind_es_params(self) -> None:
-        """Point the ES entries at the model's current tensors, keeping the masters.
-
-        Preparing may move the parameters to new storage: accelerate's multi-process device is ``cpu:0`` (or
-        ``cuda:r``), and ``model.to(device)`` then allocates new tensors even on the same device.
+        """Point the ES entries at the model's current tensors (preparing may move them), keeping the masters.
 
         Raises:
             RuntimeError: if a trained parameter changed shape.
@@ -108,6 +94,7 @@ class ESDistributedMixin:
         moved = False
         for entry in self.es_params.entries:
             current = named[entry.name].data
+            # accelerate's device is cpu:0 or cuda:r: model.to(device) allocates new tensors even on the same device
             if current.data_ptr() != entry.param.data_ptr():
                 self.es_params.rebind_(entry.name, current)
                 moved = True
@@ -126,13 +113,11 @@ class ESDistributedMixin:
         self._forward_calls += 1
 
     def _check_replicas_identical(self) -> None:
-        """Population parallelism needs every process to hold the same weights and masters (DDP would have broadcast
-        rank 0's weights). Compare a 16-byte fingerprint across processes; if they differ, broadcast rank 0's model
-        state, masters and anchor (with a warning)."""
+        """Make every process hold rank 0's weights, masters and anchor (as DDP would), warning if they differed."""
         unwrapped = self.accelerator.unwrap_model(self.model)
         named = {f"model.{k}": t for k, t in unwrapped.state_dict().items() if isinstance(t, torch.Tensor)}
         named.update({f"master.{k}": t for k, t in self.es_params.master_state_dict().items()})
-        digest = tensors_fingerprint(named, digest_size=16)
+        digest = tensors_fingerprint(named, digest_size=16)  # 16 bytes travel, not the weights
         agree, nbytes = fingerprints_agree(digest, device=self.accelerator.device)
         self._comm_bytes += nbytes
         if agree:
@@ -157,20 +142,14 @@ class ESDistributedMixin:
             release_gathered_(self._es_model_params)
 
     def _record_comm(self, forward_calls: int) -> None:
-        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration.
-
-        Counted exactly (buffer sizes): the prompt rows gathered (population parallelism), the per-member statistics
-        all-reduced, fingerprint checks. Under ZeRO-3 also: ``generate(synced_gpus=True)``'s one float32 all-reduce
-        per decoding step, and the parameters DeepSpeed all-gathers, estimated as one full gather of every
-        partitioned parameter per forward call (``comm/param_gather_bytes``; an upper bound: small persistent
-        parameters are gathered once per member).
-        """
-        nbytes = self._comm_bytes
+        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration, and under ZeRO-3
+        ``comm/param_gather_bytes`` (an upper bound)."""
+        nbytes = self._comm_bytes  # counted exactly: rows gathered, statistics all-reduced, fingerprint checks
         if self.sharded and self.accelerator.num_processes > 1:
             unwrapped = self.accelerator.unwrap_model(self.model)
             full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
-            gathered = float(forward_calls * full)
+            gathered = float(forward_calls * full)  # one full gather per forward (persistent ones: once per member)
             self._metrics["comm/param_gather_bytes"].append(gathered)
-            nbytes += 4 * forward_calls + gathered
+            nbytes += 4 * forward_calls + gathered  # generate(synced_gpus=True): one float32 all-reduce per step
         self._metrics["comm/bytes"].append(float(nbytes))
         self._comm_bytes = 0.0

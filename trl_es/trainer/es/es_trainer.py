@@ -1,11 +1,7 @@
 """ESTrainer: Evolution Strategies fine-tuning as a TRL trainer (a drop-in for GRPOTrainer).
 
-The constructor reads as the setup story (model, processing class, rewards, data, generation, ES state); then one ES
-iteration top to bottom (:meth:`ESTrainer.training_step`), written against the strategy object
-(:class:`~trl_es.es.strategy.EvolutionStrategy`: ask, groups, apply, tell); then the Trainer hooks it overrides
-(optimizer, generation engine, data, evaluation, logging). Checkpoints (:mod:`.es_checkpoint`) and multi-process
-setup (:mod:`.es_distributed_setup`) are the two mixins; the per-iteration metrics (:mod:`.es_metrics`) and the
-completion table (:mod:`.completion_logs`) are plain helpers. Map of the house: ``docs/architecture.md``.
+Setup, then one ES iteration (:meth:`ESTrainer.training_step`), then the Trainer hooks it overrides. Map:
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -85,18 +81,10 @@ class SharedStream(torch.utils.data.IterableDataset):
 class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
-    Each training step is one ES iteration: every process takes its share of ``prompt_batch_size`` prompts and the
-    shares are gathered, so all members are scored on the same prompts; ``population_size`` members
-    ``theta + sigma * eps_i`` are generated for and scored by the reward functions (the weights are perturbed in
-    place and restored bitwise); the rewards are shaped (z-score by default); and
-    ``theta <- theta + alpha / N * sum_i z_i eps_i`` is applied in fp32 (or handed to a torch optimizer).
-
-    Launched on ``W`` processes (``torchrun``, ``accelerate launch``, ``deepspeed``; see ``docs/scaling.md``):
-    without DeepSpeed or with ZeRO-1/2, *population parallelism*: every process holds the whole model (not wrapped in
-    DDP), scores the members ``i % W == rank``, and per-member reward statistics are summed across processes; every
-    process then applies the same update. With DeepSpeed ZeRO-3, *sharded ES*: every member is scored by all
-    processes together, each on its share of the prompts, and each process perturbs, restores and updates only its
-    partition of the parameters. Either way the weights end bitwise as with one process, given the same completions.
+    One training step is one ES iteration: ``population_size`` members ``theta + sigma * eps_i`` are scored by the
+    reward functions on the same prompts, and ``theta <- theta + alpha / N * sum_i z_i eps_i`` is applied in fp32.
+    On ``W`` processes: population parallelism (members ``i % W == rank``), or sharded ES under ZeRO-3; the weights
+    end bitwise as with one process (``docs/scaling.md``).
 
     Args:
         model (`str` or `PreTrainedModel`): A causal LM or its id/path (loaded with ``args.model_init_kwargs``; in
@@ -114,20 +102,17 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         processing_class (`PreTrainedTokenizerBase`, *optional*): Default: loaded from the model's path.
         reward_processing_classes (*optional*): Tokenizers of reward models, as in GRPOTrainer.
         callbacks (`list[TrainerCallback]`, *optional*): Extra Trainer callbacks.
-        optimizers (*optional*): ``(optimizer, scheduler)`` as in ``Trainer``; with ``es_optimizer='torch'`` a given
-            optimizer must own ``trainer.es_params.master_parameters()``.
-        quantization_config (*optional*): GRPOTrainer's argument (TRL's ``grpo.py`` always passes one): ``None``;
-            a real config is refused (quantized weights cannot be perturbed and restored exactly).
+        optimizers (*optional*): ``(optimizer, scheduler)`` as in ``Trainer``; a given optimizer must own
+            ``trainer.es_params.master_parameters()``.
+        quantization_config (*optional*): GRPOTrainer's argument; only ``None`` (quantized weights cannot be restored
+            exactly).
         peft_config (`peft.PeftConfig`, *optional*): Wrap the model with PEFT; ES then perturbs the adapter only.
-        tools (`list[Callable]`, *optional*): GRPOTrainer's tools (type hints and a Google-style docstring each):
-            prompts are rendered with them and every member's rollout runs GRPO's tool loop
-            (``max_tool_calling_iterations``); see docs/agents.md.
-        rollout_func (`Callable`, *optional*): GRPOTrainer's ``rollout_func(prompts, trainer) -> dict`` (``prompt_ids``,
-            ``completion_ids``; other keys reach the reward functions), called once per member with the member's
-            weights in ``trainer.model`` (with ``use_vllm=True``: generating through ``trainer.vllm_generation``).
-        environment_factory (`Callable` or `dict[str, Callable]`, *optional*): GRPOTrainer's environments: one
-            instance per rollout row, reset for every member under the same random numbers; their public methods
-            are tools, ``get_reward`` an extra reward function.
+        tools (`list[Callable]`, *optional*): GRPOTrainer's tools; every member's rollout runs GRPO's tool loop
+            (docs/agents.md).
+        rollout_func (`Callable`, *optional*): GRPOTrainer's ``rollout_func(prompts, trainer) -> dict``, called once
+            per member with the member's weights in ``trainer.model``.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*): GRPOTrainer's environments, one per
+            rollout row, reset for every member under the same random numbers.
 
     Raises:
         ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
@@ -278,14 +263,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
 
     def _build_strategy(self, population: PopulationBackend, noise) -> None:
-        """:attr:`strategy` (:meth:`EvolutionStrategy.build`) on the trained parameters (whole, or this process's
-        ZeRO-3 partitions) with ``noise``: a ``noise_source`` name, or the source of the strategy it replaces.
-
-        With the low-rank backend and no ``include_parameters``, the selection is every ``nn.Linear`` weight that is
-        not tied to another module (logged); the backend then checks the selection against the model, so a bad one
-        raises here, before any work. A low-rank backend never writes the weights: a parameter already in the
-        master dtype is its own master (no copy).
-        """
+        """Set :attr:`strategy` on the trained parameters with ``noise`` (a ``noise_source`` name, or the source of the
+        strategy it replaces). Raises ``ValueError`` for a selection the backend cannot perturb."""
         args = self.args
         unwrapped = self.accelerator.unwrap_model(self.model)
         lowrank = isinstance(population.perturbation, LowRankPerturbation)
@@ -383,19 +362,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     # ------------------------------------------------------------------ the ES iteration
     # ------------------------------------------------------------------ the run's plan
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """Train (``Trainer.train`` with ES's checkpoints and seed log, :class:`ESCheckpointMixin`), after the main
-        process logged the run's plan (:meth:`plan`; at warning level, so it shows unless ``log_level`` is
-        ``"error"`` or above)."""
+        """``Trainer.train`` with ES's checkpoints and seed log, after logging :meth:`plan`."""
         if self.is_world_process_zero():
-            logger.warning(self.plan())
+            logger.warning(self.plan())  # warning level: shows unless log_level is "error" or above
         return super().train(resume_from_checkpoint, trial, **kwargs)
 
     def plan(self) -> str:
-        """What one iteration of this run does, in the spirit of Trainer's ``***** Running training *****``:
-        processes, members per iteration and per process, prompts per iteration, completions per prompt and their
-        decoding (greedy, or sampled at a temperature), completions per iteration, sigma, the step size and its
-        schedule, the trained parameters, the generation engine, and the ``GRPOConfig`` fields that were mapped or
-        have no effect (:meth:`ESConfig.grpo_fields_plan`). One line each, under a ``***** ES plan *****`` header."""
+        """What one iteration of this run does, one line per fact under ``***** ES plan *****`` (as Trainer's
+        ``***** Running training *****``)."""
         args, world = self.args, self.accelerator.num_processes
         members = args.population_size
         if self.sharded and world > 1:  # ZeRO-3: all processes score every member together, each on its prompts
@@ -477,16 +451,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         return torch.tensor(-float(mean), device=args.device)
 
     def _score_members(self, members: list[Member], rows: list[dict], step: int) -> dict[int, MemberScores]:
-        """The member loop: this process's members, a chunk at a time, applied to the model (restored exactly on
-        leaving the ``with``, also on an exception) and rolled out on the prompt rows.
-
-        Population parallelism: members ``i % W == rank``, each on the whole prompt batch; ZeRO-3 (sharded): every
-        member, scored by all processes together, each on its own prompts. The engine dispatches the chunks
-        (``map_groups``: in order here; over several vLLM servers concurrently, a failed server's chunk run again on
-        another); their scores are collected in chunk order.
-        """
+        """This process's members, a chunk at a time, applied to the model (restored exactly on leaving the ``with``)
+        and rolled out on ``rows``; returns their scores by member index, in chunk order."""
         args = self.args
-        if self.sharded:
+        if self.sharded:  # ZeRO-3: every member, scored by all processes together, each on its own prompts
             indices = list(range(args.population_size))
         else:
             indices = member_indices(args.population_size, self.accelerator.process_index,
@@ -531,20 +499,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         return tool_metrics(counts)
 
     def _seed_sampling(self, step: int, chunk: list[int]) -> None:
-        """With sampling (``generation_config.do_sample``: ``temperature > 0`` or ``generation_kwargs={"do_sample":
-        True}``), seed the generator of a chunk's rollout.
-
-        One member a chunk: the member's samples do not depend on which process scores it (sharded, each process
-        samples its own prompts, so each has its own stream). Stacked members: one stream per generate call, keyed by
-        its first member, so chunks never share a stream; a member's samples then depend on which members share its
-        call (chunking, number of processes): with sampling, the batched backend is not invariant to either (greedy
-        decoding is).
-        """
+        """With sampling (``generation_config.do_sample``), seed the generator of a chunk's rollout."""
         if not self.generation_config.do_sample:
             return
-        if self.population.stacked:
+        if self.population.stacked:  # one stream per generate call, keyed by its first member (depends on chunking)
             torch.manual_seed(member_seed(self.args.seed + 1, step, -1 - int(chunk[0])))
-        else:
+        else:  # a member's samples do not depend on the process; sharded, each process has its own prompts' stream
             offset = (self.accelerator.process_index << 20) * self.sharded
             torch.manual_seed(member_seed(self.args.seed + 1 + offset, step, int(chunk[0])))
 
@@ -689,17 +649,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     # ------------------------------------------------------------------ data
     @staticmethod
     def _check_iterable_train_dataset(args: ESConfig) -> None:
-        """An iterable (streaming) train dataset, as TRL's trainers take it: ``max_steps`` must say how long to train,
-        and every process reads the stream itself.
-
-        ``accelerate`` would otherwise *dispatch* an iterable dataset's batches: process 0 reads them and broadcasts
-        them as tensors, which text rows are not. With ``dispatch_batches=False`` every process iterates the same
-        stream and keeps its slice of each ``prompt_batch_size`` batch (``IterableDatasetShard``); the slices are then
-        gathered as for a map-style dataset, so every process scores the same prompt rows in the same order. On resume,
-        ``Trainer`` skips the batches already used by reading past them (unless ``ignore_data_skip``).
-
-        ``dataloader_num_workers`` is set to 0 (with a warning), as GRPOTrainer does: workers would read the stream's
-        shards in turn and interleave them.
+        """Check ``args`` for an iterable (streaming) train dataset; every process then reads the stream itself.
 
         Raises:
             ValueError: if ``max_steps`` is not set, or ``accelerator_config.dispatch_batches`` is ``True``.
@@ -710,6 +660,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         if args.accelerator_config.dispatch_batches:
             raise ValueError("accelerator_config.dispatch_batches=True cannot dispatch an iterable dataset's text rows "
                              "(accelerate broadcasts tensors only): leave it unset (None) or set it to False.")
+        # every process iterates the stream and keeps its slice of each batch (IterableDatasetShard): text rows
+        # cannot be dispatched, accelerate broadcasts tensors only
         args.accelerator_config.dispatch_batches = False
         if args.dataloader_num_workers != 0:  # as GRPOTrainer: workers would interleave the stream's shards
             logger.warning(f"An iterable train dataset is read in stream order with dataloader_num_workers=0 "
@@ -738,19 +690,13 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
 
     # ------------------------------------------------------------------ evaluation
     def _prepare_forward_precision(self) -> None:
-        """Give the model the precision of training before any forward: every ES forward (``evaluate`` before,
-        during and after ``train``, the members' rollouts) then runs the same computation.
-
-        accelerate applies mixed precision (``bf16``/``fp16``) by wrapping the model's ``forward`` in its autocast
-        (outputs cast back to fp32) when the model is prepared; ``Trainer`` prepares it when training starts, and
-        before its own first evaluation. ES prepares it the same way (``evaluation_mode=True``: no DDP wrapper) at
-        its first forward, whichever comes first. Without mixed precision, or under DeepSpeed (which casts the
-        weights instead), nothing changes. Called by ``evaluate`` and by the member loop (``_score_members``).
-        """
-        if not self.accelerator.native_amp or self.is_deepspeed_enabled:
+        """Give the model the precision of training (bf16/fp16 autocast) before its first forward, so every ES forward
+        (``evaluate`` before, during and after ``train``, the rollouts) runs the same computation."""
+        if not self.accelerator.native_amp or self.is_deepspeed_enabled:  # DeepSpeed casts the weights instead
             return
         if any(getattr(m, "_is_accelerate_prepared", False) for m in (self.model, self.model_wrapped)):
             return
+        # as Trainer before training or its first evaluation; evaluation_mode=True: no DDP wrapper
         prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         if prepared is not self.model:  # as Trainer's evaluation_loop (e.g. torch_compile's wrapper)
             self.model_wrapped = prepared
@@ -759,18 +705,14 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Score the unperturbed model on ``eval_dataset`` and log ``eval_reward`` (and per-function means).
 
-        Each process scores its share of the prompts (every ``W``-th row), ``per_device_eval_batch_size`` prompts per
-        generate call (``num_generations_eval`` completions each, default ``num_generations``), with the trainer's
-        generation engine and settings. The rollouts are summed as training sums a member's
-        (:meth:`~trl_es.es.fitness.MemberScores.from_rollout`): an invalid (non-finite) reward is left out as a ``None``
-        is, and counted in ``{prefix}_num_invalid_rewards``.
+        Rewards are summed as training sums a member's (:meth:`~trl_es.es.fitness.MemberScores.from_rollout`): a
+        non-finite reward is left out as a ``None`` is, and counted.
 
         Returns:
-            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_loss`` (``-{prefix}_reward``, as the training "loss"
-            is the negated mean reward: so ``load_best_model_at_end=True`` with Trainer's default
-            ``metric_for_best_model="loss"`` keeps the checkpoint of the highest eval reward; ``None`` when nothing
-            was scored), ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``,
-            ``{prefix}_num_invalid_rewards``, ``{prefix}_runtime``.
+            `dict[str, float]`: ``{prefix}_reward``, ``{prefix}_loss`` (``-{prefix}_reward``, so Trainer's default
+            ``metric_for_best_model="loss"`` keeps the best eval reward; ``None`` when nothing was scored),
+            ``{prefix}_rewards/{name}/mean``, ``{prefix}_num_completions``, ``{prefix}_num_invalid_rewards``,
+            ``{prefix}_runtime``.
         """
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
@@ -791,7 +733,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self._sync_model_view()
         self._sync_engine_weights()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        indices = list(range(rank, len(dataset), world))
+        indices = list(range(rank, len(dataset), world))  # each process scores every W-th row
         rows = [dataset[i] for i in indices]
         unwrapped = self.accelerator.unwrap_model(self.model)
         batch = self.args.per_device_eval_batch_size
