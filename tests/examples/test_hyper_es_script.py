@@ -130,3 +130,52 @@ def test_table_plots_every_seeds_search_curve(tmp_path):
         with pytest.raises(ValueError, match=r"no search_curve in \['seed1'\]"):
             table.main([*files, "--plot_file", str(tmp_path / "other.png")])
         assert not (tmp_path / "other.png").exists()
+
+
+def test_carries(script):
+    assert [script.carries(a, b, "+") for a, b in ((12, 34), (47, 35), (95, 5), (50, 50), (999, 1))] == [0, 1, 2, 1, 3]
+    assert [script.carries(a, b, "-") for a, b in ((52, 38), (38, 52), (100, 1), (47, 35))] == [1, 1, 2, 0]
+    with pytest.raises(ValueError, match="defined for the operators \\+ and -, got '\\*'"):
+        script.carries(3, 4, "*")
+
+
+def test_difficulty_pools_validation_choice_and_ablation_runs(script, tiny_model_dir, tmp_path):
+    # carries: buckets are contiguous quantiles of (carries, |answer|); bucket 0 the easiest
+    run(script, tiny_model_dir, tmp_path / "carries", "--pool_split", "carries", "--sampled_samples", "0",
+        "--n_validation", "3", "--choose_single_on", "validation", factors=())
+    from trl_es.merging import split_buckets
+    from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict
+
+    rows = make_arithmetic_dataset_dict(12, 3, 4, seed=0)["train"].select(range(8))
+    key = lambda row: (script.carries(row["a"], row["b"], row["op"]), abs(row["answer"]))  # noqa: E731
+    buckets = split_buckets(rows, 2, split_key=key)
+    keys = [[key(r) for r in b] for b in buckets]
+    assert max(keys[0]) <= min(keys[1]) and len(keys[0]) == len(keys[1]) == 4
+    recorded = json.loads((tmp_path / "carries" / "pool" / "pool_rows.json").read_text())
+    assert recorded["pool_split"] == "carries" and recorded["prompts"] == [str(r["prompt"]) for r in rows]
+    saved = json.loads((tmp_path / "carries" / "comparison.json").read_text())
+    assert saved["best_single_adapter"]["chosen_on"] == "validation"
+    assert saved["settings"]["pool_split"] == "carries" and saved["settings"]["evaluations"] == 4
+    # base_success: the base model's sampled rates, recorded with the pool; a rerun reuses it
+    run(script, tiny_model_dir, tmp_path / "success", "--pool_split", "base_success", "--difficulty_samples", "2",
+        "--sampled_samples", "0", factors=())
+    recorded = json.loads((tmp_path / "success" / "pool" / "pool_rows.json").read_text())
+    assert recorded["pool_split"] == "base_success" and recorded["difficulty_samples"] == 2
+    pool = json.loads((tmp_path / "success" / "pool" / "direction_pool.json").read_text())
+    assert pool["split"] == "key quantiles" and [a["bucket_size"] for a in pool["adapters"]] == [4, 4]
+    # an ablation run: the pool of another run, no reference arms, no baseline trained
+    ablation = run(script, tiny_model_dir, tmp_path / "ablation", "--pool_dir", str(tmp_path / "success" / "pool"),
+                   "--pool_split", "base_success", "--difficulty_samples", "2", "--sampled_samples", "0",
+                   "--no_reference_arms", "--search_density", "true")
+    assert sorted(k for k in ablation if not k.startswith(("search", "settings"))) == [
+        "costs", "hyper_es", "hyper_es_fitness", "uniform_merge"]
+    assert sorted(ablation["costs"]) == ["hyper_es", "uniform_merge"]
+    assert not (tmp_path / "success" / "pool" / "grpo_lora_2steps").exists()
+    assert ablation["settings"]["search_density"] is True and ablation["settings"]["coefficients"] == 3
+    with pytest.raises(ValueError, match="pool_split must be one of \\('random', 'difficulty', 'carries', "
+                                         "'base_success'\\), got 'hard'"):
+        run(script, tiny_model_dir, tmp_path / "other", "--pool_split", "hard")
+    with pytest.raises(ValueError, match="choose_single_on='validation' needs validation rows"):
+        run(script, tiny_model_dir, tmp_path / "other", "--choose_single_on", "validation")
+    with pytest.raises(ValueError, match="choose_single_on must be 'fitness' or 'validation', got 'test'"):
+        run(script, tiny_model_dir, tmp_path / "other", "--choose_single_on", "test")
