@@ -179,3 +179,36 @@ def test_difficulty_pools_validation_choice_and_ablation_runs(script, tiny_model
         run(script, tiny_model_dir, tmp_path / "other", "--choose_single_on", "validation")
     with pytest.raises(ValueError, match="choose_single_on must be 'fitness' or 'validation', got 'test'"):
         run(script, tiny_model_dir, tmp_path / "other", "--choose_single_on", "test")
+
+
+def test_ablation_table_and_refusals(tmp_path):
+    with example_script("studies/hyper_es_ablation.py", "hyper_es_ablation") as ablation:
+        def write(folder, hyper, uniform, evaluations, grpo=None):
+            folder.mkdir(parents=True)
+            result = {"hyper_es": hyper, "uniform_merge": uniform,
+                      "settings": {"pool_gradient_updates": 20, "evaluations": evaluations}}
+            if grpo is not None:
+                result["grpo_lora_20steps"] = grpo
+            (folder / "comparison.json").write_text(json.dumps(result))
+
+        write(tmp_path / "seed0", 0.60, 0.55, 100, grpo=0.65)
+        write(tmp_path / "seed1", 0.70, 0.50, 100, grpo=0.64)
+        write(tmp_path / "ablation" / "weights_to_2" / "seed0", 0.58, 0.55, 100)
+        write(tmp_path / "ablation" / "budget_3n" / "seed1", 0.66, 0.50, 30)
+        text = ablation.main(["--out", str(tmp_path), "--seeds", "0", "1", "--arms", "weights_to_2", "budget_3n",
+                              "split_random", "--table_only"])
+        lines = text.splitlines()
+        assert lines[2] == "| recipe | - | 0, 1 | 0.600, 0.700 | 0.550, 0.500 | -0.050, +0.060 | - | 100 |"
+        assert lines[3] == ("| weights_to_2 | weights in [0, 2] instead of [0, K] | 0 | 0.580 | 0.550 | -0.070 | "
+                            "-0.020 | 100 |")
+        assert lines[4] == ("| budget_3n | search budget 3 x n (3 generations) instead of 10 x n | 1 | 0.660 | 0.500 "
+                            "| +0.020 | -0.040 | 30 |")
+        assert lines[5].startswith("| split_random | pool split: random instead of carries | - | - | - | - | - |")
+        assert (tmp_path / "ablation.md").read_text() == text
+        # a finished run is not run again; an arm that reuses a missing pool and an unknown arm are refused
+        assert ablation.run_arm(str(tmp_path), "weights_to_2", 0) == str(
+            tmp_path / "ablation" / "weights_to_2" / "seed0" / "comparison.json")
+        with pytest.raises(ValueError, match="reuses the recipe run's pool, and .*seed2/pool has none"):
+            ablation.run_arm(str(tmp_path), "fitness_16", 2)
+        with pytest.raises(ValueError, match="unknown ablation arm 'nope'"):
+            ablation.run_arm(str(tmp_path), "nope", 0)
