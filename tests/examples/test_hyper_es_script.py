@@ -212,3 +212,27 @@ def test_ablation_table_and_refusals(tmp_path):
             ablation.run_arm(str(tmp_path), "fitness_16", 2)
         with pytest.raises(ValueError, match="unknown ablation arm 'nope'"):
             ablation.run_arm(str(tmp_path), "nope", 0)
+
+
+@pytest.mark.parametrize("recipe", ["hyper_es_paper_protocol_cpu.yaml", "hyper_es_arithmetic.yaml"])
+def test_paper_protocol_recipes_parse_with_the_values_they_state(script, recipe):
+    import os
+
+    import yaml
+    from paths import REPO
+
+    path = os.path.join(REPO, "examples", "recipes", recipe)
+    script_args, config = TrlESParser((script.HyperESScriptArguments, HyperESConfig)).parse_args_and_config(
+        ["--config", path])
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    assert config.report_to == [] and raw.pop("report_to") == "none"
+    for key, value in raw.items():
+        target = script_args if hasattr(script_args, key) else config
+        assert getattr(target, key) == value, key
+    assert (script_args.num_adapters, script_args.pool_split, config.final_genome) == (10, "carries", "validation")
+    assert config.population_size is None and config.weight_bounds == [0.0, 10.0]
+    # 10 x n evaluations with pycma's default population 4 + floor(3 ln n)
+    n = 10 if config.genome_granularity == "global" else 30 * 10
+    popsize = 4 + int(3 * __import__("math").log(n))
+    assert config.max_generations * popsize >= 10 * n
