@@ -11,6 +11,7 @@ reference. A run with a ``comparison.json`` is skipped, so the command can be st
 
     python examples/studies/hyper_es_ablation.py --out runs/hyper_es_paper --seeds 0 [--arms split_random ...]
     python examples/studies/hyper_es_ablation.py --out runs/hyper_es_paper --seeds 0 1 2 --table_only
+    python examples/studies/hyper_es_ablation.py --out runs/hyper_es_paper --seeds 0 --scaled_uniform 1 2 5 10
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 
 from trl_es.files import write_text
+
 
 RECIPE = "examples/recipes/hyper_es_paper_protocol_cpu.yaml"
 # arm -> (what it changes, whether it trains its own pool, overrides of the recipe)
@@ -67,6 +69,57 @@ def run_arm(out: str, arm: str, seed: int, python: str = sys.executable) -> str:
         command += ["--resume_from_checkpoint", os.path.join(folder, checkpoints[-1])]
     print(" ".join(command), file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
+    return result
+
+
+def scaled_uniform(out: str, seed: int, weights: list[float], arm: str | None = None, recipe: str = RECIPE,
+                   extra: tuple[str, ...] = ()) -> dict:
+    """Validation accuracy of the uniform merge with every weight ``w`` (``w = 1``: the search's start, the disjoint
+    mean; ``w = K``: about the directions' sum where they agree), for each ``w`` in ``weights``: the space's element
+    measured without a search. The pool is the recipe run's for ``seed`` (or ``arm``'s own); only validation rows are
+    scored. ``extra``: more overrides of ``recipe``. Written to ``<pool folder>/../scaled_uniform.json``.
+
+    Raises:
+        ValueError: when the pool is missing or was trained on other rows than this seed's recipe selects.
+    """
+    import importlib.util
+
+    from trl_es import HyperESConfig, HyperESTrainer
+    from trl_es.arguments import TrlESParser
+    from trl_es.models import load_model_and_tokenizer
+    from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
+
+    spec = importlib.util.spec_from_file_location("hyper_es_script", "examples/scripts/hyper_es.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # dataclasses resolve their module by name
+    spec.loader.exec_module(script)
+    folder = os.path.join(out, f"seed{seed}") if arm is None else os.path.join(out, "ablation", arm, f"seed{seed}")
+    overrides = ARMS[arm][2] if arm is not None else []
+    script_args, config = TrlESParser((script.HyperESScriptArguments, HyperESConfig)).parse_args_and_config(
+        ["--config", recipe, "--output_dir", folder, "--task_seed", str(seed), "--seed", str(42 + seed), *overrides,
+         *extra, "--weight_bounds", "0", str(max(max(weights), 1.0))])
+    pool = os.path.join(folder, "pool")
+    recorded = load(os.path.join(pool, script.POOL_ROWS_NAME))
+    splits = make_arithmetic_dataset_dict(script_args.n_pool + script_args.n_fitness, script_args.n_validation,
+                                          script_args.n_eval, seed=seed, low=script_args.low, high=script_args.high,
+                                          ops=tuple(script_args.ops))
+    prompts = [str(splits["train"][i]["prompt"]) for i in range(script_args.n_pool)]
+    if recorded is None or recorded["prompts"] != prompts:
+        raise ValueError(f"no pool in {pool} trained on this seed's pool rows: run the recipe (or the arm) first.")
+    adapters = [r["adapter"] for r in load(os.path.join(pool, "direction_pool.json"))["adapters"]]
+    model, tokenizer = load_model_and_tokenizer(script_args.model_name_or_path, dtype=script_args.dtype)
+    trainer = HyperESTrainer(model, adapters, reward_funcs=arithmetic_reward, args=config,
+                             train_dataset=splits["train"].select(range(script_args.n_pool, len(splits["train"]))),
+                             eval_dataset=splits["validation"], processing_class=tokenizer)
+    result = {"pool": pool, "num_adapters": len(adapters), "validation_rows": len(splits["validation"]),
+              "validation": {}}
+    for weight in weights:
+        genome = trainer.space.decode(trainer.space.x0(weight))
+        result["validation"][str(weight)] = trainer.evaluate(genome=genome, metric_key_prefix="val")["val_reward"]
+        print(f"uniform merge, every weight {weight:g}: validation {result['validation'][str(weight)]:.3f}",
+              file=sys.stderr, flush=True)
+    with open(os.path.join(folder, "scaled_uniform.json"), "w") as f:
+        json.dump(result, f, indent=2)
     return result
 
 
@@ -117,7 +170,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--table_only", action="store_true", help="Write the table of the runs there are.")
+    parser.add_argument("--scaled_uniform", type=float, nargs="+", default=None, metavar="W",
+                        help="Only score the uniform merge with every weight W on the validation rows, for each seed "
+                        "(the recipe run's pool; with one --arms, that arm's pool), and stop.")
     args = parser.parse_args(argv)
+    if args.scaled_uniform:
+        arm = args.arms[0] if len(args.arms) == 1 else None
+        return json.dumps([scaled_uniform(args.out, seed, args.scaled_uniform, arm) for seed in args.seeds])
     if not args.table_only:
         for seed in args.seeds:
             for arm in args.arms:
