@@ -36,6 +36,8 @@ ARMS = {
     "weights_to_2": ("weights in [0, 2] instead of [0, K]", False, ["--weight_bounds", "0", "2"]),
     "budget_3n": ("search budget 3 x n (3 generations) instead of 10 x n", False, ["--max_generations", "3"]),
     "fitness_16": ("16 fitness prompts per generation instead of 64", False, ["--prompt_batch_size", "16"]),
+    "noise_handler": ("pycma's NoiseHandler (up to 2 prompt batches per fitness)", False,
+                      ["--noise_handling", "true", "--noise_max_evaluations", "2"]),
     "density_searched": ("the DARE density in the genome (n = 11)", False, ["--search_density", "true"]),
     "layer_genome": ("layer-wise genome (n = 300), same 100 evaluations", False,
                      ["--genome_granularity", "layer"]),
