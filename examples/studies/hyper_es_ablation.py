@@ -99,7 +99,8 @@ def scaled_uniform(out: str, seed: int, weights: list[float], arm: str | None = 
     overrides = ARMS[arm][2] if arm is not None else []
     script_args, config = TrlESParser((script.HyperESScriptArguments, HyperESConfig)).parse_args_and_config(
         ["--config", recipe, "--output_dir", folder, "--task_seed", str(seed), "--seed", str(42 + seed), *overrides,
-         *extra, "--weight_bounds", "0", str(max(max(weights), 1.0))])
+         *extra, "--weight_bounds", "0", str(max(max(weights), 1.0)),
+         "--cache_pruned_deltas", "false"])  # a few merges: K fp32 copies of the weights are not worth their memory
     pool = os.path.join(folder, "pool")
     recorded = load(os.path.join(pool, script.POOL_ROWS_NAME))
     splits = make_arithmetic_dataset_dict(script_args.n_pool + script_args.n_fitness, script_args.n_validation,
