@@ -79,7 +79,8 @@ def scaled_uniform(out: str, seed: int, weights: list[float], arm: str | None = 
     """Validation accuracy of the uniform merge with every weight ``w`` (``w = 1``: the search's start, the disjoint
     mean; ``w = K``: about the directions' sum where they agree), for each ``w`` in ``weights``: the space's element
     measured without a search. The pool is the recipe run's for ``seed`` (or ``arm``'s own); only validation rows are
-    scored. ``extra``: more overrides of ``recipe``. Written to ``<pool folder>/../scaled_uniform.json``.
+    scored. ``extra``: more overrides of ``recipe``. Written to ``<pool folder>/../scaled_uniform.json`` (added to the
+    weights it already holds for the same pool).
 
     Raises:
         ValueError: when the pool is missing or was trained on other rows than this seed's recipe selects.
@@ -116,6 +117,9 @@ def scaled_uniform(out: str, seed: int, weights: list[float], arm: str | None = 
                              eval_dataset=splits["validation"], processing_class=tokenizer)
     result = {"pool": pool, "num_adapters": len(adapters), "validation_rows": len(splits["validation"]),
               "validation": {}}
+    previous = load(os.path.join(folder, "scaled_uniform.json"))
+    if previous is not None and previous["pool"] == pool:  # add to the weights scored before
+        result["validation"] = previous["validation"]
     for weight in weights:
         genome = trainer.space.decode(trainer.space.x0(weight))
         result["validation"][str(weight)] = trainer.evaluate(genome=genome, metric_key_prefix="val")["val_reward"]

@@ -251,6 +251,10 @@ def test_scaled_uniform_merges_on_validation(script, tiny_model_dir, tmp_path):
         assert sorted(result["validation"]) == ["0.0", "1.0", "2.0"] and result["validation_rows"] == 3
         saved = json.loads((tmp_path / "seed0" / "scaled_uniform.json").read_text())
         assert saved == result and result["num_adapters"] == 2
+        recipe = os.path.join(REPO, "examples", "recipes", "hyper_es_paper_protocol_cpu.yaml")
+        again = ablation.scaled_uniform(str(tmp_path), 0, [3.0], recipe=recipe, extra=tuple(tiny))  # added to them
+        assert sorted(again["validation"]) == ["0.0", "1.0", "2.0", "3.0"]
+        assert {k: again["validation"][k] for k in result["validation"]} == result["validation"]
         # weight 0 is the base model, weight 1 the uniform merge: scored independently on the same validation rows
         # (the tiny model scores 0 on arithmetic either way: this checks the rows and the plumbing)
         from trl_es.models import load_model_and_tokenizer
