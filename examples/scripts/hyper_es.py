@@ -226,6 +226,8 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
         if os.path.exists(rows_file):
             with open(rows_file) as f:
                 recorded = json.load(f)
+            if num_adapters == 1 and recorded.get("num_adapters") == 1:
+                recorded["pool_split"] = None  # a baseline recorded with the split of its run: one bucket either way
         if recorded != recipe:
             differ = "no " + POOL_ROWS_NAME if recorded is None else "differing: " + ", ".join(
                 sorted(k for k in {*recorded, *recipe} if recorded.get(k) != recipe.get(k)))

@@ -66,6 +66,12 @@ def test_comparison_with_grpo_lora_baselines_pass_at_k_and_costs(script, tiny_mo
     assert baseline.stat().st_mtime_ns == stamp
     assert again["grpo_lora_3steps"] == saved["grpo_lora_3steps"] and again["base"] == saved["base"]
     assert again["sampled"]["grpo_lora_3steps"] == saved["sampled"]["grpo_lora_3steps"]  # seeded sampling
+    # a baseline recorded with its run's split (one bucket either way) is reused under another split
+    rows_file = tmp_path / "run" / "pool" / "grpo_lora_3steps" / "pool_rows.json"
+    assert json.loads(rows_file.read_text())["pool_split"] is None
+    rows_file.write_text(json.dumps(dict(json.loads(rows_file.read_text()), pool_split="random")))
+    again = run(script, tiny_model_dir, tmp_path / "run")
+    assert baseline.stat().st_mtime_ns == stamp and again["grpo_lora_3steps"] == saved["grpo_lora_3steps"]
     with pytest.raises(ValueError, match="other rows or settings than this run.s \\(differing: pool_learning_rate;"):
         run(script, tiny_model_dir, tmp_path / "run", "--pool_learning_rate", "1e-3")
     tracked = run(script, tiny_model_dir, tmp_path / "tracked", "--n_validation", "3", "--track_validation",
