@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from trl_es.arguments import TrlESParser
 from trl_es.files import is_main_process, save_figure, write_json
-from trl_es.merging import build_direction_pool
+from trl_es.merging import build_direction_pool, sampled_success_rates
 from trl_es.merging.direction_pool import POOL_NAME
 from trl_es.models import load_model_and_tokenizer
 from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
@@ -77,8 +77,19 @@ class HyperESScriptArguments:
     )
     reuse_pool: bool = field(default=True, metadata={"help": "Reuse a pool already in pool_dir instead of training."})
     pool_split: str = field(
-        default="random", metadata={"help": "Buckets: 'random' or 'difficulty' (quantiles of the answer's size)."}
+        default="random",
+        metadata={
+            "help": "How the pool rows are cut into K buckets: 'random' (a seeded permutation), or contiguous "
+            "quantiles of a difficulty key, bucket 0 the easiest: 'difficulty' (the answer's size |answer|), "
+            "'carries' (the carries of the addition, or borrows of the subtraction, then |answer|: what the task "
+            "defines), 'base_success' (the base model's sampled failure rate on the row, difficulty_samples samples "
+            "at the pool's GRPO sampling: for any task)."
+        },
     )
+    difficulty_samples: int = field(
+        default=4, metadata={"help": "With pool_split='base_success': samples per pool row to estimate its rate."}
+    )
+
     pool_max_steps: int = field(default=10, metadata={"help": "GRPO steps per adapter."})
     pool_learning_rate: float = field(default=1e-4, metadata={"help": "GRPO learning rate."})
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (paper: 32)."})
@@ -110,6 +121,21 @@ class HyperESScriptArguments:
         default=None, metadata={"help": "Pass@K on the first this many held-out prompts (default: all n_eval)."}
     )
     sample_batch_size: int = field(default=8, metadata={"help": "Prompts per sampled generate call."})
+    choose_single_on: str = field(
+        default="fitness",
+        metadata={
+            "help": "Rows the best single adapter is chosen on: 'fitness' (the whole fitness split) or 'validation' "
+            "(the n_validation rows, as the final genome with final_genome='validation')."
+        },
+    )
+    reference_arms: bool = field(
+        default=True,
+        metadata={
+            "help": "Score the reference arms on the held-out rows: base, every single adapter, the GRPO-LoRA "
+            "baselines (trained or reused). False: only the uniform merge and Hyper-ES, no baseline trained, for "
+            "ablation runs whose reference arms are those of the run they vary (the same rows and seed)."
+        },
+    )
     track_validation: bool = field(
         default=False,
         metadata={
@@ -117,6 +143,56 @@ class HyperESScriptArguments:
             "(needs n_validation; diagnostic, not part of the search) for search_curve.png and comparison.json."
         },
     )
+
+
+POOL_SPLITS = ("random", "difficulty", "carries", "base_success")
+
+
+def carries(a: int, b: int, op: str) -> int:
+    """The carries of ``a + b`` (or the borrows of ``|a - b|``, larger minus smaller) in base 10, digit by digit.
+
+    Raises:
+        ValueError: for another operator.
+    """
+    if op not in ("+", "-"):
+        raise ValueError(f"pool_split='carries' is defined for the operators + and -, got {op!r}; use "
+                         "'difficulty' or 'base_success'.")
+    a, b = abs(a), abs(b)
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    count, carry = 0, 0
+    while a or b:
+        da, db = a % 10, b % 10
+        if op == "+":
+            carry = int(da + db + carry >= 10)
+        else:
+            carry = int(da - db - carry < 0)
+        count += carry
+        a, b = a // 10, b // 10
+    return count
+
+
+def pool_split_key(script_args, model, tokenizer, rows, seed: int):
+    """The ``split_key`` of ``build_direction_pool`` for ``pool_split`` (``None``: random buckets).
+
+    Raises:
+        ValueError: for an unknown ``pool_split``.
+    """
+    if script_args.pool_split not in POOL_SPLITS:
+        raise ValueError(f"pool_split must be one of {POOL_SPLITS}, got {script_args.pool_split!r}.")
+    if script_args.pool_split == "difficulty":
+        return lambda row: abs(row["answer"])
+    if script_args.pool_split == "carries":
+        return lambda row: (carries(row["a"], row["b"], row["op"]), abs(row["answer"]))
+    if script_args.pool_split == "base_success":
+        rates = sampled_success_rates(
+            model, tokenizer, [rows[i] for i in range(len(rows))], [arithmetic_reward],
+            num_samples=script_args.difficulty_samples,
+            max_completion_length=script_args.pool_max_completion_length, seed=seed,
+        )
+        logger.info(f"Base success rates of the {len(rates)} pool rows: mean {sum(rates) / len(rates):.3f}")
+        return [1.0 - rate for rate in rates]  # bucket 0: the rows the base model solves most often
+    return None
 
 
 def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: str, num_adapters: int,
@@ -140,12 +216,18 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
               **{key: getattr(script_args, key) for key in (
                   "pool_split", "pool_learning_rate", "lora_r", "lora_alpha", "pool_batch_size",
                   "pool_num_generations", "pool_max_completion_length")}}
+    if num_adapters == 1:  # one bucket: the split does not matter (a GRPO-LoRA baseline is shared across splits)
+        recipe["pool_split"] = None
+    elif script_args.pool_split == "base_success":
+        recipe["difficulty_samples"] = script_args.difficulty_samples
     rows_file = os.path.join(pool_dir, POOL_ROWS_NAME)
     if script_args.reuse_pool and os.path.exists(os.path.join(pool_dir, POOL_NAME)):
         recorded = None
         if os.path.exists(rows_file):
             with open(rows_file) as f:
                 recorded = json.load(f)
+            if num_adapters == 1 and recorded.get("num_adapters") == 1:
+                recorded["pool_split"] = None  # a baseline recorded with the split of its run: one bucket either way
         if recorded != recipe:
             differ = "no " + POOL_ROWS_NAME if recorded is None else "differing: " + ", ".join(
                 sorted(k for k in {*recorded, *recipe} if recorded.get(k) != recipe.get(k)))
@@ -157,8 +239,7 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
             records = json.load(f)["adapters"]
         logger.info(f"Reusing the direction pool in {pool_dir}: {[r['adapter'] for r in records]}")
         return [r["adapter"] for r in records], records
-    if script_args.pool_split not in ("random", "difficulty"):
-        raise ValueError(f"pool_split must be 'random' or 'difficulty', got {script_args.pool_split!r}.")
+    split_key = pool_split_key(script_args, model, tokenizer, rows, training_args.seed) if num_adapters > 1 else None
     adapters = build_direction_pool(
         model,
         rows,
@@ -166,7 +247,7 @@ def pool_adapters(script_args, training_args, model, tokenizer, rows, pool_dir: 
         num_adapters=num_adapters,
         output_dir=pool_dir,
         processing_class=tokenizer,
-        split_key=(lambda row: abs(row["answer"])) if script_args.pool_split == "difficulty" else None,
+        split_key=split_key,
         max_steps=steps,
         learning_rate=script_args.pool_learning_rate,
         lora_r=script_args.lora_r,
@@ -286,6 +367,14 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     if training_args.final_genome == "validation" and script_args.n_validation < 1:
         raise ValueError("final_genome='validation' needs validation rows: set n_validation (the test split is not "
                          "for choosing).")
+    if script_args.pool_split not in POOL_SPLITS:
+        raise ValueError(f"pool_split must be one of {POOL_SPLITS}, got {script_args.pool_split!r}.")
+    if script_args.choose_single_on not in ("fitness", "validation"):
+        raise ValueError(f"choose_single_on must be 'fitness' or 'validation', got {script_args.choose_single_on!r}.")
+    if script_args.choose_single_on == "validation" and script_args.n_validation < 1:
+        raise ValueError("choose_single_on='validation' needs validation rows: set n_validation.")
+    if script_args.difficulty_samples < 1:
+        raise ValueError(f"difficulty_samples must be >= 1, got {script_args.difficulty_samples}.")
     if script_args.track_validation and script_args.n_validation < 1:
         raise ValueError("track_validation needs validation rows: set n_validation.")
     splits = make_arithmetic_dataset_dict(
@@ -308,7 +397,7 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
     )
     pool_updates = script_args.num_adapters * script_args.pool_max_steps
     baselines = {}  # GRPO-LoRA at f x the pool's gradient updates: name -> (adapter folder, record)
-    for factor in script_args.grpo_lora_factors:
+    for factor in script_args.grpo_lora_factors if script_args.reference_arms else ():
         if not factor > 0:
             raise ValueError(f"grpo_lora_factors must be > 0, got {factor}.")
         steps = max(1, round(factor * pool_updates))
@@ -341,25 +430,30 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         with arm_trainer.merged(genome):
             return sampled_figures(arm_trainer.model, tokenizer, sampled_rows, training_args, script_args)
 
-    results = {"base": trainer.evaluate(held_out, genome="base", metric_key_prefix="base")["base_reward"]}
-    figures = {"base": sampled(trainer, "base")}
-    singles_fitness, singles_eval = [], []
-    for k, name in enumerate(trainer.space.adapter_names):
-        singles_fitness.append(
-            trainer.evaluate(fitness_rows, genome=k, metric_key_prefix=f"fit_{name}")[f"fit_{name}_reward"]
-        )
-        singles_eval.append(trainer.evaluate(held_out, genome=k, metric_key_prefix=name)[f"{name}_reward"])
-    best_k = max(range(len(singles_fitness)), key=singles_fitness.__getitem__)
-    results["single_adapters"] = dict(zip(trainer.space.adapter_names, singles_eval, strict=True))
-    results["best_single_adapter"] = {"name": trainer.space.adapter_names[best_k], "reward": singles_eval[best_k]}
-    figures["best_single_adapter"] = sampled(trainer, best_k)
+    results, figures = {}, {}
+    choice_rows = splits["validation"] if script_args.choose_single_on == "validation" else fitness_rows
+    best_k = 0
+    if script_args.reference_arms:
+        results["base"] = trainer.evaluate(held_out, genome="base", metric_key_prefix="base")["base_reward"]
+        figures["base"] = sampled(trainer, "base")
+        singles_choice, singles_eval = [], []
+        for k, name in enumerate(trainer.space.adapter_names):
+            singles_choice.append(
+                trainer.evaluate(choice_rows, genome=k, metric_key_prefix=f"fit_{name}")[f"fit_{name}_reward"]
+            )
+            singles_eval.append(trainer.evaluate(held_out, genome=k, metric_key_prefix=name)[f"{name}_reward"])
+        best_k = max(range(len(singles_choice)), key=singles_choice.__getitem__)
+        results["single_adapters"] = dict(zip(trainer.space.adapter_names, singles_eval, strict=True))
+        results["best_single_adapter"] = {"name": trainer.space.adapter_names[best_k], "reward": singles_eval[best_k],
+                                          "chosen_on": script_args.choose_single_on}
+        figures["best_single_adapter"] = sampled(trainer, best_k)
     results["uniform_merge"] = trainer.evaluate(held_out, genome="uniform", metric_key_prefix="uniform")[
         "uniform_reward"
     ]
     figures["uniform_merge"] = sampled(trainer, "uniform")
     # Each GRPO-LoRA baseline is one adapter applied alone (W0 + Delta), scored before the search, while the model
     # holds the base weights (a trainer takes the weights it finds as W0).
-    for name, (folder, _) in baselines.items():
+    for name, (folder, _) in (baselines.items() if script_args.reference_arms else ()):
         arm = HyperESTrainer(model, [folder], reward_funcs=arithmetic_reward, args=training_args,
                              train_dataset=fitness_rows, eval_dataset=held_out, processing_class=tokenizer)
         results[name] = arm.evaluate(held_out, genome=0, metric_key_prefix=name)[f"{name}_reward"]
@@ -383,6 +477,8 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
             if point["generation"] in tracked:
                 point["validation_mean_genome"] = tracked[point["generation"]]
     results["costs"] = arm_costs(pool_records, best_k, baselines, train_output.metrics, search_seconds)
+    if not script_args.reference_arms:
+        results["costs"] = {arm: results["costs"][arm] for arm in ("uniform_merge", "hyper_es")}
     if training_args.resume_from_checkpoint:  # the tokens and seconds of the search before the resume are not known
         results["costs"]["hyper_es"]["partial"] = "resumed: search tokens and seconds since the resume only"
     results["settings"] = {
@@ -395,6 +491,14 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
         "final_genome": training_args.final_genome,
         "genome_granularity": training_args.genome_granularity,
         "noise_handling": training_args.noise_handling,
+        "pool_split": script_args.pool_split,
+        "num_adapters": script_args.num_adapters,
+        "pool_max_steps": script_args.pool_max_steps,
+        "pool_batch_size": script_args.pool_batch_size,
+        "prompt_batch_size": training_args.prompt_batch_size,
+        "search_density": training_args.search_density,
+        "weight_bounds": list(training_args.weight_bounds),
+        "evaluations": trainer.search.num_told,
         "pool_gradient_updates": pool_updates,
         "sampled_samples": script_args.sampled_samples,
         "sampled_prompts": len(sampled_rows) if script_args.sampled_samples else 0,
@@ -406,13 +510,13 @@ def main(script_args: HyperESScriptArguments, training_args: HyperESConfig) -> d
             plot_search(trainer.history, tracker.records if tracker else [],
                         os.path.join(training_args.output_dir, "search_curve.png"))
         print("held-out mean reward:")
-        print(f"  base                 {results['base']:.4f}")
-        print(
-            f"  best single adapter  {results['best_single_adapter']['reward']:.4f} ({results['best_single_adapter']['name']})"
-        )
+        if script_args.reference_arms:
+            print(f"  base                 {results['base']:.4f}")
+            best = results["best_single_adapter"]
+            print(f"  best single adapter  {best['reward']:.4f} ({best['name']})")
         print(f"  uniform merge        {results['uniform_merge']:.4f}")
         print(f"  Hyper-ES             {results['hyper_es']:.4f}")
-        for name in baselines:
+        for name in baselines if script_args.reference_arms else ():
             print(f"  {name:<20} {results[name]:.4f}")
     return results
 

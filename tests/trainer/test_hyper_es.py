@@ -27,6 +27,7 @@ from trl_es.merging import (
     dare_ties_merge,
     group_modules,
     module_seed,
+    sampled_success_rates,
     split_buckets,
 )
 from trl_es.merging.dare_ties import seeded_rng
@@ -576,6 +577,46 @@ def test_split_buckets(prompts):
     assert [p[0]["content"] for p in by_key[0]["prompt"]] == ["5 + 5 =", "4 + 4 =", "3 + 3 ="]
     with pytest.raises(ValueError, match="fewer than num_adapters"):
         split_buckets(prompts, 7)
+
+
+def test_split_buckets_by_per_row_keys(prompts):
+    # one key per row (e.g. 1 - the base model's success rate): sorted stably, cut into contiguous buckets
+    buckets = split_buckets(prompts, 3, split_key=[0.5, 0.0, 1.0, 0.5, 0.0, 0.75])
+    assert [[p[0]["content"] for p in b["prompt"]] for b in buckets] == [
+        ["1 + 1 =", "4 + 4 ="], ["0 + 0 =", "3 + 3 ="], ["5 + 5 =", "2 + 2 ="]]
+    buckets = split_buckets(prompts, 2, split_key=(5, 4, 3, 2, 1, 0))
+    assert [[p[0]["content"] for p in b["prompt"]] for b in buckets] == [
+        ["5 + 5 =", "4 + 4 =", "3 + 3 ="], ["2 + 2 =", "1 + 1 =", "0 + 0 ="]]
+    with pytest.raises(ValueError, match="split_key has 5 keys for 6 rows"):
+        split_buckets(prompts, 2, split_key=[0, 1, 2, 3, 4])
+
+
+def _even_operand_reward(prompts, completions, **kwargs):
+    """1 on the rows whose operand is even, whatever the completion; 0.25 on operand 3 (below the threshold)."""
+    values = []
+    for prompt in prompts:
+        operand = int(prompt[0]["content"].split()[0])
+        values.append(0.25 if operand == 3 else float(operand % 2 == 0))
+    return values
+
+
+def test_sampled_success_rates(tiny_llama, tokenizer, prompts):
+    rows = [prompts[i] for i in range(len(prompts))]
+    state = torch.random.get_rng_state()
+    rates = sampled_success_rates(tiny_llama, tokenizer, rows, [_even_operand_reward], num_samples=3,
+                                  max_completion_length=4, seed=5)
+    assert rates == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert torch.equal(torch.random.get_rng_state(), state)  # seeded inside a fork of the RNG
+    # a completion-dependent reward: multiples of 1/4, the same for the same seed
+    vowels = [lambda completions, **kw: [float(sum(ch in "aeiou" for ch in c[0]["content"]) > 1) for c in completions]]
+    first = sampled_success_rates(tiny_llama, tokenizer, rows, vowels, num_samples=4, max_completion_length=6, seed=1)
+    assert first == sampled_success_rates(tiny_llama, tokenizer, rows, vowels, num_samples=4,
+                                          max_completion_length=6, seed=1)
+    assert all(4 * r == int(4 * r) and 0.0 <= r <= 1.0 for r in first)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sampled_success_rates(tiny_llama, tokenizer, rows, [_even_operand_reward], temperature=0.0)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+        sampled_success_rates(tiny_llama, tokenizer, rows, [_even_operand_reward], num_samples=0)
 
 
 def test_build_direction_pool_on_tiny_model(tiny_llama, tokenizer, prompts, tmp_path):

@@ -13,7 +13,7 @@ from .dare_ties import (
     module_seed,
     ties_merge,
 )
-from .direction_pool import DEFAULT_TARGET_MODULES, build_direction_pool, split_buckets
+from .direction_pool import DEFAULT_TARGET_MODULES, build_direction_pool, sampled_success_rates, split_buckets
 from .genome import GRANULARITIES, Genome, GenomeSpace, group_modules, layer_index
 from .lora_delta import (
     DenseDelta,
@@ -47,6 +47,7 @@ __all__ = [
     "low_rank_factors",
     "merge_module_deltas",
     "module_seed",
+    "sampled_success_rates",
     "save_deltas_as_lora",
     "split_buckets",
     "ties_merge",

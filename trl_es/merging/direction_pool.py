@@ -2,7 +2,9 @@
 
 Each adapter is a cheap "direction" in weight space (a few GRPO steps, Shao et al. 2024, "DeepSeekMath", Sec. 4.1,
 through TRL's ``GRPOTrainer`` with a LoRA ``peft_config``); the search then only chooses how to merge them. Buckets
-are a seeded random split of the data (default) or contiguous quantiles of a user key (e.g. difficulty).
+are a seeded random split of the data (default) or contiguous quantiles of a difficulty key: one the task defines
+(e.g. the carries of an addition) or, for any task, the base model's sampled success rate on each row
+(:func:`sampled_success_rates`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ POOL_NAME = "direction_pool.json"
 
 
 def split_buckets(
-    dataset, num_buckets: int, seed: int = 42, split_key: Callable[[dict], object] | None = None
+    dataset, num_buckets: int, seed: int = 42, split_key: Callable[[dict], object] | Sequence | None = None
 ) -> list:
     """Split a dataset into ``num_buckets`` disjoint buckets of (almost) equal size.
 
@@ -32,28 +34,71 @@ def split_buckets(
         dataset (`datasets.Dataset`): The rows.
         num_buckets (`int`): K.
         seed (`int`): Seed of the random split.
-        split_key (`Callable[[dict], Any]`, *optional*): If given, rows are sorted by ``split_key(row)`` (stable) and
-            cut into K contiguous quantile buckets (bucket 0 has the smallest keys, e.g. the easiest problems);
-            otherwise the split is a seeded random permutation.
+        split_key (`Callable[[dict], Any]` or `Sequence`, *optional*): If given, rows are sorted by ``split_key(row)``
+            (or by ``split_key[i]`` for row ``i`` when it is a sequence of one key per row; the sort is stable, so
+            ties keep the dataset's order) and cut into K contiguous quantile buckets (bucket 0 has the smallest keys,
+            e.g. the easiest problems); otherwise the split is a seeded random permutation.
 
     Returns:
         `list[datasets.Dataset]`: K buckets; sizes differ by at most one.
 
     Raises:
-        ValueError: if ``num_buckets < 1`` or the dataset has fewer rows than buckets.
+        ValueError: if ``num_buckets < 1``, the dataset has fewer rows than buckets, or a sequence ``split_key`` does
+            not have one key per row.
     """
     n = len(dataset)
     if num_buckets < 1:
         raise ValueError(f"num_adapters must be >= 1, got {num_buckets}.")
     if n < num_buckets:
         raise ValueError(f"train_dataset has {n} rows, fewer than num_adapters={num_buckets} buckets.")
+    if split_key is not None and not callable(split_key) and len(split_key) != n:
+        raise ValueError(f"split_key has {len(split_key)} keys for {n} rows; give one key per row or a callable.")
     if split_key is None:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     else:
-        keys = [split_key(dataset[i]) for i in range(n)]
+        keys = [split_key(dataset[i]) for i in range(n)] if callable(split_key) else list(split_key)
         order = sorted(range(n), key=keys.__getitem__)
     ordered = dataset.select(order)
     return [ordered.shard(num_shards=num_buckets, index=k, contiguous=True) for k in range(num_buckets)]
+
+
+def sampled_success_rates(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    reward_funcs,
+    num_samples: int = 4,
+    max_completion_length: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    sample_batch_size: int | None = None,
+    success_threshold: float = 0.5,
+) -> list[float]:
+    """The model's sampled success rate on each row: the difficulty key of a task without one of its own.
+
+    ``num_samples`` completions per row at ``temperature``/``top_p`` (GRPO's sampling: TRL's defaults are 1.0 and
+    1.0), scored by ``reward_funcs`` (the last one decides; correct when above ``success_threshold``), through
+    :func:`trl_es.analysis.sample_policy` with a seeded generator (the caller's RNG is left as it was). Give ``1 -
+    rate`` as ``split_key`` to :func:`split_buckets` / :func:`build_direction_pool` for buckets from the easiest
+    (bucket 0) to the hardest.
+
+    Returns:
+        `list[float]`: One rate in ``[0, 1]`` per row, a multiple of ``1 / num_samples``.
+
+    Raises:
+        ValueError: if ``num_samples < 1`` or ``temperature <= 0`` (greedy decoding gives no rate).
+    """
+    from ..analysis import sample_policy
+    from ..rollout import build_generation_config
+
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to sample a success rate, got {temperature}.")
+    config = build_generation_config(tokenizer, max_completion_length, temperature, top_p,
+                                     model_generation_config=model.generation_config)
+    out = sample_policy(model, tokenizer, list(rows), reward_funcs, config, num_samples, sample_batch_size,
+                        seed=seed, success_threshold=success_threshold, record_entropy=False, progress=False)
+    return [c / num_samples for c in out["correct"]]
 
 
 def grpo_generated_tokens(trainer, steps: int) -> int | None:
@@ -78,7 +123,7 @@ def build_direction_pool(
     num_adapters: int = 4,
     output_dir: str = "direction_pool",
     processing_class=None,
-    split_key: Callable[[dict], object] | None = None,
+    split_key: Callable[[dict], object] | Sequence | None = None,
     max_steps: int = 10,
     learning_rate: float = 1e-4,
     lora_r: int = 32,
@@ -108,7 +153,8 @@ def build_direction_pool(
         num_adapters (`int`): K, the number of adapters (and buckets).
         output_dir (`str`): Where the adapters are saved.
         processing_class: The tokenizer (GRPOTrainer loads it from the model path when `None`).
-        split_key (`Callable[[dict], Any]`, *optional*): Difficulty key for quantile buckets (see [`split_buckets`]).
+        split_key (`Callable[[dict], Any]` or `Sequence`, *optional*): Difficulty key for quantile buckets, a callable
+            or one key per row (see [`split_buckets`], [`sampled_success_rates`]).
         max_steps (`int`): GRPO optimizer steps per adapter.
         learning_rate (`float`): GRPO learning rate.
         lora_r, lora_alpha, lora_dropout, target_modules: The LoRA configuration (ignored with ``peft_config``).
