@@ -32,11 +32,12 @@ def test_every_recipe_is_covered():
     # test_parallel_averaging_script.py, test_sequential_recipes.py, test_geometry_script.py (geometry_tiny,
     # geometry_addition_tiny), test_diversity_script.py (diversity_tiny), test_pretraining_excursions_script.py
     # (excursions_tiny),
-    # test_continual_tasks_script.py (continual_tiny).
+    # test_continual_tasks_script.py (continual_tiny), test_hyper_es_script.py (hyper_es_paper_protocol_cpu).
     assert sorted(os.listdir(RECIPES)) == ["arithmetic_smollm2.yaml", "awd_retention_cpu.yaml", "continual_tiny.yaml",
                                           "diversity_tiny.yaml",
                                           "excursions_tiny.yaml", "geometry_addition_tiny.yaml", "geometry_tiny.yaml",
                                           "hyper_es_arithmetic.yaml", "hyper_es_arithmetic_cpu.yaml",
+                                          "hyper_es_paper_protocol_cpu.yaml",
                                           "parallel_averaging_arithmetic_cpu.yaml", "sequential_arithmetic_cpu.yaml",
                                           "sequential_arithmetic_gpu.yaml"]
 
