@@ -43,6 +43,7 @@ def seeded_rng(seed: int | None, device: torch.device):
     if seed is None:  # the drop mask then follows the caller's global RNG, as in peft
         yield
         return
+    # the one CUDA device the tensors live on (the current one for an unindexed "cuda"); none for CPU tensors
     devices = (
         [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     )
@@ -51,7 +52,7 @@ def seeded_rng(seed: int | None, device: torch.device):
         torch.random.default_generator.manual_seed(seed)
         if devices:
             with torch.cuda.device(devices[0]):
-                torch.cuda.manual_seed(seed)
+                torch.cuda.manual_seed(seed)  # seeds the current device: made the tensors' one above
         yield
 
 
@@ -92,10 +93,10 @@ def ties_merge(
         ValueError: for a wrong number of weights or an unknown method.
     """
     _check_methods(majority_sign_method, sign_election)
-    weights = torch.as_tensor(weights, dtype=pruned.dtype, device=pruned.device)
+    weights = torch.as_tensor(weights, dtype=pruned.dtype, device=pruned.device)  # the deltas' dtype and device
     if weights.shape != (pruned.shape[0],):
         raise ValueError(f"weights has shape {tuple(weights.shape)}; expected ({pruned.shape[0]},), one per delta.")
-    weighted = pruned * reshape_weight_task_tensors(pruned, weights)
+    weighted = pruned * reshape_weight_task_tensors(pruned, weights)  # w_k broadcast over delta k's entries
     # "weighted" votes on w_k Delta'_k (mergekit): a weight-0 adapter takes no part in the vote nor the average, so
     # the search space holds the base model (all 0) and every single adapter; "unweighted" is merge_utils.dare_ties
     vote = weighted if sign_election == "weighted" else pruned
@@ -165,19 +166,20 @@ class MergeApplier:
         self.model = model
         self.delta_set = delta_set
         self.weights: dict[str, torch.Tensor] = {name: target_tensor(model, name) for name in delta_set.module_names}
-        shared: dict[int, str] = {}
+        shared: dict[int, str] = {}  # storage pointer -> delta name: tied weights share one
         for name, w in self.weights.items():
             if w.data_ptr() in shared:
                 raise ValueError(f"The deltas {shared[w.data_ptr()]!r} and {name!r} are the same tensor in the model "
                                  "(tied weights): one would overwrite the other.")
             shared[w.data_ptr()] = name
+        # W0, the one copy restore() puts back bitwise
         self.base: dict[str, torch.Tensor] = {name: w.detach().clone() for name, w in self.weights.items()}
         self.device = next(iter(self.weights.values())).device
         delta_set.to(self.device)  # the factors live beside the weights they are added to
         # reused while a module's (density, seed) is unchanged: always, with fixed densities and a shared seed; saves
         # the B @ A products and the drop masks of every candidate
         self.cache: dict | None = {} if cache_pruned else None
-        self.state: object = "base"
+        self.state: object = "base"  # what the model holds: "base", an adapter index or a Genome (set_state's input)
 
     @torch.no_grad()
     def apply(self, genome: Genome) -> None:
@@ -186,6 +188,7 @@ class MergeApplier:
         Raises:
             ValueError: if the genome has no group for some delta (checked before anything is written).
         """
+        # checked before any tensor is written: a genome of another delta set leaves the model as it was
         missing = [name for name in self.delta_set.module_names if name not in genome.module_groups]
         if missing:
             raise ValueError(f"The genome has no coefficients for {missing[:4]} ({len(missing)} deltas).")
@@ -197,6 +200,7 @@ class MergeApplier:
         if not 0 <= k < self.delta_set.num_adapters:
             raise ValueError(f"adapter index must be in [0, {self.delta_set.num_adapters}), got {k}.")
         names = self.delta_set.module_names
+        # the state recorded is the index k, which set_state re-applies
         self._write_all(((name, self.delta_set.delta(name, k, self.device)) for name in names), k)
 
     @torch.no_grad()
@@ -248,7 +252,7 @@ class MergeApplier:
                 except BaseException:
                     self.restore()
             raise
-        self.state = state
+        self.state = state  # recorded only once every tensor is written
 
     def _write(self, name: str, delta: torch.Tensor) -> None:
         weight = self.weights[name]

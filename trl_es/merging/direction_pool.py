@@ -40,6 +40,7 @@ def split_buckets(
     if split_key is not None and not callable(split_key) and len(split_key) != n:
         raise ValueError(f"split_key has {len(split_key)} keys for {n} rows; give one key per row or a callable.")
     if split_key is None:
+        # a private generator: the split depends on seed alone, and the global RNG is left as it was
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     else:
         keys = [split_key(dataset[i]) for i in range(n)] if callable(split_key) else list(split_key)
@@ -164,11 +165,11 @@ def build_direction_pool(
             "bf16": use_bf16,
             "seed": seed + k,  # each adapter its own seed: K different directions even on equal buckets
             "report_to": "none",
-            "save_strategy": "no",
+            "save_strategy": "no",  # saved once, after training, by save_trainer_model
             "logging_steps": 1,  # every step logged: grpo_generated_tokens is then exact
             "disable_tqdm": True,
         }
-        config_kwargs.update(grpo_kwargs or {})
+        config_kwargs.update(grpo_kwargs or {})  # the caller's GRPOConfig arguments win over the defaults above
         config_kwargs["output_dir"] = adapter_dir  # one folder per adapter, whatever grpo_kwargs says
         grpo_args = GRPOConfig(**config_kwargs)
         # GRPOTrainer wraps its model in place: every adapter starts from its own copy of the base model
@@ -179,7 +180,7 @@ def build_direction_pool(
             args=grpo_args,
             train_dataset=bucket,
             processing_class=processing_class,
-            peft_config=copy.deepcopy(peft_config),
+            peft_config=copy.deepcopy(peft_config),  # peft writes into the config it is given: a fresh one per run
             callbacks=callbacks,
         )
         result = trainer.train()
@@ -192,6 +193,7 @@ def build_direction_pool(
                 "zero-initialized and every group had equal rewards, so no gradient): give it more steps, more "
                 "generations per prompt, a higher temperature, or easier prompts."
             )
+        # the mean reward of the first and the last logged step: did the adapter learn on its bucket?
         rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
         records.append(
             {
@@ -207,7 +209,7 @@ def build_direction_pool(
         )
         logger.info(f"Direction pool: adapter {k} trained on {len(bucket)} rows for {result.global_step} steps.")
         paths.append(adapter_dir)
-        del trainer, run_model
+        del trainer, run_model  # the copy of the model is freed before the next adapter is trained
     if is_main_process():  # written last: its presence marks a complete pool (``hyper_es.py --reuse_pool``)
         write_json(
             os.path.join(output_dir, POOL_NAME),
