@@ -383,7 +383,8 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         rows = self.draw_rows(evaluations)  # drawn now: the stream does not depend on what is re-scored
 
         def reevaluate(x: np.ndarray) -> float:
-            i = next(j for j, candidate in enumerate(xs) if candidate is x)  # by identity: the noise handler passes xs' own arrays
+            # by identity: the noise handler passes xs' own arrays
+            i = next(j for j, candidate in enumerate(xs) if candidate is x)
             return self.score_genomes([genomes[i]], rows)[0]
 
         return reevaluate
