@@ -5,7 +5,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set +e
-python -m pytest tests -q -p no:cacheprovider -n 2 "$@"
+python -m pytest tests -q -p no:cacheprovider -n 2 --dist loadfile "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -16,6 +16,25 @@ from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
 # cache folder before each multi-process worker (the tests of that step clear this variable).
 os.environ["TRL_ES_NO_EMBEDDED_CACHE"] = "1"
 
+# The heaviest test files, heaviest first (pytest --durations on 2 cores). scripts/run_tests.sh runs `-n 2 --dist
+# loadfile`: a file stays on one worker (its module fixtures built once), and the long files start first, so that the
+# two workers end together instead of one running a long file alone at the end.
+HEAVY_FIRST = (
+    "tests/trainer/test_distributed.py", "tests/trainer/test_es_trainer.py", "tests/examples/test_grpo_scripts.py",
+    "tests/examples/test_trl_docs_scripts.py", "tests/generation/test_continuous_batching.py",
+    "tests/trainer/test_preemption.py", "tests/test_models.py", "tests/trainer/test_launch_world.py",
+    "tests/trainer/test_multinode.py", "tests/benchmarks/test_gpu_acceptance.py", "tests/es/test_portability.py",
+    "tests/trainer/test_awd.py", "tests/examples/test_hyper_es_script.py", "tests/trainer/test_resume_trust.py",
+    "tests/trainer/test_trl_conformance.py", "tests/generation/test_vllm_server_worker.py",
+    "tests/benchmarks/test_benchmarks.py", "tests/examples/test_compare_script.py",
+    "tests/examples/test_agents_study.py", "tests/trainer/test_config_fields.py", "tests/trainer/test_agents.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

@@ -123,7 +123,7 @@ def test_the_literal_fields_are_the_cores_choices():
     }
     from trl_es.generation import ENGINES  # generation_engine: "auto" or any registered engine, checked on ENGINES
 
-    assert ("auto", *ENGINES) == GENERATION_ENGINES and ESConfig.__dataclass_fields__["generation_engine"].type == "str"
+    assert ("auto", *ENGINES) == GENERATION_ENGINES and ESConfig.__dataclass_fields__["generation_engine"].type in ("str", str)
     assert literal_choices(HyperESConfig) == {
         "final_genome": ("rescored", "best", "mean", "validation"), "genome_granularity": GRANULARITIES,
         "sign_election": SIGN_ELECTIONS, "majority_sign_method": MAJORITY_SIGN_METHODS,
