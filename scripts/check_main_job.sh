@@ -3,8 +3,8 @@
 # model is de-quantized and cached on the way), the real launcher with 2 processes (TRL_ES_NUM_PROCESSES=2, also on
 # a one-core machine), the real entry point (scripts/run_main_job.sh). Then checks that the trained model, the seed
 # log and results.json are there and complete. Then the same from the broken cache that a two-process build left
-# before cache format 2 (a marker without config or weights): it must be rebuilt, not trusted. Run by .ci/run;
-# about 3 minutes on 2 CPU cores.
+# before cache format 2 (a marker without config or weights): it must be rebuilt, not trusted. Then the tests that
+# load the real model (pytest -m slow). Run by .ci/run; about 4 minutes on 2 CPU cores.
 #   bash scripts/check_main_job.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,3 +57,8 @@ cached="$TRL_ES_CACHE/SmolLM2-135M-Instruct"
 rm -f "$cached/config.json" "$cached/model.safetensors" "$cached/generation_config.json"
 echo '{"format": 1, "source": "SmolLM2-135M-Instruct.Q4_1.gguf"}' > "$cached/trl_es_embedded.json"
 run_and_check "$work/rebuilt"
+
+# The tests that load the real embedded model (pytest marker "slow": the GGUF de-quantized into a fresh cache,
+# bitwise equal to the GGUF model, greedy chat generation); the suite (scripts/run_tests.sh) runs on tiny models.
+echo "[check_main_job] the real-model tests (pytest -m slow)"
+.venv/bin/python -m pytest tests -q -p no:cacheprovider -m slow

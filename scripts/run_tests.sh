@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The test command of the README: set up .venv on a fresh machine, then run the whole suite (CPU, < 10 min) on two
-# pytest-xdist workers: most tests hold one torch thread, so the second core runs the next test (9:56 serial, 7:26
-# on two workers, 2-core VM, 2026-12-03). Pass -n 0 to run serially.
+# The test command of the README: set up .venv on a fresh machine, then run the suite on tiny local models (CPU,
+# < 10 min) on two pytest-xdist workers, a test file per worker at a time, the heaviest files first
+# (tests/conftest.py). The tests that load the real embedded model (marker "slow") run in scripts/check_main_job.sh.
+# Pass -n 0 to run serially, -m slow for the real-model tests.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set +e
-python -m pytest tests -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+python -m pytest tests -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
