@@ -47,6 +47,7 @@ def torchrun(out, model_dir, *extra):
                    "--master_port", str(29600 + os.getpid() % 300)], out, model_dir, *extra)
 
 
+# the deepspeed launcher (docs/scaling.md), for the ZeRO-3 run the other ZeRO tests compare with; they use torchrun
 def deepspeed(out, model_dir, *extra):
     return launch(["deepspeed", "--num_gpus", "2", "--master_port", str(29900 + os.getpid() % 300)],
                   out, model_dir, *extra)
@@ -173,7 +174,7 @@ def test_lean_mode_population_parallelism_matches_one_process_and_replays(tmp_pa
 def test_lean_mode_zero3_matches_one_process(tmp_path, tiny_model_dir):
     """lean_memory under ZeRO-3 (bf16 model, fp32 master shards, fresh Gaussian noise): the one-process weights."""
     single_out, _ = run_here(tmp_path / "single", tiny_model_dir, dtype="bfloat16", lean=True)
-    result = deepspeed(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--lean")
+    result = torchrun(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--lean")
     assert result["sharded"]
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(single_out / "model"))
     assert seed_log(tmp_path / "zero3") == seed_log(single_out)
@@ -219,8 +220,8 @@ def test_zero3_resume_equals_uninterrupted(zero3_run, tmp_path, tiny_model_dir):
     anchor and seed log as the uninterrupted run, bitwise."""
     out, _ = zero3_run
     resumed_out = tmp_path / "resumed"
-    result = deepspeed(resumed_out, tiny_model_dir, "--mode", "zero3", "--save_steps", "1", "--dtype", "bfloat16",
-                       "--resume_from", str(out / "checkpoint-1"))
+    result = torchrun(resumed_out, tiny_model_dir, "--mode", "zero3", "--save_steps", "1", "--dtype", "bfloat16",
+                      "--resume_from", str(out / "checkpoint-1"))  # the deepspeed launcher saved it: any launcher resumes
     assert result["steps_run"] == [2]  # only iteration 2 ran in this launch
     assert_bitwise(weights(resumed_out / "model"), weights(out / "model"))
     assert seed_log(resumed_out) == seed_log(out)
@@ -274,7 +275,7 @@ def test_read_flat_ranges_from_any_number_of_shards(tmp_path):
 @pytest.mark.distributed
 def test_zero2_runs_as_population_parallelism(reference, tmp_path, tiny_model_dir):
     ref_out, _ = reference
-    result = deepspeed(tmp_path, tiny_model_dir, "--mode", "zero2")
+    result = torchrun(tmp_path, tiny_model_dir, "--mode", "zero2")  # DeepSpeed from ESConfig.deepspeed under torchrun
     assert result["model_wrapped"] == "DeepSpeedEngine" and not result["sharded"]
     assert result["replicas_identical"] == [True, True]
     assert_bitwise(weights(tmp_path / "model"), weights(ref_out / "model"))
