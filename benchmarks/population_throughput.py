@@ -171,7 +171,7 @@ def main():
 
     def member_loop(backend, noise, on=engine):
         """ESTrainer's member loop: each group of members applied (restored on exit), one generate per group."""
-        for group in backend.groups(indices):
+        for group in backend.chunks(indices):
             with backend.apply(params, noise, [members[i] for i in group], args.sigma, model):
                 generate(prompts * len(group), groups=len(group), on=on)
 

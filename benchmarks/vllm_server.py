@@ -4,7 +4,7 @@ engine and against a weight-broadcast design's bytes.
 For each server count ``S`` in ``--servers``: ``S`` servers are started with the launch line users copy
 (``trl-es vllm-serve MODEL``, 127.0.0.1), initialised from the model's seed-log header, then one ES iteration runs
 as the trainer runs it, through the trainer's ``VLLMServerEngine``: members dispatched dynamically over the servers
-(``map_groups``, one member in flight per server): perturb -> greedy completions of ``--prompts`` arithmetic prompts
+(``map_chunks``, one member in flight per server): perturb -> greedy completions of ``--prompts`` arithmetic prompts
 x ``--new_tokens`` tokens -> restore, then the engine's weight sync (every server applies the update itself),
 checked against the HF model's checksum.
 Bytes are the request + response bodies of the ES calls (``/collective_rpc``); completions (prompts and token ids
@@ -90,7 +90,7 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
 
 def server_iteration(clients, strategy, model, tokenizer, header, prompts, new_tokens: int) -> dict:
     """One iteration as ``ESTrainer`` runs it on servers: the trainer's :class:`VLLMServerEngine` dispatches the
-    members (``map_groups``: one member in flight per server), then syncs the update to every server (checked)."""
+    members (``map_chunks``: one member in flight per server), then syncs the update to every server (checked)."""
     from transformers import GenerationConfig
 
     from trl_es.es.population import EngineSequentialPopulation
@@ -109,7 +109,7 @@ def server_iteration(clients, strategy, model, tokenizer, header, prompts, new_t
             return engine.generate(model, tokenizer, prompts, config).ids
 
     start = time.perf_counter()
-    completions = engine.map_groups(roll, [[i] for i in range(len(members))])
+    completions = engine.map_chunks(roll, [[i] for i in range(len(members))])
     members_seconds = time.perf_counter() - start
     told = strategy.tell(members, torch.randn(len(members), generator=torch.Generator().manual_seed(0)), 1e-3)
     log.append(1, members, told.coefficients, told.learning_rate)

@@ -46,8 +46,8 @@ def main(argv=None) -> dict:
     for step in range(args.iterations):
         members = strategy.ask(step)  # seeds and signs: nothing else travels
         fitness = []
-        for group in strategy.groups(range(len(members))):
-            with strategy.apply([members[i] for i in group], model):  # theta + sigma * eps_i, restored on exit
+        for chunk in strategy.chunks(range(len(members))):
+            with strategy.apply([members[i] for i in chunk], model):  # theta + sigma * eps_i, restored on exit
                 fitness.append(fitness_of(model))
         strategy.tell(members, torch.tensor(fitness), args.learning_rate)  # z-scored fitness -> ES step
         if step % 50 == 0 or step == args.iterations - 1:

@@ -32,7 +32,7 @@ def test_ask_is_the_population_of_the_step():
     assert strategy.ask(3) == sample_population(7, 3, 6, antithetic=True)
     assert strategy.ask(3) != strategy.ask(4)
     assert [m.sign for m in strategy.ask(0)] == [1, -1, 1, -1, 1, -1]
-    assert strategy.groups(range(6)) == [[0], [1], [2], [3], [4], [5]]
+    assert strategy.chunks(range(6)) == [[0], [1], [2], [3], [4], [5]]
 
 
 def test_apply_perturbs_and_restores_bitwise_also_on_an_exception():
@@ -120,7 +120,7 @@ def test_batched_lowrank_groups_apply_adapters_without_writing_the_weights():
     params = TrainedParameters(select_parameters(model, r"weight$"), torch.float32, share_params=True)
     strategy = EvolutionStrategy(params, make_noise_source(0, "gaussian"), BatchedLowRankPopulation(1, 2), 0.1, 4)
     members = strategy.ask(0)
-    assert strategy.groups(range(4)) == [[0, 1], [2, 3]]
+    assert strategy.chunks(range(4)) == [[0, 1], [2, 3]]
     x = torch.randn(4, 3)
     plain = model(x)
     with strategy.apply([members[0], members[1]], model):

@@ -907,7 +907,7 @@ def test_a_run_with_the_key_is_bitwise_the_run_without_and_the_key_is_written_no
 
 
 def test_a_server_whose_key_changed_stops_the_run_instead_of_being_left_out(tmp_path, tokenizer, monkeypatch):
-    """A refusal is a configuration error, not a fault: sync_weights and map_groups raise ServerRefusedError
+    """A refusal is a configuration error, not a fault: sync_weights and map_chunks raise ServerRefusedError
     (the server is not left out and its member not re-run elsewhere)."""
     from trl_es.es.seedlog import SeedLog
     from trl_es.generation.vllm_server import ESServerClient, ServerRefusedError, VLLMServerEngine
@@ -925,7 +925,7 @@ def test_a_server_whose_key_changed_stops_the_run_instead_of_being_left_out(tmp_
         with pytest.raises(ServerRefusedError, match="es_server_step.*HTTP 500.*es_server_step refused: wrong API key"):
             engine.sync_weights(model)
         with pytest.raises(ServerRefusedError, match="es_server_perturb refused: wrong API key"):
-            engine.map_groups(lambda group: engine.perturb_(group[0], 0.05), [[m] for m in strategy.ask(0)])
+            engine.map_chunks(lambda group: engine.perturb_(group[0], 0.05), [[m] for m in strategy.ask(0)])
         assert engine.left_out == {} and engine.members_rerun == 0
     finally:
         for server in servers:

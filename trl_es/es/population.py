@@ -70,8 +70,8 @@ class PopulationBackend(ABC):
         """The members of iteration ``step`` (:func:`sample_population`)."""
         return sample_population(base_seed, step, population_size, antithetic)
 
-    def groups(self, indices: Sequence[int]) -> list[list[int]]:
-        """The members ``indices`` in the groups :meth:`apply` takes (one member a group by default)."""
+    def chunks(self, indices: Sequence[int]) -> list[list[int]]:
+        """The members ``indices`` in the chunks :meth:`apply` takes (one member a chunk by default)."""
         return [[i] for i in indices]
 
     def reset_timings(self) -> None:
@@ -159,10 +159,10 @@ class BatchedLowRankPopulation(PopulationBackend):
         if model is not None:
             linear_targets(model, params)
 
-    def groups(self, indices: Sequence[int]) -> list[list[int]]:
-        """``member_chunk_size`` members a group (all of them when it is ``None``)."""
+    def chunks(self, indices: Sequence[int]) -> list[list[int]]:
+        """``member_chunk_size`` members a chunk (all of them when it is ``None``)."""
         indices = list(indices)
-        chunk = self.member_chunk_size or max(1, len(indices))  # None: one group of all
+        chunk = self.member_chunk_size or max(1, len(indices))  # None: one chunk of all
         return [indices[lo : lo + chunk] for lo in range(0, len(indices), chunk)]
 
     def adapters(self, model: nn.Module, params: TrainedParameters) -> LowRankAdapters:

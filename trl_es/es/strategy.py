@@ -6,8 +6,8 @@ The loop owns evaluation, as with pycma's ``CMAEvolutionStrategy``:
     for step in range(steps):
         members = strategy.ask(step)
         fitness = []
-        for group in strategy.groups(range(len(members))):
-            with strategy.apply([members[i] for i in group], model):  # restored bitwise on leaving, also on errors
+        for chunk in strategy.chunks(range(len(members))):
+            with strategy.apply([members[i] for i in chunk], model):  # restored bitwise on leaving, also on errors
                 fitness += score(model)
         strategy.tell(members, torch.tensor(fitness), learning_rate=5e-4)
 
@@ -163,9 +163,9 @@ class EvolutionStrategy:
         the same on every process."""
         return sample_population(self.seed, step, self.population_size, self.antithetic)
 
-    def groups(self, indices: Sequence[int]) -> list[list[int]]:
-        """The member indices in the groups :meth:`apply` takes (one a group, or ``member_chunk_size`` stacked)."""
-        return self.population.groups(indices)
+    def chunks(self, indices: Sequence[int]) -> list[list[int]]:
+        """The member indices in the chunks :meth:`apply` takes (one a chunk, or ``member_chunk_size`` stacked)."""
+        return self.population.chunks(indices)
 
     def sync_with_module(self) -> list[str]:
         """Make the master hold what the module holds where the two parted outside the strategy; run first by

@@ -44,9 +44,9 @@ class GenerationEngine(ABC):
         """Counts of this process since the last call, logged summed over the processes once per iteration."""
         return {}
 
-    def map_groups(self, fn: Callable, groups: Iterable) -> Iterator:
-        """``fn(group)`` for each member group, in order (several vLLM servers run them concurrently)."""
-        return (fn(group) for group in groups)  # lazily, one at a time
+    def map_chunks(self, fn: Callable, chunks: Iterable) -> Iterator:
+        """``fn(chunk)`` for each chunk of members, in order (several vLLM servers run them concurrently)."""
+        return (fn(chunk) for chunk in chunks)  # lazily, one at a time
 
     @abstractmethod
     def _generate_ids(

@@ -248,7 +248,7 @@ class VLLMServerEngine(OwnWeightsEngine):
     """Generation on ES vLLM servers (``ESConfig(use_vllm=True, vllm_mode="server")``): members written into a
     server's weights from their seeds, completions over HTTP; the trainer's model stays the source of truth.
 
-    Several servers: :meth:`map_groups` runs one member group per server at a time, each rollout as a sequential
+    Several servers: :meth:`map_chunks` runs one member group per server at a time, each rollout as a sequential
     loop would give it; a failed server is left out and its member run on another (:attr:`members_rerun`).
 
     Args:
@@ -352,7 +352,7 @@ class VLLMServerEngine(OwnWeightsEngine):
             self._host.acquire()
             _set_global_rng_states(states)
 
-    def map_groups(self, fn: Callable, groups: Sequence) -> list:
+    def map_chunks(self, fn: Callable, groups: Sequence) -> list:
         """``[fn(group) for group in groups]`` with each group's members on one server, dispatched dynamically; a
         :class:`ServerError` in ``fn`` reruns the group elsewhere, any other exception stops the dispatch and is raised.
 

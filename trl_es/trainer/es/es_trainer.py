@@ -475,8 +475,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
                 out = self.rollout(model, rows * len(chunk), num_members=len(chunk), reward_kwargs=kwargs)
             return out, kwargs.get("log_extra")
 
-        chunks = list(self.strategy.groups(indices))
-        for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_groups(roll, chunks), strict=True):
+        chunks = list(self.strategy.chunks(indices))
+        for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_chunks(roll, chunks), strict=True):
             warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
             self.agents.record(out)
             if args.mask_truncated_completions:
