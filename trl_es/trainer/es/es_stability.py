@@ -149,9 +149,9 @@ class ESStabilityMixin:
             es_update_(self.es_params, self.strategy.perturbation, self.noise, undo, rollback.coefficients,
                        rollback.learning_rate)
             logger.warning(
-                "Collapse guard: iteration %d's mean reward %.4f (standard error %.4f) is the last of %d in a row below "
-                "the best %.4f by more than %g standard errors: rolled back to the weights after step %d (undoing steps "
-                "%s); learning rate now x%g.", step + 1, mean, se, guard.patience, best[0],
+                "Collapse guard: iteration %d's mean reward %.4f (standard error %.4f) is the last of %d in a row "
+                "below the best %.4f by more than %g standard errors: rolled back to the weights after step %d "
+                "(undoing steps %s); learning rate now x%g.", step + 1, mean, se, guard.patience, best[0],
                 guard.threshold, rollback.to_state, rollback.undone, guard.alpha_scale)
             extra.update({"rollback_to": rollback.to_state, "undone": rollback.undone})
             self._metrics["es/rollbacks"].append(float(guard.rollbacks))
