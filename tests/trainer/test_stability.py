@@ -291,3 +291,31 @@ def test_guard_does_not_fire_on_a_flat_run(tmp_path, tokenizer):
     means = [r["fitness_mean"] for r in logged]
     assert len(set(means)) > 3 and max(means) - min(means) > 0.1  # the batches differ: the noise is real
     assert [h["es/rollbacks"] for h in trainer.state.log_history if "es/rollbacks" in h] == [0] * 8
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+@pytest.mark.distributed
+def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_dir):
+    """torchrun, population parallelism: the probes' counts and the guard's fitness are all-reduced, so both
+    processes pick one sigma and one rollback, and the weights and seed log end as in one process."""
+    import sys
+
+    from paths import TESTS
+    sys.path.insert(0, os.path.join(TESTS, "distributed"))
+    sys.path.insert(0, os.path.join(TESTS, "trainer"))
+    from test_distributed import run_here, torchrun, weights
+
+    ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True)
+    torchrun(tmp_path / "two", tiny_model_dir, "--steps", "4", "--stability")
+    one, two = records(ref_out), records(tmp_path / "two")
+    assert one == two
+    assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
+    assert [r["step"] for r in one[1] if "rollback_to" in r] == [3]  # at 4 the weights are the best state's
+    assert_bitwise(weights(tmp_path / "two" / "model"), weights(ref_out / "model"))
+    rebuilt = replay(build_llama_from(tiny_model_dir), str(tmp_path / "two"))
+    assert_bitwise(dict(rebuilt.state_dict()), weights(tmp_path / "two" / "model"))
+
+
+def build_llama_from(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder)

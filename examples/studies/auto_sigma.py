@@ -1,0 +1,156 @@
+"""sigma="auto" and the collapse guard on the main job's task (docs/es_trainer.md, "sigma='auto'" and "The collapse
+guard").
+
+Three subcommands, each resumable (a finished arm's ``results.json`` is kept, rerunning the command continues):
+
+- ``effect``: the effect of sigma on the first batch, before any step: for each sigma, the fraction of (member,
+  prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's, and the
+  sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``.
+- ``transfer``: ``sigma="auto"`` against a sigma grid, nothing else changed (alpha is the recipe's), one ``trl-es
+  train`` per arm, test accuracy after ``--max_steps`` iterations. Writes ``<output_dir>/<setting>/seed<k>/<arm>/``.
+- ``collapse``: alpha at ``--alpha_factor`` x the recipe's, with and without ``collapse_guard``, and the recipe itself
+  with the guard (it must not fire). Writes ``<output_dir>/collapse/seed<k>/<arm>/``.
+
+``table`` gathers every ``results.json`` under ``--output_dir`` into ``<output_dir>/auto_sigma.md``.
+Settings: ``rank1`` is the main job's (rank-1 batched members); ``fullrank`` the same recipe with full-rank members
+written in place (``population_backend=sequential``).
+
+    python examples/studies/auto_sigma.py effect --setting rank1 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py transfer --setting rank1 --seeds 0 --max_steps 8 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py collapse --seeds 0 --max_steps 12 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py table --output_dir runs/auto_sigma
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import os
+import subprocess
+import sys
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPE = os.path.normpath(os.path.join(HERE, "..", "recipes", "arithmetic_smollm2.yaml"))
+SETTINGS = {"rank1": [], "fullrank": ["--population_backend", "sequential"]}
+GRID = {"rank1": [0.00125, 0.0025, 0.005, 0.01, 0.02], "fullrank": [0.00125, 0.0025, 0.005, 0.01, 0.02]}
+#: Reduced evaluation: test accuracy on --num_test prompts after training only (validation is not read).
+REDUCED = ["--eval_strategy", "no", "--eval_before_training", "false", "--plot", "false", "--save_strategy", "no",
+           "--num_validation_prompts", "1", "--time_budget_minutes", "0"]
+
+
+def effect(args) -> dict:
+    """The effect table of one setting on the first batch (see the module docstring)."""
+    from trl_es.cli.loading import load_model_and_tokenizer
+    from trl_es.cli.splits import task_splits
+    from trl_es.cli.train_command import parse_train_arguments
+    from trl_es.es.autosigma import PROBE_MEMBERS, SigmaSearch
+    from trl_es.trainer.es.es_trainer import ESTrainer
+
+    argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
+            "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no"]
+    task_args, es_args, model_args = parse_train_arguments(argv)
+    task, splits = task_splits(task_args)
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    es_args.reward_weights = task.reward_weights
+    trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
+                        processing_class=tokenizer)
+    rows = trainer._gather_prompt_rows(next(iter(trainer.get_train_dataloader())))  # the first batch
+    members = trainer.strategy.ask(0)[: min(PROBE_MEMBERS, es_args.population_size)]
+    center = trainer._greedy_completions(None, rows, 0)
+    table = [{"sigma": s, "effect": trainer._effect(members, rows, 0, s, center)} for s in args.sigmas]
+    search = SigmaSearch(es_args.sigma_target)
+    while (sigma := search.next_sigma()) is not None:
+        search.tell(sigma, trainer._effect(members, rows, 0, sigma, center))
+    choice = search.choice()
+    result = {"setting": args.setting, "prompts": len(rows), "members": len(members), "table": table,
+              "auto": {"sigma": choice, "effect": trainer._effect(members, rows, 0, choice, center),
+                       "probes": search.probes, "target": es_args.sigma_target}}
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, f"effect_{args.setting}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def run_arm(out: str, extra: list[str], args) -> None:
+    """One ``trl-es train`` run into ``out`` unless its ``results.json`` exists."""
+    if os.path.exists(os.path.join(out, "results.json")):
+        print(f"[auto_sigma] kept {out}", flush=True)
+        return
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, "-m", "trl_es.cli", "train", "--config", args.recipe, *REDUCED,
+               "--num_eval_prompts", str(args.num_test), "--max_steps", str(args.max_steps), "--logging_steps", "1",
+               "--output_dir", out, *extra]
+    print(f"[auto_sigma] start {out}: {' '.join(command)}", flush=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(os.path.join(out, "log.txt"), "w") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    print(f"[auto_sigma] done {out}: exit {code}", flush=True)
+
+
+def transfer(args) -> None:
+    for seed in args.seeds:
+        arms = {"auto": ["--sigma", "auto"], **{f"sigma_{s:g}": ["--sigma", str(s)] for s in GRID[args.setting]}}
+        for name, extra in arms.items():
+            out = os.path.join(args.output_dir, args.setting, f"seed{seed}", name)
+            run_arm(out, [*SETTINGS[args.setting], "--seed", str(seed), *extra], args)
+
+
+def collapse(args) -> None:
+    alpha = str(0.01 * args.alpha_factor)
+    arms = {"alpha_x10": ["--learning_rate", alpha], "alpha_x10_guard": ["--learning_rate", alpha,
+                                                                           "--collapse_guard", "true"],
+            "recipe_guard": ["--collapse_guard", "true"]}
+    for seed in args.seeds:
+        for name, extra in arms.items():
+            run_arm(os.path.join(args.output_dir, "collapse", f"seed{seed}", name), ["--seed", str(seed), *extra],
+                    args)
+
+
+def table(args) -> str:
+    """Markdown rows of every finished arm: test accuracy, sigma used, the curve of the mean reward, rollbacks."""
+    lines = ["| study | seed | arm | sigma | test accuracy after | reward per iteration | rollbacks (steps) |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*", "results.json"))):
+        folder = os.path.dirname(path)
+        arm, seed, study = folder.split(os.sep)[-1], folder.split(os.sep)[-2], folder.split(os.sep)[-3]
+        with open(path) as f:
+            results = json.load(f)
+        with open(os.path.join(folder, "es_seed_log.jsonl")) as f:
+            header, *records = [json.loads(line) for line in f]
+        sigma = records[0].get("sigma", header["sigma"]) if records else header["sigma"]
+        with open(os.path.join(folder, "log.txt")) as f:  # the per-iteration log lines Trainer prints
+            logs = [ast.literal_eval(line.strip()) for line in f if line.startswith("{'loss'")]
+        rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
+        rolled = [r["step"] for r in records if "rollback_to" in r]
+        accuracy = results.get("test_accuracy_after", float("nan"))
+        lines.append(f"| {study} | {seed} | {arm} | {sigma:.4g} | {accuracy:.3f} | {rewards} | {len(rolled)} "
+                     f"{rolled if rolled else ''} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.output_dir, "auto_sigma.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table"))
+    parser.add_argument("--setting", choices=tuple(SETTINGS), default="rank1")
+    parser.add_argument("--recipe", default=RECIPE)
+    parser.add_argument("--output_dir", default="runs/auto_sigma")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seed", type=int, default=0, help="effect: the task seed of the first batch.")
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
+    parser.add_argument("--max_steps", type=int, default=26)
+    parser.add_argument("--num_test", type=int, default=200, help="Test prompts scored after training.")
+    parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
+    args = parser.parse_args(argv)
+    {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
