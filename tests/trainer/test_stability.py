@@ -169,9 +169,9 @@ def test_mean_and_se():
 
 # ---------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"sigma": "bogus"}, "sigma must be a number > 0 or 'auto', got 'bogus'"),
-    ({"sigma": -0.01}, "sigma must be a number > 0 or 'auto', got -0.01"),
-    ({"sigma": None}, "sigma must be a number > 0 or 'auto', got None"),
+    ({"sigma": "bogus"}, r"sigma must be > 0 \(a number\) or 'auto', got 'bogus'"),
+    ({"sigma": -0.01}, r"sigma must be > 0 \(a number\) or 'auto', got -0.01"),
+    ({"sigma": None}, r"sigma must be > 0 \(a number\) or 'auto', got None"),
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
     ({"collapse_guard_patience": 0}, "collapse_guard_patience must be an integer >= 1"),

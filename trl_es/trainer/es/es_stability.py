@@ -176,7 +176,7 @@ def stability_field_errors(args) -> list[str]:
             args.sigma = sigma
     number = not isinstance(sigma, (bool, str)) and isinstance(sigma, (int, float)) and 0 < sigma < float("inf")
     if sigma != SIGMA_AUTO and not number:
-        errors.append(f"sigma must be a number > 0 or {SIGMA_AUTO!r}, got {sigma!r}.")
+        errors.append(f"sigma must be > 0 (a number) or {SIGMA_AUTO!r}, got {sigma!r}.")
     if not isinstance(args.sigma_target, (int, float)) or not 0 < args.sigma_target < 1:
         errors.append(f"sigma_target must be in (0, 1) (a fraction of completions), got {args.sigma_target!r}.")
     if not isinstance(args.collapse_guard_threshold, (int, float)) or not args.collapse_guard_threshold > 0:
