@@ -46,7 +46,6 @@ def effect(args) -> dict:
     from trl_es.cli.loading import load_model_and_tokenizer
     from trl_es.cli.splits import task_splits
     from trl_es.cli.train_command import parse_train_arguments
-    from trl_es.es.autosigma import PROBE_MEMBERS, SigmaSearch
     from trl_es.trainer.es.es_trainer import ESTrainer
 
     argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
@@ -57,17 +56,7 @@ def effect(args) -> dict:
     es_args.reward_weights = task.reward_weights
     trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
                         processing_class=tokenizer)
-    rows = trainer._gather_prompt_rows(next(iter(trainer.get_train_dataloader())))  # the first batch
-    members = trainer.strategy.ask(0)[: min(PROBE_MEMBERS, es_args.population_size)]
-    center = trainer._greedy_completions(None, rows, 0)
-    table = [{"sigma": s, "effect": trainer._effect(members, rows, 0, s, center)} for s in args.sigmas]
-    search = SigmaSearch(es_args.sigma_target)
-    while (sigma := search.next_sigma()) is not None:
-        search.tell(sigma, trainer._effect(members, rows, 0, sigma, center))
-    choice = search.choice()
-    result = {"setting": args.setting, "prompts": len(rows), "members": len(members), "table": table,
-              "auto": {"sigma": choice, "effect": trainer._effect(members, rows, 0, choice, center),
-                       "probes": search.probes, "target": es_args.sigma_target}}
+    result = {"setting": args.setting, **trainer.measure_sigma_effect(args.sigmas)}
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, f"effect_{args.setting}.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -319,3 +319,16 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
 def build_llama_from(folder):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_measure_sigma_effect_leaves_the_model_and_sigma_as_they_were(tmp_path, tokenizer):
+    model = build_llama(tokenizer)
+    base = snapshot(model)
+    trainer = ESTrainer(model, mean_code, args=es_args(tmp_path, sigma=0.02), train_dataset=prompts(),
+                        processing_class=tokenizer)
+    measured = trainer.measure_sigma_effect([1e-5, 1.0])
+    assert measured["effects"][0] == [1e-5, 0.0] and measured["effects"][1][1] == 1.0  # no change, all changed
+    assert measured["prompts"] == 4 and measured["members"] == 4
+    assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.5
+    assert trainer.strategy.sigma == 0.02
+    assert_bitwise(snapshot(trainer.model), base)

@@ -72,6 +72,31 @@ class ESStabilityMixin:
         self._metrics["sigma/effect"].append(effect)
         return {"sigma": sigma, "sigma_effect": effect, "sigma_probes": [list(p) for p in search.probes]}
 
+    def measure_sigma_effect(self, sigmas, rows: list[dict] | None = None) -> dict:
+        """The effect ``sigma="auto"`` measures, at each of ``sigmas``, on ``rows`` (default: the first training
+        batch), with the first iteration's probe members; and the sigma the search picks there.
+
+        Returns:
+            `dict`: ``{"effects": [[sigma, effect], ...], "auto": {"sigma", "effect", "probes"}, "prompts",
+            "members"}``. The model's weights are unchanged.
+        """
+        if rows is None:
+            rows = self._gather_prompt_rows(next(iter(self.get_train_dataloader())))
+        members = self.strategy.ask(0)[: min(PROBE_MEMBERS, self.args.population_size)]
+        center, saved = self._greedy_completions(None, rows, 0), self.strategy.sigma
+        try:
+            effects = [[float(s), self._effect(members, rows, 0, float(s), center)] for s in sigmas]
+            target = self.args.sigma_target
+            search = SigmaSearch(target)
+            while (sigma := search.next_sigma()) is not None:
+                search.tell(sigma, self._effect(members, rows, 0, sigma, center))
+            choice = search.choice()
+            auto = {"sigma": choice, "effect": self._effect(members, rows, 0, choice, center),
+                    "probes": [list(p) for p in search.probes], "target": target}
+        finally:
+            self.strategy.sigma = saved
+        return {"effects": effects, "auto": auto, "prompts": len(rows), "members": len(members)}
+
     def _greedy_rollout(self):
         """The rollout with greedy decoding and one completion per row (agent rollouts as they are)."""
         rollout = self.rollout
