@@ -72,7 +72,7 @@ def run_arm(out: str, extra: list[str], args) -> None:
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, "-m", "trl_es.cli", "train", "--config", args.recipe, *REDUCED,
                "--num_eval_prompts", str(args.num_test), "--max_steps", str(args.max_steps), "--logging_steps", "1",
-               "--output_dir", out, *extra]
+               "--output_dir", out, *extra, *args.extra.split()]
     print(f"[auto_sigma] start {out}: {' '.join(command)}", flush=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     with open(os.path.join(out, "log.txt"), "w") as log:
@@ -84,6 +84,8 @@ def transfer(args) -> None:
     for seed in args.seeds:
         arms = {"auto": ["--sigma", "auto"], **{f"sigma_{s:g}": ["--sigma", str(s)] for s in GRID[args.setting]}}
         for name, extra in arms.items():
+            if args.only and name not in args.only:
+                continue
             out = os.path.join(args.output_dir, args.setting, f"seed{seed}", name)
             run_arm(out, [*SETTINGS[args.setting], "--seed", str(seed), *extra], args)
 
@@ -95,6 +97,8 @@ def collapse(args) -> None:
             "recipe_guard": ["--collapse_guard", "true"]}
     for seed in args.seeds:
         for name, extra in arms.items():
+            if args.only and name not in args.only:
+                continue
             run_arm(os.path.join(args.output_dir, "collapse", f"seed{seed}", name), ["--seed", str(seed), *extra],
                     args)
 
@@ -136,6 +140,9 @@ def main(argv=None):
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
     parser.add_argument("--max_steps", type=int, default=26)
     parser.add_argument("--num_test", type=int, default=200, help="Test prompts scored after training.")
+    parser.add_argument("--only", nargs="*", default=None, help="transfer / collapse: run only these arms.")
+    parser.add_argument("--extra", default="", help="Further `trl-es train` flags for every arm (one string), e.g. "
+                        "'--population_size 8' for a reduced run.")
     parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
     args = parser.parse_args(argv)
     {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table}[args.command](args)
