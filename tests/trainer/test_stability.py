@@ -229,9 +229,11 @@ def test_auto_sigma_resume_reads_sigma_from_the_log(tmp_path, tokenizer):
     assert len(after) == 2 and not any("sigma/effect" in h for h in after)  # not calibrated again
 
 
-def test_guard_rolls_back_a_made_up_collapse_and_replays_bitwise(tmp_path, tokenizer, caplog):
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_guard_rolls_back_a_made_up_collapse_and_replays_bitwise(tmp_path, tokenizer, caplog, backend):
     model = build_llama(tokenizer)
-    args = es_args(tmp_path, sigma=0.02, max_steps=7, collapse_guard=True, collapse_guard_patience=2)
+    args = es_args(tmp_path, sigma=0.02, max_steps=7, collapse_guard=True, collapse_guard_patience=2,
+                   population_backend=backend)
     trainer = ESTrainer(model, collapsing(at=4), args=args, train_dataset=prompts(),
                         processing_class=tokenizer)
     states = {}
@@ -264,9 +266,11 @@ def test_guard_rolls_back_a_made_up_collapse_and_replays_bitwise(tmp_path, token
     assert_bitwise(snapshot(rebuilt), states[5])
 
 
-def test_guard_resume_across_a_rollback_is_bitwise(tmp_path, tokenizer):
+@pytest.mark.parametrize(("backend", "sigma"), [("sequential", 0.02), ("batched_lowrank", "auto")])
+def test_guard_resume_across_a_rollback_is_bitwise(tmp_path, tokenizer, backend, sigma):
     reward = collapsing(at=3)
-    common = dict(sigma=0.02, max_steps=6, collapse_guard=True, collapse_guard_patience=1)
+    common = dict(sigma=sigma, max_steps=6, collapse_guard=True, collapse_guard_patience=1,
+                  population_backend=backend)
     full = ESTrainer(build_llama(tokenizer), reward, args=es_args(tmp_path / "full", **common),
                      train_dataset=prompts(), processing_class=tokenizer)
     full.train()
