@@ -49,7 +49,8 @@ def effect(args) -> dict:
     from trl_es.trainer.es.es_trainer import ESTrainer
 
     argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
-            "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no"]
+            "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no",
+            "--sigma_target", str(args.sigma_target)]
     task_args, es_args, model_args = parse_train_arguments(argv)
     task, splits = task_splits(task_args)
     model, tokenizer = load_model_and_tokenizer(model_args)
@@ -137,6 +138,7 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="runs/auto_sigma")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--seed", type=int, default=0, help="effect: the task seed of the first batch.")
+    parser.add_argument("--sigma_target", type=float, default=0.3, help="effect: the target of the auto search.")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
     parser.add_argument("--max_steps", type=int, default=26)
     parser.add_argument("--num_test", type=int, default=200, help="Test prompts scored after training.")

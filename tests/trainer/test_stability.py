@@ -198,7 +198,7 @@ def test_auto_sigma_is_logged_and_replays_bitwise(tmp_path, tokenizer, backend):
     trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(), processing_class=tokenizer)
     trainer.train()
     header, logged = records(args.output_dir)
-    assert header["sigma"] == "auto" and header["run_settings"]["sigma_target"] == 0.5
+    assert header["sigma"] == "auto" and header["run_settings"]["sigma_target"] == 0.3
     sigmas = {r["sigma"] for r in logged}
     assert len(sigmas) == 1 and trainer.strategy.sigma == sigmas.pop()
     first = logged[0]
@@ -333,6 +333,6 @@ def test_measure_sigma_effect_leaves_the_model_and_sigma_as_they_were(tmp_path, 
     measured = trainer.measure_sigma_effect([1e-5, 1.0])
     assert measured["effects"][0] == [1e-5, 0.0] and measured["effects"][1][1] == 1.0  # no change, all changed
     assert measured["prompts"] == 4 and measured["members"] == 4
-    assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.5
+    assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.3
     assert trainer.strategy.sigma == 0.02
     assert_bitwise(snapshot(trainer.model), base)
