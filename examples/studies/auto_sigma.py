@@ -104,25 +104,33 @@ def collapse(args) -> None:
                     args)
 
 
+def printed_logs(path: str) -> list[dict]:
+    """The per-iteration dicts ``trl-es train`` printed into ``path`` (each after tqdm's bar on its line)."""
+    with open(path) as f:
+        return [ast.literal_eval(line[line.index("{'loss'"):].split("}")[0] + "}") for line in f if "{'loss'" in line]
+
+
 def table(args) -> str:
-    """Markdown rows of every finished arm: test accuracy, sigma used, the curve of the mean reward, rollbacks."""
-    lines = ["| study | seed | arm | sigma | test accuracy after | reward per iteration | rollbacks (steps) |",
+    """Markdown rows of every arm (finished or not): sigma, the mean reward per iteration, rollbacks, test accuracy."""
+    lines = ["| study | seed | arm | sigma | mean reward per iteration | rollbacks (iterations) | test accuracy |",
              "|---|---|---|---|---|---|---|"]
-    for path in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*", "results.json"))):
+    for path in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*", "log.txt"))):
         folder = os.path.dirname(path)
-        arm, seed, study = folder.split(os.sep)[-1], folder.split(os.sep)[-2], folder.split(os.sep)[-3]
-        with open(path) as f:
-            results = json.load(f)
-        with open(os.path.join(folder, "es_seed_log.jsonl")) as f:
-            header, *records = [json.loads(line) for line in f]
-        sigma = records[0].get("sigma", header["sigma"]) if records else header["sigma"]
-        with open(os.path.join(folder, "log.txt")) as f:  # the per-iteration log lines Trainer prints
-            logs = [ast.literal_eval(line.strip()) for line in f if line.startswith("{'loss'")]
+        study, seed, arm = folder.split(os.sep)[-3:]
+        logs = printed_logs(path)
+        with open(path) as f:  # the ES plan's "Sigma = ..." line: a number, or auto (then the logged sigma)
+            planned = next((line.split("=")[1].strip() for line in f if line.strip().startswith("Sigma =")), "nan")
+        sigma = next((float(h["sigma"]) for h in logs if "sigma" in h), float("nan") if planned == "auto"
+                     else float(planned))
         rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
-        rolled = [r["step"] for r in records if "rollback_to" in r]
-        accuracy = results.get("test_accuracy_after", float("nan"))
-        lines.append(f"| {study} | {seed} | {arm} | {sigma:.4g} | {accuracy:.3f} | {rewards} | {len(rolled)} "
-                     f"{rolled if rolled else ''} |")
+        counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
+        rolled = [k + 1 for k in range(len(counts)) if counts[k] > (counts[k - 1] if k else 0)]
+        accuracy = "not finished"
+        if os.path.exists(os.path.join(folder, "results.json")):
+            with open(os.path.join(folder, "results.json")) as f:
+                accuracy = f"{json.load(f)['test_accuracy_after']:.3f}"
+        lines.append(f"| {study} | {seed} | {arm} | {sigma:.4g} | {rewards} | "
+                     f"{'-' if not counts else (rolled or 'none')} | {accuracy} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.output_dir, "auto_sigma.md"), "w") as f:
         f.write(text)
