@@ -2,7 +2,6 @@
 in ``ENGINES``; the trainer builds it, syncs it and puts the members into it by its type."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -66,14 +65,6 @@ class MirrorEngine(OwnWeightsEngine):
                                         add_special_tokens=add_special_tokens, **generate_kwargs)
 
 
-@dataclasses.dataclass
-class AnyEngineConfig(ESConfig):
-    """ESConfig whose ``generation_engine`` takes any registered name (ESConfig's ``Literal`` lists the built-in
-    ones)."""
-
-    generation_engine: str = "auto"
-
-
 @pytest.fixture
 def mirror_registered(monkeypatch):
     monkeypatch.setitem(ENGINES, "mirror", MirrorEngine.from_config)  # the one place an engine is registered
@@ -112,10 +103,10 @@ def test_a_registered_engine_that_holds_its_weights_trains_as_eager(tmp_path, to
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Write: {i}"}] for i in range(8)]})
     runs = {}
     for name in ("eager", "mirror"):
-        args = AnyEngineConfig(output_dir=str(tmp_path / name), generation_engine=name, max_steps=steps, population_size=4, antithetic=True,
-                               prompt_batch_size=4, max_completion_length=6, sigma=0.05, learning_rate=0.05,
-                               report_to=[], save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0,
-                               include_parameters=LINEARS)
+        args = ESConfig(output_dir=str(tmp_path / name), generation_engine=name, max_steps=steps, population_size=4,
+                        antithetic=True, prompt_batch_size=4, max_completion_length=6, sigma=0.05, learning_rate=0.05,
+                        report_to=[], save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0,
+                        include_parameters=LINEARS)
         trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=data,
                             processing_class=tokenizer)
         trainer.train()

@@ -118,9 +118,12 @@ def test_the_literal_fields_are_the_cores_choices():
     assert literal_choices(ESConfig) == {
         "fitness_shaping": FITNESS_SHAPINGS, "per_prompt_shaping": PER_PROMPT_SHAPINGS, "es_optimizer": ("es", "torch"),
         "noise_source": NOISE_SOURCES, "population_backend": tuple(POPULATION_BACKENDS),
-        "generation_engine": GENERATION_ENGINES, "vllm_mode": ("colocate", "server"), "vllm_model_impl": ("vllm",),
+        "vllm_mode": ("colocate", "server"), "vllm_model_impl": ("vllm",),
         "anchor_storage": ANCHOR_STORAGES, "awd_penalty": AWD_PENALTIES,
     }
+    from trl_es.generation import ENGINES  # generation_engine: "auto" or any registered engine, checked on ENGINES
+
+    assert ("auto", *ENGINES) == GENERATION_ENGINES and ESConfig.__dataclass_fields__["generation_engine"].type == "str"
     assert literal_choices(HyperESConfig) == {
         "final_genome": ("rescored", "best", "mean", "validation"), "genome_granularity": GRANULARITIES,
         "sign_election": SIGN_ELECTIONS, "majority_sign_method": MAJORITY_SIGN_METHODS,

@@ -1,13 +1,8 @@
 """The Hyper-ES genome: merge coefficients per group of modules, and the box CMA-ES searches them in.
 
-A *group* is the unit that shares coefficients: the whole model (``"global"``: one weight per adapter), one
-transformer block (``"layer"``, the default: one weight per block and adapter, as in the layer-wise merges of
-Akiba et al. 2024, "Evolutionary Optimization of Model Merging Recipes", Sec. 3.1), or a single module
-(``"module"``). Optionally each group also gets its own DARE density.
-
-CMA-ES works on a vector ``x`` in the unit box ``[0, 1]^n`` (pycma's ``bounds=[0, 1]`` option keeps its samples
-inside); [`GenomeSpace.decode`] maps it affinely onto the configured bounds, so every coefficient stays in its bounds
-and one ``sigma0`` means "a fraction of each bound's width" for weights and densities alike.
+A *group* shares coefficients: the whole model (``"global"``), one transformer block (``"layer"``, the layer-wise
+merges of Akiba et al. 2024, "Evolutionary Optimization of Model Merging Recipes", Sec. 3.1) or one module
+(``"module"``); CMA-ES searches a vector in the unit box ``[0, 1]^n``.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from ..files import write_json
 
 
 GRANULARITIES = ("global", "layer", "module")
-_LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
+_LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")  # the first integer path component: ".3." or a trailing ".3"
 
 
 def layer_index(module_name: str) -> int | None:
@@ -34,30 +29,20 @@ def layer_index(module_name: str) -> int | None:
 
 
 def group_modules(module_names: Sequence[str], granularity: str) -> tuple[list[str], dict[str, int]]:
-    """Assign modules to coefficient groups.
-
-    Args:
-        module_names (`Sequence[str]`): Target modules (relative to the base model).
-        granularity (`str`): ``"global"``, ``"layer"`` or ``"module"``. With ``"layer"``, modules outside the numbered
-            blocks (e.g. ``lm_head``) share one group ``"other"``.
-
-    Returns:
-        `(group_names, module_groups)`: Group names in order (``layer.0, layer.1, ...``) and module -> group index.
-
-    Raises:
-        ValueError: for an unknown granularity.
-    """
+    """Assign modules (relative to the base model) to coefficient groups by ``granularity`` (one of
+    ``GRANULARITIES``): ``(group_names, module_groups)``, group names in order (``layer.0, layer.1, ...``) and module ->
+    group index. Raises ``ValueError`` for an unknown granularity."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"genome_granularity must be one of {GRANULARITIES}, got {granularity!r}.")
-    if granularity == "global":
+    if granularity == "global":  # one weight per adapter for the whole model
         return ["all"], dict.fromkeys(module_names, 0)
-    if granularity == "module":
+    if granularity == "module":  # every module its own group, in the order given
         return list(module_names), {name: i for i, name in enumerate(module_names)}
     layers = sorted({i for i in map(layer_index, module_names) if i is not None})
     names = [f"layer.{i}" for i in layers]
     if any(layer_index(n) is None for n in module_names):
-        names.append("other")
-    position = {name: i for i, name in enumerate(names)}
+        names.append("other")  # every module outside the numbered blocks (e.g. lm_head) shares this one group
+    position = {name: i for i, name in enumerate(names)}  # group index: blocks in numeric order, "other" last
     groups = {n: position[f"layer.{layer_index(n)}" if layer_index(n) is not None else "other"] for n in module_names}
     return names, groups
 
@@ -68,8 +53,7 @@ class Genome:
 
     Attributes:
         weights (`np.ndarray`): Shape ``(G, K)``, float64: weight of adapter ``k`` in group ``g``.
-        densities (`np.ndarray`): Shape ``(G,)``, float64: DARE keep probability per group (all equal when the
-            densities are not searched).
+        densities (`np.ndarray`): Shape ``(G,)``, float64: DARE keep probability per group.
         group_names (`list[str]`): ``G`` names.
         module_groups (`dict[str, int]`): Module name -> group index.
         adapter_names (`list[str]`): ``K`` names.
@@ -91,6 +75,7 @@ class Genome:
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        # float64 whatever came in (lists from JSON, CMA-ES's arrays): a genome saved and loaded is the same genome
         self.weights = np.asarray(self.weights, dtype=np.float64)
         self.densities = np.asarray(self.densities, dtype=np.float64)
         g, k = len(self.group_names), len(self.adapter_names)
@@ -102,6 +87,7 @@ class Genome:
     def coefficients(self, module_name: str) -> tuple[list[float], float]:
         """``(weights over the K adapters, density)`` of the module's group."""
         g = self.module_groups[module_name]
+        # plain Python floats: the merge builds its tensors in the deltas' dtype and device
         return self.weights[g].tolist(), float(self.densities[g])
 
     def to_dict(self) -> dict:
@@ -128,6 +114,7 @@ class Genome:
             group_names=list(data["group_names"]),
             module_groups={k: int(v) for k, v in data["module_groups"].items()},
             adapter_names=list(data["adapter_names"]),
+            # the .get defaults are the field defaults, for files that left a field out
             granularity=data.get("granularity", "layer"),
             seed=data.get("seed"),
             sign_election=data.get("sign_election", "weighted"),
@@ -136,8 +123,7 @@ class Genome:
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_dict` as JSON, atomically (:func:`trl_es.files.write_json`; the caller picks the one
-        process that writes)."""
+        """Write :meth:`to_dict` as JSON, atomically (the caller picks the one process that writes)."""
         write_json(path, self.to_dict())
 
     @classmethod
@@ -157,17 +143,8 @@ class GenomeSpace:
     """The search box and its map from CMA-ES's unit-box vector to a [`Genome`].
 
     The vector is ``[w_{0,0..K-1}, w_{1,0..K-1}, ..., w_{G-1,..}, d_0, ..., d_{G-1}]`` (densities only with
-    ``search_density=True``), every entry in ``[0, 1]``; entry ``x`` maps to ``lo + (hi - lo) * x``.
-
-    Args:
-        group_names (`list[str]`), module_groups (`dict[str, int]`): From [`group_modules`].
-        adapter_names (`list[str]`): ``K`` names.
-        granularity (`str`): Recorded in genomes.
-        weight_bounds (`tuple[float, float]`): ``(lo, hi)`` for every weight.
-        density_bounds (`tuple[float, float]`): ``(lo, hi)`` for searched densities, within ``(0, 1]``.
-        search_density (`bool`): Whether densities are part of the vector.
-        density (`float`): The fixed density (``search_density=False``) or the initial one.
-        seed, sign_election, majority_sign_method: Copied into every genome.
+    ``search_density=True``), every entry in ``[0, 1]``; entry ``x`` maps to ``lo + (hi - lo) * x`` of
+    ``weight_bounds`` / ``density_bounds`` (within ``(0, 1]``). ``density`` is the fixed density, or the initial one.
 
     Raises:
         ValueError: for empty or inverted bounds, or a density outside its bounds/``(0, 1]``.
@@ -223,6 +200,7 @@ class GenomeSpace:
         return self.num_groups * self.num_adapters + (self.num_groups if self.search_density else 0)
 
     def _unit(self, value: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
+        # inverse of decode's affine map: the bound's box back to [0, 1]
         lo, hi = bounds
         return (np.asarray(value, dtype=np.float64) - lo) / (hi - lo)
 
@@ -232,22 +210,24 @@ class GenomeSpace:
         Raises:
             ValueError: if ``len(x) != dim``.
         """
+        # pycma's bounds=[0, 1] keeps its samples inside; the clip guards any other caller
         x = np.clip(np.asarray(x, dtype=np.float64), 0.0, 1.0)
         if x.shape != (self.dim,):
             raise ValueError(f"Genome vector has shape {x.shape}; expected ({self.dim},).")
         g, k = self.num_groups, self.num_adapters
         lo, hi = self.weight_bounds
+        # affine onto each bound's box: one sigma0 is "a fraction of the width" for weights and densities alike
         weights = lo + (hi - lo) * x[: g * k].reshape(g, k)
         if self.search_density:
             dlo, dhi = self.density_bounds
             densities = dlo + (dhi - dlo) * x[g * k :]
         else:
-            densities = np.full(g, self.density)
+            densities = np.full(g, self.density)  # not searched: the fixed density in every group
         return self._genome(weights, densities)
 
     def encode(self, genome: Genome) -> np.ndarray:
         """Inverse of [`decode`] for a genome of this space (the densities are dropped when not searched)."""
-        parts = [self._unit(genome.weights, self.weight_bounds).reshape(-1)]
+        parts = [self._unit(genome.weights, self.weight_bounds).reshape(-1)]  # row-major: group by group
         if self.search_density:
             parts.append(self._unit(genome.densities, self.density_bounds))
         return np.concatenate(parts)
@@ -258,8 +238,8 @@ class GenomeSpace:
         return self._genome(np.full((self.num_groups, self.num_adapters), float(weight)), np.full(self.num_groups, d))
 
     def single(self, k: int, weight: float = 1.0, density: float = 1.0) -> Genome:
-        """Weight ``weight`` on adapter ``k`` and 0 elsewhere (with ``sign_election="weighted"``: adapter ``k``
-        alone)."""
+        """Weight ``weight`` on adapter ``k`` and 0 elsewhere."""
+        # with sign_election="weighted" the zero weights drop out of the vote: adapter k alone
         weights = np.zeros((self.num_groups, self.num_adapters))
         weights[:, k] = weight
         return self._genome(weights, np.full(self.num_groups, float(density)))

@@ -1,19 +1,9 @@
 """The deltas of K LoRA adapters trained on one base model, read with every field peft can put in an adapter.
 
-A LoRA module contributes ``Delta = scaling * B @ A`` (Hu et al. 2021, "LoRA", Eq. 3). The factors are read from
-peft's own ``LoraLayer`` objects, so ``r``/``lora_alpha``, ``rank_pattern``, ``alpha_pattern``, rsLoRA,
-``fan_in_fan_out``, ``target_modules``, ``exclude_modules`` and ``layers_to_transform`` are resolved by peft, not
-re-derived here; they are kept as small fp32 copies and the full matrices are built on demand with the formula of
-peft's ``lora.Linear.get_delta_weight``.
-
-An adapter can also carry tensors that *replace* base tensors: ``modules_to_save`` (whole copies of modules),
-``bias="all"``/``"lora_only"`` (trained biases) and ``trainable_token_indices`` (new embedding rows). peft's
-``merge_and_unload`` puts them in place of the base's. Here each one becomes a dense task vector ``adapter - base``
-([`DenseDelta`]) merged like any other delta: ``W0 + Delta`` with coefficient 1 is peft's merged model, and the base
-model itself is never written.
-
-What a merge of deltas cannot represent is refused by name before anything is loaded ([`check_adapter_config`]);
-``docs/hyper_es.md`` ("Adapter fields") lists every ``LoraConfig`` field and how it is handled.
+A LoRA module contributes ``Delta = scaling * B @ A`` (Hu et al. 2021, "LoRA", Eq. 3), kept as fp32 factors
+([`LoraFactors`]); a tensor the adapter *replaces* (``modules_to_save``, trained biases, ``trainable_token_indices``)
+becomes a dense task vector ``adapter - base`` ([`DenseDelta`]). ``docs/hyper_es.md`` ("Adapter fields") lists
+every ``LoraConfig`` field and how it is handled.
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from ..files import atomic_path, require_files, write_json
 _PREFIX = "base_model.model."  # of every key in a saved peft state dict
 _FACTOR_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"
-_TMP_ADAPTER = "_hyper_es"
+_TMP_ADAPTER = "_hyper_es"  # the adapter name _load_factors builds on the base model and unloads
 _PLAIN_VARIANTS = {"MiCALinearVariant"}  # LoRA variants whose delta is scaling * B @ A (peft: "identical to vanilla")
 
 BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -61,31 +51,24 @@ _VARIANT = ("selects a LoRA variant whose forward is not W0 + scaling * B @ A", 
 
 
 def check_adapter_config(config: PeftConfig, adapter_name: str) -> None:
-    """Refuse an adapter whose config asks for something a merge of deltas cannot represent.
-
-    Refused: any other peft method than LoRA; ``use_dora``, ``lora_bias``, ``target_parameters``, ``use_qalora``,
-    ``layer_replication``, ``megatron_config``; every field peft tags as a LoRA variant (``velora_config``,
-    ``alora_invocation_tokens``, ``monteclora_config``, ``use_bdlora``, ``arrow_config``, ``kasa_config``, ...); an
-    ``init_lora_weights`` of [`BASE_MODIFYING_INITS`] (an adapter saved with peft's
-    ``path_initial_model_for_weight_conversion`` is a plain LoRA adapter of the original base and is accepted).
-
-    Args:
-        config (`PeftConfig`): The adapter's config.
-        adapter_name (`str`): Its name, for the message.
+    """Refuse an adapter whose config asks for something a merge of deltas cannot represent: another peft method
+    than LoRA, a field of ``_REFUSED_FIELDS``, a LoRA variant, or an ``init_lora_weights`` of [`BASE_MODIFYING_INITS`].
 
     Raises:
-        ValueError: naming the adapter, the field, its value and what to do.
+        ValueError: naming the adapter (``adapter_name``), the field, its value and what to do.
     """
     if not isinstance(config, LoraConfig):
         kind = getattr(config, "peft_type", type(config).__name__)
         raise ValueError(f"Adapter {adapter_name!r} is a {kind} adapter; Hyper-ES merges LoRA adapters only.")
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        # peft tags every variant field (velora_config, alora_invocation_tokens, use_bdlora, ...) "is_lora_variant"
         if not value or not (field.name in _REFUSED_FIELDS or field.metadata.get("is_lora_variant")):
             continue
         why, todo = _REFUSED_FIELDS.get(field.name, _VARIANT)
         raise ValueError(f"Adapter {adapter_name!r}: {field.name}={value!r} {why}; {todo}.")
     init = config.init_lora_weights
+    # one saved with path_initial_model_for_weight_conversion has init True again: a plain adapter, accepted
     if isinstance(init, str) and init.lower().startswith(BASE_MODIFYING_INITS):
         raise ValueError(
             f"Adapter {adapter_name!r}: init_lora_weights={init!r} changes the base weights when the adapter is "
@@ -97,14 +80,9 @@ def check_adapter_config(config: PeftConfig, adapter_name: str) -> None:
 
 @dataclass
 class LoraFactors:
-    """The LoRA factors of one adapter on one module.
-
-    Attributes:
-        lora_A (`torch.Tensor`): Shape ``(r, in_features)``, float32.
-        lora_B (`torch.Tensor`): Shape ``(out_features, r)``, float32.
-        scaling (`float`): ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), as computed by peft.
-        fan_in_fan_out (`bool`): Whether the base weight is stored ``(in, out)`` (GPT-2 ``Conv1D``).
-    """
+    """The LoRA factors of one adapter on one module: ``lora_A`` of shape ``(r, in_features)`` and ``lora_B`` of shape
+    ``(out_features, r)``, float32; ``scaling`` as peft computes it; ``fan_in_fan_out``: the base weight is stored
+    ``(in, out)`` (GPT-2 ``Conv1D``)."""
 
     lora_A: torch.Tensor
     lora_B: torch.Tensor
@@ -125,7 +103,7 @@ class LoraFactors:
         """
         a = self.lora_A.to(device) if device is not None else self.lora_A
         b = self.lora_B.to(device) if device is not None else self.lora_B
-        delta = b @ a
+        delta = b @ a  # peft's lora.Linear.get_delta_weight, in float32
         if self.fan_in_fan_out:
             delta = delta.T
         return delta * self.scaling
@@ -137,15 +115,9 @@ class LoraFactors:
 
 @dataclass
 class DenseDelta:
-    """A dense delta ``adapter tensor - base tensor`` of one adapter on a tensor the adapter replaces.
-
-    Attributes:
-        value (`torch.Tensor`): float32, the shape of the base tensor. :meth:`delta` returns it without a copy: do not
-            modify the result in place.
-        field (`str`): The adapter field it comes from: ``"modules_to_save"``, ``"bias"``,
-            ``"trainable_token_indices"``, or ``"save_embedding_layers"`` (a LoRA-targeted embedding or ``lm_head``
-            saved with a base weight other than the base model's: that weight minus the base's, plus the LoRA delta).
-    """
+    """A dense delta ``adapter tensor - base tensor`` (``value``: float32, the base tensor's shape) of one adapter on
+    a tensor it replaces; ``field``: ``"modules_to_save"``, ``"bias"``, ``"trainable_token_indices"`` or
+    ``"save_embedding_layers"``."""
 
     value: torch.Tensor
     field: str = "modules_to_save"
@@ -156,6 +128,7 @@ class DenseDelta:
 
     def delta(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The delta (float32, the shape of the base tensor)."""
+        # no copy: callers must not modify the result in place
         return self.value.to(device) if device is not None else self.value
 
     def to(self, device: torch.device | str) -> DenseDelta:
@@ -175,11 +148,11 @@ def target_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
         module = model.get_submodule(name)
     except AttributeError:
         module = None
-    if module is not None:
+    if module is not None:  # a module name: its weight (LoRA targets, modules_to_save, embeddings)
         weight = getattr(module, "weight", None)
         return weight if isinstance(weight, torch.Tensor) else None
     try:
-        return model.get_parameter(name)
+        return model.get_parameter(name)  # else a parameter name (a trained bias)
     except AttributeError:
         return None
 
@@ -187,27 +160,20 @@ def target_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
 def _lora_layers(peft_model: PeftModel) -> list[tuple[str, LoraLayer]]:
     """``(name, layer)`` for every LoRA layer, ``name`` relative to the base model
     (``model.layers.0.self_attn.q_proj``)."""
+    # names relative to the base model: below PeftModel's base_model.model wrappers
     inner = peft_model.base_model.model if isinstance(peft_model, PeftModel) else peft_model
     return [(name, module) for name, module in inner.named_modules() if isinstance(module, LoraLayer)]
 
 
 def _active_adapter(peft_model: PeftModel) -> str:
     name = peft_model.active_adapter
+    # a list when several adapters are active; the first one counts
     return name[0] if isinstance(name, list) else name
 
 
 def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None) -> dict[str, LoraFactors]:
-    """Copy one adapter's factors out of a ``PeftModel`` (fp32, CPU).
-
-    Only the LoRA layers are read: the adapter's other tensors (``modules_to_save``, biases, trainable tokens) are
-    read by [`dense_deltas`], its config checked by [`check_adapter_config`].
-
-    Args:
-        peft_model (`PeftModel`): A model with LoRA adapters.
-        adapter_name (`str`, *optional*): Which adapter; the active one by default.
-
-    Returns:
-        `dict[str, LoraFactors]`: By module name relative to the base model, in ``named_modules`` order.
+    """Copy one adapter's LoRA factors (the active one by default) out of a ``PeftModel`` (fp32, CPU), by module name
+    relative to the base model, in ``named_modules`` order; the other tensors are [`dense_deltas`]'s.
 
     Raises:
         ValueError: for LoRA variants whose delta is not ``scaling * B @ A`` (DoRA, ``lora_bias``, other variants),
@@ -217,6 +183,8 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
     if adapter_name is None:
         adapter_name = _active_adapter(peft_model)
     factors: dict[str, LoraFactors] = {}
+    # r/lora_alpha, rank_pattern, alpha_pattern, rsLoRA, target_modules, exclude_modules, layers_to_transform: all
+    # resolved by peft in its own layers, read here, never re-derived
     for name, layer in _lora_layers(peft_model):
         if adapter_name in getattr(layer, "lora_embedding_A", {}):
             raise ValueError(
@@ -229,6 +197,7 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
                 f"Module {name!r} is a {type(layer).__name__}; only peft `lora.Linear` layers are supported."
             )
         variant = getattr(layer, "lora_variant", {}).get(adapter_name)
+        # a variant whose forward is still scaling * B @ A (MiCA) merges like plain LoRA
         plain_variant = variant is None or type(variant).__name__ in _PLAIN_VARIANTS
         if layer.use_dora.get(adapter_name, False) or layer.lora_bias.get(adapter_name, False) or not plain_variant:
             raise ValueError(
@@ -239,7 +208,7 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
         factors[name] = LoraFactors(
             lora_A=layer.lora_A[adapter_name].weight.detach().float().cpu().clone(),
             lora_B=layer.lora_B[adapter_name].weight.detach().float().cpu().clone(),
-            scaling=float(layer.scaling[adapter_name]),
+            scaling=float(layer.scaling[adapter_name]),  # lora_alpha / r, or / sqrt(r) with rsLoRA
             fan_in_fan_out=bool(layer.fan_in_fan_out),
         )
     if not factors:
@@ -250,7 +219,7 @@ def extract_lora_factors(peft_model: PeftModel, adapter_name: str | None = None)
 def _token_indices(config: LoraConfig, module_name: str, adapter_name: str) -> list[int]:
     """The rows ``trainable_token_indices`` trains in module ``module_name`` (a list: the input embedding's)."""
     spec = config.trainable_token_indices
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, Mapping):  # a bare list is for the input embedding
         return list(spec)
     found = [v for k, v in spec.items() if module_name == k or module_name.endswith("." + k)]
     if len(found) != 1:
@@ -263,33 +232,19 @@ def _token_indices(config: LoraConfig, module_name: str, adapter_name: str) -> l
 def dense_deltas(
     base_model: nn.Module, state: Mapping[str, torch.Tensor], config: LoraConfig, adapter_name: str
 ) -> dict[str, DenseDelta]:
-    """The adapter's tensors that replace base tensors, as dense deltas ``adapter - base`` (fp32, CPU).
-
-    Every tensor of ``state`` other than a ``lora_A``/``lora_B`` weight is one: a ``modules_to_save`` copy
-    (``lm_head.weight``), a trained bias (``bias="all"``/``"lora_only"``), a ``trainable_token_indices`` row block
-    (its delta is zero outside the trained rows), or the weight under a LoRA-targeted embedding or ``lm_head`` that
-    peft saves with ``save_embedding_layers`` (skipped when it equals the base model's).
-
-    Args:
-        base_model (`nn.Module`): The base model (read, never written).
-        state (`Mapping[str, torch.Tensor]`): The adapter's state dict in peft's saved format (``load_peft_weights`` of
-            a folder, ``get_peft_model_state_dict`` of a ``PeftModel``): keys ``base_model.model.<path>``.
-        config (`LoraConfig`): The adapter's config (for ``bias`` and ``trainable_token_indices``).
-        adapter_name (`str`): For messages.
-
-    Returns:
-        `dict[str, DenseDelta]`: By delta name ([`delta_name`]).
+    """The adapter's tensors that replace base tensors (every tensor of ``state`` other than a ``lora_A``/``lora_B``
+    weight), as dense deltas ``adapter - base`` (fp32, CPU) by delta name ([`delta_name`]). ``state``: peft's saved
+    format, keys ``base_model.model.<path>``; ``base_model`` is read, never written.
 
     Raises:
         ValueError: for a tensor with no parameter of that name and shape in ``base_model`` (e.g. a DoRA magnitude),
-            or a replaced tensor that the base model ties to another parameter the adapter does not replace alike
-            (the merge would change both, where peft's ``merge_and_unload`` unties them). Tied tensors replaced alike
-            (``ensure_weight_tying=True``) give one delta, on the first of the names in ``named_parameters`` order.
+            or a replaced tensor that the base model ties to another parameter the adapter does not replace alike.
     """
     params = dict(base_model.named_parameters(remove_duplicate=False))
     saved: dict[str, tuple[str, torch.Tensor]] = {}  # base parameter -> (saved key, saved tensor)
     for key, value in state.items():
         if not key.endswith(_FACTOR_SUFFIXES):
+            # the saved key back to the base parameter's name
             param = key.removeprefix(_PREFIX).replace(".base_layer.", ".").replace(_TOKENS_SUFFIX, ".weight")
             if param not in params:
                 raise ValueError(
@@ -303,14 +258,16 @@ def dense_deltas(
         value = value.to(device=base.device, dtype=torch.float32)
         tied = [n for n, p in params.items() if p.data_ptr() == base.data_ptr()]  # param itself and its tied names
         if key.endswith(_TOKENS_SUFFIX):  # new rows; peft applies them to a tied output layer as well
+            # the base tensor with the trained rows put in: the delta is zero outside them
             field, new = "trainable_token_indices", base.float().clone()
             new[_token_indices(config, delta_name(param), adapter_name)] = value
         else:
             if key.endswith(".base_layer.weight"):  # peft's save_embedding_layers: the weight under a LoRA layer
                 if value.shape == base.shape and torch.equal(value, base.float()):
-                    continue
+                    continue  # the base model's own weight: no delta
                 field = "save_embedding_layers"
             else:
+                # a bias saved under bias="all"/"lora_only" is trained; any other tensor is a modules_to_save copy
                 field = "bias" if param.endswith("bias") and config.bias != "none" else "modules_to_save"
             new = value
             if value.shape != base.shape:
@@ -318,6 +275,7 @@ def dense_deltas(
                     f"Adapter {adapter_name!r}: {field} tensor {param!r} has shape {tuple(value.shape)}, the base "
                     f"model's {tuple(base.shape)}: the adapter was trained on another base model."
                 )
+            # the merge would change every tied name, where peft's merge_and_unload() unties them
             if not all(n in saved and torch.equal(saved[n][1].to(value), value) for n in tied):
                 raise ValueError(
                     f"Adapter {adapter_name!r}: {field} replaces {param!r}, which the base model ties to "
@@ -333,6 +291,7 @@ def dense_deltas(
 
 def _check_plain_base(base_model: nn.Module) -> None:
     for name, module in base_model.named_modules():
+        # a peft layer (or modules_to_save wrapper) in the base would be read as part of W0
         if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
             raise ValueError(
                 f"The base model has a peft layer at {name!r} ({type(module).__name__}): pass the base model without "
@@ -343,19 +302,15 @@ def _check_plain_base(base_model: nn.Module) -> None:
 def _load_factors(
     base_model: nn.Module, config: LoraConfig, state: Mapping[str, torch.Tensor], adapter_name: str
 ) -> dict[str, LoraFactors]:
-    """The LoRA factors of a saved adapter, read through peft's own layers without writing any base tensor.
-
-    The adapter's LoRA layers are built on ``base_model`` with peft (as a plain LoRA config: no ``modules_to_save``,
-    biases or trainable tokens, which peft would load into or in place of base modules; default init, under a forked
-    CPU RNG), only its ``lora_A``/``lora_B`` tensors are loaded, the factors copied and the layers unloaded again;
-    the parameters' ``requires_grad`` flags are put back as they were.
-    """
+    """The LoRA factors of a saved adapter, read through peft's own layers built on ``base_model`` and unloaded again,
+    without writing any base tensor."""
     plain = copy.deepcopy(config)
+    # no modules_to_save, biases or trainable tokens: peft would load those into or in place of base modules
     plain.modules_to_save, plain.trainable_token_indices, plain.bias = None, None, "none"
     plain.init_lora_weights, plain.inference_mode = True, True
     factor_state = {k: v for k, v in state.items() if k.endswith(_FACTOR_SUFFIXES)}
-    flags = [(p, p.requires_grad) for p in base_model.parameters()]
-    with torch.random.fork_rng(devices=[]):
+    flags = [(p, p.requires_grad) for p in base_model.parameters()]  # PeftModel freezes the base: put back after
+    with torch.random.fork_rng(devices=[]):  # the default init draws from the CPU RNG; the caller's is left as it was
         peft_model = PeftModel(base_model, plain, adapter_name=_TMP_ADAPTER)
     try:
         try:
@@ -371,6 +326,7 @@ def _load_factors(
         return extract_lora_factors(peft_model, _TMP_ADAPTER)
     finally:
         peft_model.unload()
+        # the attributes peft sets on the base model, which would make it look like a peft model afterwards
         for attr in ("peft_config", "_hf_peft_config_loaded"):
             if attr in base_model.__dict__:
                 delattr(base_model, attr)
@@ -379,12 +335,8 @@ def _load_factors(
 
 
 class LoraDeltaSet:
-    """The K adapters to merge, per module: LoRA factors or dense deltas; full deltas built on demand.
-
-    Args:
-        factors (`list[dict[str, LoraFactors | DenseDelta]]`): One dict per adapter (delta name, see [`delta_name`] ->
-            its delta). An adapter without a delta on a name contributes a zero delta there.
-        adapter_names (`list[str]`, *optional*): Names for logs and the genome JSON; ``adapter_0, ...`` by default.
+    """The K adapters to merge, per module: ``factors`` holds one dict per adapter (delta name -> LoRA factors or
+    dense delta); full deltas built on demand. ``adapter_names``: ``adapter_0, ...`` by default.
 
     Raises:
         ValueError: if fewer than one adapter is given, or two adapters disagree on a module's shape.
@@ -401,7 +353,7 @@ class LoraDeltaSet:
         )
         if len(self.adapter_names) != len(self.factors):
             raise ValueError(f"adapter_names has {len(self.adapter_names)} names for {len(self.factors)} adapters.")
-        names: list[str] = []
+        names: list[str] = []  # every delta name, first seen first, over all adapters
         self.shapes: dict[str, tuple[int, ...]] = {}
         for k, adapter in enumerate(self.factors):
             for name, f in adapter.items():
@@ -422,16 +374,12 @@ class LoraDeltaSet:
     def delta(self, name: str, k: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Adapter ``k``'s full delta on ``name`` (float32, the target's shape; zeros if that adapter has none)."""
         f = self.factors[k].get(name)
-        if f is None:
+        if f is None:  # an adapter without a delta on a name contributes zero there
             return torch.zeros(self.shapes[name], dtype=torch.float32, device=device)
         return f.delta(device)
 
     def deltas(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
-        """All K deltas of module ``name``.
-
-        Returns:
-            `torch.Tensor`: Shape ``(K, *weight.shape)``, float32.
-        """
+        """All K deltas of module ``name``: shape ``(K, *weight.shape)``, float32."""
         return torch.stack([self.delta(name, k, device) for k in range(self.num_adapters)])
 
     def to(self, device: torch.device | str) -> LoraDeltaSet:
@@ -448,18 +396,8 @@ class LoraDeltaSet:
         adapters: Sequence[str | os.PathLike | PeftModel],
         adapter_names: Sequence[str] | None = None,
     ) -> LoraDeltaSet:
-        """Read K adapters given as saved adapter folders and/or ``PeftModel`` objects.
-
-        Each adapter's config is checked first ([`check_adapter_config`]), before anything is loaded. Its LoRA layers
-        give factors; its other tensors (``modules_to_save``, biases, trainable tokens) give dense deltas against
-        ``base_model`` ([`dense_deltas`]). No tensor of ``base_model`` is written: a folder's LoRA layers are built on
-        it with peft and unloaded again, its other tensors are read from the file.
-
-        Args:
-            base_model (`nn.Module`): The base model the adapters were trained on, without peft layers.
-            adapters (`Sequence[str | PathLike | PeftModel]`): K adapters; a ``PeftModel`` contributes its active
-                adapter.
-            adapter_names (`Sequence[str]`, *optional*): Names; the folder's base name (or ``adapter_k``) by default.
+        """Read K adapters (saved folders and/or ``PeftModel`` objects, whose active adapter counts) trained on
+        ``base_model`` (without peft layers, never written); ``adapter_names``: the folders' base names by default.
 
         Raises:
             ValueError: if no adapter is given, an adapter uses a field the merge cannot represent (named in the
@@ -473,27 +411,28 @@ class LoraDeltaSet:
                 os.path.basename(os.path.normpath(a)) if isinstance(a, (str, os.PathLike)) else f"adapter_{k}"
                 for k, a in enumerate(adapters)
             ]
-            if len(set(adapter_names)) != len(adapter_names):
+            if len(set(adapter_names)) != len(adapter_names):  # two folders with one base name: numbered instead
                 adapter_names = [f"adapter_{k}" for k in range(len(adapters))]
         _check_plain_base(base_model)
         factors = []
         for k, (a, name) in enumerate(zip(adapters, adapter_names, strict=True)):
             if isinstance(a, PeftModel):
                 config = a.peft_config[_active_adapter(a)]
-                check_adapter_config(config, name)
+                check_adapter_config(config, name)  # each config checked before anything of it is loaded
                 state = get_peft_model_state_dict(a, adapter_name=_active_adapter(a))
                 lora = extract_lora_factors(a)
             elif isinstance(a, (str, os.PathLike)):
                 config = PeftConfig.from_pretrained(os.fspath(a))
                 check_adapter_config(config, name)
                 state = load_peft_weights(os.fspath(a), device="cpu")
-                lora = _load_factors(base_model, config, state, name)
+                lora = _load_factors(base_model, config, state, name)  # built on base_model and unloaded again
             else:
                 raise TypeError(f"adapters[{k}] is a {type(a).__name__}; expected a folder path or a PeftModel.")
             dense = dense_deltas(base_model, state, config, name)
             lora_ptrs = {t.data_ptr(): n for n in lora if (t := target_tensor(base_model, n)) is not None}
             for dense_name in list(dense):  # peft's save_embedding_layers: the base weight under a LoRA layer
                 both = lora_ptrs.get(target_tensor(base_model, dense_name).data_ptr())
+                # a saved weight other than the base's: that difference plus the LoRA delta, as one dense delta
                 if both is not None and (extra := dense.pop(dense_name).value).any():
                     lora[both] = DenseDelta(extra + lora[both].delta(), "save_embedding_layers")
             factors.append({**lora, **dense})
@@ -513,21 +452,11 @@ class LoraDeltaSet:
 
 
 def low_rank_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best rank-``rank`` factorization of a delta by truncated SVD (Eckart-Young): ``delta ~= B @ A``.
-
-    The singular values are split evenly (``B = U sqrt(S)``, ``A = sqrt(S) Vh``); when ``rank`` exceeds
-    ``min(out, in)`` the factors are padded with zeros.
-
-    Args:
-        delta (`torch.Tensor`): Shape ``(out, in)``.
-        rank (`int`): The LoRA rank ``r``.
-
-    Returns:
-        `(lora_A, lora_B)`: Shapes ``(r, in)`` and ``(out, r)``, float32.
-    """
+    """Best rank-``rank`` factorization of a delta of shape ``(out, in)`` by truncated SVD (Eckart-Young):
+    ``delta ~= B @ A``; returns ``(lora_A, lora_B)`` of shapes ``(r, in)`` and ``(out, r)``, float32."""
     u, s, vh = torch.linalg.svd(delta.float(), full_matrices=False)
-    keep = min(rank, s.numel())
-    root = s[:keep].sqrt()
+    keep = min(rank, s.numel())  # a rank above min(out, in) leaves zero-padded factors
+    root = s[:keep].sqrt()  # the singular values split evenly: B = U sqrt(S), A = sqrt(S) Vh
     lora_b = torch.zeros(delta.shape[0], rank, dtype=torch.float32, device=delta.device)
     lora_a = torch.zeros(rank, delta.shape[1], dtype=torch.float32, device=delta.device)
     lora_b[:, :keep] = u[:, :keep] * root
@@ -541,33 +470,21 @@ def save_deltas_as_lora(
     output_dir: str | os.PathLike,
     base_model_name_or_path: str | None = None,
 ) -> LoraConfig:
-    """Save full-matrix deltas as one peft LoRA adapter of rank ``rank`` (truncated SVD per module).
-
-    The adapter has ``lora_alpha = r`` (scaling 1) and targets exactly the given modules; load it with
-    ``PeftModel.from_pretrained(base_model, output_dir)``.
-
-    Call it on the one process that writes (``HyperESTrainer.save_model`` does, under ``args.should_save``). The
-    weights and ``hyper_es_export.json`` are written atomically (:func:`trl_es.files.atomic_path`), and the folder is
-    checked at the end.
-
-    Args:
-        deltas (`dict[str, torch.Tensor]`): Module name (relative to the base model) -> ``(out, in)`` delta.
-        rank (`int`): LoRA rank.
-        output_dir: Folder for ``adapter_config.json`` and ``adapter_model.safetensors``.
-        base_model_name_or_path (`str`, *optional*): Recorded in the adapter config.
-
-    Returns:
-        `LoraConfig`: The saved config.
+    """Save full-matrix deltas (module name relative to the base model -> ``(out, in)`` delta) as one peft LoRA
+    adapter of rank ``rank`` (truncated SVD per module) in ``output_dir``, loadable with
+    ``PeftModel.from_pretrained(base_model, output_dir)``; returns the saved config. Call it on the one process that
+    writes.
 
     Raises:
-        ValueError: for ``rank < 1``, or a delta that is not a weight matrix (a 1-D delta or a ``.bias``: from
-            ``modules_to_save`` of a norm or ``bias="all"``), which a LoRA adapter cannot carry.
+        ValueError: for ``rank < 1``, or a delta that is not a weight matrix (a 1-D delta or a ``.bias``), which a
+            LoRA adapter cannot carry.
         RuntimeError: if ``adapter_config.json`` or ``adapter_model.safetensors`` is missing afterwards.
     """
     from safetensors.torch import save_file
 
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}.")
+    # 1-D deltas and .bias come from modules_to_save of a norm or bias="all"
     not_lora = sorted(name for name, delta in deltas.items() if delta.dim() != 2 or name.endswith(".bias"))
     if not_lora:
         raise ValueError(
@@ -578,11 +495,12 @@ def save_deltas_as_lora(
     state = {}
     for name, delta in deltas.items():
         lora_a, lora_b = low_rank_factors(delta, rank)
+        # peft's saved key format; safetensors wants contiguous CPU tensors
         state[f"base_model.model.{name}.lora_A.weight"] = lora_a.cpu().contiguous()
         state[f"base_model.model.{name}.lora_B.weight"] = lora_b.cpu().contiguous()
     config = LoraConfig(
         r=rank,
-        lora_alpha=rank,
+        lora_alpha=rank,  # scaling 1: B @ A is the delta itself
         target_modules=sorted(deltas),
         lora_dropout=0.0,
         bias="none",
@@ -590,6 +508,7 @@ def save_deltas_as_lora(
         base_model_name_or_path=base_model_name_or_path,
     )
     config.save_pretrained(os.fspath(output_dir))
+    # weights and the export record written atomically; the folder checked at the end
     with atomic_path(os.path.join(output_dir, "adapter_model.safetensors")) as tmp:
         save_file(state, tmp, metadata={"format": "pt"})
     write_json(os.path.join(output_dir, "hyper_es_export.json"),

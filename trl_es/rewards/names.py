@@ -16,16 +16,12 @@ __all__ = ["base_reward_func_name", "reward_func_names"]
 
 
 def base_reward_func_name(func: Callable | nn.Module) -> str:
-    """The name TRL's GRPOTrainer gives one reward function or reward model, before de-duplication.
-
-    Returns:
-        `str`: A model's last ``/`` part of ``config._name_or_path``; a callable's ``get_callable_name`` (a partial's
-        wrapped function, ``"<lambda>"``, a callable object's class); else the class name.
-    """
+    """The name TRL's GRPOTrainer gives one reward function or reward model, before de-duplication."""
     if isinstance(func, nn.Module):  # as GRPOTrainer: nn.Module rather than PreTrainedModel (compiled models)
         config = getattr(func, "config", None)
-        name = get_config_model_id(config).split("/")[-1] if config is not None else ""
+        name = get_config_model_id(config).split("/")[-1] if config is not None else ""  # the id's last part
         return name or type(func).__name__
+    # a partial's wrapped function, "<lambda>", a callable object's class; else the class name
     return get_callable_name(func) or type(func).__name__
 
 

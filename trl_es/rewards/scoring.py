@@ -44,7 +44,7 @@ def _as_float(value, name: str) -> float:
         return float(value)
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # numpy scalars, numpy.bool_ too
         return float(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:  # a 0-d or one-element tensor, on any device
         return float(value.item())
     raise TypeError(
         f"Reward function {name!r} returned {value!r} of type {type(value).__name__}; expected a number (int/float) "
@@ -66,6 +66,7 @@ _ASYNC_LOOP_LOCK = threading.Lock()
 
 
 def _shutdown_async_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    # at exit: the loop runs in another thread, so it is stopped through its own queue
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
 
@@ -75,6 +76,7 @@ def async_reward_loop() -> asyncio.AbstractEventLoop:
     """
     global _ASYNC_LOOP
     with _ASYNC_LOOP_LOCK:
+        # a closed or stopped loop (after _shutdown_async_loop) is replaced by a fresh one
         if _ASYNC_LOOP is None or _ASYNC_LOOP.is_closed() or not _ASYNC_LOOP.is_running():
             loop, ready = asyncio.new_event_loop(), threading.Event()
 
@@ -99,7 +101,7 @@ def await_all(awaitables: list, return_exceptions: bool = False) -> list:
     Raises:
         Exception: without ``return_exceptions``, the first exception of an awaitable (the others are cancelled).
     """
-    async def _one(awaitable):
+    async def _one(awaitable):  # any awaitable into a coroutine, which ensure_future wraps as a task
         return await awaitable
 
     async def _gather():
@@ -217,11 +219,9 @@ class RewardScorer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score completions, ``rows[j]`` the dataset row of completion ``j``; ``extra`` goes to every function.
 
-        ``None`` is "not applicable"; a NaN or +-inf (a function's or a reward model's logit) is *invalid*.
-
         Returns:
-            `(rewards, invalid)`: ``(len(completions), num_funcs)`` float32, NaN for ``None`` and invalid values; and
-            the same shape, bool, true for invalid values.
+            `(rewards, invalid)`: ``(len(completions), num_funcs)`` float32, NaN for ``None`` ("not applicable") and
+            invalid values (NaN, +-inf); and the same shape, bool, true for invalid values.
 
         Raises:
             ValueError: if a function returns the wrong number of values.
@@ -254,7 +254,7 @@ class RewardScorer:
             outputs = await_all([a for _, a in pending])
             for (i, _), output in zip(pending, outputs, strict=True):
                 rewards[:, i], invalid[:, i] = _checked_rewards(output, self.names[i], n)
-        invalid |= torch.isinf(rewards)
+        invalid |= torch.isinf(rewards)  # +-inf from a function or a reward model's logit
         # a reward model has no None: any NaN logit is invalid
         model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, nn.Module)]
         for i in model_columns:
@@ -292,15 +292,12 @@ class RewardScorer:
                            add_special_tokens=False)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        return model(**inputs).logits[:, 0].float().cpu()
+        return model(**inputs).logits[:, 0].float().cpu()  # num_labels=1: one score per sequence
 
     def weighted(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
-        """``sum_f w_f * r_f`` per completion, ``None`` (NaN) rewards skipped as in GRPO; NaN if all are ``None``.
-
-        Returns:
-            `torch.Tensor`: Shape ``(num_completions,)``, float64.
-        """
+        """``sum_f w_f * r_f`` per completion, shape ``(num_completions,)``, float64; ``None`` (NaN) rewards skipped
+        as in GRPO; NaN if all are ``None``."""
         # float64: finite float32 rewards never overflow into an infinite sum
         weighted = (rewards_per_func.double() * self.weights.double()[None, :]).nansum(dim=1)
-        all_nan = torch.isnan(rewards_per_func).all(dim=1)
+        all_nan = torch.isnan(rewards_per_func).all(dim=1)  # nansum gives 0 there: put NaN back, "no reward"
         return torch.where(all_nan, torch.full_like(weighted, math.nan), weighted)

@@ -1,11 +1,7 @@
 """Verifiable rewards' pieces: completion text, answer extraction, number parsing and comparison.
 
-Reward functions take TRL's signature (they run in :class:`trl.GRPOTrainer` and :class:`trl_es.ESTrainer` alike)::
-
-    def reward(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]: ...
-
-``completions`` are strings (standard format) or message lists (conversational); dataset columns arrive as keyword
-lists of ``len(completions)``; TRL's extras (``trainer_state``, ``log_metric``, ...) are ignored.
+Reward functions take TRL's signature, ``reward(prompts, completions, completion_ids=None, **kwargs) ->
+list[float | None]``, with dataset columns as keyword lists of ``len(completions)``.
 """
 
 from __future__ import annotations
@@ -50,14 +46,8 @@ _FULL_NUMBER_RE = re.compile(r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?
 
 
 def completion_text(completion: str | Sequence[dict[str, Any]] | dict[str, Any]) -> str:
-    """The text of one completion, in TRL's standard or conversational format.
-
-    Args:
-        completion (`str` | `list[dict]` | `dict`): A string, a message list or one message; a ``content`` is a
-            string or a list of parts ``[{"type": "text", "text": ...}]``.
-
-    Returns:
-        `str`: The string, or the **last** assistant message's content ("" when there is none).
+    """The text of one completion (a string, a message list or one message, TRL's standard or conversational
+    format): the string, or the **last** assistant message's content ("" when there is none).
 
     Raises:
         TypeError: If ``completion`` is none of the forms above.
@@ -84,6 +74,7 @@ def completion_text(completion: str | Sequence[dict[str, Any]] | dict[str, Any])
 
 
 def _content_text(content: Any) -> str:
+    # a content is a string or a list of parts [{"type": "text", "text": ...}]
     if content is None:
         return ""
     if isinstance(content, str):
@@ -138,7 +129,7 @@ def extract_boxed(text: str) -> str | None:
             stack.append(-1)
         elif ch == "}" and stack:
             start = stack.pop()
-            if start > best_start:
+            if start > best_start:  # the \boxed{ opened last wins, even when an earlier one closes after it
                 best_start, best = start, text[start:i]
         i += 1
     return best
@@ -153,7 +144,7 @@ def _to_number(token: str) -> int | float:
     token = token.replace(",", "").replace("\u2212", "-")
     if re.fullmatch(r"[-+]?\d+", token) and len(token) <= MAX_INT_DIGITS:
         return int(token)
-    return float(token)
+    return float(token)  # decimals, or past MAX_INT_DIGITS: a float (inf for a huge one)
 
 
 def find_numbers(text: str) -> list[int | float]:
@@ -188,12 +179,8 @@ def last_number(text: str) -> int | float | None:
 
 
 def parse_number(value: Any) -> int | float | None:
-    """A target or answer that should be one number: a number or a string such as ``" -15.7 "``, ``"1,234"``, ``"1e3"``.
-
-    Returns:
-        `int | float | None`: ``int`` when written without decimals or exponent; ``None`` for booleans, NaN, +-inf
-        and strings with extra text.
-    """
+    """A target or answer that should be one number (a number or a string such as ``" -15.7 "``, ``"1,234"``,
+    ``"1e3"``): ``int`` when written without decimals or exponent; ``None`` for booleans, NaN, +-inf and extra text."""
     if isinstance(value, bool):  # an int subclass, not an answer
         return None
     if isinstance(value, int):
@@ -202,9 +189,10 @@ def parse_number(value: Any) -> int | float | None:
         return value if math.isfinite(value) else None
     if isinstance(value, str):
         s = value.strip()
-        if len(s) > 100 or not _FULL_NUMBER_RE.fullmatch(s):
+        if len(s) > 100 or not _FULL_NUMBER_RE.fullmatch(s):  # a long string is no single number: never scanned
             return None
         number = _to_number(s)
+        # "1e999" parses to inf
         return number if math.isfinite(number) else None
     return None
 
@@ -263,11 +251,9 @@ def think_answer_format_score(text: str, prefill: str = "<think>") -> float:
 
 
 def format_reward(prompts: list, completions: list, completion_ids: list | None = None, **kwargs) -> list[float]:
-    """TRL reward function: :func:`think_answer_format_score` (prefill ``"<think>"``) of each completion.
-
-    Returns:
-        `list[float]`: One score in ``{0, 0.1, 0.5, 0.6, 1}`` per completion.
-    """
+    """TRL reward function: :func:`think_answer_format_score` (prefill ``"<think>"``) of each completion, one score in
+    ``{0, 0.1, 0.5, 0.6, 1}`` per completion."""
+    # the dataset columns and TRL's extras (trainer_state, log_metric, ...) in kwargs are not needed
     return [think_answer_format_score(completion_text(c)) for c in completions]
 
 

@@ -20,24 +20,12 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
         \theta \leftarrow \underbrace{\bar\theta + w_{\mathrm{ES}}\,\Delta_{\mathrm{ES}}}_{\theta_{\mathrm{ES}}}
         + w_{\mathrm{SFT}}\,(\theta_{\mathrm{SFT}} - \bar\theta).
 
-    :math:`\theta_{\mathrm{ES}}` is the ES step at learning rate :math:`w_{\mathrm{ES}}\alpha` (AWD included), as the
-    seed log records it; :math:`\theta_{\mathrm{SFT}}` one step of a separate optimizer
-    (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`) from :math:`\bar\theta` on the parameters ES trains. The seed
-    log replays bitwise only when ``sft_weight == 0`` (the SFT deltas are not saved; resume from a checkpoint). Logs
-    ``sft/*`` and ``update_norm/{es,sft}`` besides ``ESTrainer``'s metrics. One process, no DeepSpeed.
+    :math:`\theta_{\mathrm{ES}}` is the ES step at learning rate :math:`w_{\mathrm{ES}}\alpha` (AWD included);
+    :math:`\theta_{\mathrm{SFT}}` one step of a separate optimizer (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`)
+    from :math:`\bar\theta` on the parameters ES trains. The seed log replays bitwise only when ``sft_weight == 0``.
 
-    Args:
-        model (`str` or `PreTrainedModel`): As :class:`ESTrainer`.
-        reward_funcs (`Callable | list`): As :class:`ESTrainer`.
-        args (`ESParallelAveragingConfig`, *optional*): ESConfig's fields plus the averaging and ``sft_*`` fields.
-        train_dataset (`datasets.Dataset`): The ES prompts, as :class:`ESTrainer`.
-        sft_dataset (`datasets.Dataset`): The SFT data, in a format ``trl.SFTTrainer`` accepts.
-        eval_dataset (`datasets.Dataset`, *optional*): As :class:`ESTrainer`.
-        processing_class (`PreTrainedTokenizerBase`, *optional*): As :class:`ESTrainer`; the SFT side uses it too.
-        reward_processing_classes (*optional*): As :class:`ESTrainer`.
-        callbacks (`list[TrainerCallback]`, *optional*): As :class:`ESTrainer`.
-        optimizers (`tuple`, *optional*): As :class:`ESTrainer`.
-        peft_config (`peft.PeftConfig`, *optional*): As :class:`ESTrainer`.
+    The arguments are :class:`ESTrainer`'s (``args``: an :class:`ESParallelAveragingConfig`), plus ``sft_dataset``:
+    the SFT data, in a format ``trl.SFTTrainer`` accepts.
 
     Raises:
         ValueError: without ``sft_dataset``, with several processes or under DeepSpeed.
@@ -58,6 +46,7 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
                              "have to take the same SFT step.")
 
     def _train_metrics(self):
+        # where _sft_step_and_log puts sft/* and update_norm/*: ESTrainer's own metrics dict, logged with its metrics
         return self._metrics
 
     def _start_averaging(self) -> None:
@@ -81,12 +70,12 @@ class ESParallelAveragingTrainer(SFTAveragingTrainerMixin, ESTrainer):
         # the seed log stores w_ES * alpha: theta_ES is bitwise what replay() computes from the record
         told = super()._tell(members, fitness, args.es_weight * learning_rate)
         theta_es = restore_snapshot(masters, theta_bar)  # the SFT step starts from theta_bar
-        self.es_params.write_master_to_model_()
+        self.es_params.write_master_to_model_()  # the SFT forward reads the model's tensors: theta_bar there too
         self.sft_step.create_scheduler(self.state.max_steps)
-        self.sft_step.targets = self._sft_targets()
+        self.sft_step.targets = self._sft_targets()  # the SFT optimizer steps the fp32 masters, as ES does
         self._sft_step_and_log(theta_es, masters, theta_bar, float32=False)
         with torch.no_grad():
             for m, bar, es in zip(masters, theta_bar, theta_es, strict=True):
                 m.copy_(es + args.sft_weight * (m - bar))  # float32, in this order
-        self.es_params.write_master_to_model_()
+        self.es_params.write_master_to_model_()  # the average, cast once into the model's dtype
         return told

@@ -41,13 +41,14 @@ class _AverageAroundOptimizerStep(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # the SFT schedule spans the RL run's steps, known only once training begins
         self.trainer.sft_step.create_scheduler(state.max_steps)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._snapshot_theta_bar()  # the weights the RL gradient was computed at
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._average_with_sft_step()
+        self.trainer._average_with_sft_step()  # the RL step is taken: its update is theta - theta_bar
 
 
 class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
@@ -60,22 +61,11 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
 
     :math:`\Delta_{\mathrm{RL}}` is ``GRPOTrainer``'s own optimizer step, unchanged; :math:`\Delta_{\mathrm{SFT}}`
     one step of a separate optimizer of the same class (:class:`~trl_es.trainer.averaging.sft_step.SFTStep`), both
-    from :math:`\bar\theta`, over every trainable parameter. Logs ``sft/*`` and ``update_norm/{rl,sft}``; checkpoints
-    hold ``sft_optimizer.pt``. One process (no DDP, DeepSpeed or FSDP).
+    from :math:`\bar\theta`, over every trainable parameter.
 
-    Args:
-        model (`str` or `PreTrainedModel`): As ``trl.GRPOTrainer``.
-        reward_funcs (`Callable | list`): As ``trl.GRPOTrainer``.
-        args (`ParallelAveragingConfig`, *optional*): GRPOConfig's fields plus the averaging and ``sft_*`` fields.
-        train_dataset (`datasets.Dataset`): The RL prompts, as ``trl.GRPOTrainer``.
-        sft_dataset (`datasets.Dataset`): The SFT data, in a format ``trl.SFTTrainer`` accepts (e.g. conversational
-            prompt-completion rows: :func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`).
-        eval_dataset (`datasets.Dataset`, *optional*): As ``trl.GRPOTrainer``.
-        processing_class (`PreTrainedTokenizerBase`, *optional*): As ``trl.GRPOTrainer``; the SFT side uses it too.
-        reward_processing_classes (*optional*): As ``trl.GRPOTrainer``.
-        callbacks (`list[TrainerCallback]`, *optional*): As ``trl.GRPOTrainer``.
-        optimizers (`tuple`, *optional*): The RL side's ``(optimizer, scheduler)``, as ``trl.GRPOTrainer``.
-        peft_config (`peft.PeftConfig`, *optional*): As ``trl.GRPOTrainer``.
+    The arguments are ``trl.GRPOTrainer``'s (``args``: a :class:`ParallelAveragingConfig`; ``optimizers``: the RL
+    side's), plus ``sft_dataset``: the SFT data, in a format ``trl.SFTTrainer`` accepts (e.g.
+    :func:`trl_es.tasks.arithmetic.make_arithmetic_sft_dataset`).
 
     Raises:
         ValueError: without ``sft_dataset``, with several processes, or under DeepSpeed / FSDP.
@@ -107,6 +97,7 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
                              "runs outside the Trainer's distributed wrapping.")
 
     def _train_metrics(self):
+        # GRPOTrainer's per-mode lists, averaged into its next log: sft/* and update_norm/* land beside its metrics
         return self._metrics["train"]
 
     def _start_averaging(self) -> None:
@@ -129,4 +120,4 @@ class ParallelAveragingTrainer(SFTAveragingTrainerMixin, GRPOTrainer):
         # a separate optimizer with its own moments: each sees only its own gradients
         self._sft_step_and_log(theta_rl, params, theta_bar, float32=True)
         average_updates_(params, theta_bar, theta_rl, self.args.rl_weight, self.args.sft_weight)
-        self._theta_bar = None
+        self._theta_bar = None  # one snapshot per optimizer step: a second step without one raises

@@ -88,10 +88,8 @@ def sft_config_from(
 
 
 class SFTStep:
-    """One supervised fine-tuning step at a time: TRL's SFTTrainer data pipeline and ``"nll"`` loss, its own optimizer.
-
-    ``step(t)`` takes SFT batch ``t``, a fixed function of ``t`` and the seed (epoch ``t // B`` is
-    ``torch.randperm(n, generator=Generator().manual_seed(seed + epoch))`` cut into ``B = n // batch_size`` batches).
+    """One supervised fine-tuning step at a time: TRL's SFTTrainer data pipeline and ``"nll"`` loss, its own optimizer;
+    ``step(t)`` takes SFT batch ``t``, a fixed function of ``t`` and the seed.
 
     Args:
         model (`PreTrainedModel`): The model, shared with the host trainer.
@@ -163,7 +161,8 @@ class SFTStep:
             self._patched.forward = forward
 
     def batch_indices(self, step: int) -> list[int]:
-        """The dataset rows of SFT batch ``step`` (see the class doc)."""
+        """The dataset rows of SFT batch ``step``."""
+        # epoch step // B is randperm(n, seed + epoch) cut into B = n // batch_size batches
         epoch, position = divmod(int(step), self.batches_per_epoch)
         if epoch != self._epoch:  # a fresh permutation per epoch, from the seed alone: a resumed run gets the same
             generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -215,6 +214,7 @@ class SFTStep:
         learning_rate = float(self.optimizer.param_groups[0]["lr"])  # the one this step uses
         self.optimizer.step()
         self.lr_scheduler.step()
+        # no gradient left behind for the host's next backward to add to
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         metrics = {"loss": float(loss), "grad_norm": float(grad_norm), "learning_rate": learning_rate}

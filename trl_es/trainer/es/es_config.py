@@ -13,7 +13,7 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
 from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
-from ...generation import check_continuous_batching_config
+from ...generation import ENGINES, check_continuous_batching_config
 from .es_stability import stability_field_errors
 from .grpo_fields import (
     BATCH_FIELDS,
@@ -332,7 +332,7 @@ class ESConfig(_BaseConfig):
         },
     )
 
-    generation_engine: Literal["auto", "eager", "compiled", "continuous_batching"] = field(
+    generation_engine: str = field(  # "auto" or a name of trl_es.generation.ENGINES (a registered engine too)
         default="auto",
         metadata={
             "help": "How completions are generated: 'eager' (model.generate), 'compiled' (static KV cache + compiled "
@@ -706,6 +706,8 @@ class ESConfig(_BaseConfig):
         own_reason = ("vllm_model_impl",) if self.vllm_model_impl == "transformers" else ()  # refused with its reason
         # the Literal fields (fitness_shaping, es_optimizer, ...) against their allowed values
         errors += literal_field_errors(self, skip=own_reason)
+        if self.generation_engine != "auto" and self.generation_engine not in ENGINES:
+            errors.append(f"generation_engine must be one of {('auto', *ENGINES)}, got {self.generation_engine!r}.")
         if not isinstance(self.noise_rank, int) or self.noise_rank < 1:
             errors.append(f"noise_rank must be an integer >= 1, got {self.noise_rank!r}.")
         collect_error(errors, check_optional_counts, self, "member_chunk_size")

@@ -1,11 +1,8 @@
 """Hyper-ES checkpoint files: what ``checkpoint-<generation>/`` holds, written and read back.
 
-A checkpoint folder holds ``hyper_es_state.pkl`` (the pickled :class:`~trl_es.es.cma_search.CMASearch` with its
-noise handler if any, its history, the position in the stream of fitness rows and the shape of the genome space it was
-made for), ``best_genome.json`` (the best candidate so far, when there is
-one) and ``trainer_state.json``. No model weights: the merge is rebuilt from a genome and the adapters. Every file is
-written atomically (:func:`trl_es.files.atomic_path`) and the search state last, so a folder that holds it is
-complete. Checkpoints are pickles: only load your own.
+A checkpoint folder holds ``hyper_es_state.pkl`` (the pickled :class:`~trl_es.es.cma_search.CMASearch`, its
+history, the fitness-row position and the genome space's shape), ``best_genome.json`` (when there is a best) and
+``trainer_state.json``; no model weights. Checkpoints are pickles: only load your own.
 """
 
 from __future__ import annotations
@@ -41,29 +38,23 @@ def save_search_checkpoint(
     best_genome: Genome | None = None,
     rows_drawn: int | None = None,
 ) -> None:
-    """Write a checkpoint of the search into ``folder`` (created if needed).
-
-    Args:
-        folder (`str`): The ``checkpoint-<generation>`` folder.
-        search (`CMASearch`): The search, pickled with its sampler's RNG (resuming continues it bit for bit).
-        history (`list[dict]`): The per-generation records so far.
-        space (`GenomeSpace`): The genome space; its size and adapter names are recorded to check a resume.
-        trainer_state (`TrainerState`): Saved as ``trainer_state.json``.
-        best_genome (`Genome`, *optional*): The best candidate so far, saved as ``best_genome.json``.
-        rows_drawn (`int`, *optional*): How many rows of the trainer's stream of fitness rows were used so far.
-    """
+    """Write a checkpoint of the search into ``folder`` (the ``checkpoint-<generation>`` folder, created if needed):
+    ``search``, its per-generation ``history``, ``rows_drawn`` (fitness rows used so far), ``space``'s shape,
+    ``trainer_state`` and ``best_genome``."""
     os.makedirs(folder, exist_ok=True)
     payload = {
-        "version": 2,
-        "search": search,
+        "version": 2,  # 2 records rows_drawn
+        "search": search,  # pickled with its sampler's RNG: resuming continues it bit for bit
         "history": history,
         "rows_drawn": rows_drawn,
+        # the space's size and adapter names: load_search_checkpoint refuses a resume into another space
         "space_dim": space.dim,
         "group_names": space.group_names,
         "adapter_names": space.adapter_names,
     }
     if best_genome is not None:
         best_genome.save_json(os.path.join(folder, GENOME_NAME))
+    # every file atomic; no model weights: the merge is rebuilt from a genome and the adapters
     with atomic_path(os.path.join(folder, TRAINER_STATE_NAME)) as tmp:
         trainer_state.save_to_json(tmp)
     # The CMA-ES state last: a checkpoint folder that holds it is complete (resuming needs it).
@@ -74,16 +65,8 @@ def save_search_checkpoint(
 def load_search_checkpoint(
     folder: str, space: GenomeSpace
 ) -> tuple[CMASearch, list[dict], TrainerState | None, int | None]:
-    """Read back what :func:`save_search_checkpoint` wrote.
-
-    Returns:
-        `(CMASearch, list[dict], TrainerState | None, int | None)`: The search, its history, the Trainer state
-        (`None` when the folder has no ``trainer_state.json``) and ``rows_drawn`` (`None` in a version-1 checkpoint,
-        written before it was recorded).
-
-    Raises:
-        ValueError: If the checkpoint was made for another genome space (size or adapters).
-    """
+    """Read back what :func:`save_search_checkpoint` wrote: ``(search, history, trainer_state, rows_drawn)``, the
+    last two `None` when not recorded. Raises ``ValueError`` if the checkpoint was made for another genome space."""
     with open(os.path.join(folder, STATE_NAME), "rb") as f:
         payload = _MovedModulesUnpickler(f).load()  # our own checkpoint format (pycma's state pickles)
     if payload["space_dim"] != space.dim or payload["adapter_names"] != space.adapter_names:
@@ -93,6 +76,7 @@ def load_search_checkpoint(
         )
     state_file = os.path.join(folder, TRAINER_STATE_NAME)
     trainer_state = TrainerState.load_from_json(state_file) if os.path.exists(state_file) else None
+    # a version-1 checkpoint has no rows_drawn: None, and the caller derives it from the generation
     return payload["search"], payload["history"], trainer_state, payload.get("rows_drawn")
 
 
@@ -114,11 +98,12 @@ class HyperESCheckpointMixin:
     def _save_checkpoint_state(self) -> str:
         search = self.search
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{search.generation}")
-        if self.args.should_save:
+        if self.args.should_save:  # one process writes; every process returns the folder
             best = self.candidate_genome(search.best_x, *search.best_tag) if search.best_x is not None else None
             save_search_checkpoint(
                 folder, search, self.history, self.space, self.state, best_genome=best, rows_drawn=self.rows_drawn
             )
+            # transformers' own rotation: keeps the save_total_limit newest checkpoint-<n> folders
             rotate_checkpoints(self.args.output_dir, save_total_limit=self.args.save_total_limit)
         return folder
 
@@ -128,5 +113,5 @@ class HyperESCheckpointMixin:
         self.rows_drawn = rows_drawn if rows_drawn is not None else self.search.generation * per_generation
         if state is not None:
             self.state = state
-        self.state.global_step = self.search.generation
+        self.state.global_step = self.search.generation  # a step is a generation
         logger.info(f"Resumed Hyper-ES from {folder} at generation {self.search.generation}.")

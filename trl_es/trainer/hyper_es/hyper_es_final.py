@@ -1,16 +1,8 @@
 """The genome a Hyper-ES run keeps (``HyperESConfig.final_genome``): the answer of the search, chosen after it ends.
 
-Choosing the single best score among many noisy candidate scores is a winner's curse: the candidate that scored
-highest is, more often than not, one whose prompts happened to suit it. The choices here, besides ``"best"``:
-
-* ``"mean"``: the CMA-ES distribution mean, pycma's "favorite" solution (``result.xfavorite``; the mean of
-  Hansen 2016, "The CMA Evolution Strategy: A Tutorial"), a weighted average of the selected candidates, which
-  averages their luck out.
-* ``"rescored"``: finalists (the ``rescore_top_k`` best candidates seen, the mean and the search's start, the
-  uniform merge) re-scored on the whole fitness split; the highest wins, a tie goes to the start (a candidate must
-  beat where the search began).
-* ``"validation"``: the same finalists scored on the validation rows (the trainer's ``eval_dataset``); the highest
-  validation score wins, so that the choice is not made on the rows the candidates were selected with.
+``"best"``: the best candidate scored; ``"mean"``: the CMA-ES mean (pycma's ``result.xfavorite``, Hansen 2016, "The
+CMA Evolution Strategy: A Tutorial"); ``"rescored"`` / ``"validation"``: the :func:`finalists` re-scored on the whole
+fitness split / on ``eval_dataset``, the highest kept.
 """
 
 from __future__ import annotations
@@ -29,9 +21,7 @@ logger = logging.getLogger(__name__)
 
 def finalists(trainer, search: CMASearch) -> tuple[list[Genome], list[dict]]:
     """The genomes ``"rescored"`` and ``"validation"`` choose among: the best candidates seen
-    (:attr:`CMASearch.top`, highest search fitness first), the final CMA-ES mean, and the search's starting point
-    (the uniform merge, all weights ``initial_weight``), last: a search that finds nothing better on the choosing
-    rows returns its start instead of a lucky candidate.
+    (:attr:`CMASearch.top`, highest search fitness first), the final CMA-ES mean, and the uniform merge, last.
 
     Returns:
         `(list[Genome], list[dict])`: The genomes and one ``{"candidate", "generation", "index", "search_fitness"}``
@@ -44,23 +34,16 @@ def finalists(trainer, search: CMASearch) -> tuple[list[Genome], list[dict]]:
         for rank, (f, _, tag) in enumerate(top)
     ]
     record.append({"candidate": "mean", "generation": search.generation, "index": None, "search_fitness": None})
+    # the search's start: a search that finds nothing better on the choosing rows returns it, not a lucky candidate
     genomes.append(trainer.space.uniform(trainer.args.initial_weight))
     record.append({"candidate": "start", "generation": 0, "index": None, "search_fitness": None})
     return genomes, record
 
 
 def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list[dict]]:
-    """The genome kept after training (``trainer.args.final_genome``), its score, and the re-scoring record.
-
-    ``"rescored"`` / ``"validation"``: the :func:`finalists` are scored (``trainer.score_genomes``) on the whole
-    fitness split (``train_dataset``) / on the whole ``eval_dataset``; the highest score wins (ties: the start, then
-    the candidate with the higher search fitness, then the mean).
-
-    Returns:
-        `(Genome, float, list[dict])`: The genome; the score it was chosen by (the whole-split fitness with
-        ``"rescored"``, the validation score with ``"validation"``, the search value with ``"best"``, the best
-        fitness seen with ``"mean"``); the :func:`finalists` record with each genome's ``"fitness"`` (whole fitness
-        split) or ``"validation"`` score added (empty for ``"best"`` and ``"mean"``).
+    """The genome kept after training (``trainer.args.final_genome``), the score it was chosen by, and the
+    :func:`finalists` record with each genome's ``"fitness"`` or ``"validation"`` score (empty for ``"best"`` and
+    ``"mean"``).
 
     Raises:
         ValueError: If candidates were scored but none got a finite fitness (every reward ``None``), or no
@@ -75,11 +58,14 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
             f"basis for final_genome={mode!r}. Check that the reward functions apply to this dataset (the "
             "columns they read) and to these completions."
         )
+    # "best" keeps the top score among many noisy ones: a winner's curse (the candidate whose prompts suited it)
     if mode == "best" and search.best_x is not None:
         return trainer.candidate_genome(search.best_x, *search.best_tag), float(search.best_fitness), []
+    # "mean" (or nothing to re-score): a weighted average of the selected candidates averages their luck out; its
+    # score is the best fitness seen
     if mode not in ("rescored", "validation") or not getattr(search, "top", []):
         return trainer.space.decode(search.mean), float(search.best_fitness), []
-    if mode == "validation":
+    if mode == "validation":  # chosen on rows the candidates were not selected with
         dataset, key, where = trainer.eval_dataset, "validation", "the validation rows (eval_dataset)"
         if dataset is None:
             raise ValueError("final_genome='validation' needs an eval_dataset (the validation rows).")
@@ -103,28 +89,18 @@ def choose_final_genome(trainer, search: CMASearch) -> tuple[Genome, float, list
 
 
 def resolve_genome(genome, space: GenomeSpace, initial_weight: float, best_genome: Genome | None):
-    """What :meth:`HyperESTrainer.evaluate` and ``merged`` apply for their ``genome`` argument.
-
-    Args:
-        genome: `None` (the model as it is), ``"base"``, ``"uniform"`` (every coefficient ``initial_weight``),
-            ``"best"`` (``best_genome``), an adapter index ``k`` or a [`Genome`].
-        space (`GenomeSpace`): The trainer's genome space.
-        initial_weight (`float`): The uniform merge's weight.
-        best_genome (`Genome` or `None`): The best genome after ``train`` (`None` before).
-
-    Returns:
-        `None`, ``"base"``, an adapter index or a [`Genome`] (what ``MergeApplier.applied`` takes).
-
-    Raises:
-        ValueError: for an unknown ``genome``, or ``"best"`` before training.
-    """
-    if genome is None:
+    """What :meth:`HyperESTrainer.evaluate` and ``merged`` apply for their ``genome`` argument (`None`, ``"base"``,
+    ``"uniform"``, ``"best"``, an adapter index or a [`Genome`]): `None`, ``"base"``, an adapter index or a
+    [`Genome`], as ``MergeApplier.applied`` takes. Raises ``ValueError`` for an unknown ``genome``, or ``"best"``
+    before training (``best_genome`` `None`)."""
+    if genome is None:  # the model as it is
         return None
+    # a bool is an int to Python, but True is no adapter index
     if isinstance(genome, Genome) or isinstance(genome, int) and not isinstance(genome, bool):
         return genome
     if genome == "base":
         return "base"
-    if genome == "uniform":
+    if genome == "uniform":  # the search's start: every coefficient initial_weight
         return space.uniform(initial_weight)
     if genome == "best":
         if best_genome is None:

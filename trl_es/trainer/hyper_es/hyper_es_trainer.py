@@ -1,9 +1,6 @@
 """Hyper-ES (arXiv 2608.05541): CMA-ES over layer-wise DARE-TIES merge coefficients of K LoRA adapters.
 
-Each candidate of a CMA-ES generation is a vector of merge coefficients (see ``trl_es.merging.genome``); it is decoded,
-the K adapters' full deltas are merged with DARE-TIES per module (``trl_es.merging.dare_ties``) and written into the
-base weights, and the merged model is scored by the mean reward of its completions on the generation's prompts.
-pycma (Hansen et al., ``cma``) minimizes, so it is told the negated fitness.
+A candidate's fitness is the mean reward of the merged model's completions on the generation's prompts.
 """
 
 from __future__ import annotations
@@ -44,43 +41,26 @@ FitnessFn = Callable[[nn.Module, Genome], float]
 
 
 class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
-    """Hyper-ES: CMA-ES over the DARE-TIES coefficients that merge K LoRA adapters into a base model.
-
-    The trainer subclasses TRL's ``_BaseTrainer`` (hence ``transformers.Trainer``) and overrides ``train`` and
-    ``evaluate``: it reuses the Trainer's device placement, callbacks and ``log`` (``report_to``, ``log_history``),
-    ``save_model``/``push_to_hub`` and the TRL model card, while the optimisation loop (no optimizer, no backward
-    pass) is CMA-ES's ask/tell. One generation is one ``global_step``.
-
-    Per generation: all candidates are scored on the *same* prompts; under ``torch.distributed`` each process scores
-    the candidates ``member_indices(popsize, rank, world_size)`` and the fitnesses are all-reduced. Logged:
-    ``fitness/best``, ``fitness/mean``, ``fitness/std``, ``fitness/best_so_far``, ``cma/sigma``, the best
-    candidate's mean weight per adapter and, with ``noise_handling``, ``noise/s`` (pycma's noise measure) and
-    ``noise/evaluations`` (prompt batches per fitness). Checkpoints (``save_steps``) hold the pickled CMA-ES state;
-    training resumes from them exactly. After ``train``, the model holds the final merge; ``save_model`` writes it
-    with ``save_pretrained``, plus ``best_genome.json`` and optionally a rank-``export_lora_rank`` LoRA adapter.
+    """Hyper-ES (arXiv 2608.05541): CMA-ES over the layer-wise DARE-TIES coefficients that merge K LoRA adapters
+    into a base model; one generation is one ``global_step``, and after ``train`` the model holds the final merge.
 
     Args:
         model (`str` or `PreTrainedModel`): The base model (or its path); its target weights are changed in place.
-        adapters (`Sequence[str | PeftModel]` or `LoraDeltaSet`): The K LoRA adapters (folders or ``PeftModel`` s on
-            the same base), e.g. from [`~trl_es.merging.build_direction_pool`].
-        reward_funcs: TRL-style reward function(s) or reward model(s) (see ``trl_es.rewards.RewardScorer``);
-            not needed with ``fitness_fn``.
-        args (`HyperESConfig`, *optional*): Configuration.
+        adapters (`Sequence[str | PeftModel]` or `LoraDeltaSet`): The K LoRA adapters on the same base.
+        reward_funcs: TRL-style reward function(s) or reward model(s); not needed with ``fitness_fn``.
         train_dataset (`datasets.Dataset`): The fitness split (a ``prompt`` column, standard or conversational).
-        eval_dataset (`datasets.Dataset`, *optional*): Held-out prompts for [`evaluate`]; with
-            ``final_genome="validation"`` (then required) the validation rows the final genome is chosen on, so
-            pass the validation split here and the test split to ``evaluate(test_dataset)``.
-        processing_class: The tokenizer (loaded from the model path when `None`).
-        callbacks (`list[TrainerCallback]`, *optional*): Trainer callbacks.
-        reward_processing_classes: Tokenizers of reward models.
-        fitness_fn (`Callable[[nn.Module, Genome], float]`, *optional*): Replaces generation + rewards: called with the
-            model holding the candidate merge and the candidate's genome; returns the fitness to maximize.
+        eval_dataset (`datasets.Dataset`, *optional*): Held-out prompts for [`evaluate`]; required with
+            ``final_genome="validation"``, which chooses the final genome on them.
+        fitness_fn (`Callable[[nn.Module, Genome], float]`, *optional*): Replaces generation + rewards: the fitness to
+            maximize of the model holding the candidate merge, given the candidate's genome.
 
     Raises:
         ValueError: without ``reward_funcs`` and ``fitness_fn``, without a usable ``train_dataset`` when rewards are
             used, or when the adapters do not fit the model.
     """
 
+    # _BaseTrainer (hence transformers.Trainer) gives device placement, callbacks, log, save_model, push_to_hub and
+    # the TRL model card; train and evaluate are overridden: no optimizer, no backward, CMA-ES's ask/tell
     _tag_names: ClassVar[list[str]] = ["trl", "trl-es", "hyper-es", "model-merging"]
     _name = "Hyper-ES"
 
@@ -119,7 +99,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         if args.final_genome == "validation" and fitness_fn is not None:
             raise ValueError("final_genome='validation' scores rows of eval_dataset, but a fitness_fn ignores rows: "
                              "use final_genome='rescored', 'best' or 'mean' with a fitness_fn.")
-        model.requires_grad_(False)
+        model.requires_grad_(False)  # no backward pass: the weights are written, never trained
         delta_set = adapters if isinstance(adapters, LoraDeltaSet) else LoraDeltaSet.from_adapters(model, adapters)
         if args.export_lora_rank is not None:  # refused now, not after a whole search and the merged model's save
             not_lora = sorted(n for n, shape in delta_set.shapes.items() if len(shape) != 2 or n.endswith(".bias"))
@@ -128,6 +108,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
                                  "not weight matrices (modules_to_save of norms, or trained biases, of the adapters). "
                                  "Set export_lora_rank=None (the merged model is saved whole).")
         if processing_class is not None and processing_class.pad_token is None:
+            # batched generation pads the prompts: eos as pad, as GRPOTrainer does
             processing_class.pad_token = processing_class.eos_token
 
         super().__init__(
@@ -151,7 +132,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
             else None
         )
         self.applier = MergeApplier(self.model, delta_set, cache_pruned=args.cache_pruned_deltas)
-        self.merge_seed = args.merge_seed if args.merge_seed is not None else args.seed
+        self.merge_seed = args.merge_seed if args.merge_seed is not None else args.seed  # the DARE drop masks' seed
         self.space = GenomeSpace.from_modules(
             delta_set.module_names,
             delta_set.adapter_names,
@@ -190,20 +171,21 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
     def candidate_genome(self, x: np.ndarray, generation: int, index: int) -> Genome:
         """Decode candidate ``index`` of ``generation`` (its own DARE seed with ``resample_drop_mask``)."""
         genome = self.space.decode(x)
+        # (generation, index) seeds a fresh drop mask per candidate; else every candidate shares merge_seed's masks
         if self.args.resample_drop_mask:
             genome.seed = member_seed(self.merge_seed, generation, index)
         return genome
 
     def fitness_rows(self, generation: int) -> list[dict]:
         """The prompts of ``generation`` without noise handling, shared by all its candidates: the whole split with
-        ``prompt_batch_size=None`` (or at least the split's size), else rows ``generation * prompt_batch_size``
-        onwards of :meth:`stream_rows` (each row once per pass; depends only on ``(seed, generation)``)."""
+        ``prompt_batch_size=None``, else the generation's batch of :meth:`stream_rows`."""
         size = self.args.prompt_batch_size
+        # a function of (seed, generation) alone: a resumed run draws the same prompts
         return self.stream_rows(generation * (size or 0), size)
 
     def stream_rows(self, start: int, count: int | None) -> list[dict]:
-        """Rows ``start .. start + count`` of a stream of seeded permutations of the fitness split (one per pass);
-        the whole split when ``count`` is `None` or at least the split's size."""
+        """Rows ``start .. start + count`` of a stream of seeded permutations of the fitness split; the whole split
+        when ``count`` is `None` or at least the split's size."""
         dataset = self.train_dataset
         if dataset is None:
             return []
@@ -213,6 +195,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         indices = []
         for pos in range(start, start + count):
             epoch, offset = divmod(pos, n)
+            # one permutation per pass, seeded by (seed, pass): each row once per pass, no state to checkpoint
             indices.append(int(np.random.default_rng([self.args.seed, epoch]).permutation(n)[offset]))
         return [dataset[i] for i in indices]
 
@@ -227,7 +210,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
     def _mean_reward(self, rows: list[dict], chunk: int) -> dict:
         chunk = max(1, chunk)
         per_func, rewards = [], []
-        for start in range(0, len(rows), chunk):
+        for start in range(0, len(rows), chunk):  # chunk prompts per generate call: the memory of one batch
             out = score_model(
                 self.model,
                 self.processing_class,
@@ -243,10 +226,8 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         return {"rewards_per_func": torch.cat(per_func), "rewards": torch.cat(rewards)}
 
     def score_current_model(self, rows: list[dict], genome: Genome | None = None) -> float:
-        """Fitness of the model as it is now: ``fitness_fn`` if given, else the mean weighted reward on ``rows``.
-
-        Under :meth:`_forward_precision`, as :meth:`evaluate`."""
-        with self._forward_precision():
+        """Fitness of the model as it is now: ``fitness_fn`` if given, else the mean weighted reward on ``rows``."""
+        with self._forward_precision():  # the precision evaluate scores with
             if self.fitness_fn is not None:
                 return float(self.fitness_fn(self.model, genome))
             rewards = self._mean_reward(rows, self.args.per_device_train_batch_size)["rewards"]
@@ -254,27 +235,26 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
 
     def _forward_precision(self):
         """The one precision context of every Hyper-ES forward (candidates' fitness, the final choice, ``evaluate``):
-        accelerate's autocast, bf16 with ``bf16=True`` (fp16 with ``fp16=True`` on a GPU), else none. Hyper-ES never
-        prepares the model (its ``train`` is not Trainer's loop), so its ``forward`` carries no autocast of its own."""
+        bf16 with ``bf16=True`` (fp16 with ``fp16=True`` on a GPU), else none."""
+        # the model is never prepared (train is not Trainer's loop), so its forward has no autocast of its own
         return self.accelerator.autocast()
 
     def score_genomes(self, genomes: Sequence[Genome], rows: list[dict]) -> list[float]:
-        """Fitness of each genome's merge on ``rows`` (this process's share under ``torch.distributed``, all-reduced).
-
-        Returns:
-            `list[float]`: One fitness per genome; NaN where every reward was ``None``.
-        """
+        """Fitness of each genome's merge on ``rows`` (all-reduced under ``torch.distributed``): one float per genome,
+        NaN where every reward was ``None``."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        # the all-reduce runs on the model's device (NCCL wants CUDA tensors); CPU otherwise
         device = self.applier.device if distributed and self.applier.device.type != "cpu" else torch.device("cpu")
         fitness = torch.zeros(len(genomes) + 1, dtype=torch.float64, device=device)  # last: completion tokens
         tokens_before = self._tokens
         try:
+            # this process's share of the candidates; the others' entries stay 0 and the all-reduce sums them in
             for i in member_indices(len(genomes), rank, world):
                 self.applier.apply(genomes[i])
                 fitness[i] = self.score_current_model(rows, genomes[i])
         finally:
-            self.applier.restore()
+            self.applier.restore()  # W0 again, also after an exception
         fitness[-1] = self._tokens - tokens_before
         if distributed:
             torch.distributed.all_reduce(fitness)
@@ -283,29 +263,20 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run CMA-ES for ``max_generations`` generations (or until pycma's termination criteria), then put the final
-        merge (``final_genome``) into the model. With ``noise_handling`` each fitness averages
-        ``search.evaluations`` prompt batches, and after each generation pycma's noise handler re-scores a few
-        candidates on the next batches of the stream.
-
-        Args:
-            resume_from_checkpoint (`str` or `bool`, *optional*): A ``checkpoint-*`` folder, or `True` for the last one
-                in ``output_dir``: continues the CMA-ES exactly where it stopped.
+        merge (``final_genome``) into the model; ``resume_from_checkpoint`` (a ``checkpoint-*`` folder, or `True` for
+        the last one in ``output_dir``) continues the search exactly where it stopped.
 
         Returns:
             `TrainOutput`: ``global_step`` (generations done), ``training_loss`` (the negated score the final genome
-            was chosen by: re-scored on the whole fitness split with ``final_genome="rescored"``, its validation
-            score with ``"validation"``; pycma minimizes negated fitness) and metrics (``train_runtime``,
-            ``train_fitness_best`` (best seen during the search), ``train_fitness_final`` (that score),
-            ``train_generations``, ``train_generated_tokens``: the completion tokens generated to score candidates in
-            this call, over all processes: fitness, noise re-evaluations and the final choice; since the resume point
-            when resumed).
+            was chosen by) and metrics ``train_runtime``, ``train_fitness_best``, ``train_fitness_final``,
+            ``train_generations`` and ``train_generated_tokens`` (completion tokens over all processes, this call).
 
         Raises:
             ValueError: If no candidate got a finite fitness (see ``final_genome``), or no checkpoint to resume from.
         """
         args = self.args
         start_time = time.time()
-        tokens_at_start = self.scored_tokens
+        tokens_at_start = self.scored_tokens  # train_generated_tokens counts this call only (from the resume point)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
@@ -338,6 +309,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             gen_start = time.time()
             xs = search.ask()
+            # every candidate of the generation scored on the *same* prompts
             evaluations = search.evaluations  # prompt batches per fitness (> 1 only with noise handling)
             rows = self.draw_rows(evaluations)
             genomes = [self.candidate_genome(x, generation, i) for i, x in enumerate(xs)]
@@ -349,11 +321,12 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
                     f"Generation {generation}: {scored.count(False)} candidate(s) had no reward; scored {min(fitness)}."
                 )
             noisy = getattr(search, "noise_handler", None) is not None
+            # pycma's noise handler re-scores a few candidates on the next batches of the stream
             reevaluate = self._reevaluator(xs, genomes, evaluations) if noisy else None
             search.tell(xs, fitness, tags=[(generation, i) for i in range(len(xs))], scored=scored,
                         reevaluate=reevaluate)
             self.state.global_step = search.generation
-            self.state.epoch = None
+            self.state.epoch = None  # no epochs: the fitness rows are a stream
             best = int(np.argmax(fitness))
             best_genome = self.candidate_genome(xs[best], generation, best)
             record = {
@@ -363,12 +336,13 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
                 "fitness/best_so_far": float(search.best_fitness),
                 "cma/sigma": search.sigma,
                 **(
+                    # pycma's noise measure, and the prompt batches per fitness
                     {"noise/s": search.noise_s, "noise/evaluations": float(evaluations)}
                     if noisy
                     else {}
                 ),
                 "time/generation_s": time.time() - gen_start,
-                **{f"best/{k}": v for k, v in best_genome.summary().items()},
+                **{f"best/{k}": v for k, v in best_genome.summary().items()},  # mean weight per adapter
             }
             self.history.append({"generation": search.generation, **record})
             logger.info(f"Generation {search.generation}: best genome {best_genome.summary()}")
@@ -389,7 +363,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         }
         if rescored:
             self.best_genome.metadata["validation" if args.final_genome == "validation" else "rescored"] = rescored
-        self.applier.apply(self.best_genome)
+        self.applier.apply(self.best_genome)  # the model holds the final merge: save_model writes it
         runtime = time.time() - start_time
         metrics = {
             "train_runtime": runtime,
@@ -400,14 +374,16 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         }
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.log(dict(metrics))
+        # pycma minimizes the negated fitness: the loss is that of the final genome
         return TrainOutput(self.state.global_step, -float(final_fitness), metrics)
 
     def _reevaluator(self, xs: list[np.ndarray], genomes: list[Genome], evaluations: int):
         """For pycma's noise handler: a candidate of this generation re-scored on the next ``evaluations`` prompt
-        batches of the stream (fresh rows, drawn now so that the stream does not depend on what is re-scored)."""
-        rows = self.draw_rows(evaluations)
+        batches of the stream."""
+        rows = self.draw_rows(evaluations)  # drawn now: the stream does not depend on what is re-scored
 
         def reevaluate(x: np.ndarray) -> float:
+            # by identity: the noise handler passes xs' own arrays
             i = next(j for j, candidate in enumerate(xs) if candidate is x)
             return self.score_genomes([genomes[i]], rows)[0]
 
@@ -415,7 +391,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
 
     @staticmethod
     def _due(every: float, step: int) -> bool:
-        every = int(every) if every >= 1 else 1
+        every = int(every) if every >= 1 else 1  # a fractional logging/save_steps (a ratio) counts as every step
         return step % every == 0
 
     # ---- Evaluation and saving ----
@@ -437,15 +413,9 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         metric_key_prefix: str = "eval",
         genome: Genome | int | str | None = None,
     ) -> dict[str, float]:
-        """Mean reward on ``eval_dataset`` (default: the trainer's) of the model, or of a given merge.
-
-        Args:
-            eval_dataset (`datasets.Dataset`, *optional*): Prompts to score.
-            ignore_keys: Unused (Trainer signature).
-            metric_key_prefix (`str`): Prefix of the metric names.
-            genome: What to evaluate: `None` (the model as it is: the final merge after ``train``), ``"base"``,
-                ``"uniform"`` (all weights ``initial_weight``), ``"best"``, an adapter index ``k`` (adapter ``k`` alone,
-                ``W0 + Delta_k``), or a [`Genome`]. The model is put back as it was afterwards.
+        """Mean reward on ``eval_dataset`` (default: the trainer's) of the model, or of ``genome``'s merge: `None`
+        (the model as it is), ``"base"``, ``"uniform"``, ``"best"``, an adapter index ``k`` (``W0 + Delta_k``) or a
+        [`Genome`]; the model is put back as it was afterwards. ``ignore_keys`` is unused (Trainer's signature).
 
         Returns:
             `dict[str, float]`: ``{prefix}_reward`` (mean weighted reward), ``{prefix}_reward_std``,
@@ -457,6 +427,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         start = time.time()
         with context, self._forward_precision():
             if self.fitness_fn is not None:
+                # the genome applied now, if any (fitness_fn takes None for the base or a single adapter)
                 current = self.applier.state if isinstance(self.applier.state, Genome) else None
                 metrics = {f"{metric_key_prefix}_fitness": float(self.fitness_fn(self.model, current))}
             else:
@@ -468,6 +439,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
                 )
                 rewards = out["rewards"]
                 metrics = {
+                    # nan-aware: a completion no reward function scored is left out, not counted as 0
                     f"{metric_key_prefix}_reward": float(torch.nanmean(rewards).item()),
                     f"{metric_key_prefix}_reward_std": float(np.nanstd(rewards.numpy())),
                 }
@@ -485,7 +457,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         ``best_genome.json`` and, with ``export_lora_rank``, the merge as a LoRA adapter in ``merged_lora/``."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         super().save_model(output_dir, _internal_call=_internal_call)
-        if not self.args.should_save:
+        if not self.args.should_save:  # one process writes
             return
         require_files(output_dir, SAVED_MODEL_FILES, "the Hyper-ES model")  # save_pretrained may skip silently
         if self.best_genome is None:
@@ -493,6 +465,7 @@ class HyperESTrainer(HyperESCheckpointMixin, _BaseTrainer):
         self.best_genome.save_json(os.path.join(output_dir, GENOME_NAME))
         if self.args.export_lora_rank is not None:
             save_deltas_as_lora(
+                # the merged full deltas, recomputed from the genome (the model holds W0 + delta, not the delta)
                 {k: v.cpu() for k, v in self.applier.merged_deltas(self.best_genome).items()},
                 self.args.export_lora_rank,
                 os.path.join(output_dir, "merged_lora"),
