@@ -11,7 +11,8 @@ Three subcommands, each resumable (a finished arm's ``results.json`` is kept, re
 - ``collapse``: alpha at ``--alpha_factor`` x the recipe's, with and without ``collapse_guard``, and the recipe itself
   with the guard (it must not fire). Writes ``<output_dir>/collapse/seed<k>/<arm>/``.
 
-``table`` gathers every ``results.json`` under ``--output_dir`` into ``<output_dir>/auto_sigma.md``.
+``table`` gathers every arm under ``--output_dir`` (finished or not) into ``<output_dir>/auto_sigma.md``;
+``guard_rates`` runs the collapse guard on made-up runs (false alarms on flat runs, collapses caught).
 Settings: ``rank1`` is the main job's (rank-1 batched members); ``fullrank`` the same recipe with full-rank members
 written in place (``population_backend=sequential``).
 
@@ -138,9 +139,45 @@ def table(args) -> str:
     return text
 
 
+def guard_rates(args) -> str:
+    """The collapse guard (``trl_es.es.guard.CollapseGuard`` itself) on made-up runs of binary rewards: the share of
+    flat runs it fires on, and of collapsing runs it catches, for a few thresholds (``--runs`` runs each, numpy seed 0).
+    A run is ``iterations`` batch means of ``--prompts`` rewards at a success rate per iteration."""
+    import numpy as np
+
+    from trl_es.es.guard import CollapseGuard
+
+    rng = np.random.default_rng(0)
+    cases = {"flat 0.4, 26 iterations": [0.4] * 26, "flat 0.65, 26 iterations": [0.65] * 26,
+             "0.31 then 0 from iteration 2, 6 iterations": [0.31] + [0.0] * 5,
+             "0.6 then 0.02 from iteration 6, 12 iterations": [0.6] * 5 + [0.02] * 7}
+    settings = [(3.0, 3), (2.5, 3), (2.0, 3)]
+    lines = ["| made-up run | " + " | ".join(f"threshold {k:g}, patience {p}" for k, p in settings) + " |",
+             "|---|" + "---|" * len(settings)]
+    for name, rates in cases.items():
+        row = []
+        for threshold, patience in settings:
+            fired = 0
+            for _ in range(args.runs):
+                means = (rng.random((len(rates), args.prompts)) < np.array(rates)[:, None]).mean(1)
+                guard = CollapseGuard(threshold=threshold, patience=patience)
+                hit = False
+                for t, mean in enumerate(means):
+                    if guard.observe(t, float(mean), float(np.sqrt(mean * (1 - mean) / args.prompts))):
+                        hit = True
+                        break
+                    guard.applied(t + 1)
+                fired += hit
+            row.append(f"{fired / args.runs:.3f}")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    return text
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table"))
+    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "guard_rates"))
     parser.add_argument("--setting", choices=tuple(SETTINGS), default="rank1")
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--output_dir", default="runs/auto_sigma")
@@ -153,9 +190,13 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", default=None, help="transfer / collapse: run only these arms.")
     parser.add_argument("--extra", default="", help="Further `trl-es train` flags for every arm (one string), e.g. "
                         "'--population_size 8' for a reduced run.")
+    parser.add_argument("--runs", type=int, default=1000, help="guard_rates: made-up runs per case.")
+    parser.add_argument("--prompts", type=int, default=12, help="guard_rates: rewards per iteration.")
     parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
     args = parser.parse_args(argv)
-    {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table}[args.command](args)
+    parser_commands = {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table,
+                       "guard_rates": guard_rates}
+    parser_commands[args.command](args)
 
 
 if __name__ == "__main__":
