@@ -79,12 +79,18 @@ def parse_args():
     parser.add_argument("--plain_config", action="store_true",
                         help="Several processes without use_cpu=True: ESConfig must find the launcher's world itself "
                              "(tests/trainer/test_launch_world.py).")
+    parser.add_argument("--stability", action="store_true",
+                        help="sigma='auto' and collapse_guard=True (patience 1), with a made-up collapse: the reward "
+                             "drops by 1 from iteration 3 on (tests/trainer/test_stability.py).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
 
 #: The prompt batch of every reward call in training (each member's call), in order.
 PROMPTS_SEEN: list[list[str]] = []
+
+#: --stability: the first iteration whose rewards drop by 1 (a made-up collapse); 0: none.
+COLLAPSE_AT: dict = {"step": 0}
 
 #: Set by main() from --kill_at_step, --kill_in_save_at_step, --kill_rank, --auto_resume; "calls" counts this
 #: process's reward calls per iteration.
@@ -146,7 +152,9 @@ def mean_code(completions, prompts=None, **kwargs):
     if prompts is not None:
         PROMPTS_SEEN.append(list(dict.fromkeys(prompts)))
     _maybe_kill_in_reward(kwargs.get("trainer_state"))
-    return [sum(map(ord, c)) / (128 * max(1, len(c))) for c in completions]
+    state = kwargs.get("trainer_state")
+    drop = 1.0 if COLLAPSE_AT["step"] and state is not None and state.global_step + 1 >= COLLAPSE_AT["step"] else 0.0
+    return [sum(map(ord, c)) / (128 * max(1, len(c))) - drop for c in completions]
 
 
 class StartEnvironment:
@@ -170,7 +178,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
         vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False,
-        environment: bool = False, vllm_servers: list[str] | None = None) -> dict:
+        environment: bool = False, vllm_servers: list[str] | None = None, stability: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -216,13 +224,16 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra.update(save_strategy="no")
     if PREEMPTION.get("auto_resume"):
         extra["resume_from_checkpoint"] = "latest"
+    COLLAPSE_AT["step"] = 3 if stability else 0
+    if stability:
+        extra.update(collapse_guard=True, collapse_guard_patience=1)
     config = ESConfig(
         output_dir=out,
         max_steps=steps,
         population_size=population,
         prompt_batch_size=4,
         max_completion_length=6,
-        sigma=sigma,
+        sigma="auto" if stability else sigma,
         learning_rate=sigma,
         report_to=[],
         noise_table_size=1 << 20,
@@ -321,7 +332,8 @@ def main():
                       kill_rank=args.kill_rank, auto_resume=args.auto_resume)
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
-        args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment, args.vllm_servers)
+        args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment, args.vllm_servers,
+        args.stability)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

@@ -540,3 +540,39 @@ def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings(
     assert seen == tokenizer(text=PLAIN)["input_ids"] and all(ids[0] == tokenizer.bos_token_id for ids in seen)
     assert out.completion_ids == reference.completion_ids
     engine.close()
+
+
+def collapsing_code(completions, trainer_state=None, **kwargs):
+    """mean_code, minus 1 from iteration 3 on: a made-up collapse for the collapse guard."""
+    drop = 1.0 if trainer_state is not None and trainer_state.global_step + 1 >= 3 else 0.0
+    return [r - drop for r in mean_code(completions)]
+
+
+@pytest.mark.parametrize("backend", [{}, {"population_backend": "batched_lowrank", "noise_rank": 2}],
+                         ids=["sequential", "batched_lowrank"])
+def test_auto_sigma_and_a_rollback_with_vllm_end_bitwise_as_without(tokenizer, tmp_path, backend):
+    """sigma='auto' probes through the engine (the sigma of each member reaches the worker or the LoRA factors) and
+    the guard's rollback record is synced to the engine like any step: the seed logs are equal and replay bitwise."""
+    def run(use_vllm):
+        args = ESConfig(output_dir=str(tmp_path / f"auto-{use_vllm}"), max_steps=4, population_size=4,
+                        prompt_batch_size=4, max_completion_length=8, sigma="auto", learning_rate=0.05, report_to=[],
+                        save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0, use_vllm=use_vllm,
+                        vllm_kv_cache_memory_bytes=KV, collapse_guard=True, collapse_guard_patience=1, **backend)
+        trainer = ESTrainer(build_vllm_llama(tokenizer), collapsing_code, args=args, train_dataset=prompt_rows(),
+                            processing_class=tokenizer)
+        trainer.train()
+        out = ({n: p.detach().cpu().clone() for n, p in trainer.model.state_dict().items()},
+               list(trainer.seed_log.records), args.output_dir)
+        del trainer
+        gc.collect()
+        return out
+
+    with_vllm, records, output_dir = run(True)
+    without, records_hf, _ = run(False)
+    assert records == records_hf
+    assert "sigma_probes" in records[0] and any("rollback_to" in r for r in records)
+    for name in with_vllm:
+        assert torch.equal(with_vllm[name], without[name]), name
+    replayed = replay(build_vllm_llama(tokenizer), output_dir)
+    for name, tensor in replayed.state_dict().items():
+        assert torch.equal(tensor, with_vllm[name]), name

@@ -227,3 +227,34 @@ def test_a_server_with_a_key_refuses_calls_without_it_and_runs_bitwise_with_it(t
     for file in files:
         with open(file, "rb") as f:
             assert key.encode() not in f.read(), file
+
+
+def test_auto_sigma_and_a_rollback_on_a_vllm_server_end_bitwise_as_the_hf_run(tokenizer, tmp_path):
+    """sigma='auto' probes on the server (sigma travels with each member) and the guard's rollback record reaches the
+    server through es_server_update as an ordinary record: the run ends bitwise as the HF run, checksums checked."""
+    def collapsing(completions, trainer_state=None, **kwargs):
+        drop = 1.0 if trainer_state is not None and trainer_state.global_step + 1 >= 3 else 0.0
+        return [r - drop for r in mean_code(completions)]
+
+    def trainer(name, **kwargs):
+        args = ESConfig(output_dir=str(tmp_path / name), max_steps=4, population_size=4, prompt_batch_size=4,
+                        max_completion_length=8, sigma="auto", learning_rate=0.05, report_to=[], save_strategy="no",
+                        noise_table_size=1 << 20, disable_tqdm=True, seed=0, collapse_guard=True,
+                        collapse_guard_patience=1, **kwargs)
+        return ESTrainer(build_vllm_llama(tokenizer), collapsing, args=args, train_dataset=prompt_rows(),
+                         processing_class=tokenizer)
+
+    folder = str(tmp_path / "base")
+    build_vllm_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    hf = trainer("hf")
+    hf.train()
+    port, log = free_port(), str(tmp_path / "server.log")
+    with es_server(folder, port, log) as (_, url):
+        on_server = trainer("server", use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+        on_server.train()
+        assert on_server.seed_log.records == hf.seed_log.records
+        assert any("rollback_to" in r for r in hf.seed_log.records)
+        for name, tensor in weights(hf.model).items():
+            assert torch.equal(weights(on_server.model)[name], tensor), name
+        ESServerClient(url).check(on_server.model)

@@ -40,8 +40,10 @@ class SeedLog:
     records: list[dict] = field(default_factory=list)
     version: int = VERSION  # a loaded log is saved again as the version it was read
 
-    def append(self, global_step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0) -> None:
-        """Record one iteration as the log's next step; ``global_step`` is kept only where it differs from it."""
+    def append(self, global_step: int, members, coefficients, learning_rate: float, awd_shrink: float = 0.0,
+               extra: dict | None = None) -> None:
+        """Record one iteration as the log's next step; ``global_step`` is kept only where it differs from it;
+        ``extra``: further JSON keys (``sigma``, the collapse guard's; replay reads none of them)."""
         record = {
             "step": len(self.records) + 1,
             "members": [[int(m.seed), int(m.sign)] for m in members],
@@ -51,6 +53,7 @@ class SeedLog:
         }
         if int(global_step) != record["step"]:  # a second train() on the same trainer restarts Trainer's count
             record["global_step"] = int(global_step)
+        record.update(extra or {})
         self.records.append(record)
 
     def truncate(self, step: int) -> None:

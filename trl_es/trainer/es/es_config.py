@@ -14,6 +14,7 @@ from trl.trainer.base_config import _BaseConfig
 from ...arguments import DictValuedFields, check_finite_floats, check_int, document_parameters, literal_field_errors
 from ...es.noise import DEFAULT_TABLE_SIZE, NOISE_BLOCK_SIZE
 from ...generation import ENGINES, check_continuous_batching_config
+from .es_stability import stability_field_errors
 from .grpo_fields import (
     BATCH_FIELDS,
     DEFAULT_PROMPT_BATCH_SIZE,
@@ -64,6 +65,9 @@ def check_fp16_device(config) -> None:
         "es_optimizer", "include_parameters", "exclude_parameters", "fp32_master_weights", "noise_source",
         "noise_table_size", "population_backend", "noise_rank", "member_chunk_size", "generation_engine",
         "share_prompt_prefix", "anchor_storage", "lean_memory"),
+    "Parameters of sigma='auto' and the collapse guard": (
+        "sigma_target", "collapse_guard", "collapse_guard_threshold", "collapse_guard_patience",
+        "collapse_guard_alpha_factor"),
     "Parameters that control generation acceleration powered by vLLM": (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
         "vllm_kv_cache_memory_bytes", "vllm_model_impl", "vllm_structured_outputs_regex"),
@@ -191,9 +195,40 @@ class ESConfig(_BaseConfig):
         default=30,
         metadata={"help": "Number N of perturbed models scored per iteration (default 30, Qiu et al. 2025). >= 2."},
     )
-    sigma: float = field(
+    # `| None` makes transformers' HfArgumentParser read the value as a string ("auto" or a number); None is refused
+    sigma: float | str | None = field(
         default=1e-3,
-        metadata={"help": "Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.)."},
+        metadata={"help": "Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.); "
+                  "a number > 0, or 'auto': chosen before the first iteration so that a fraction sigma_target of the "
+                  "members' greedy completions differ from the unperturbed model's (docs/es_trainer.md, 'sigma=auto'). "
+                  "Every seed-log record then holds the sigma it used."},
+    )
+    sigma_target: float = field(
+        default=0.3,
+        metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the first batch that "
+                  "differ from the unperturbed model's, in (0, 1). 0.3 reproduces the main job's tuned sigma (5e-3 "
+                  "with rank-1 members on SmolLM2-135M)."},
+    )
+    collapse_guard: bool = field(
+        default=False,
+        metadata={"help": "Roll the weights back through the seed log when the reward collapses: after "
+                  "collapse_guard_patience iterations in a row whose mean reward is more than collapse_guard_threshold "
+                  "standard errors below the best so far, the ES steps since the best weights are undone (a seed-log "
+                  "record) and the learning rate is multiplied by collapse_guard_alpha_factor (docs/es_trainer.md)."},
+    )
+    collapse_guard_threshold: float = field(
+        default=3.0,
+        metadata={"help": "collapse_guard: a drop is a mean reward more than this many standard errors below the "
+                  "best mean so far (> 0)."},
+    )
+    collapse_guard_patience: int = field(
+        default=3,
+        metadata={"help": "collapse_guard: drops in a row that make a collapse (>= 1)."},
+    )
+    collapse_guard_alpha_factor: float = field(
+        default=0.5,
+        metadata={"help": "collapse_guard: the learning rate is multiplied by this factor after each rollback, in "
+                  "(0, 1]."},
     )
     fitness_shaping: Literal["zscore", "centered_rank", "none"] = field(
         default="zscore",
@@ -665,8 +700,7 @@ class ESConfig(_BaseConfig):
             errors.append(f"population_size must be >= 2, got {self.population_size}.")
         elif self.antithetic and self.population_size % 2:
             errors.append(f"antithetic=True needs an even population_size, got {self.population_size}.")
-        if not self.sigma > 0:
-            errors.append(f"sigma must be > 0, got {self.sigma}.")
+        errors += stability_field_errors(self)  # sigma ('auto' or > 0) and the collapse guard's fields
         if not self.learning_rate > 0:
             errors.append(f"learning_rate must be > 0, got {self.learning_rate}.")
         own_reason = ("vllm_model_impl",) if self.vllm_model_impl == "transformers" else ()  # refused with its reason

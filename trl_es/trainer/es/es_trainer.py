@@ -38,6 +38,7 @@ from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
+from .es_stability import ESStabilityMixin
 
 
 logger = logging.get_logger(__name__)
@@ -78,7 +79,7 @@ class SharedStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
 
-class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
+class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     One training step is one ES iteration: ``population_size`` members ``theta + sigma * eps_i`` are scored by the
@@ -260,6 +261,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
         header = strategy.describe(args.es_optimizer) | {"run_settings": run_settings(args, self.reward_func_names)}
         self.seed_log = SeedLog(header=header)
+        self._add_stability_settings(header)  # sigma="auto" and the collapse guard, compared on resume
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
 
     def _build_strategy(self, population: PopulationBackend, noise) -> None:
@@ -419,6 +421,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         step = self.state.global_step  # iterations done so far; this one becomes step + 1
         rows = self._gather_prompt_rows(inputs)
         members = self.strategy.ask(step)
+        extra = self._prepare_sigma(rows, step)  # sigma="auto": the sigma of this iteration's members
 
         start, forward_calls = time.perf_counter(), self._forward_calls
         member_scores = self._score_members(members, rows, step)
@@ -426,13 +429,16 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         scores = self._population_scores(member_scores, len(rows))
 
         start = time.perf_counter()
-        told = self._tell(members, scores.per_prompt_fitness(args.per_prompt_shaping), self._current_learning_rate())
+        # the ES step, or with collapse_guard a rollback (the record then holds the undone members)
+        told, recorded, guard_keys, shaped = self._step_or_rollback(members, scores, step,
+                                                                    self._current_learning_rate())
         self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
-        self.seed_log.append(step + 1, members, told.coefficients, told.learning_rate, told.shrink)
+        self.seed_log.append(step + 1, recorded, told.coefficients, told.learning_rate, told.shrink,
+                             extra | guard_keys)
         self._sync_engine_weights()  # use_vllm: the new weights (a server: the new record) go to the engine
         update_seconds = time.perf_counter() - start
         if self.completion_log is not None:
-            self.completion_log.finish_iteration(step + 1, told.coefficients, self._gather_objects,
+            self.completion_log.finish_iteration(step + 1, shaped, self._gather_objects,
                                                  self.accelerator.is_main_process)
 
         self._record_comm(self._forward_calls - forward_calls)

@@ -1,0 +1,203 @@
+"""sigma="auto" and the collapse guard on the main job's task (docs/es_trainer.md, "sigma='auto'" and "The collapse
+guard").
+
+Three subcommands, each resumable (a finished arm's ``results.json`` is kept, rerunning the command continues):
+
+- ``effect``: the effect of sigma on the first batch, before any step: for each sigma, the fraction of (member,
+  prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's, and the
+  sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``.
+- ``transfer``: ``sigma="auto"`` against a sigma grid, nothing else changed (alpha is the recipe's), one ``trl-es
+  train`` per arm, test accuracy after ``--max_steps`` iterations. Writes ``<output_dir>/<setting>/seed<k>/<arm>/``.
+- ``collapse``: alpha at ``--alpha_factor`` x the recipe's, with and without ``collapse_guard``, and the recipe itself
+  with the guard (it must not fire). Writes ``<output_dir>/collapse/seed<k>/<arm>/``.
+
+``table`` gathers every arm under ``--output_dir`` (finished or not) into ``<output_dir>/auto_sigma.md``;
+``guard_rates`` runs the collapse guard on made-up runs (false alarms on flat runs, collapses caught).
+Settings: ``rank1`` is the main job's (rank-1 batched members); ``fullrank`` the same recipe with full-rank members
+written in place (``population_backend=sequential``).
+
+    python examples/studies/auto_sigma.py effect --setting rank1 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py transfer --setting rank1 --seeds 0 --max_steps 8 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py collapse --seeds 0 --max_steps 12 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py table --output_dir runs/auto_sigma
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import os
+import subprocess
+import sys
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPE = os.path.normpath(os.path.join(HERE, "..", "recipes", "arithmetic_smollm2.yaml"))
+SETTINGS = {"rank1": [], "fullrank": ["--population_backend", "sequential"]}
+GRID = {"rank1": [0.00125, 0.0025, 0.005, 0.01, 0.02], "fullrank": [0.00125, 0.0025, 0.005, 0.01, 0.02]}
+#: Reduced evaluation: test accuracy on --num_test prompts after training only (validation is not read).
+REDUCED = ["--eval_strategy", "no", "--eval_before_training", "false", "--plot", "false", "--save_strategy", "no",
+           "--num_validation_prompts", "1", "--time_budget_minutes", "0"]
+
+
+def effect(args) -> dict:
+    """The effect table of one setting on the first batch (see the module docstring)."""
+    from trl_es.cli.loading import load_model_and_tokenizer
+    from trl_es.cli.splits import task_splits
+    from trl_es.cli.train_command import parse_train_arguments
+    from trl_es.trainer.es.es_trainer import ESTrainer
+
+    argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
+            "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no",
+            "--sigma_target", str(args.sigma_target)]
+    task_args, es_args, model_args = parse_train_arguments(argv)
+    task, splits = task_splits(task_args)
+    model, tokenizer = load_model_and_tokenizer(model_args)
+    es_args.reward_weights = task.reward_weights
+    trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
+                        processing_class=tokenizer)
+    result = {"setting": args.setting, **trainer.measure_sigma_effect(args.sigmas)}
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, f"effect_{args.setting}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def run_arm(out: str, extra: list[str], args) -> None:
+    """One ``trl-es train`` run into ``out`` unless its ``results.json`` exists."""
+    if os.path.exists(os.path.join(out, "results.json")):
+        print(f"[auto_sigma] kept {out}", flush=True)
+        return
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, "-m", "trl_es.cli", "train", "--config", args.recipe, *REDUCED,
+               "--num_eval_prompts", str(args.num_test), "--max_steps", str(args.max_steps), "--logging_steps", "1",
+               "--output_dir", out, *extra, *args.extra.split()]
+    print(f"[auto_sigma] start {out}: {' '.join(command)}", flush=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(os.path.join(out, "log.txt"), "w") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    print(f"[auto_sigma] done {out}: exit {code}", flush=True)
+
+
+def transfer(args) -> None:
+    for seed in args.seeds:
+        arms = {"auto": ["--sigma", "auto"], **{f"sigma_{s:g}": ["--sigma", str(s)] for s in GRID[args.setting]}}
+        for name, extra in arms.items():
+            if args.only and name not in args.only:
+                continue
+            out = os.path.join(args.output_dir, args.setting, f"seed{seed}", name)
+            run_arm(out, [*SETTINGS[args.setting], "--seed", str(seed), *extra], args)
+
+
+def collapse(args) -> None:
+    alpha = str(0.01 * args.alpha_factor)
+    arms = {"alpha_x10": ["--learning_rate", alpha], "alpha_x10_guard": ["--learning_rate", alpha,
+                                                                           "--collapse_guard", "true"],
+            "recipe_guard": ["--collapse_guard", "true"]}
+    for seed in args.seeds:
+        for name, extra in arms.items():
+            if args.only and name not in args.only:
+                continue
+            run_arm(os.path.join(args.output_dir, "collapse", f"seed{seed}", name), ["--seed", str(seed), *extra],
+                    args)
+
+
+def printed_logs(path: str) -> list[dict]:
+    """The per-iteration dicts ``trl-es train`` printed into ``path`` (each after tqdm's bar on its line)."""
+    with open(path) as f:
+        return [ast.literal_eval(line[line.index("{'loss'"):].split("}")[0] + "}") for line in f if "{'loss'" in line]
+
+
+def table(args) -> str:
+    """Markdown rows of every arm (finished or not): sigma, the mean reward per iteration, rollbacks, test accuracy."""
+    lines = ["| study | seed | arm | sigma | mean reward per iteration | rollbacks (iterations) | test accuracy |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*", "log.txt"))):
+        folder = os.path.dirname(path)
+        study, seed, arm = folder.split(os.sep)[-3:]
+        logs = printed_logs(path)
+        with open(path) as f:  # the ES plan's "Sigma = ..." line: a number, or auto (then the logged sigma)
+            planned = next((line.split("=")[1].strip() for line in f if line.strip().startswith("Sigma =")), "nan")
+        sigma = next((float(h["sigma"]) for h in logs if "sigma" in h), float("nan") if planned == "auto"
+                     else float(planned))
+        rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
+        counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
+        rolled = [k + 1 for k in range(len(counts)) if counts[k] > (counts[k - 1] if k else 0)]
+        accuracy = "not finished"
+        if os.path.exists(os.path.join(folder, "results.json")):
+            with open(os.path.join(folder, "results.json")) as f:
+                accuracy = f"{json.load(f)['test_accuracy_after']:.3f}"
+        lines.append(f"| {study} | {seed} | {arm} | {sigma:.4g} | {rewards} | "
+                     f"{'-' if not counts else (rolled or 'none')} | {accuracy} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.output_dir, "auto_sigma.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return text
+
+
+def guard_rates(args) -> str:
+    """The collapse guard (``trl_es.es.guard.CollapseGuard`` itself) on made-up runs of binary rewards: the share of
+    flat runs it fires on, and of collapsing runs it catches, for a few thresholds (``--runs`` runs each, numpy seed 0).
+    A run is ``iterations`` batch means of ``--prompts`` rewards at a success rate per iteration."""
+    import numpy as np
+
+    from trl_es.es.guard import CollapseGuard
+
+    rng = np.random.default_rng(0)
+    cases = {"flat 0.4, 26 iterations": [0.4] * 26, "flat 0.65, 26 iterations": [0.65] * 26,
+             "0.31 then 0 from iteration 2, 6 iterations": [0.31] + [0.0] * 5,
+             "0.6 then 0.02 from iteration 6, 12 iterations": [0.6] * 5 + [0.02] * 7}
+    settings = [(3.0, 3), (2.5, 3), (2.0, 3)]
+    lines = ["| made-up run | " + " | ".join(f"threshold {k:g}, patience {p}" for k, p in settings) + " |",
+             "|---|" + "---|" * len(settings)]
+    for name, rates in cases.items():
+        row = []
+        for threshold, patience in settings:
+            fired = 0
+            for _ in range(args.runs):
+                means = (rng.random((len(rates), args.prompts)) < np.array(rates)[:, None]).mean(1)
+                guard = CollapseGuard(threshold=threshold, patience=patience)
+                hit = False
+                for t, mean in enumerate(means):
+                    if guard.observe(t, float(mean), float(np.sqrt(mean * (1 - mean) / args.prompts))):
+                        hit = True
+                        break
+                    guard.applied(t + 1)
+                fired += hit
+            row.append(f"{fired / args.runs:.3f}")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    return text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "guard_rates"))
+    parser.add_argument("--setting", choices=tuple(SETTINGS), default="rank1")
+    parser.add_argument("--recipe", default=RECIPE)
+    parser.add_argument("--output_dir", default="runs/auto_sigma")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seed", type=int, default=0, help="effect: the task seed of the first batch.")
+    parser.add_argument("--sigma_target", type=float, default=0.3, help="effect: the target of the auto search.")
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
+    parser.add_argument("--max_steps", type=int, default=26)
+    parser.add_argument("--num_test", type=int, default=200, help="Test prompts scored after training.")
+    parser.add_argument("--only", nargs="*", default=None, help="transfer / collapse: run only these arms.")
+    parser.add_argument("--extra", default="", help="Further `trl-es train` flags for every arm (one string), e.g. "
+                        "'--population_size 8' for a reduced run.")
+    parser.add_argument("--runs", type=int, default=1000, help="guard_rates: made-up runs per case.")
+    parser.add_argument("--prompts", type=int, default=12, help="guard_rates: rewards per iteration.")
+    parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
+    args = parser.parse_args(argv)
+    parser_commands = {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table,
+                       "guard_rates": guard_rates}
+    parser_commands[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
