@@ -130,8 +130,8 @@ class ESStabilityMixin:
         else:
             indices = member_indices(len(members), self.accelerator.process_index, self.accelerator.num_processes)
         counts = torch.zeros(2, dtype=torch.float64)
-        chunks = list(self.strategy.groups(indices))
-        rolled = self.generation_engine.map_groups(  # several vLLM servers: chunks on each, as the members' rollouts
+        chunks = list(self.strategy.chunks(indices))
+        rolled = self.generation_engine.map_chunks(  # several vLLM servers: chunks on each, as the members' rollouts
             lambda chunk: self._greedy_completions([members[i] for i in chunk], rows, step), chunks)
         for chunk, ids in zip(chunks, rolled, strict=True):
             width = len(center)
