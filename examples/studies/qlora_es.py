@@ -18,8 +18,9 @@ Every run writes ``<output_dir>/<arm>/seed<s>/`` (``results.json`` from ``trl-es
 mean and spread over the seeds run, goes to ``<output_dir>/results.md``.
 
     python examples/studies/qlora_es.py --output_dir runs/qlora_es --seeds 0 1 2
-    python examples/studies/qlora_es.py --output_dir runs/qlora_es_small --seeds 0 --max_steps 6 \\
-        --num_decay_steps 2 --eval_steps 100 --num_eval_prompts 100 --num_validation_prompts 50 \\
+    python examples/studies/qlora_es.py --output_dir runs/qlora_es_small --seeds 0 --max_steps 4 \\
+        --num_decay_steps 1 --eval_steps 100 --population_size 8 --prompt_batch_size 4 \\
+        --num_eval_prompts 50 --num_validation_prompts 25 --num_samples 2 --pass_k 1 2 \\
         --adapter_sigmas 0.02 0.05                                         # the reduced budget in docs
 """
 
@@ -37,7 +38,7 @@ from _study.spread import mean_and_std
 
 RECIPE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes",
                                        "arithmetic_smollm2.yaml"))
-ARMS = ("lora", "lora4bit", "grpo_qlora", "full")  # lora first: lora4bit takes its sigma, grpo_qlora its minutes
+ARMS = ("full", "lora", "lora4bit", "grpo_qlora")  # lora before lora4bit (its sigma), lora4bit before grpo (minutes)
 
 
 def parse_args(argv=None):
@@ -51,6 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--num_decay_steps", type=int, default=None, help="Default: the recipe's (9).")
     parser.add_argument("--num_validation_prompts", type=int, default=None)
     parser.add_argument("--eval_steps", type=int, default=None, help="Default: the recipe's (5).")
+    parser.add_argument("--population_size", type=int, default=None, help="Default: the recipe's (24).")
+    parser.add_argument("--prompt_batch_size", type=int, default=None, help="Default: the recipe's (12).")
     parser.add_argument("--num_eval_prompts", type=int, default=None, help="The test split's size.")
     parser.add_argument("--adapter_sigmas", nargs="+", type=float, default=[0.01, 0.03],
                         help="The lora arm's sigmas (each a run; learning_rate = 2 * sigma).")
@@ -85,7 +88,8 @@ def _read(path: str) -> dict | None:
 
 def common_flags(args) -> list[str]:
     flags = []
-    for name in ("model_name_or_path", "max_steps", "num_validation_prompts", "num_eval_prompts", "eval_steps"):
+    for name in ("model_name_or_path", "max_steps", "num_validation_prompts", "num_eval_prompts", "eval_steps",
+                 "population_size", "prompt_batch_size"):
         if getattr(args, name) is not None:
             flags += [f"--{name}", str(getattr(args, name))]
     if args.num_decay_steps is not None:

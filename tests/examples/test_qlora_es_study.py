@@ -20,10 +20,10 @@ def test_each_arm_runs_the_recipe_with_its_flags(study, capsys, tmp_path):
                      "0.05", "--adapter_sigma", "0.05", "--max_steps", "6")
     train = [c for c in lines if "train" in c]
     assert [c[c.index("--output_dir") + 1].split("/")[-2] for c in train] == [
-        "lora_sigma0.02", "lora_sigma0.05", "lora4bit_sigma0.05", "full"]
+        "full", "lora_sigma0.02", "lora_sigma0.05", "lora4bit_sigma0.05"]
     for command in train:
         assert command[command.index("--seed") + 1] == "3" and command[command.index("--max_steps") + 1] == "6"
-    lora, _, four_bit, full = train
+    full, lora, _, four_bit = train
     assert "--use_peft" in lora and "--load_in_4bit" not in lora
     assert lora[lora.index("--sigma") + 1] == "0.02" and lora[lora.index("--learning_rate") + 1] == "0.04"
     assert "--use_peft" in four_bit and "--load_in_4bit" in four_bit
