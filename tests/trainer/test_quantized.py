@@ -202,6 +202,9 @@ def test_save_model_and_replay_rebuild_the_adapter_bitwise(base_dir, tmp_path, b
     # replay from the seed log: the initial PeftModel over the base quantized as the header records
     replayed = replay(initial_peft_model(base_dir, "nf4"), out)
     assert_equal_tensors(adapter(replayed), trained)
+    card = open(os.path.join(out, "README.md")).read()  # the card's replay snippet loads the recorded base
+    assert "quantization_config=config)  # the base, wrapped with its initial PEFT adapter" in card
+    assert "quantization_config_from_header(SeedLog.load(\"es_seed_log.jsonl\").header)" in card
 
 
 @pytest.mark.parametrize(("quant", "named"), [(None, "unquantized"), ("int8", "load_in_8bit=True")])
