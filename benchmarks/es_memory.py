@@ -10,10 +10,12 @@ set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (``tracemalloc`` does no
 - ``es_lean``: the lean mode of docs/scaling.md: ``lean_memory=True``, ``population_backend='batched_lowrank'``
   (no master copy of fp32 weights), and for bf16 ``fp32_master_weights=False`` (no master at all);
 - ``grpo``: TRL's ``GRPOTrainer`` with its default AdamW;
-- ``load_4bit``, ``es_4bit``, ``grpo_qlora`` (issue 60): the base loaded in 4 bits (bitsandbytes NF4, compute dtype
+- ``load_4bit``, ``es_4bit``, ``grpo_qlora`` (issue 60): the base in 4 bits (bitsandbytes NF4, compute dtype
   float32; the embeddings and ``lm_head`` stay in the measured dtype, as transformers keeps them) with TRL's
   ``--use_peft`` LoRA (r 16, alpha 32, q_proj and v_proj): the load alone, ``ESTrainer`` with its defaults over the
-  fp32 adapter, and TRL's ``GRPOTrainer`` (QLoRA: its adapter cast to bf16, AdamW over it).
+  fp32 adapter, and TRL's ``GRPOTrainer`` (QLoRA: its adapter cast to bf16, AdamW over it). They load a 4-bit
+  checkpoint (the model quantized and saved once, in a process of its own, as the hub's ``*-bnb-4bit`` checkpoints
+  are): quantizing at load time would read the whole 16/32-bit checkpoint into the process first.
 
 Every trainer makes the same number of completions per step (``--completions``, each ``--new_tokens`` tokens): ES
 scores ``--population_size`` members, each on ``--completions`` prompts; GRPO generates ``--num_generations``
@@ -25,9 +27,9 @@ hidden size and layer count for the largest-model search). ``--shape`` picks the
 (implies ``--random_init``; no download, the configs are written below): ``smollm2-135m`` (the default),
 ``qwen2.5-0.5b``, ``qwen2.5-1.5b`` or ``qwen2.5-7b`` (the Qwen2.5 base models' shapes, their 151,936-token
 vocabulary kept (7B: 152,064, untied head): the SmolLM2 tokenizer's 49,152 ids are a subset of it, so generated
-ids above it decode to nothing, which changes no memory figure; 494,032,768, 1,543,714,304 and 7,615,616,512 parameters). The random model is built and saved in a
-subprocess of its own, so the parent holds no copy of it while the measured processes run (the 7B shape tensor by
-tensor, into 2 GB shards: it never exists whole in memory). Goals (issue): ES/GRPO <= 0.5 with the defaults,
+ids above it decode to nothing, which changes no memory figure; 494,032,768, 1,543,714,304 and 7,615,616,512
+parameters). The random model is built and saved in a subprocess of its own, so the parent holds no copy of it while
+the measured processes run (the 7B shape tensor by tensor, into 2 GB shards: it never exists whole in memory). Goals (issue): ES/GRPO <= 0.5 with the defaults,
 <= 0.35 in lean mode, both dtypes; issue 60: es_4bit/grpo_qlora <= 0.5 at 1.5B, a 7B shape under 8 GiB.
 
 For ES the time split of every iteration (``time/perturb``, ``time/generation_and_reward``, ``time/restore``,
@@ -171,6 +173,19 @@ def save_streamed_random_model(folder: str, dtype: str, shape: str, shard_bytes:
     return folder
 
 
+def save_quantized_copy(source: str, folder: str, dtype: str) -> str:
+    """``source`` loaded in 4 bits (bitsandbytes NF4, compute dtype float32; the rest in ``dtype``) and saved as a
+    4-bit checkpoint with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), quantization_config=config)\
+        .save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
 def save_copy(model_name: str | None, folder: str, dtype: str) -> str:
     """The model (default: the embedded one) saved in ``dtype`` with its tokenizer, so that a run loads weights of
     that dtype as a user with such a checkpoint would (loading fp32 weights and casting has a larger peak)."""
@@ -199,17 +214,16 @@ def worker(cli) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    peft_config, load_kwargs = None, {}
-    if cli.worker in QUANTIZED:  # issue 60: a 4-bit NF4 base (bitsandbytes), TRL's --use_peft LoRA over it
+    peft_config = None
+    if cli.worker in QUANTIZED:  # issue 60: a 4-bit NF4 checkpoint (its config holds the quantization config)
         from peft import LoraConfig
-        from transformers import BitsAndBytesConfig
 
-        load_kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                                bnb_4bit_compute_dtype=torch.float32)
         peft_config = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM")  # TRL's ModelConfig defaults
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cli.dtype), **load_kwargs)
-    if not load_kwargs:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cli.dtype))
+    if peft_config is None:
         model = model.to(cli.device)
+    else:
+        assert model.is_loaded_in_4bit, "the quantized variants load a 4-bit checkpoint"
     dataset = make_arithmetic_dataset(cli.completions * cli.iterations, seed=0)
     out_dir = tempfile.mkdtemp()
     common = {"output_dir": out_dir, "max_steps": cli.iterations, "max_completion_length": cli.new_tokens,
@@ -251,7 +265,7 @@ def worker(cli) -> dict:
         with torch.no_grad():
             for param in model.parameters():  # make the memory-mapped weights resident, as training does
                 param.sum()
-        info["setup"] = "imports + model load only" + (" (4-bit NF4)" if load_kwargs else "")
+        info["setup"] = "imports + model load only" + (" (4-bit NF4 checkpoint)" if peft_config else "")
     info["peak_mib"] = peak_mib(cli.device)
     return info
 
@@ -277,13 +291,18 @@ def main():
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--build_to", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quantize_from", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.shape:
         cli.random_init = True
     shape = cli.shape or "smollm2-135m"
 
     from trl_es.files import write_json
+    from trl_es.models import resolve_model_path
 
+    if cli.build_to and cli.quantize_from:  # the 4-bit checkpoint of the quantized variants, in its own process
+        save_quantized_copy(cli.quantize_from, cli.build_to, cli.dtype)
+        return
     if cli.build_to:  # build and save the random model in a process of its own, then exit (frees it all)
         if shape in STREAMED:
             save_streamed_random_model(cli.build_to, cli.dtype, shape)
@@ -304,6 +323,12 @@ def main():
                                 "--shape", shape, "--scale", str(cli.scale)], check=True)
             elif dtype != "float32":  # load a checkpoint in that dtype: no fp32 load-then-cast peak
                 model = save_copy(cli.model, os.path.join(scratch, dtype), dtype)
+            quantized_model = None
+            if any(v in QUANTIZED for v in cli.variants):  # one 4-bit checkpoint for the quantized variants
+                quantized_model = os.path.join(scratch, f"{dtype}-nf4")
+                source = model or resolve_model_path(cli.model)
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--quantize_from", source, "--build_to",
+                                quantized_model, "--dtype", dtype], check=True)
             for variant in cli.variants:
                 result_path = os.path.join(scratch, f"{variant}-{dtype}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--result", result_path,
@@ -311,7 +336,9 @@ def main():
                 for key in ("completions", "num_generations", "new_tokens", "population_size", "iterations",
                             "threads", "device"):
                     cmd += [f"--{key}", str(getattr(cli, key))]
-                if model:
+                if variant in QUANTIZED:
+                    cmd += ["--model", quantized_model]
+                elif model:
                     cmd += ["--model", model]
                 proc = subprocess.run(cmd, check=False)
                 if proc.returncode != 0:
