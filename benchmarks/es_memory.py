@@ -29,8 +29,9 @@ hidden size and layer count for the largest-model search). ``--shape`` picks the
 vocabulary kept (7B: 152,064, untied head): the SmolLM2 tokenizer's 49,152 ids are a subset of it, so generated
 ids above it decode to nothing, which changes no memory figure; 494,032,768, 1,543,714,304 and 7,615,616,512
 parameters). The random model is built and saved in a subprocess of its own, so the parent holds no copy of it while
-the measured processes run (the 7B shape tensor by tensor, into 2 GB shards: it never exists whole in memory). Goals (issue): ES/GRPO <= 0.5 with the defaults,
-<= 0.35 in lean mode, both dtypes; issue 60: es_4bit/grpo_qlora <= 0.5 at 1.5B, a 7B shape under 8 GiB.
+the measured processes run (the 7B shape tensor by tensor, into 2 GB shards: it never exists whole in memory).
+Goals (issue): ES/GRPO <= 0.5 with the defaults, <= 0.35 in lean mode, both dtypes; issue 60: es_4bit/grpo_qlora
+<= 0.5 at 1.5B, a 7B shape under 8 GiB.
 
 For ES the time split of every iteration (``time/perturb``, ``time/generation_and_reward``, ``time/restore``,
 ``time/update``, ``time/other`` of ``ESTrainer``'s logs) is recorded and the last iteration's is printed (use
