@@ -9,7 +9,13 @@ set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (``tracemalloc`` does no
   drift logging with theta_0 read from the checkpoint file, an fp32 master for bf16 weights);
 - ``es_lean``: the lean mode of docs/scaling.md: ``lean_memory=True``, ``population_backend='batched_lowrank'``
   (no master copy of fp32 weights), and for bf16 ``fp32_master_weights=False`` (no master at all);
-- ``grpo``: TRL's ``GRPOTrainer`` with its default AdamW.
+- ``grpo``: TRL's ``GRPOTrainer`` with its default AdamW;
+- ``load_4bit``, ``es_4bit``, ``grpo_qlora`` (issue 60): the base in 4 bits (bitsandbytes NF4, compute dtype
+  float32; the embeddings and ``lm_head`` stay in the measured dtype, as transformers keeps them) with TRL's
+  ``--use_peft`` LoRA (r 16, alpha 32, q_proj and v_proj): the load alone, ``ESTrainer`` with its defaults over the
+  fp32 adapter, and TRL's ``GRPOTrainer`` (QLoRA: its adapter cast to bf16, AdamW over it). They load a 4-bit
+  checkpoint (the model quantized and saved once, in a process of its own, as the hub's ``*-bnb-4bit`` checkpoints
+  are): quantizing at load time would read the whole 16/32-bit checkpoint into the process first.
 
 Every trainer makes the same number of completions per step (``--completions``, each ``--new_tokens`` tokens): ES
 scores ``--population_size`` members, each on ``--completions`` prompts; GRPO generates ``--num_generations``
@@ -19,11 +25,13 @@ the bf16 runs; ``--random_init`` builds the
 SmolLM2-135M config with random weights and saves it to a temporary folder first; ``--scale`` multiplies its
 hidden size and layer count for the largest-model search). ``--shape`` picks the architecture of the random model
 (implies ``--random_init``; no download, the configs are written below): ``smollm2-135m`` (the default),
-``qwen2.5-0.5b`` or ``qwen2.5-1.5b`` (the Qwen2.5 base models' shapes, their 151,936-token vocabulary kept: the
-SmolLM2 tokenizer's 49,152 ids are a subset of it, so generated ids above it decode to nothing, which changes no
-memory figure; 494,032,768 and 1,543,714,304 parameters). The random model is built and saved in a subprocess of its
-own, so the parent holds no copy of it while the measured processes run. Goals (issue): ES/GRPO <= 0.5 with the
-defaults, <= 0.35 in lean mode, both dtypes.
+``qwen2.5-0.5b``, ``qwen2.5-1.5b`` or ``qwen2.5-7b`` (the Qwen2.5 base models' shapes, their 151,936-token
+vocabulary kept (7B: 152,064, untied head): the SmolLM2 tokenizer's 49,152 ids are a subset of it, so generated
+ids above it decode to nothing, which changes no memory figure; 494,032,768, 1,543,714,304 and 7,615,616,512
+parameters). The random model is built and saved in a subprocess of its own, so the parent holds no copy of it while
+the measured processes run (the 7B shape tensor by tensor, into 2 GB shards: it never exists whole in memory).
+Goals (issue): ES/GRPO <= 0.5 with the defaults, <= 0.35 in lean mode, both dtypes; issue 60: es_4bit/grpo_qlora
+<= 0.5 at 1.5B, a 7B shape under 8 GiB.
 
 For ES the time split of every iteration (``time/perturb``, ``time/generation_and_reward``, ``time/restore``,
 ``time/update``, ``time/other`` of ``ESTrainer``'s logs) is recorded and the last iteration's is printed (use
@@ -32,6 +40,10 @@ For ES the time split of every iteration (``time/perturb``, ``time/generation_an
     python benchmarks/es_memory.py                           # embedded model, fp32 and bf16
     python benchmarks/es_memory.py --variants es_lean grpo --dtypes bfloat16 --random_init --scale 4
     python benchmarks/es_memory.py --shape qwen2.5-0.5b --completions 4 --new_tokens 8 --iterations 2
+    python benchmarks/es_memory.py --shape qwen2.5-1.5b --dtypes float32 --variants load_4bit es_4bit grpo_qlora \
+        es_lean es_default --completions 4 --new_tokens 8                   # ES on a 4-bit base (issue 60)
+    python benchmarks/es_memory.py --shape qwen2.5-7b --dtypes bfloat16 --variants load_4bit es_4bit \
+        --completions 4 --new_tokens 8
 """
 
 from __future__ import annotations
@@ -45,7 +57,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("load", "es_default", "es_lean", "grpo")
+VARIANTS = ("load", "es_default", "es_lean", "grpo", "load_4bit", "es_4bit", "grpo_qlora")
+QUANTIZED = ("load_4bit", "es_4bit", "grpo_qlora")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Qwen2.5 base models' shapes (their config.json: Qwen2 architecture, q/k/v biases, tied embeddings). Token ids are the
 # SmolLM2 tokenizer's (bos 1, eos/pad 2), which every random model here is saved with.
@@ -59,7 +72,12 @@ SHAPES = {
                      "num_attention_heads": 14, "num_key_value_heads": 2},
     "qwen2.5-1.5b": {**QWEN2_5, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
                      "num_attention_heads": 12, "num_key_value_heads": 2},
+    "qwen2.5-7b": {**QWEN2_5, "vocab_size": 152064, "tie_word_embeddings": False, "hidden_size": 3584,
+                   "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4},
 }
+#: Shapes saved tensor by tensor (never whole in memory).
+STREAMED = ("qwen2.5-7b",)
 
 
 def peak_mib(device: str) -> float:
@@ -111,6 +129,64 @@ def save_random_model(folder: str, scale: float, dtype: str, shape: str = "smoll
     return folder
 
 
+def save_streamed_random_model(folder: str, dtype: str, shape: str, shard_bytes: int = 2 * 2**30) -> str:
+    """``shape``'s config with random weights (normal, std 0.02; norms 1), built on the meta device and written one
+    tensor at a time into safetensors shards with an index, so the model never exists whole in memory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.models import embedded_model_path
+
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, size, index = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, index
+        if shard:
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shard, size, index = {}, 0, index + 1
+
+    os.makedirs(folder, exist_ok=True)
+    for name, param in skeleton.state_dict().items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(param.shape, dtype=getattr(torch, dtype))
+        elif name.endswith("bias"):
+            tensor = torch.zeros(param.shape, dtype=getattr(torch, dtype))
+        else:
+            tensor = torch.empty(param.shape, dtype=getattr(torch, dtype)).normal_(0, 0.02, generator=generator)
+        shard[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(folder)
+    return folder
+
+
+def save_quantized_copy(source: str, folder: str, dtype: str) -> str:
+    """``source`` loaded in 4 bits (bitsandbytes NF4, compute dtype float32; the rest in ``dtype``) and saved as a
+    4-bit checkpoint with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), quantization_config=config)\
+        .save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
 def save_copy(model_name: str | None, folder: str, dtype: str) -> str:
     """The model (default: the embedded one) saved in ``dtype`` with its tokenizer, so that a run loads weights of
     that dtype as a user with such a checkpoint would (loading fp32 weights and casting has a larger peak)."""
@@ -139,7 +215,16 @@ def worker(cli) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cli.dtype)).to(cli.device)
+    peft_config = None
+    if cli.worker in QUANTIZED:  # issue 60: a 4-bit NF4 checkpoint (its config holds the quantization config)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM")  # TRL's ModelConfig defaults
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cli.dtype))
+    if peft_config is None:
+        model = model.to(cli.device)
+    else:
+        assert model.is_loaded_in_4bit, "the quantized variants load a 4-bit checkpoint"
     dataset = make_arithmetic_dataset(cli.completions * cli.iterations, seed=0)
     out_dir = tempfile.mkdtemp()
     common = {"output_dir": out_dir, "max_steps": cli.iterations, "max_completion_length": cli.new_tokens,
@@ -154,7 +239,8 @@ def worker(cli) -> dict:
         if lean and cli.dtype != "float32":
             extra["fp32_master_weights"] = False
         args = ESConfig(population_size=cli.population_size, prompt_batch_size=cli.completions, **extra, **common)
-        trainer = ESTrainer(model, arithmetic_reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer = ESTrainer(model, arithmetic_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=peft_config)
         start = time.perf_counter()
         trainer.train()
         info["train_seconds"] = time.perf_counter() - start
@@ -164,13 +250,13 @@ def worker(cli) -> dict:
                          f"backend {args.population_backend}, noise {trainer.noise.describe()['type']}, master "
                          f"{trainer.es_params.master_bytes / 2**20:.0f} MiB, anchor "
                          f"{'none' if trainer.anchor is None else trainer.anchor.storage}")
-    elif cli.worker == "grpo":
+    elif cli.worker.startswith("grpo"):
         from trl import GRPOConfig, GRPOTrainer
 
         args = GRPOConfig(per_device_train_batch_size=cli.completions, num_generations=cli.num_generations,
                           temperature=1.0, **common)
         trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer)
+                              processing_class=tokenizer, peft_config=peft_config)
         start = time.perf_counter()
         trainer.train()
         info["train_seconds"] = time.perf_counter() - start
@@ -180,7 +266,7 @@ def worker(cli) -> dict:
         with torch.no_grad():
             for param in model.parameters():  # make the memory-mapped weights resident, as training does
                 param.sum()
-        info["setup"] = "imports + model load only"
+        info["setup"] = "imports + model load only" + (" (4-bit NF4 checkpoint)" if peft_config else "")
     info["peak_mib"] = peak_mib(cli.device)
     return info
 
@@ -206,15 +292,23 @@ def main():
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--build_to", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quantize_from", default=None, help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.shape:
         cli.random_init = True
     shape = cli.shape or "smollm2-135m"
 
     from trl_es.files import write_json
+    from trl_es.models import resolve_model_path
 
+    if cli.build_to and cli.quantize_from:  # the 4-bit checkpoint of the quantized variants, in its own process
+        save_quantized_copy(cli.quantize_from, cli.build_to, cli.dtype)
+        return
     if cli.build_to:  # build and save the random model in a process of its own, then exit (frees it all)
-        save_random_model(cli.build_to, cli.scale, cli.dtype, shape)
+        if shape in STREAMED:
+            save_streamed_random_model(cli.build_to, cli.dtype, shape)
+        else:
+            save_random_model(cli.build_to, cli.scale, cli.dtype, shape)
         return
     if cli.worker:  # one plain process (no launcher): the result is complete or absent
         write_json(cli.result, worker(cli), indent=None)
@@ -230,6 +324,12 @@ def main():
                                 "--shape", shape, "--scale", str(cli.scale)], check=True)
             elif dtype != "float32":  # load a checkpoint in that dtype: no fp32 load-then-cast peak
                 model = save_copy(cli.model, os.path.join(scratch, dtype), dtype)
+            quantized_model = None
+            if any(v in QUANTIZED for v in cli.variants):  # one 4-bit checkpoint for the quantized variants
+                quantized_model = os.path.join(scratch, f"{dtype}-nf4")
+                source = model or resolve_model_path(cli.model)
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--quantize_from", source, "--build_to",
+                                quantized_model, "--dtype", dtype], check=True)
             for variant in cli.variants:
                 result_path = os.path.join(scratch, f"{variant}-{dtype}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--result", result_path,
@@ -237,7 +337,9 @@ def main():
                 for key in ("completions", "num_generations", "new_tokens", "population_size", "iterations",
                             "threads", "device"):
                     cmd += [f"--{key}", str(getattr(cli, key))]
-                if model:
+                if variant in QUANTIZED:
+                    cmd += ["--model", quantized_model]
+                elif model:
                     cmd += ["--model", model]
                 proc = subprocess.run(cmd, check=False)
                 if proc.returncode != 0:
@@ -265,6 +367,15 @@ def main():
             if es and grpo:
                 above = f"; above the loaded model: {(es - load) / (grpo - load):.3f}" if load else ""
                 print(f"{dtype}: {variant} / grpo peak = {es / grpo:.3f} (goal <= {goal}){above}")
+        es4, qlora = (results.get((v, dtype), {}).get("peak_mib") for v in ("es_4bit", "grpo_qlora"))
+        if es4 and qlora:
+            print(f"{dtype}: es_4bit / grpo_qlora peak = {es4 / qlora:.3f} (goal <= 0.5 at 1.5B)")
+        for variant in ("es_4bit", "es_default", "es_lean"):
+            es = results.get((variant, dtype), {}).get("peak_mib")
+            if es and es4 and variant != "es_4bit":
+                print(f"{dtype}: es_4bit / {variant} peak = {es4 / es:.3f}")
+        if es4:
+            print(f"{dtype}: es_4bit peak = {es4 / 1024:.2f} GiB (goal for a 7B shape: < 8 GiB)")
     if cli.output_json:
         write_json(cli.output_json, {f"{v}/{d}": r for (v, d), r in results.items()})
 

@@ -29,10 +29,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiny import build_llama, build_qwen2, build_tokenizer
+from tiny import build_llama, build_qwen2, build_tokenizer, build_vllm_llama
 
-BUILDERS: dict[str, Callable] = {"qwen2": build_qwen2, "llama": build_llama}
-"""The tiny architectures :func:`add_model` can save, by name."""
+BUILDERS: dict[str, Callable] = {"qwen2": build_qwen2, "llama": build_llama, "llama64": build_vllm_llama}
+"""The tiny architectures :func:`add_model` can save, by name (``llama64``: hidden size 64, whole blocks of
+bitsandbytes' 4-bit quantization on the CPU)."""
 
 
 def offline_env(home: str | os.PathLike) -> dict[str, str]:

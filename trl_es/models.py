@@ -246,38 +246,38 @@ def load_model_and_tokenizer(
 
 
 def refuse_quantization(quantization_config) -> None:
-    """Refuse a real quantization config (``None`` passes).
+    """Refuse a real quantization config of a run that trains the full model (``None`` passes): see
+    :func:`trl_es.quantized.refuse_full_parameter_quantization`.
 
     Raises:
-        ValueError: naming ``quantization_config`` and why ES does not load quantized models.
+        ValueError: naming ``quantization_config``, the reason and the QLoRA recipe (a ``peft_config``).
     """
-    if quantization_config is None:
-        return
-    raise ValueError(
-        f"quantization_config={type(quantization_config).__name__}(...) is not supported by ESTrainer: ES perturbs "
-        "the trained weights in place and restores them bitwise, and quantized weights (bitsandbytes 4/8-bit, which "
-        "also needs CUDA) can be neither perturbed nor restored exactly; a quantized base under a LoRA adapter "
-        "(QLoRA) is not implemented either. Load the model unquantized (model_init_kwargs={'dtype': 'bfloat16'} "
-        "halves its memory) and leave load_in_4bit / load_in_8bit unset."
-    )
+    from .quantized import refuse_full_parameter_quantization
+
+    refuse_full_parameter_quantization(quantization_config)
 
 
-def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None) -> dict:
+def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None, peft_config=None) -> dict:
     """The ``from_pretrained`` keyword arguments of a policy given by name, as GRPOTrainer (TRL 1.16) builds them.
 
-    A copy of ``model_init_kwargs`` with ``dtype`` a torch dtype, ``"auto"`` or ``None`` (default ``float32``).
+    A copy of ``model_init_kwargs`` with ``dtype`` a torch dtype, ``"auto"`` or ``None`` (default ``float32``), and the
+    ``quantization_config`` (the argument, or ``model_init_kwargs``'s) when there is a ``peft_config`` to train.
 
     Raises:
-        ValueError: ``quantization_config`` set twice, a real quantization config, or an invalid ``dtype`` (GRPO's
-            messages).
+        ValueError: ``quantization_config`` set twice, or an invalid ``dtype`` (GRPO's messages); a real
+            quantization config without a ``peft_config`` (:func:`refuse_quantization`).
     """
     kwargs = dict(model_init_kwargs or {})
     if quantization_config is not None and "quantization_config" in kwargs:
         raise ValueError("You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`. "
                          "Please set it in only one place, preferably as a trainer argument.")
-    refuse_quantization(quantization_config)
     # TRL's gspo.py sets it in model_init_kwargs, None unless --load_in_4bit/8bit
-    refuse_quantization(kwargs.pop("quantization_config", None))
+    quantization_config = quantization_config if quantization_config is not None else kwargs.pop(
+        "quantization_config", None)
+    if peft_config is None:  # a quantized base is trained through an adapter only (QLoRA)
+        refuse_quantization(quantization_config)
+    elif quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     # GRPOTrainer's default (TRL's create_model_from_path), not transformers' auto
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
@@ -290,13 +290,13 @@ def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None)
 
 
 def load_policy(name_or_path: str | os.PathLike | None, model_init_kwargs: dict | None = None,
-                quantization_config=None):
+                quantization_config=None, peft_config=None):
     """The causal LM a trainer was given by name (:func:`resolve_model_path`), loaded with :func:`policy_init_kwargs`
-    (``float32`` unless ``model_init_kwargs`` sets a ``dtype``); ``quantization_config`` must be ``None``.
+    (``float32`` unless ``model_init_kwargs`` sets a ``dtype``); quantized only for a run with a ``peft_config``.
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs = policy_init_kwargs(model_init_kwargs, quantization_config)
+    kwargs = policy_init_kwargs(model_init_kwargs, quantization_config, peft_config)
     if "dtype" not in (model_init_kwargs or {}):
         logger.info("Loading %s in float32, GRPOTrainer's default when model_init_kwargs sets no dtype (set "
                     "model_init_kwargs={'dtype': 'auto'} for the checkpoint's own dtype).", name_or_path)

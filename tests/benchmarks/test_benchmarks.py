@@ -50,11 +50,12 @@ def test_es_memory_shapes_have_the_qwen2_5_parameter_counts():
     spec = importlib.util.spec_from_file_location("es_memory", os.path.join(ROOT, "benchmarks", "es_memory.py"))
     es_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(es_memory)
-    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512}
     for shape, count in expected.items():
         fields = dict(es_memory.SHAPES[shape])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         assert sum(p.numel() for p in model.parameters()) == count
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied is (shape != "qwen2.5-7b")  # Qwen2.5-7B unties its head

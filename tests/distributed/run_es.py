@@ -82,6 +82,8 @@ def parse_args():
     parser.add_argument("--stability", action="store_true",
                         help="sigma='auto' and collapse_guard=True (patience 1), with a made-up collapse: the reward "
                              "drops by 1 from iteration 3 on (tests/trainer/test_stability.py).")
+    parser.add_argument("--qlora", action="store_true",
+                        help="A 4-bit NF4 base (bitsandbytes) with a LoRA adapter on q_proj/v_proj (issue 60).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return parser.parse_args()
 
@@ -178,7 +180,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         eval_size: int = 9, skew_rank: int = -1, dtype: str = "float32", resume_from: str | None = None,
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
         vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False,
-        environment: bool = False, vllm_servers: list[str] | None = None, stability: bool = False) -> dict:
+        environment: bool = False, vllm_servers: list[str] | None = None, stability: bool = False,
+        qlora: bool = False) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -277,6 +280,13 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
                                                    for i in range(eval_size)]})
         agents = {"environment_factory": StartEnvironment}
     reward = mean_code_messages if environment else mean_code
+    if qlora:  # a frozen 4-bit base, ES over the fp32 LoRA adapter
+        from peft import LoraConfig
+        from transformers import BitsAndBytesConfig
+
+        agents.update(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                             bnb_4bit_compute_dtype=torch.float32),
+                      peft_config=LoraConfig(target_modules=["q_proj", "v_proj"], init_lora_weights=False, r=4))
     trainer = ESTrainer(model_or_path, reward, args=config, train_dataset=train, eval_dataset=evaluation,
                         processing_class=tokenizer, callbacks=[ReplicaCheck()], **agents)
     PROMPTS_SEEN.clear()  # (a previous run in this process scored its evaluation prompts)
@@ -333,7 +343,7 @@ def main():
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
         args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment, args.vllm_servers,
-        args.stability)
+        args.stability, args.qlora)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

@@ -32,6 +32,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import trl
 from grpo_scripts_swaps import PORTS, SWAPS, VENDORED, VENDORED_PORTS, VENDORED_SWAPS
 from hub_cache import add_dataset, add_model, offline_env
@@ -265,9 +266,9 @@ def hf_home(tmp_path_factory):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
                                   if n in XFAIL else n for n in sorted(SCRIPTS)])
-def test_script_runs(name, hf_home, tmp_path):
-    spec = SCRIPTS[name]
-    env = {
+def _script_env(hf_home, spec: Script) -> dict[str, str]:
+    """The environment a script runs in: offline against ``hf_home``, the harness's sitecustomize first."""
+    return {
         **os.environ,
         **offline_env(hf_home),
         "PYTHONPATH": os.pathsep.join(p for p in [str(hf_home / "harness"), str(ROOT), os.environ.get("PYTHONPATH")]
@@ -277,8 +278,12 @@ def test_script_runs(name, hf_home, tmp_path):
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / f"{name}.py"), *spec.args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+
+
+def test_script_runs(name, hf_home, tmp_path):
+    spec = SCRIPTS[name]
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / f"{name}.py"), *spec.args], cwd=tmp_path,
+                          env=_script_env(hf_home, spec), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name}.py failed:\n{proc.stderr[-4000:]}"
     assert "train_loss" in proc.stdout, proc.stdout[-2000:]  # Trainer's summary of the run (or log_metrics' table)
     output_dir = tmp_path / spec.output_dir
@@ -290,3 +295,33 @@ def test_script_runs(name, hf_home, tmp_path):
         assert (output_dir / "model.safetensors").is_file() or (output_dir / "adapter_model.safetensors").is_file()
     card = (output_dir / "README.md").read_text()
     assert "| `population_size` | `2` |" in card and "arXiv:2509.24372" in card
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_trl_grpo_runs_qlora_with_load_in_4bit_and_use_peft(hf_home, tmp_path, quant_type):
+    """Issue 60's done-when: TRL's ``trl/scripts/grpo.py`` with ``--load_in_4bit --use_peft`` (its QLoRA command line)
+    on ESTrainer with only the names swapped: the base loads in 4 bits through TRL's ``get_quantization_config``
+    (compute dtype = ``--dtype``, float32), ES trains the fp32 LoRA adapter, the seed log records the quantization."""
+    pytest.importorskip("bitsandbytes")
+    from safetensors.torch import load_file
+
+    model_id = "Qwen/Qwen2.5-0.5B-Instruct-QLoRA-test"  # hidden size 64: bitsandbytes' CPU 4-bit needs whole blocks
+    add_model(hf_home, model_id, architecture="llama64")
+    spec = SCRIPTS["trl_grpo"]
+    args = list(spec.args)
+    args[args.index("Qwen/Qwen2.5-0.5B")] = model_id
+    args += ["--load_in_4bit", "--use_peft", "--bnb_4bit_quant_type", quant_type]
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "trl_grpo.py"), *args], cwd=tmp_path,
+                          env=_script_env(hf_home, spec), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"trl_grpo.py --load_in_4bit --use_peft failed:\n{proc.stderr[-4000:]}"
+    assert "train_loss" in proc.stdout, proc.stdout[-2000:]
+    output_dir = tmp_path / spec.output_dir
+    lines = (output_dir / "es_seed_log.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])["quantization_config"]
+    assert header["load_in_4bit"] is True and header["bnb_4bit_quant_type"] == quant_type
+    assert header["bnb_4bit_compute_dtype"] == "float32"
+    assert [json.loads(r)["step"] for r in lines[1:]] == [1]
+    adapter = load_file(str(output_dir / "adapter_model.safetensors"))
+    assert adapter and all(t.dtype == torch.float32 for t in adapter.values())  # no QLoRA bf16 cast
+    assert {k.split(".")[-2] for k in adapter} == {"lora_A", "lora_B"}
+    assert not (output_dir / "model.safetensors").exists()  # the base is not saved: it stays the hub's

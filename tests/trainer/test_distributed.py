@@ -171,6 +171,35 @@ def test_lean_mode_population_parallelism_matches_one_process_and_replays(tmp_pa
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_qlora_population_parallelism_matches_one_process_and_replays(tmp_path, tokenizer, backend):
+    """ES on a 4-bit NF4 base (issue 60): 2 processes end on the one-process adapter, bitwise, with identical replicas
+    at every step, and the seed log (which records the quantization config) replays it."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from tiny import build_vllm_llama
+    from transformers import BitsAndBytesConfig, set_seed
+
+    model_dir = tmp_path / "base64"  # hidden size 64: whole blocks of bitsandbytes' CPU 4-bit kernel
+    build_vllm_llama(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    single_out, single = run_here(tmp_path / "single", str(model_dir), qlora=True, backend=backend)
+    result = torchrun(tmp_path / "two", str(model_dir), "--qlora", "--backend", backend)
+    assert result["world_size"] == 2 and all(result["replicas_identical"])
+    trained = load_file(str(tmp_path / "two" / "model" / "adapter_model.safetensors"))
+    assert_bitwise(trained, load_file(str(single_out / "model" / "adapter_model.safetensors")))
+    assert seed_log(tmp_path / "two") == seed_log(single_out)
+    assert seed_log(single_out)[0]["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    set_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    initial = get_peft_model(base, LoraConfig(target_modules=["q_proj", "v_proj"], init_lora_weights=False, r=4))
+    rebuilt = replay(initial, str(tmp_path / "two"))
+    ours = {k.replace(".default", ""): v for k, v in rebuilt.state_dict().items() if "lora_" in k}
+    assert_bitwise(ours, trained)
+
+
+@pytest.mark.distributed
 def test_lean_mode_zero3_matches_one_process(tmp_path, tiny_model_dir):
     """lean_memory under ZeRO-3 (bf16 model, fp32 master shards, fresh Gaussian noise): the one-process weights."""
     single_out, _ = run_here(tmp_path / "single", tiny_model_dir, dtype="bfloat16", lean=True)

@@ -8,7 +8,7 @@
 6. A ``PeftModel`` together with a ``peft_config`` is refused with GRPO's ValueError (it would be wrapped twice).
 11. GRPOTrainer's ``quantization_config`` argument: TRL's ``trl/scripts/grpo.py`` (``trl grpo --config ...``) passes
     ``quantization_config=get_quantization_config(model_args)`` to the trainer; ``None`` is accepted, a real config
-    is refused by name.
+    without a ``peft_config`` is refused by name (with one, QLoRA: tests/trainer/test_quantized.py).
 """
 
 import copy
@@ -265,8 +265,8 @@ def test_a_real_quantization_config_is_refused_by_name(tmp_path, tiny_model_dir,
     config = BitsAndBytesConfig(load_in_4bit=True)
     kwargs = {"quantization_config": config} if where == "argument" else {}
     args = es_args(tmp_path, model_init_kwargs={"quantization_config": config} if where != "argument" else None)
-    with pytest.raises(ValueError, match=r"^quantization_config=BitsAndBytesConfig\(\.\.\.\) is not supported by "
-                                         r"ESTrainer: ES perturbs the trained weights in place"):
+    with pytest.raises(ValueError, match=r"^quantization_config=BitsAndBytesConfig\(load_in_4bit=True\) needs a "
+                                         r"peft_config: ESTrainer trains a quantized base through a PEFT adapter"):
         ESTrainer(tiny_model_dir, length_reward, args=args, train_dataset=chat_prompts(), **kwargs)
 
 
@@ -293,7 +293,7 @@ def test_trl_grpo_script_runs_with_the_es_classes_swapped_in(tmp_path, monkeypat
     ``model_init_kwargs`` from ``ModelConfig`` and passes ``quantization_config=get_quantization_config(model_args)``
     and ``peft_config=get_peft_config(model_args)`` to the trainer (before issue 42: TypeError on
     ``quantization_config``). A LoRA run with a reward model by path, and the same recipe with ``load_in_4bit``
-    refused by name."""
+    without ``use_peft`` refused by name (with it: tests/examples/test_grpo_scripts.py)."""
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
     from trl.scripts import grpo
@@ -321,9 +321,10 @@ def test_trl_grpo_script_runs_with_the_es_classes_swapped_in(tmp_path, monkeypat
     saved = PeftModel.from_pretrained(build_llama(build_tokenizer()), str(tmp_path / "out"))
     assert set(saved.peft_config["default"].target_modules) == {"q_proj", "v_proj"}
 
-    model_args.load_in_4bit = True
+    model_args.load_in_4bit, model_args.use_peft = True, False
     training_args.model_init_kwargs = None
-    with pytest.raises(ValueError, match=r"^quantization_config=BitsAndBytesConfig\(\.\.\.\) is not supported"):
+    with pytest.raises(ValueError, match=r"^quantization_config=BitsAndBytesConfig\(load_in_4bit=True\) needs a "
+                                         r"peft_config"):
         grpo.main(script_args, training_args, model_args, dataset_args)
 
 
@@ -341,12 +342,13 @@ def test_cli_loads_modelconfig_dtype_as_trls_grpo_script(bf16_policy_dir, dtype,
 
 
 @pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
-def test_cli_refuses_quantized_loading_by_name(tiny_model_dir, flag):
+def test_cli_refuses_quantized_loading_without_use_peft_by_name(tiny_model_dir, flag):
     from trl import ModelConfig
 
     from trl_es.cli.loading import load_model_and_tokenizer
 
-    with pytest.raises(ValueError, match=r"^quantization_config=BitsAndBytesConfig\(\.\.\.\) is not supported"):
+    with pytest.raises(ValueError, match=rf"^quantization_config=BitsAndBytesConfig\({flag}=True\) needs a "
+                                         r"peft_config"):
         load_model_and_tokenizer(ModelConfig(model_name_or_path=tiny_model_dir, **{flag: True}))
 
 

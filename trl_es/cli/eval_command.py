@@ -163,7 +163,7 @@ def evaluate(argv: list[str]) -> dict:
     if len(dataset) == 0:
         raise ValueError(f"The {eval_args.split} split is empty; set its size (num_*_prompts) >= 1.")
     state = PartialState()
-    model, tokenizer = load_model_and_tokenizer(model_args)
+    model, tokenizer = load_model_and_tokenizer(model_args, training=False)  # a quantized base is scored as is
     model.to(state.device)
     scorer = RewardScorer(task.reward_funcs)
     answer = len(scorer.names) - 1  # the answer reward: > 0.5 = correct

@@ -5,20 +5,25 @@ from __future__ import annotations
 from trl import ModelConfig, get_quantization_config
 
 
-def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_code: bool = False):
+def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_code: bool = False,
+                             training: bool = True):
     """The causal LM and its tokenizer (pad token = EOS when it has none), in ``float32`` unless a dtype is set.
 
-    ``model_args`` gives ``model_name_or_path``, ``model_revision``, ``dtype`` (``"auto"``: the checkpoint's own) and
-    ``attn_implementation``; ``dtype`` overrides its dtype; ``trust_remote_code`` goes to both loads.
+    ``model_args`` gives ``model_name_or_path``, ``model_revision``, ``dtype`` (``"auto"``: the checkpoint's own),
+    ``attn_implementation`` and ``load_in_4bit`` / ``load_in_8bit`` (TRL's ``get_quantization_config``: a
+    bitsandbytes base); ``dtype`` overrides its dtype; ``trust_remote_code`` goes to both loads.
 
     Raises:
-        ValueError: for ``load_in_4bit`` / ``load_in_8bit`` (ES does not load quantized models).
+        ValueError: for ``load_in_4bit`` / ``load_in_8bit`` without ``use_peft`` when ``training`` (ES trains a
+            quantized base through an adapter only: :func:`trl_es.models.refuse_quantization`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..models import refuse_quantization, resolve_model_path
 
-    refuse_quantization(get_quantization_config(model_args))  # --load_in_4bit / --load_in_8bit: refused by name
+    quantization_config = get_quantization_config(model_args)  # --load_in_4bit / --load_in_8bit
+    if training and not model_args.use_peft:
+        refuse_quantization(quantization_config)  # a quantized base trains through --use_peft's adapter only
     path = resolve_model_path(model_args.model_name_or_path)  # a folder, a hub id or an embedded: name
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
                                               # ESConfig's: TRL's ModelConfig has none
@@ -29,6 +34,6 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=model_args.model_revision, trust_remote_code=trust_remote_code,
         dtype="float32" if dtype is None else dtype,  # "auto": the checkpoint's dtype, as TRL's grpo.py loads it
-        attn_implementation=model_args.attn_implementation,
+        attn_implementation=model_args.attn_implementation, quantization_config=quantization_config,
     )
     return model, tokenizer

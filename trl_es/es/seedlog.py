@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..quantized import HEADER_KEY, check_same_quantization
 from .noise import PORTABLE_GENERATOR, NoiseSource, noise_source_from_description
 from .perturbation import GaussianPerturbation, LowRankPerturbation, Perturbation, perturbation_from_description
 from .update import Member, TrainedParameters, es_update_
@@ -154,9 +155,13 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
     """Rebuild trained weights from the base model (with PEFT: its initial PeftModel) and a seed log (a file or a
     folder holding one) in place, up to ``max_step``; bitwise the trained model for ``es_optimizer="es"``.
 
+    A run on a quantized base (the header's ``quantization_config``) replays onto that base only: its PeftModel over
+    the base loaded with :func:`trl_es.quantized.quantization_config_from_header`.
+
     Raises:
         ValueError: for a torch-optimizer or ``not_replayable`` log, parameters the model lacks, steps that are not
-            ``1..N`` (:meth:`SeedLog.load`), or a log that ends before ``max_step``.
+            ``1..N`` (:meth:`SeedLog.load`), a log that ends before ``max_step``, or a base quantized otherwise than
+            the header records.
     """
     log = SeedLog.load(log_path)  # the same fp32 master arithmetic then runs in the same order
     if max_step is not None and max_step > len(log.records):
@@ -166,6 +171,7 @@ def replay(model: nn.Module, log_path: str, max_step: int | None = None) -> nn.M
         raise ValueError(f"This seed log cannot be replayed: {log.header['not_replayable']}")
     if log.header.get("optimizer", "es") != "es":  # a torch optimizer's state is not in the log
         raise ValueError("replay reproduces es_optimizer='es' runs only; this log was written with a torch optimizer.")
+    check_same_quantization(log.header.get(HEADER_KEY), model, "replay")
     named = dict(model.named_parameters())
     missing = [name for name, _ in log.header["parameters"] if name not in named]
     if missing:

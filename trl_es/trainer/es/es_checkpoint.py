@@ -20,6 +20,7 @@ from transformers.utils import logging
 from ...es.anchor import FileAnchor, MemoryAnchor, checkpoint_weight_map
 from ...es.seedlog import SEED_LOG_NAME, SeedLog, header_perturbation
 from ...files import SAVED_MODEL_FILES, atomic_path, is_present, missing_files, require_files
+from ...quantized import HEADER_KEY
 from ..distributed import SHARD_PATTERN, read_flat_ranges
 from .model_card import model_card_name, write_model_card
 
@@ -328,6 +329,9 @@ class ESCheckpointMixin:
         settings, now = saved.get("run_settings", {}), current.get("run_settings", {})
         differences += [(name, settings[name], now.get(name)) for name in settings
                         if name in now and settings[name] != now[name]]
+        if saved.get(HEADER_KEY) != current.get(HEADER_KEY):  # the base: a header without the key is unquantized
+            differences.append(("quantization_config (the base model's)", saved.get(HEADER_KEY),
+                                current.get(HEADER_KEY)))
         if differences:
             listed = "; ".join(f"{field} (checkpoint: {theirs!r}, this run: {ours!r})"
                                for field, theirs, ours in differences)

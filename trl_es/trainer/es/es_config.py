@@ -179,7 +179,8 @@ class ESConfig(_BaseConfig):
         default=None,
         metadata={
             "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string "
-            "(e.g. {'dtype': 'bfloat16'})."
+            "(e.g. {'dtype': 'bfloat16'}; a 'quantization_config' loads a frozen quantized base, with a peft_config "
+            "only: docs/scaling.md, ES on a quantized base)."
         },
     )
     trust_remote_code: bool = field(

@@ -30,6 +30,7 @@ from ...es.strategy import EvolutionStrategy, TellResult
 from ...es.update import Member, TrainedParameters, select_parameters
 from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
+from ...quantized import prepare_quantized_training, quantization_header
 from ...rewards import RewardScorer
 from ...rollout import Rollout, build_generation_config, prompt_texts, validate_dataset
 from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
@@ -105,8 +106,8 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
         callbacks (`list[TrainerCallback]`, *optional*): Extra Trainer callbacks.
         optimizers (*optional*): ``(optimizer, scheduler)`` as in ``Trainer``; a given optimizer must own
             ``trainer.es_params.master_parameters()``.
-        quantization_config (*optional*): GRPOTrainer's argument; only ``None`` (quantized weights cannot be restored
-            exactly).
+        quantization_config (*optional*): GRPOTrainer's argument: a quantized base (e.g. ``BitsAndBytesConfig``),
+            frozen, with a ``peft_config`` only (QLoRA; ES trains the fp32 adapter, see :mod:`trl_es.quantized`).
         peft_config (`peft.PeftConfig`, *optional*): Wrap the model with PEFT; ES then perturbs the adapter only.
         tools (`list[Callable]`, *optional*): GRPOTrainer's tools; every member's rollout runs GRPO's tool loop
             (docs/agents.md).
@@ -117,7 +118,8 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
 
     Raises:
         ValueError: for a dataset without ``prompt`` or an empty dataset, an iterable train dataset without
-            ``max_steps``, reward weights of the wrong length, a real ``quantization_config``, a ``PeftModel``
+            ``max_steps``, reward weights of the wrong length, a quantized base without a ``peft_config`` (or with
+            vLLM or ZeRO-3: :func:`~trl_es.quantized.prepare_quantized_training`), a ``PeftModel``
             together with a ``peft_config``; tools with a chat template that cannot render or TRL cannot parse tool
             calls; agent rollouts (tools, environments, rollout_func) with ZeRO-3 or stacked low-rank members.
     """
@@ -163,13 +165,14 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
         set_seed(args.seed)  # as GRPOTrainer: PEFT's random adapter init (and a new reward head's) is seeded
 
         # Model: by name as GRPOTrainer loads it (float32 unless model_init_kwargs sets a dtype; the embedded alias
-        # -> its local copy); a real quantization_config is refused, a PeftModel with a peft_config too
+        # -> its local copy); a quantized base only under a peft_config, a PeftModel with a peft_config is refused
         revision = (args.model_init_kwargs or {}).get("revision") if isinstance(model, str) else None
         if isinstance(model, str):
-            model = load_policy(model, args.model_init_kwargs, quantization_config)
+            model = load_policy(model, args.model_init_kwargs, quantization_config, peft_config)
         else:
             warn_unused_init_kwargs(args.model_init_kwargs, quantization_config)
         model = wrap_peft(model, peft_config)
+        prepare_quantized_training(model, args)  # the adapters stay fp32 (no QLoRA bf16 cast)
 
         # Processing class
         if processing_class is None:
@@ -260,6 +263,7 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
         self._comm_bytes = 0.0  # bytes moved into this process by ES's collectives since the last iteration
         self._forward_calls = 0  # model forward calls (decoding steps), counted under ZeRO-3
         header = strategy.describe(args.es_optimizer) | {"run_settings": run_settings(args, self.reward_func_names)}
+        header |= quantization_header(self.accelerator.unwrap_model(self.model))  # the base a resume/replay needs
         self.seed_log = SeedLog(header=header)
         self._add_stability_settings(header)  # sigma="auto" and the collapse guard, compared on resume
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)

@@ -22,6 +22,7 @@ from trl.trainer.utils import (
 
 from ...es.seedlog import SEED_LOG_NAME
 from ...files import atomic_path
+from ...quantized import HEADER_KEY
 
 
 __all__ = ["AWD_PAPER", "CARD_SETTINGS", "es_card_sections", "es_card_text", "hub_dataset_id", "model_card_name",
@@ -85,15 +86,31 @@ def _value(value) -> str:
     return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
 
 
-def es_card_sections(args, base_model: str | None, peft: bool) -> str:
+def es_card_sections(args, base_model: str | None, peft: bool, quantized: bool = False) -> str:
     """The card's ES sections (markdown) for ``args``: a table of :data:`CARD_SETTINGS` and the seed-log note, with a
-    replay snippet from ``base_model`` (a hub id; wrapped with its PEFT adapter if ``peft``)."""
+    replay snippet from ``base_model`` (a hub id; wrapped with its PEFT adapter if ``peft``; loaded with the seed
+    log's quantization config if ``quantized``)."""
     names = [n for n in CARD_SETTINGS if n != "awd_penalty" or args.awd_lambda > 0]  # the penalty only with AWD on
     rows = "\n".join(f"| `{name}` | {_value(getattr(args, name))} |" for name in names)
     trained = "the PEFT adapter's parameters (the base weights are frozen)" if peft else "the model's weights"
     model = f'"{base_model}"' if base_model else '"<base model>"'
     adapter = ", wrapped with its initial PEFT adapter" if peft else ""
-    if args.es_optimizer == "es":  # the seed log alone rebuilds the weights
+    if args.es_optimizer == "es" and quantized:  # the base as the header records it (trl_es.quantized)
+        replay = textwrap.dedent(f"""\
+            With `es_optimizer="es"` the trained adapter is the initial one plus this log, bitwise, over the base
+            quantized as the log's header records:
+
+            ```python
+            from transformers import AutoModelForCausalLM
+            from trl_es import replay
+            from trl_es.es import SeedLog
+            from trl_es.quantized import quantization_config_from_header
+
+            config = quantization_config_from_header(SeedLog.load("{SEED_LOG_NAME}").header)
+            model = AutoModelForCausalLM.from_pretrained({model}, quantization_config=config)  # the base{adapter}
+            replay(model, "{SEED_LOG_NAME}")
+            ```""")
+    elif args.es_optimizer == "es":  # the seed log alone rebuilds the weights
         replay = textwrap.dedent(f"""\
             With `es_optimizer="es"` the trained weights are the base model plus this log, bitwise:
 
@@ -174,15 +191,16 @@ def write_model_card(trainer, folder: str, model_name: str | None = None, datase
         paper_id=trainer._paper.get("id"),
     )
     peft = isinstance(trainer.accelerator.unwrap_model(trainer.model), PeftModel)
-    card.text = es_card_text(card.text, trainer.args, base_model, peft)
+    quantized = HEADER_KEY in trainer.seed_log.header  # the base was loaded quantized
+    card.text = es_card_text(card.text, trainer.args, base_model, peft, quantized)
     with atomic_path(os.path.join(folder, "README.md")) as tmp:
         card.save(tmp)
 
 
-def es_card_text(text: str, args, base_model: str | None, peft: bool) -> str:
+def es_card_text(text: str, args, base_model: str | None, peft: bool, quantized: bool = False) -> str:
     """TRL's card body with :func:`es_card_sections` before "### Framework versions" and, with ``awd_lambda > 0``,
     AWD's BibTeX before TRL's (each at the end where the template has no such heading)."""
-    sections = es_card_sections(args, base_model, peft)
+    sections = es_card_sections(args, base_model, peft, quantized)
     # before "### Framework versions", or at the end of a template without that heading
     head, sep, tail = text.partition("### Framework versions")
     text = f"{head}{sections}\n{sep}{tail}" if sep else f"{text}\n{sections}"
