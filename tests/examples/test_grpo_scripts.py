@@ -8,7 +8,8 @@ also moves a GPU-only script body to the CPU: ``use_cpu=True`` forced too (its `
 the CPU), ``attn_implementation="flash_attention_2"`` -> ``"eager"`` and ``.to("cuda")`` -> ``.to("cpu")``),
 offline against a fake Hugging Face cache (:mod:`hub_cache`) holding a tiny model under each hub model id and a few
 rows in each hub dataset's format. A run must exit 0, print the train summary and leave the model (or adapter), a
-seed log of one step and the model card in its output_dir.
+seed log of one step and the model card in its output_dir. The scripts with a command line run as children of one
+warm interpreter (:mod:`warm_python`: the libraries imported once); the two with forced values, as fresh ones.
 
 open-r1's ``grpo.py`` imports its ``open_r1`` package and reads a recipe (``--config``): both are vendored beside it
 (:data:`grpo_scripts_swaps.VENDORED`), each file checked against its upstream git blob id (its verbatim text for the
@@ -37,6 +38,7 @@ import trl
 from grpo_scripts_swaps import PORTS, SWAPS, VENDORED, VENDORED_PORTS, VENDORED_SWAPS
 from hub_cache import add_dataset, add_model, offline_env
 from paths import REPO, TESTS
+from warm_python import WarmPython
 
 
 ROOT = Path(REPO)
@@ -264,8 +266,6 @@ def hf_home(tmp_path_factory):
     return home
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
-                                  if n in XFAIL else n for n in sorted(SCRIPTS)])
 def _script_env(hf_home, spec: Script) -> dict[str, str]:
     """The environment a script runs in: offline against ``hf_home``, the harness's sitecustomize first."""
     return {
@@ -280,10 +280,26 @@ def _script_env(hf_home, spec: Script) -> dict[str, str]:
     }
 
 
-def test_script_runs(name, hf_home, tmp_path):
+@pytest.fixture(scope="module")
+def python(hf_home):
+    """``python script.py`` for the scripts with a command line (their start-up environment is the same): children
+    of one warm interpreter (tests/warm_python.py) that imports the libraries once."""
+    with WarmPython(_script_env(hf_home, Script((), ""))) as warm:
+        yield warm
+
+
+def run_script(python, hf_home, spec: Script, argv: list, cwd) -> subprocess.CompletedProcess:
+    if spec.forced or spec.cpu:  # the harness reads these at start-up: a fresh interpreter
+        return subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, env=_script_env(hf_home, spec),
+                              capture_output=True, text=True, timeout=300)
+    return python.run(argv, cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
+                                  if n in XFAIL else n for n in sorted(SCRIPTS)])
+def test_script_runs(name, python, hf_home, tmp_path):
     spec = SCRIPTS[name]
-    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / f"{name}.py"), *spec.args], cwd=tmp_path,
-                          env=_script_env(hf_home, spec), capture_output=True, text=True, timeout=300)
+    proc = run_script(python, hf_home, spec, [SCRIPTS_DIR / f"{name}.py", *spec.args], tmp_path)
     assert proc.returncode == 0, f"{name}.py failed:\n{proc.stderr[-4000:]}"
     assert "train_loss" in proc.stdout, proc.stdout[-2000:]  # Trainer's summary of the run (or log_metrics' table)
     output_dir = tmp_path / spec.output_dir
@@ -298,7 +314,7 @@ def test_script_runs(name, hf_home, tmp_path):
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_trl_grpo_runs_qlora_with_load_in_4bit_and_use_peft(hf_home, tmp_path, quant_type):
+def test_trl_grpo_runs_qlora_with_load_in_4bit_and_use_peft(python, hf_home, tmp_path, quant_type):
     """Issue 60's done-when: TRL's ``trl/scripts/grpo.py`` with ``--load_in_4bit --use_peft`` (its QLoRA command line)
     on ESTrainer with only the names swapped: the base loads in 4 bits through TRL's ``get_quantization_config``
     (compute dtype = ``--dtype``, float32), ES trains the fp32 LoRA adapter, the seed log records the quantization."""
@@ -311,8 +327,7 @@ def test_trl_grpo_runs_qlora_with_load_in_4bit_and_use_peft(hf_home, tmp_path, q
     args = list(spec.args)
     args[args.index("Qwen/Qwen2.5-0.5B")] = model_id
     args += ["--load_in_4bit", "--use_peft", "--bnb_4bit_quant_type", quant_type]
-    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "trl_grpo.py"), *args], cwd=tmp_path,
-                          env=_script_env(hf_home, spec), capture_output=True, text=True, timeout=300)
+    proc = run_script(python, hf_home, spec, [SCRIPTS_DIR / "trl_grpo.py", *args], tmp_path)
     assert proc.returncode == 0, f"trl_grpo.py --load_in_4bit --use_peft failed:\n{proc.stderr[-4000:]}"
     assert "train_loss" in proc.stdout, proc.stdout[-2000:]
     output_dir = tmp_path / spec.output_dir
