@@ -118,12 +118,13 @@ def test_es_trainer_has_at_most_two_project_mixins():
 
 
 def test_one_iteration_reads_in_at_most_four_trainer_files():
-    """training_step's own calls land in es_trainer.py, the two mixins and the metrics/completion helpers."""
+    """training_step's own calls land in es_trainer.py, the two mixins and the metrics/completion helpers;
+    es_stability.py only with sigma="auto" or collapse_guard=True (tests/test_iteration_files.py traces the default)."""
     trainer_imports = {n for n in _imported_names(os.path.join(ROOT, "trainer", "es", "es_trainer.py"))
                        if n.startswith("trl_es.trainer.es.")}
     assert trainer_imports == {"trl_es.trainer.es.completion_logs", "trl_es.trainer.es.es_checkpoint",
                                "trl_es.trainer.es.es_config", "trl_es.trainer.es.es_distributed_setup",
-                               "trl_es.trainer.es.es_metrics"}
+                               "trl_es.trainer.es.es_metrics", "trl_es.trainer.es.es_stability"}
 
 
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))

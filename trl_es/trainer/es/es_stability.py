@@ -35,41 +35,45 @@ GUARD_SETTINGS = ("collapse_guard", "collapse_guard_threshold", "collapse_guard_
                   "collapse_guard_alpha_factor")
 
 
-class ESStabilityMixin:
-    """``sigma="auto"`` and the collapse guard (see the module docstring)."""
+class ESStability:
+    """``sigma="auto"`` and the collapse guard of one :class:`~trl_es.ESTrainer` (see the module docstring); the
+    trainer calls it only where one of them is on."""
 
-    def _add_stability_settings(self, header: dict) -> None:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def add_settings(self, header: dict) -> None:
         """Add ``sigma_target`` (with ``sigma="auto"``) and the guard's settings (with ``collapse_guard``) to the
         seed-log header's ``run_settings``, which a resume compares."""
-        args, settings = self.args, header["run_settings"]
+        args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
             settings["sigma_target"] = args.sigma_target
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
     # ------------------------------------------------------------------ sigma="auto"
-    def _prepare_sigma(self, rows: list[dict], step: int) -> dict:
+    def prepare_sigma(self, rows: list[dict], step: int) -> dict:
         """Set ``strategy.sigma`` for this iteration; returns the record's sigma keys (none with a fixed sigma)."""
-        if self.args.sigma != SIGMA_AUTO:
+        if self.trainer.args.sigma != SIGMA_AUTO:
             return {}
-        logged = [r["sigma"] for r in self.seed_log.records if "sigma" in r]
+        logged = [r["sigma"] for r in self.trainer.seed_log.records if "sigma" in r]
         if logged:  # calibrated earlier in this run (or in the run a checkpoint continues)
-            self.strategy.sigma = float(logged[-1])
-            self._metrics["sigma"].append(self.strategy.sigma)
-            return {"sigma": self.strategy.sigma}
-        search = SigmaSearch(self.args.sigma_target)
-        members = self.strategy.ask(step)[: min(PROBE_MEMBERS, self.args.population_size)]
+            self.trainer.strategy.sigma = float(logged[-1])
+            self.trainer._metrics["sigma"].append(self.trainer.strategy.sigma)
+            return {"sigma": self.trainer.strategy.sigma}
+        search = SigmaSearch(self.trainer.args.sigma_target)
+        members = self.trainer.strategy.ask(step)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
         center = self._greedy_completions(None, rows, step)
         while (sigma := search.next_sigma()) is not None:
             search.tell(sigma, self._effect(members, rows, step, sigma, center))
         sigma = search.choice()
         effect = self._effect(members, rows, step, sigma, center)
-        self.strategy.sigma = sigma
+        self.trainer.strategy.sigma = sigma
         logger.warning("sigma='auto': sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
-                       "center's; target %.3f; probes %s).", sigma, effect, self.args.sigma_target,
+                       "center's; target %.3f; probes %s).", sigma, effect, self.trainer.args.sigma_target,
                        ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
-        self._metrics["sigma"].append(sigma)
-        self._metrics["sigma/effect"].append(effect)
+        self.trainer._metrics["sigma"].append(sigma)
+        self.trainer._metrics["sigma/effect"].append(effect)
         return {"sigma": sigma, "sigma_effect": effect, "sigma_probes": [list(p) for p in search.probes]}
 
     def measure_sigma_effect(self, sigmas, rows: list[dict] | None = None) -> dict:
@@ -81,12 +85,12 @@ class ESStabilityMixin:
             "members"}``. The model's weights are unchanged.
         """
         if rows is None:
-            rows = self._gather_prompt_rows(next(iter(self.get_train_dataloader())))
-        members = self.strategy.ask(0)[: min(PROBE_MEMBERS, self.args.population_size)]
-        center, saved = self._greedy_completions(None, rows, 0), self.strategy.sigma
+            rows = self.trainer._gather_prompt_rows(next(iter(self.trainer.get_train_dataloader())))
+        members = self.trainer.strategy.ask(0)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
+        center, saved = self._greedy_completions(None, rows, 0), self.trainer.strategy.sigma
         try:
             effects = [[float(s), self._effect(members, rows, 0, float(s), center)] for s in sigmas]
-            target = self.args.sigma_target
+            target = self.trainer.args.sigma_target
             search = SigmaSearch(target)
             while (sigma := search.next_sigma()) is not None:
                 search.tell(sigma, self._effect(members, rows, 0, sigma, center))
@@ -94,63 +98,66 @@ class ESStabilityMixin:
             auto = {"sigma": choice, "effect": self._effect(members, rows, 0, choice, center),
                     "probes": [list(p) for p in search.probes], "target": target}
         finally:
-            self.strategy.sigma = saved
+            self.trainer.strategy.sigma = saved
         return {"effects": effects, "auto": auto, "prompts": len(rows), "members": len(members)}
 
     def _greedy_rollout(self):
         """The rollout with greedy decoding and one completion per row (agent rollouts as they are)."""
-        rollout = self.rollout
+        rollout = self.trainer.rollout
         if not isinstance(rollout, Rollout):
             return rollout
-        config = copy.deepcopy(self.generation_config)
+        config = copy.deepcopy(self.trainer.generation_config)
         config.do_sample = False
         return dataclasses.replace(rollout, generation_config=config, num_generations=1)
 
     def _greedy_completions(self, chunk_members: list[Member] | None, rows: list[dict], step: int) -> list:
         """Greedy completion ids of ``rows`` with the center (``None``) or with stacked ``chunk_members`` applied,
         member after member."""
-        model = self.accelerator.unwrap_model(self.model)
-        self._prepare_forward_precision()
-        kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": lambda *a, **k: None}
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        self.trainer._prepare_forward_precision()
+        kwargs = {"trainer_state": self.trainer.state, "log_extra": lambda *a, **k: None,
+                  "log_metric": lambda *a, **k: None}
         rollout = self._greedy_rollout()
         if chunk_members is None:
-            self._sync_model_view()
+            self.trainer._sync_model_view()
             return rollout(model, rows, reward_kwargs=kwargs).completion_ids
-        with self.strategy.apply(chunk_members, model):
-            self._sync_model_view()
+        with self.trainer.strategy.apply(chunk_members, model):
+            self.trainer._sync_model_view()
             return rollout(model, rows * len(chunk_members), num_members=len(chunk_members),
                            reward_kwargs=kwargs).completion_ids
 
     def _effect(self, members: list[Member], rows: list[dict], step: int, sigma: float, center: list) -> float:
         """The fraction of the probe members' greedy completions that differ from the center's at ``sigma``,
         counted over all processes (each rolls out its members, or under ZeRO-3 its prompts)."""
-        self.strategy.sigma = sigma
-        if self.sharded:
+        self.trainer.strategy.sigma = sigma
+        if self.trainer.sharded:
             indices = list(range(len(members)))
         else:
-            indices = member_indices(len(members), self.accelerator.process_index, self.accelerator.num_processes)
+            accelerator = self.trainer.accelerator
+            indices = member_indices(len(members), accelerator.process_index, accelerator.num_processes)
         counts = torch.zeros(2, dtype=torch.float64)
-        chunks = list(self.strategy.chunks(indices))
-        rolled = self.generation_engine.map_chunks(  # several vLLM servers: chunks on each, as the members' rollouts
+        chunks = list(self.trainer.strategy.chunks(indices))
+        # several vLLM servers: chunks on each, as the members' rollouts
+        rolled = self.trainer.generation_engine.map_chunks(
             lambda chunk: self._greedy_completions([members[i] for i in chunk], rows, step), chunks)
         for chunk, ids in zip(chunks, rolled, strict=True):
             width = len(center)
             differ, total = differing_completions(center, [ids[k * width : (k + 1) * width] for k in range(len(chunk))])
             counts += torch.tensor([differ, total], dtype=torch.float64)
-        if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts.to(self.accelerator.device), reduction="sum").cpu()
-            self._comm_bytes += counts.numel() * 8
+        if self.trainer.accelerator.num_processes > 1:
+            counts = self.trainer.accelerator.reduce(counts.to(self.trainer.accelerator.device), reduction="sum").cpu()
+            self.trainer._comm_bytes += counts.numel() * 8
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
     # ------------------------------------------------------------------ the collapse guard
     def _guard(self) -> CollapseGuard:
         """The guard's state after the seed log's records."""
-        args = self.args
-        return CollapseGuard.from_records(self.seed_log.records, threshold=args.collapse_guard_threshold,
+        args = self.trainer.args
+        return CollapseGuard.from_records(self.trainer.seed_log.records, threshold=args.collapse_guard_threshold,
                                           patience=args.collapse_guard_patience,
                                           alpha_factor=args.collapse_guard_alpha_factor)
 
-    def _step_or_rollback(self, members: list[Member], scores: PopulationScores, step: int,
+    def step_or_rollback(self, members: list[Member], scores: PopulationScores, step: int,
                           learning_rate: float) -> tuple[TellResult, list[Member], dict, list[float]]:
         """The iteration's update: the ES step (``_tell``), or with the guard on and a collapse, a rollback.
 
@@ -158,20 +165,21 @@ class ESStabilityMixin:
             ``(told, record_members, extra, shaped)``: what the seed log records (``told`` and the members of the
             record, the extra record keys) and the members' shaped fitness (for the completion log).
         """
-        fitness = scores.per_prompt_fitness(self.args.per_prompt_shaping)
-        if not self.args.collapse_guard:
-            told = self._tell(members, fitness, learning_rate)
+        fitness = scores.per_prompt_fitness(self.trainer.args.per_prompt_shaping)
+        if not self.trainer.args.collapse_guard:
+            told = self.trainer._tell(members, fitness, learning_rate)
             return told, members, {}, told.coefficients
         guard = self._guard()
         count = float(scores.reward_count.sum())
         square = float(scores.reward_sq_sum.sum()) if scores.reward_sq_sum is not None else 0.0
-        mean, se = mean_and_se(float(scores.reward_sum.sum()), square, count, self.args.population_size)
+        mean, se = mean_and_se(float(scores.reward_sum.sum()), square, count, self.trainer.args.population_size)
         extra = {"fitness_mean": mean, "fitness_se": se}
-        if guard.observe(len(self.seed_log.records), mean, se):
+        if guard.observe(len(self.trainer.seed_log.records), mean, se):
             best = guard.best
-            rollback = guard.rollback(self.seed_log.records)
+            rollback = guard.rollback(self.trainer.seed_log.records)
             undo = [Member(seed, sign) for seed, sign in rollback.members]
-            es_update_(self.es_params, self.strategy.perturbation, self.noise, undo, rollback.coefficients,
+            trainer = self.trainer
+            es_update_(trainer.es_params, trainer.strategy.perturbation, trainer.noise, undo, rollback.coefficients,
                        rollback.learning_rate)
             logger.warning(
                 "Collapse guard: iteration %d's mean reward %.4f (standard error %.4f) is the last of %d in a row "
@@ -179,11 +187,11 @@ class ESStabilityMixin:
                 "(undoing steps %s); learning rate now x%g.", step + 1, mean, se, guard.patience, best[0],
                 guard.threshold, rollback.to_state, rollback.undone, guard.alpha_scale)
             extra.update({"rollback_to": rollback.to_state, "undone": rollback.undone})
-            self._metrics["es/rollbacks"].append(float(guard.rollbacks))
-            shaped = shape_fitness(fitness, self.args.fitness_shaping).tolist()
+            self.trainer._metrics["es/rollbacks"].append(float(guard.rollbacks))
+            shaped = shape_fitness(fitness, self.trainer.args.fitness_shaping).tolist()
             return TellResult(rollback.coefficients, rollback.learning_rate, 0.0), undo, extra, shaped
-        self._metrics["es/rollbacks"].append(float(guard.rollbacks))
-        told = self._tell(members, fitness, learning_rate * guard.alpha_scale)
+        self.trainer._metrics["es/rollbacks"].append(float(guard.rollbacks))
+        told = self.trainer._tell(members, fitness, learning_rate * guard.alpha_scale)
         return told, members, extra, told.coefficients
 
 

@@ -39,7 +39,7 @@ from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
-from .es_stability import ESStabilityMixin
+from .es_stability import ESStability
 
 
 logger = logging.get_logger(__name__)
@@ -80,7 +80,7 @@ class SharedStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
 
-class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
+class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
     """Evolution Strategies trainer (Qiu et al. 2025, arXiv 2509.24372), with GRPOTrainer's constructor.
 
     One training step is one ES iteration: ``population_size`` members ``theta + sigma * eps_i`` are scored by the
@@ -265,7 +265,8 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
         header = strategy.describe(args.es_optimizer) | {"run_settings": run_settings(args, self.reward_func_names)}
         header |= quantization_header(self.accelerator.unwrap_model(self.model))  # the base a resume/replay needs
         self.seed_log = SeedLog(header=header)
-        self._add_stability_settings(header)  # sigma="auto" and the collapse guard, compared on resume
+        self.stability = ESStability(self)  # sigma="auto" and the collapse guard
+        self.stability.add_settings(header)  # their settings, compared on resume
         self._sync_engine_weights()  # use_vllm: the engine starts from the model (a server: from the seed log)
 
     def _build_strategy(self, population: PopulationBackend, noise) -> None:
@@ -425,7 +426,8 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
         step = self.state.global_step  # iterations done so far; this one becomes step + 1
         rows = self._gather_prompt_rows(inputs)
         members = self.strategy.ask(step)
-        extra = self._prepare_sigma(rows, step)  # sigma="auto": the sigma of this iteration's members
+        # sigma="auto": the sigma of this iteration's members, in the record
+        extra = self.stability.prepare_sigma(rows, step) if args.sigma == "auto" else {}
 
         start, forward_calls = time.perf_counter(), self._forward_calls
         member_scores = self._score_members(members, rows, step)
@@ -434,8 +436,13 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
 
         start = time.perf_counter()
         # the ES step, or with collapse_guard a rollback (the record then holds the undone members)
-        told, recorded, guard_keys, shaped = self._step_or_rollback(members, scores, step,
-                                                                    self._current_learning_rate())
+        if args.collapse_guard:
+            told, recorded, guard_keys, shaped = self.stability.step_or_rollback(members, scores, step,
+                                                                                 self._current_learning_rate())
+        else:
+            told = self._tell(members, scores.per_prompt_fitness(args.per_prompt_shaping),
+                              self._current_learning_rate())
+            recorded, guard_keys, shaped = members, {}, told.coefficients
         self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
         self.seed_log.append(step + 1, recorded, told.coefficients, told.learning_rate, told.shrink,
                              extra | guard_keys)
@@ -626,6 +633,11 @@ class ESTrainer(ESStabilityMixin, ESCheckpointMixin, ESDistributedMixin, _BaseTr
     def _get_grad_norm(self, model, grad_norm=None):
         norm = grad_norm if grad_norm is not None else self._es_grad_norm
         return norm.item() if hasattr(norm, "item") else norm
+
+    def measure_sigma_effect(self, sigmas, rows: list[dict] | None = None) -> dict:
+        """The effect ``sigma="auto"`` measures at each of ``sigmas`` (:meth:`ESStability.measure_sigma_effect`); the
+        weights are unchanged."""
+        return self.stability.measure_sigma_effect(sigmas, rows)
 
     def _current_learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.args.learning_rate
