@@ -61,13 +61,8 @@ class ESStability:
             self.trainer.strategy.sigma = float(logged[-1])
             self.trainer._metrics["sigma"].append(self.trainer.strategy.sigma)
             return {"sigma": self.trainer.strategy.sigma}
-        search = SigmaSearch(self.trainer.args.sigma_target)
-        members = self.trainer.strategy.ask(step)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
-        center = self._greedy_completions(None, rows, step)
-        while (sigma := search.next_sigma()) is not None:
-            search.tell(sigma, self._effect(members, rows, step, sigma, center))
-        sigma = search.choice()
-        effect = self._effect(members, rows, step, sigma, center)
+        members = self._probe_members(step)
+        search, sigma, effect = self._search(members, rows, step, self._greedy_completions(None, rows, step))
         self.trainer.strategy.sigma = sigma
         logger.warning("sigma='auto': sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
                        "center's; target %.3f; probes %s).", sigma, effect, self.trainer.args.sigma_target,
@@ -86,20 +81,30 @@ class ESStability:
         """
         if rows is None:
             rows = self.trainer._gather_prompt_rows(next(iter(self.trainer.get_train_dataloader())))
-        members = self.trainer.strategy.ask(0)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
+        members = self._probe_members(0)
         center, saved = self._greedy_completions(None, rows, 0), self.trainer.strategy.sigma
         try:
             effects = [[float(s), self._effect(members, rows, 0, float(s), center)] for s in sigmas]
-            target = self.trainer.args.sigma_target
-            search = SigmaSearch(target)
-            while (sigma := search.next_sigma()) is not None:
-                search.tell(sigma, self._effect(members, rows, 0, sigma, center))
-            choice = search.choice()
-            auto = {"sigma": choice, "effect": self._effect(members, rows, 0, choice, center),
-                    "probes": [list(p) for p in search.probes], "target": target}
+            search, choice, effect = self._search(members, rows, 0, center)
+            auto = {"sigma": choice, "effect": effect, "probes": [list(p) for p in search.probes],
+                    "target": self.trainer.args.sigma_target}
         finally:
             self.trainer.strategy.sigma = saved
         return {"effects": effects, "auto": auto, "prompts": len(rows), "members": len(members)}
+
+    def _probe_members(self, step: int) -> list[Member]:
+        """The first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members of iteration ``step``."""
+        return self.trainer.strategy.ask(step)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
+
+    def _search(self, members: list[Member], rows: list[dict], step: int, center: list):
+        """Run :class:`~trl_es.es.autosigma.SigmaSearch` to ``sigma_target``; returns ``(search, sigma, effect)``:
+        the search with its probes, the sigma it picks and the effect measured there (``strategy.sigma`` is left at
+        that sigma)."""
+        search = SigmaSearch(self.trainer.args.sigma_target)
+        while (sigma := search.next_sigma()) is not None:
+            search.tell(sigma, self._effect(members, rows, step, sigma, center))
+        sigma = search.choice()
+        return search, sigma, self._effect(members, rows, step, sigma, center)
 
     def _greedy_rollout(self):
         """The rollout with greedy decoding and one completion per row (agent rollouts as they are)."""
