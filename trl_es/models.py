@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from .quantized import refuse_full_parameter_quantization
+
 
 logger = logging.get_logger(__name__)
 
@@ -31,7 +33,6 @@ __all__ = [
     "load_model_and_tokenizer",
     "load_policy",
     "policy_init_kwargs",
-    "refuse_quantization",
     "resolve_model_path",
     "warn_unused_init_kwargs",
     "wrap_peft",
@@ -245,18 +246,6 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
-def refuse_quantization(quantization_config) -> None:
-    """Refuse a real quantization config of a run that trains the full model (``None`` passes): see
-    :func:`trl_es.quantized.refuse_full_parameter_quantization`.
-
-    Raises:
-        ValueError: naming ``quantization_config``, the reason and the QLoRA recipe (a ``peft_config``).
-    """
-    from .quantized import refuse_full_parameter_quantization
-
-    refuse_full_parameter_quantization(quantization_config)
-
-
 def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None, peft_config=None) -> dict:
     """The ``from_pretrained`` keyword arguments of a policy given by name, as GRPOTrainer (TRL 1.16) builds them.
 
@@ -265,7 +254,8 @@ def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None,
 
     Raises:
         ValueError: ``quantization_config`` set twice, or an invalid ``dtype`` (GRPO's messages); a real
-            quantization config without a ``peft_config`` (:func:`refuse_quantization`).
+            quantization config without a ``peft_config``
+            (:func:`trl_es.quantized.refuse_full_parameter_quantization`).
     """
     kwargs = dict(model_init_kwargs or {})
     if quantization_config is not None and "quantization_config" in kwargs:
@@ -275,7 +265,7 @@ def policy_init_kwargs(model_init_kwargs: dict | None, quantization_config=None,
     quantization_config = quantization_config if quantization_config is not None else kwargs.pop(
         "quantization_config", None)
     if peft_config is None:  # a quantized base is trained through an adapter only (QLoRA)
-        refuse_quantization(quantization_config)
+        refuse_full_parameter_quantization(quantization_config)
     elif quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
     # GRPOTrainer's default (TRL's create_model_from_path), not transformers' auto

@@ -15,15 +15,16 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
 
     Raises:
         ValueError: for ``load_in_4bit`` / ``load_in_8bit`` without ``use_peft`` when ``training`` (ES trains a
-            quantized base through an adapter only: :func:`trl_es.models.refuse_quantization`).
+            quantized base through an adapter only: :func:`trl_es.quantized.refuse_full_parameter_quantization`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models import refuse_quantization, resolve_model_path
+    from ..models import resolve_model_path
+    from ..quantized import refuse_full_parameter_quantization
 
     quantization_config = get_quantization_config(model_args)  # --load_in_4bit / --load_in_8bit
     if training and not model_args.use_peft:
-        refuse_quantization(quantization_config)  # a quantized base trains through --use_peft's adapter only
+        refuse_full_parameter_quantization(quantization_config)  # a quantized base: --use_peft's adapter only
     path = resolve_model_path(model_args.model_name_or_path)  # a folder, a hub id or an embedded: name
     tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
                                               # ESConfig's: TRL's ModelConfig has none
