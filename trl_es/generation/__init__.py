@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..es.population import AdapterHost, WeightsHost
+from ..es.strategy import AdapterHost, WeightsHost
 from .base import (
     Completions,
     EngineContext,

@@ -23,11 +23,17 @@ from trl.trainer.base_trainer import _BaseTrainer
 from ...agents import Agents, MemberVLLMGeneration, tool_counts, tool_metrics
 from ...es.anchor import checkpoint_files
 from ...es.fitness import MemberScores, PopulationScores
-from ...es.perturbation import LowRankPerturbation, linear_weight_names
-from ...es.population import PopulationBackend, make_population_backend, member_indices, member_seed, on_engine
+from ...es.perturbation import LowRankPerturbation, Member, TrainedParameters, linear_weight_names, select_parameters
 from ...es.seedlog import SeedLog
-from ...es.strategy import EvolutionStrategy, TellResult
-from ...es.update import Member, TrainedParameters, select_parameters
+from ...es.strategy import (
+    EvolutionStrategy,
+    PopulationBackend,
+    TellResult,
+    make_population_backend,
+    member_indices,
+    member_seed,
+    on_engine,
+)
 from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...quantized import prepare_quantized_training, quantization_header

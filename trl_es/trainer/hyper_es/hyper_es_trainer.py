@@ -22,7 +22,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 # CMASearch is also imported: checkpoints pickled as trl_es.trainer.hyper_es.hyper_es_trainer.CMASearch still load
 from ...es.cma_search import CMASearch, stand_in_fitness
-from ...es.population import member_indices, member_seed
+from ...es.strategy import member_indices, member_seed
 from ...files import SAVED_MODEL_FILES, require_files
 from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
