@@ -46,8 +46,7 @@ from trl_es.es.perturbation import Member, TrainedParameters, linear_weight_name
 from trl_es.es.strategy import BatchedLowRankPopulation
 from trl_es.files import write_json
 from trl_es.generation import EagerEngine
-from trl_es.rewards import RewardScorer
-from trl_es.rollout import Rollout, build_generation_config, score_model
+from trl_es.rollout import RewardScorer, Rollout, build_generation_config, score_model
 
 
 def main(argv=None) -> dict:

@@ -38,8 +38,7 @@ from trl.chat_template_utils import (
 from trl.data_utils import is_conversational
 
 from .generation import generate_completions
-from .rewards import RolloutResult, await_all
-from .rollout import Rollout, ended_ids, terminated
+from .rollout import Rollout, RolloutResult, await_all, ended_ids, terminated
 
 
 __all__ = [

@@ -17,8 +17,7 @@ from trl_es.es.fitness import MemberScores, PopulationScores, shape_fitness
 from trl_es.es.noise import NoiseTable
 from trl_es.es.perturbation import Member, TrainedParameters, select_parameters
 from trl_es.es.strategy import BatchedLowRankPopulation
-from trl_es.rewards import RolloutResult
-from trl_es.rollout import build_generation_config, generate_completions
+from trl_es.rollout import RolloutResult, build_generation_config, generate_completions
 
 NAN = math.nan
 SMALL_TABLE = 1 << 20

@@ -515,8 +515,7 @@ def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings(
     with a default generation config."""
     from test_grpo_generation_parity import PLAIN, Recorder, bos_tokenizer
 
-    from trl_es.rewards import RewardScorer
-    from trl_es.rollout import score_model
+    from trl_es.rollout import RewardScorer, score_model
 
     tokenizer = bos_tokenizer()
     model = build_vllm_llama(tokenizer)

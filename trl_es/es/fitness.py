@@ -17,11 +17,15 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..rewards import RolloutResult
 from .perturbation import zscore
+
+
+if TYPE_CHECKING:  # annotations only: the rollout sits above es/ (it imports generation, which imports es/)
+    from ..rollout import RolloutResult
 
 
 __all__ = ["FITNESS_SHAPINGS", "LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "TIE_ULPS", "MemberScores",

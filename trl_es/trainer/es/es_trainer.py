@@ -37,8 +37,7 @@ from ...es.strategy import (
 from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...quantized import prepare_quantized_training, quantization_header
-from ...rewards import RewardScorer
-from ...rollout import Rollout, build_generation_config, prompt_texts, validate_dataset
+from ...rollout import RewardScorer, Rollout, build_generation_config, prompt_texts, validate_dataset
 from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
 from .es_checkpoint import ESCheckpointMixin, run_settings

@@ -28,8 +28,7 @@ from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
 from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from ...models import load_policy
-from ...rewards import RewardScorer
-from ...rollout import build_generation_config, score_model, validate_dataset
+from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
 from .hyper_es_final import choose_final_genome, resolve_genome
