@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .diversity import success_diversity
+from ..es.fitness import success_diversity
 from .drift import parameter_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .kl import off_task_kl

@@ -8,6 +8,9 @@ et al. 2025, arXiv 2511.16652) with GRPO's group baseline (Shao et al. 2024, arX
 Fitness shaping (:func:`shape_fitness`): the raw fitness to the coefficients ``z_i`` of the ES update. Before any
 shaping, non-finite members are ranked worst (warned) and values within ``TIE_ULPS`` float64 ulps are merged
 (:func:`merge_ties`); a population in one tie group gets exactly zero coefficients.
+
+Population success diversity (:func:`success_diversity`, JS_succ, arXiv 2608.27351): how differently the members
+succeed, logged each iteration and read by the diagnostics (:mod:`trl_es.analysis`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +32,8 @@ if TYPE_CHECKING:  # annotations only: the rollout sits above es/ (it imports ge
 
 
 __all__ = ["FITNESS_SHAPINGS", "LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "TIE_ULPS", "MemberScores",
-           "PopulationScores", "centered_ranks", "merge_ties", "shape_fitness"]
+           "PopulationScores", "binary_entropy", "centered_ranks", "merge_ties", "shape_fitness", "success_diversity",
+           "success_diversity_from_matrix"]
 
 logger = logging.getLogger(__name__)
 
@@ -430,3 +434,47 @@ def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor
     if method == "centered_rank":
         return centered_ranks(merged)
     return zscore(merged)  # exactly rounded mean and variance: the same coefficients on every CPU
+
+
+# ------------------------------------------------ population success diversity JS_succ: how differently members succeed
+def binary_entropy(p: torch.Tensor) -> torch.Tensor:
+    r"""Binary entropy in nats, :math:`h(p) = -p \ln p - (1-p) \ln(1-p)`, :math:`h(0) = h(1) = 0`, elementwise."""
+    return torch.special.entr(p) + torch.special.entr(1 - p)  # entr(0) = 0
+
+
+def success_diversity(success_rates: Sequence[float] | torch.Tensor) -> float:
+    r"""Population success diversity :math:`\mathrm{JS}_{\text{succ}}` (arXiv 2608.27351), in nats, in [0, ln 2].
+
+    .. math::
+        \mathrm{JS}_{\text{succ}} = h\Big(\frac{1}{N}\sum_{i=1}^{N} p_i\Big) - \frac{1}{N}\sum_{i=1}^{N} h(p_i)
+
+    with :math:`p_i` member :math:`i`'s success rate (``success_rates``, 1-D, N >= 1) and :math:`h` the
+    :func:`binary_entropy`. Raises ``ValueError`` for another shape, no member, or a rate outside [0, 1] (or NaN).
+    """
+    p = torch.as_tensor(success_rates, dtype=torch.float64)  # float64
+    if p.dim() != 1:
+        raise ValueError(f"`success_rates` must be 1-D (one rate per population member), got shape {tuple(p.shape)}.")
+    if p.numel() == 0:
+        raise ValueError("`success_rates` must hold at least one member's rate.")
+    if torch.isnan(p).any() or (p < 0).any() or (p > 1).any():
+        raise ValueError(f"`success_rates` must lie in [0, 1], got min {p.min().item()} and max {p.max().item()}.")
+    # 0: all succeed equally often; ln 2: half always, half never
+    js = binary_entropy(p.mean()) - binary_entropy(p).mean()
+    return max(0.0, float(js))  # rounding may dip below 0
+
+
+def success_diversity_from_matrix(successes: Sequence[Sequence[float]] | torch.Tensor) -> float:
+    r""":func:`success_diversity` of the rates :math:`p_i = \frac{1}{P}\sum_{j} s_{ij}` of a 0/1 matrix ``(N, P)``.
+
+    Raises:
+        ValueError: if the input is not 2-D, has no member or no prompt, or holds values other than 0 and 1.
+    """
+    s = torch.as_tensor(successes)
+    if s.dim() != 2:
+        raise ValueError(f"`successes` must be 2-D (N members x P prompts), got shape {tuple(s.shape)}.")
+    if s.shape[0] == 0 or s.shape[1] == 0:
+        raise ValueError(f"`successes` needs at least one member and one prompt, got shape {tuple(s.shape)}.")
+    s = s.to(torch.float64)  # bool, int or float 0/1
+    if not ((s == 0) | (s == 1)).all():
+        raise ValueError("`successes` must hold only 0/1 (or False/True) values.")
+    return success_diversity(s.mean(dim=1))  # p_i: member i's rate over the P prompts
