@@ -42,13 +42,11 @@ from trl_es.cli.arguments import TaskArguments
 from trl_es.cli.loading import load_model_and_tokenizer
 from trl_es.cli.splits import task_splits
 from trl_es.es.noise import make_noise_source
-from trl_es.es.perturbation import linear_weight_names
-from trl_es.es.population import BatchedLowRankPopulation
-from trl_es.es.update import Member, TrainedParameters
+from trl_es.es.perturbation import Member, TrainedParameters, linear_weight_names
+from trl_es.es.strategy import BatchedLowRankPopulation
 from trl_es.files import write_json
 from trl_es.generation import EagerEngine
-from trl_es.rewards import RewardScorer
-from trl_es.rollout import Rollout, build_generation_config, score_model
+from trl_es.rollout import RewardScorer, Rollout, build_generation_config, score_model
 
 
 def main(argv=None) -> dict:

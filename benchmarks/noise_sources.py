@@ -32,9 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from trl_es.es.noise import (DEFAULT_TABLE_SIZE, PORTABLE_GENERATOR, TABLE_SEED, DeviceGaussianNoise,
                              GaussianNoise, NoiseTable, standard_normal)
-from trl_es.es.perturbation import GaussianPerturbation
-from trl_es.es.population import sample_population
-from trl_es.es.update import TrainedParameters, es_update_, select_parameters
+from trl_es.es.perturbation import GaussianPerturbation, TrainedParameters, es_update_, select_parameters
+from trl_es.es.strategy import sample_population
 from trl_es.files import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))

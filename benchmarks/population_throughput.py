@@ -4,15 +4,15 @@ One model, the same number of completions (``population * prompts``, each exactl
 three ways, each through a generation engine of ``trl_es.generation`` (reported per variant):
 
 - (a) ``plain``: one ``generate`` of the unperturbed model over all ``population * prompts`` rows: the limit.
-- (b) ``sequential``: :class:`~trl_es.es.population.SequentialPopulation`: per member, perturb the selected weights
+- (b) ``sequential``: :class:`~trl_es.es.strategy.SequentialPopulation`: per member, perturb the selected weights
   in place with full-rank noise, ``generate`` ``prompts`` rows, restore.
-- (c) ``batched_lowrank``: :class:`~trl_es.es.population.BatchedLowRankPopulation`: all members in one ``generate``,
+- (c) ``batched_lowrank``: :class:`~trl_es.es.strategy.BatchedLowRankPopulation`: all members in one ``generate``,
   each row block seeing its own rank-``r`` perturbation through the persistent adapters (arXiv 2511.16652).
 
 With ``--engine vllm`` the same three variants also run on colocated vLLM engines in the same process, beside
 the HF eager engine: (a) one ``generate`` over all rows; (b) full-rank members written into the engine's weights
-from their seeds in the vLLM worker (:class:`~trl_es.es.population.EngineSequentialPopulation`); (c) low-rank
-members as one LoRA adapter each, all in one ``generate`` (:class:`~trl_es.es.population.EngineLowRankPopulation`,
+from their seeds in the vLLM worker (:class:`~trl_es.es.strategy.EngineSequentialPopulation`); (c) low-rank
+members as one LoRA adapter each, all in one ``generate`` (:class:`~trl_es.es.strategy.EngineLowRankPopulation`,
 on a second engine built with LoRA slots). Needs vLLM (``bash scripts/setup_vllm_env.sh`` on a CPU machine).
 
 Every variant is run once untimed first (kernels, compilation of each shape, the noise table), then ``--repeats``
@@ -48,8 +48,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_es.es.noise import make_noise_source
-from trl_es.es.population import BatchedLowRankPopulation, SequentialPopulation, sample_population
-from trl_es.es.update import TrainedParameters, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation, SequentialPopulation, sample_population
+from trl_es.es.perturbation import TrainedParameters, select_parameters
 from trl_es.files import write_json
 from trl_es.generation import generate_completions, make_engine
 from trl_es.rollout import build_generation_config
@@ -183,7 +183,7 @@ def main():
     engines = {name: engine for name in variants}
     closers = [batched.close]
     if args.engine == "vllm":
-        from trl_es.es.population import EngineLowRankPopulation, EngineSequentialPopulation
+        from trl_es.es.strategy import EngineLowRankPopulation, EngineSequentialPopulation
         from trl_es.generation.vllm_engine import VLLMEngine
 
         accelerator = _single_process_accelerator()
@@ -247,7 +247,7 @@ def main():
             print(f"vllm / hf {name:24s} wall {rate[name + ' in vLLM'] / rate[name]:.2f}x")
 
     if args.update:
-        from trl_es.es.update import es_update_
+        from trl_es.es.perturbation import es_update_
 
         coefficients = torch.linspace(-1, 1, args.population).tolist()
         for name, backend, noise in (("(b) full-rank update", sequential, noise_full),

@@ -32,9 +32,8 @@ import torch
 
 from trl_es.cli.vllm_serve_command import served_folder
 from trl_es.es.noise import DEFAULT_TABLE_SIZE, make_noise_source
-from trl_es.es.population import SequentialPopulation
-from trl_es.es.strategy import EvolutionStrategy
-from trl_es.es.update import TrainedParameters, select_parameters
+from trl_es.es.perturbation import TrainedParameters, select_parameters
+from trl_es.es.strategy import EvolutionStrategy, SequentialPopulation
 from trl_es.files import write_json
 from trl_es.generation.vllm_server import ESServerClient, ServerError, VLLMServerEngine
 
@@ -93,7 +92,7 @@ def server_iteration(clients, strategy, model, tokenizer, header, prompts, new_t
     members (``map_chunks``: one member in flight per server), then syncs the update to every server (checked)."""
     from transformers import GenerationConfig
 
-    from trl_es.es.population import EngineSequentialPopulation
+    from trl_es.es.strategy import EngineSequentialPopulation
     from trl_es.es.seedlog import SeedLog
 
     log = SeedLog(header)
@@ -126,7 +125,7 @@ def colocated_iteration(model, tokenizer, strategy, prompts, new_tokens: int) ->
     from accelerate import Accelerator
     from transformers import GenerationConfig
 
-    from trl_es.es.population import EngineSequentialPopulation
+    from trl_es.es.strategy import EngineSequentialPopulation
     from trl_es.generation.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model, tokenizer, Accelerator(), kv_cache_memory_bytes=1 << 28, max_model_length=512)

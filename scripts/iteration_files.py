@@ -10,7 +10,7 @@ The first warms up (lazy imports, first-iteration checks); the second is traced 
 :func:`threading.setprofile`, for the reward loop's threads) from the start of ``training_step`` to its return: every
 Python ``call`` event whose code lives under the package directory counts, once per distinct function (file,
 qualified name, first line); comprehensions and generator expressions are counted with the function they sit in.
-``es_update_`` (``es/update.py``) is inside the window. Issue 59's target: at most 10 files.
+``es_update_`` (``es/perturbation.py``) is inside the window. Issue 59's target: at most 10 files.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 import torch
 
 from trl_es.es.noise import full_noise
-from trl_es.es.update import Member, select_parameters
+from trl_es.es.perturbation import Member, select_parameters
 
 
 LINEARS = r"(proj|lm_head)\.weight$"  # every nn.Linear weight of the tiny Llama and Qwen2 (tests/tiny.py)

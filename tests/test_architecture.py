@@ -33,11 +33,25 @@ def _module_files(room: str) -> list[str]:
     return [path + ".py"]
 
 
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    """The nodes inside ``if TYPE_CHECKING:`` blocks: imports for annotations, which never run."""
+    nodes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            nodes.update(n for stmt in node.body for n in ast.walk(stmt))
+    return nodes
+
+
 def _imported_names(file: str) -> set[str]:
-    """The dotted names a file imports, relative imports resolved (``from ..X import y`` -> ``trl_es.<...>.X``)."""
+    """The dotted names a file imports when it runs, relative imports resolved (``from ..X import y`` ->
+    ``trl_es.<...>.X``); those under ``if TYPE_CHECKING:`` are left out."""
     package = os.path.relpath(os.path.dirname(file), os.path.join(ROOT, "..")).split(os.sep)  # ["trl_es", ...]
     names = set()
-    for node in ast.walk(ast.parse(open(file).read())):
+    tree = ast.parse(open(file).read())
+    type_only = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in type_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -147,4 +161,10 @@ def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
     averaging = os.path.join(ROOT, "trainer", "averaging", "es_parallel_averaging_trainer.py")
     assert _trainer_imports(averaging) >= {"es"}  # ..es.es_trainer, resolved inside trl_es.trainer
     assert _trl_es_imports(averaging) == {"trainer"}  # not the core trl_es.es: ``..es`` here is trl_es.trainer.es
+    typed = tmp_path / "typed.py"  # a rollout annotation in a lower room: skipped only under TYPE_CHECKING
+    typed.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from trl_es.rollout import X\n"
+                     "from trl_es.es import Y\n")
+    assert _trl_es_imports(str(typed)) == {"es"}
+    typed.write_text("from trl_es.rollout import X\n")
+    assert _trl_es_imports(str(typed)) == {"rollout"}
 

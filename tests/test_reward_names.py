@@ -9,7 +9,8 @@ from tiny import build_llama
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from trl_es import ESConfig, ESTrainer
-from trl_es.rewards import RewardScorer, base_reward_func_name, reward_func_names
+from trl_es.rewards import base_reward_func_name, reward_func_names
+from trl_es.rollout import RewardScorer
 
 
 def constant(completions, value=0.0, **kwargs):

@@ -38,8 +38,7 @@ from trl.chat_template_utils import (
 from trl.data_utils import is_conversational
 
 from .generation import generate_completions
-from .rewards import RolloutResult, await_all
-from .rollout import Rollout, ended_ids, terminated
+from .rollout import Rollout, RolloutResult, await_all, ended_ids, terminated
 
 
 __all__ = [
@@ -660,7 +659,10 @@ class Agents:
     rollout_func: Callable | None = None  # rollout_func(prompts, trainer), unbound
     chat_template: str | None = None  # from prepare_tool_calling
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # tool_counts so far
-    _completions_seen: set = field(default_factory=set)  # the iteration's rollout_func completions
+    active: bool = field(init=False)  # any agent feature given: rollouts go through AgentRollout
+
+    def __post_init__(self):
+        self.active = bool(self.tools) or self.environments is not None or self.rollout_func is not None
 
     @classmethod
     def build(cls, processing_class, tools=None, rollout_func=None, environment_factory=None) -> tuple[Agents, Any]:
@@ -682,11 +684,6 @@ class Agents:
             all_tools += methods
         processing_class, chat_template = prepare_tool_calling(processing_class, all_tools)
         return cls(all_tools, environments, rollout_func, chat_template), processing_class
-
-    @property
-    def active(self) -> bool:
-        """Any agent feature given: rollouts go through :class:`AgentRollout`."""
-        return bool(self.tools) or self.environments is not None or self.rollout_func is not None
 
     @property
     def prompt_required(self) -> bool:
@@ -748,19 +745,12 @@ class Agents:
                             max_completion_length=args.max_completion_length, seed=args.seed,
                             max_model_len=getattr(base.engine, "max_model_len", None))  # vLLM's context length
 
-    def start_iteration(self) -> None:
-        """Zero the tool counts and forget the completions seen (at the start of a member loop)."""
+    def finish_iteration(self, rollouts: Sequence[RolloutResult], num_members: int) -> None:
+        """Count the tool calls of the iteration's member ``rollouts`` on this process into :attr:`counts`; warn once
+        when every one of ``num_members`` members got the same ``rollout_func`` completions."""
         self.counts = torch.zeros(3, dtype=torch.float64)
-        self._completions_seen = set()
-
-    def record(self, out: RolloutResult) -> None:
-        """Count one member rollout's tool calls, and keep its completions to tell if ``rollout_func`` ignores the
-        member (:meth:`finish_iteration`)."""
-        self.counts += tool_counts(out)
-        if self.rollout_func is not None:
-            self._completions_seen.add(repr(out.completion_ids))  # hashable: one entry per distinct rollout
-
-    def finish_iteration(self, num_members: int) -> None:
-        """Warn once when every one of ``num_members`` members got the same ``rollout_func`` completions."""
-        if self.rollout_func is not None and num_members > 1 and len(self._completions_seen) == 1:
+        for out in rollouts:
+            self.counts += tool_counts(out)
+        seen = {repr(out.completion_ids) for out in rollouts}  # hashable: one entry per distinct rollout
+        if self.rollout_func is not None and num_members > 1 and len(seen) == 1:
             warn_member_independent_rollouts()

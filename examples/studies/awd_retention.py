@@ -232,9 +232,8 @@ class IncrementalReplay:
         import torch
 
         from trl_es.es.noise import noise_source_from_description
-        from trl_es.es.perturbation import LowRankPerturbation
+        from trl_es.es.perturbation import LowRankPerturbation, TrainedParameters
         from trl_es.es.seedlog import SeedLog, header_perturbation
-        from trl_es.es.update import TrainedParameters
 
         self.log = SeedLog.load(log_path)
         named = dict(model.named_parameters())

@@ -162,7 +162,7 @@ class SplitAccuracy:
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 50):
         from trl_es.generation import EagerEngine
         from trl_es.tasks.arithmetic import arithmetic_reward
-        from trl_es.rewards import RewardScorer
+        from trl_es.rollout import RewardScorer
 
         self.tokenizer, self.rows, self.batch_size = tokenizer, rows, batch_size
         self.max_new_tokens = max_new_tokens

@@ -8,10 +8,9 @@ from torch import nn
 
 from example_script import example_script
 from trl_es.es import make_noise_source, sample_population
-from trl_es.es.population import BatchedLowRankPopulation, SequentialPopulation
-from trl_es.es.shaping import shape_fitness
-from trl_es.es.strategy import EvolutionStrategy
-from trl_es.es.update import TrainedParameters, es_update_, select_parameters
+from trl_es.es.fitness import shape_fitness
+from trl_es.es.perturbation import TrainedParameters, es_update_, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation, EvolutionStrategy, SequentialPopulation
 
 
 def _mlp(seed=0):

@@ -13,13 +13,11 @@ from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
-from trl_es.es.fitness import MemberScores, PopulationScores
+from trl_es.es.fitness import MemberScores, PopulationScores, shape_fitness
 from trl_es.es.noise import NoiseTable
-from trl_es.es.population import BatchedLowRankPopulation
-from trl_es.es.shaping import shape_fitness
-from trl_es.es.update import Member, TrainedParameters, select_parameters
-from trl_es.rewards import RolloutResult
-from trl_es.rollout import build_generation_config, generate_completions
+from trl_es.es.perturbation import Member, TrainedParameters, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation
+from trl_es.rollout import RolloutResult, build_generation_config, generate_completions
 
 NAN = math.nan
 SMALL_TABLE = 1 << 20

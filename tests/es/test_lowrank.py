@@ -11,12 +11,12 @@ from tiny import build_llama, build_qwen2
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
 from trl_es.es.noise import NoiseTable
-from trl_es.es.perturbation import LowRankPerturbation, linear_weight_names, lowrank_perturbation
+from trl_es.es.perturbation import (LowRankPerturbation, Member, TrainedParameters, es_gradient_, es_update_,
+                                    linear_weight_names, lowrank_perturbation, select_parameters)
 from oracles import LINEARS, materialized, members3
 from population_loop import score_population
 
-from trl_es.es.population import BatchedLowRankPopulation, make_population_backend
-from trl_es.es.update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation, make_population_backend
 from trl_es.rollout import build_generation_config, generate_completions
 
 SMALL_TABLE = 1 << 20

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from trl_es.es import GaussianNoise, NoiseTable, make_noise_source
-from trl_es.es.arithmetic import add_scaled_, added_scaled, exact_mean, zscore
+from trl_es.es.perturbation import add_scaled_, added_scaled, exact_mean, zscore
 from trl_es.es.noise import (LEGACY_GENERATOR, PORTABLE_GENERATOR, TABLE_SEED, DeviceGaussianNoise,
                              noise_source_from_description, standard_normal)
-from trl_es.es.shaping import shape_fitness
+from trl_es.es.fitness import shape_fitness
 from paths import TESTS
 
 HERE = TESTS

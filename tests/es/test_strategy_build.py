@@ -16,10 +16,9 @@ from trl_es import ESConfig, ESTrainer
 from trl_es.es.anchor import FileAnchor, MemoryAnchor
 from trl_es.es.noise import (NOISE_BLOCK_SIZE, NOISE_SOURCE_KINDS, DeviceGaussianNoise, GaussianNoise, NoiseSource,
                              NoiseTable, block_key, full_noise, make_noise_source, register_noise_source)
-from trl_es.es.population import BatchedLowRankPopulation, SequentialPopulation
+from trl_es.es.perturbation import TrainedParameters, select_parameters
 from trl_es.es.seedlog import SeedLog, replay
-from trl_es.es.strategy import EvolutionStrategy
-from trl_es.es.update import TrainedParameters, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation, EvolutionStrategy, SequentialPopulation
 
 
 RUNS = os.path.join(DATA, "recorded_runs")

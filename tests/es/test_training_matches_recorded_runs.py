@@ -4,7 +4,7 @@ again by today's ESTrainer and must end as recorded, on any x86-64 CPU.
 
 What is compared bitwise with the recording is what is the same on every CPU: the base weights (data, not
 initialised here), the seed logs, the trained weights of the ES runs (portable noise and arithmetic,
-:mod:`trl_es.es.arithmetic`) and their replay. What depends on the CPU, torch's AdamW kernels, is compared bitwise
+:mod:`trl_es.es.perturbation`) and their replay. What depends on the CPU, torch's AdamW kernels, is compared bitwise
 with a reference computed on this machine by an independent path (the ES gradient from the seed log and a plain
 ``torch.optim`` loop), and with the recording to a float32 tolerance. ``tests/es/test_portability.py`` runs the ES
 runs again with torch's CPU dispatch forced to ``default`` and ``avx2``.

@@ -228,6 +228,6 @@ def test_trainer_refuses_tools_zero3_and_dropped_generation_settings(tmp_path, t
         with pytest.raises(ValueError, match=rf"does not apply {named}"):
             ESTrainer(build_llama(tokenizer), mean_code, processing_class=tokenizer, train_dataset=chat_data(),
                       args=cb_args(tmp_path, use_transformers_continuous_batching=True, **kwargs))
-    monkeypatch.setattr(ESTrainer, "sharded", True, raising=False)
+    monkeypatch.setattr("trl_es.trainer.es.es_distributed_setup.is_zero3_param", lambda param: True)  # ZeRO-3 params
     with pytest.raises(ValueError, match=r"not supported with DeepSpeed ZeRO-3"):
         ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=chat_data(), processing_class=tokenizer)

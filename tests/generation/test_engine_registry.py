@@ -11,7 +11,7 @@ from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.es.perturbation import GaussianPerturbation
-from trl_es.es.population import (
+from trl_es.es.strategy import (
     BatchedLowRankPopulation,
     EngineSequentialPopulation,
     SequentialPopulation,

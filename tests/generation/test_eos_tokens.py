@@ -17,8 +17,7 @@ from trl_es import ESConfig, ESTrainer
 from trl_es.analysis import evaluate_policy, off_task_kl
 from trl_es.generation import CompiledEngine, EagerEngine, eos_token_ids, generate_completions, stop_token_ids
 from trl_es.generation.vllm_engine import sampling_kwargs, with_model_defaults
-from trl_es.rewards import RewardScorer
-from trl_es.rollout import build_generation_config, prompt_texts
+from trl_es.rollout import RewardScorer, build_generation_config, prompt_texts
 
 EOT = "<end_of_turn>"
 SCALE = 6.0

@@ -11,8 +11,8 @@ from tiny import build_llama, build_qwen2
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.es.noise import NoiseTable
-from trl_es.es.population import BatchedLowRankPopulation
-from trl_es.es.update import Member, TrainedParameters, select_parameters
+from trl_es.es.strategy import BatchedLowRankPopulation
+from trl_es.es.perturbation import Member, TrainedParameters, select_parameters
 from trl_es.rewards import completion_text
 from trl_es.generation import (
     CompiledEngine,

@@ -30,14 +30,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer, replay  # noqa: E402
 from trl_es.es.noise import make_noise_source  # noqa: E402
-from trl_es.es.perturbation import linear_weight_names  # noqa: E402
-from trl_es.es.population import (  # noqa: E402
+from trl_es.es.perturbation import Member, TrainedParameters, linear_weight_names  # noqa: E402
+from trl_es.es.strategy import (  # noqa: E402
     BatchedLowRankPopulation,
     EngineLowRankPopulation,
     EngineSequentialPopulation,
     SequentialPopulation,
 )
-from trl_es.es.update import Member, TrainedParameters  # noqa: E402
 from trl_es.generation import generate_completions  # noqa: E402
 from trl_es.generation.vllm_engine import VLLMEngine  # noqa: E402
 from trl_es.rollout import build_generation_config  # noqa: E402
@@ -516,8 +515,7 @@ def test_engine_feeds_grpos_prompt_ids_and_ignores_the_models_decoding_settings(
     with a default generation config."""
     from test_grpo_generation_parity import PLAIN, Recorder, bos_tokenizer
 
-    from trl_es.rewards import RewardScorer
-    from trl_es.rollout import score_model
+    from trl_es.rollout import RewardScorer, score_model
 
     tokenizer = bos_tokenizer()
     model = build_vllm_llama(tokenizer)

@@ -13,7 +13,7 @@ from datasets import Dataset
 from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer
-from trl_es.rewards import RolloutResult
+from trl_es.rollout import RolloutResult
 from trl_es.trainer.es import completion_logs
 
 SMALL_TABLE = 1 << 20

@@ -106,11 +106,10 @@ def test_document_parameters_refuses_a_field_left_out_or_without_help():
 def test_the_literal_fields_are_the_cores_choices():
     """A Literal lists the values the core accepts, in the core's order (the order of the error messages)."""
     from trl_es.es.anchor import ANCHOR_STORAGES
-    from trl_es.es.fitness import PER_PROMPT_SHAPINGS
+    from trl_es.es.fitness import FITNESS_SHAPINGS, PER_PROMPT_SHAPINGS
     from trl_es.es.noise import NOISE_SOURCES
-    from trl_es.es.population import POPULATION_BACKENDS
-    from trl_es.es.shaping import FITNESS_SHAPINGS
-    from trl_es.es.update import AWD_PENALTIES
+    from trl_es.es.perturbation import AWD_PENALTIES
+    from trl_es.es.strategy import POPULATION_BACKENDS
     from trl_es.generation import GENERATION_ENGINES
     from trl_es.merging.dare_ties import MAJORITY_SIGN_METHODS, SIGN_ELECTIONS
     from trl_es.merging.genome import GRANULARITIES

@@ -610,7 +610,7 @@ def test_saving_into_the_base_model_folder_keeps_theta_0(tmp_path, tokenizer, ti
 
 
 def test_weighted_rewards_do_not_overflow(tmp_path, tokenizer):
-    from trl_es.rewards import RewardScorer
+    from trl_es.rollout import RewardScorer
 
     def big(completions, **kwargs):
         return [3e38] * len(completions)

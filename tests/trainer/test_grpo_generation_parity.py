@@ -22,8 +22,7 @@ from transformers import GenerationConfig
 from trl_es import ESConfig, ESTrainer
 from trl_es.generation import CompiledEngine, EagerEngine
 from trl_es.generation.vllm_engine import sampling_kwargs, with_model_defaults
-from trl_es.rewards import RewardScorer
-from trl_es.rollout import build_generation_config, prompt_texts, score_model
+from trl_es.rollout import RewardScorer, build_generation_config, prompt_texts, score_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,7 @@ from transformers import BitsAndBytesConfig
 
 from trl_es import ESConfig, ESTrainer
 from trl_es.models import load_policy, policy_init_kwargs
-from trl_es.rewards import RewardScorer
+from trl_es.rollout import RewardScorer
 
 SMALL_TABLE = 1 << 20
 

@@ -14,7 +14,7 @@ from test_resume_trust import ScriptedEval
 from tiny import build_llama, build_reward_model
 
 from trl_es import ESConfig, ESTrainer
-from trl_es.rewards import RewardScorer, is_async_reward_func
+from trl_es.rollout import RewardScorer, is_async_reward_func
 
 SMALL_TABLE = 1 << 20
 

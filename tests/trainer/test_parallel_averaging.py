@@ -18,8 +18,7 @@ from trl_es import (
     ParallelAveragingTrainer,
     replay,
 )
-from trl_es.es.perturbation import GaussianPerturbation, LowRankPerturbation
-from trl_es.es.update import Member, TrainedParameters, es_update_
+from trl_es.es.perturbation import GaussianPerturbation, LowRankPerturbation, Member, TrainedParameters, es_update_
 from trl_es.tasks.arithmetic import make_arithmetic_dataset_dict, make_arithmetic_sft_dataset, worked_answer
 from trl_es.trainer.averaging.parallel_averaging_trainer import average_updates_
 from trl_es.trainer.averaging.sft_step import SFTStep, sft_config_from

@@ -1117,7 +1117,7 @@ def test_train_reward_func_with_log_metric(tmp_path, qwen2_dir):
 
 def test_warning_raised_all_rewards_none(tmp_path, qwen2_dir, caplog):
     """TRL: TestGRPOTrainer.test_warning_raised_all_rewards_none. Every reward None: GRPO's warning (logged by
-    trl_es.rewards.scoring, once per run). Added: ES's own warning (no member has a fitness), and the step is bitwise zero."""
+    trl_es.rollout, once per run). Added: ES's own warning (no member has a fitness), and the step is bitwise zero."""
     def always_none_reward_func(completions, **kwargs):
         """Reward function that always returns None."""
         return [None] * len(completions)

@@ -1,11 +1,12 @@
 """Diagnostics of the ES-vs-GRPO fine-tuning papers on any checkpoints (formulas and sources: ``docs/analysis.md``).
 
 Pass@k (:mod:`.pass_at_k`, :mod:`.protocol`), parameter drift (:mod:`.drift`), off-task KL (:mod:`.kl`), functional
-sparsity (:mod:`.sparsity`), mode connectivity (:mod:`.mode_connectivity`), success diversity (:mod:`.diversity`),
-token entropy (:mod:`.entropy`), weight fingerprints; :func:`evaluate_policy` and :func:`analyze` combine them.
+sparsity (:mod:`.sparsity`), mode connectivity (:mod:`.mode_connectivity`), success diversity (JS_succ, from
+:mod:`trl_es.es.fitness`, which logs it each iteration), token entropy (:mod:`.entropy`), weight fingerprints;
+:func:`evaluate_policy` and :func:`analyze` combine them.
 """
 
-from .diversity import binary_entropy, success_diversity, success_diversity_from_matrix
+from ..es.fitness import binary_entropy, success_diversity, success_diversity_from_matrix
 from .drift import parameter_drift, tensor_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .fingerprint import weights_fingerprint

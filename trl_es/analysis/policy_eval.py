@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .diversity import success_diversity
+from ..es.fitness import success_diversity
 from .drift import parameter_drift
 from .entropy import TokenEntropyRecorder, mean_completion_entropy
 from .kl import off_task_kl
@@ -40,7 +40,7 @@ def auto_sample_batch_size(num_samples: int) -> int:
 
 
 def _scorer(reward_funcs):
-    from ..rewards import RewardScorer
+    from ..rollout import RewardScorer
 
     # one function or a list
     return RewardScorer(list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
@@ -125,8 +125,7 @@ def sample_policy(
         ValueError: if ``num_samples`` or ``sample_batch_size`` is below 1, or the config does not sample.
     """
     from ..generation import EagerEngine
-    from ..rewards import RewardScorer
-    from ..rollout import score_model
+    from ..rollout import RewardScorer, score_model
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")

@@ -14,8 +14,7 @@ def analyze(argv: list[str]) -> dict:
     """``trl-es analyze``: :func:`trl_es.analysis.analyze` of one or two checkpoints, rewards on the test split."""
     from ..analysis import analyze as run_analysis
     from ..models import resolve_model_path
-    from ..rewards import RewardScorer
-    from ..rollout import build_generation_config, score_model
+    from ..rollout import RewardScorer, build_generation_config, score_model
 
     parser = TrlESParser((AnalyzeArguments, TaskArguments), prog="trl-es analyze")
     analyze_args, task_args = parser.parse_args_and_config(argv)

@@ -148,8 +148,7 @@ def evaluate(argv: list[str]) -> dict:
 
     from ..analysis import mean_pass_at_k, sample_policy
     from ..generation import EagerEngine
-    from ..rewards import RewardScorer
-    from ..rollout import build_generation_config, score_model
+    from ..rollout import RewardScorer, build_generation_config, score_model
 
     task_args, eval_args, model_args, settings = parse_eval_arguments(argv)
     num_samples = eval_args.num_samples or 1  # 0 means one sample

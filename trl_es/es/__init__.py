@@ -1,9 +1,10 @@
-"""The ES algorithm on any ``nn.Module`` (ask/tell :class:`EvolutionStrategy`, noise, perturbations, shaping,
-update, population backends, seed log) and CMA-ES in the unit box (:mod:`.cma_search`); no TRL imports.
+"""The ES algorithm on any ``nn.Module`` (ask/tell :class:`EvolutionStrategy` with its population backends, noise,
+perturbations with the update, fitness and its shaping, seed log) and CMA-ES in the unit box (:mod:`.cma_search`); no
+TRL imports.
 """
 
 from .cma_search import CMASearch, stand_in_fitness
-from .fitness import MemberScores, PopulationScores
+from .fitness import FITNESS_SHAPINGS, MemberScores, PopulationScores, centered_ranks, merge_ties, shape_fitness
 from .noise import (
     NOISE_BLOCK_SIZE,
     NOISE_SOURCES,
@@ -19,25 +20,29 @@ from .perturbation import (
     GaussianPerturbation,
     LowRankAdapters,
     LowRankPerturbation,
+    Member,
     Perturbation,
+    TrainedParameters,
+    es_gradient_,
+    es_update_,
     linear_weight_names,
     lowrank_factors,
     lowrank_perturbation,
+    select_parameters,
 )
-from .population import (
+from .seedlog import SEED_LOG_NAME, SeedLog, replay
+from .strategy import (
     POPULATION_BACKENDS,
     BatchedLowRankPopulation,
+    EvolutionStrategy,
     PopulationBackend,
     SequentialPopulation,
+    TellResult,
     make_population_backend,
     member_indices,
     member_seed,
     sample_population,
 )
-from .seedlog import SEED_LOG_NAME, SeedLog, replay
-from .shaping import FITNESS_SHAPINGS, centered_ranks, merge_ties, shape_fitness
-from .strategy import EvolutionStrategy, TellResult
-from .update import Member, TrainedParameters, es_gradient_, es_update_, select_parameters
 
 
 __all__ = [

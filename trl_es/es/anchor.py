@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from .update import TrainedParameters
+from .perturbation import TrainedParameters
 
 
 ANCHOR_STORAGES = ("auto", "memory", "file")

@@ -4,21 +4,38 @@
 per member, summed over processes in one flat tensor. Fitness: the mean weighted reward ``R_n`` (Qiu et al. 2025,
 arXiv 2509.24372, Algorithm 1), NaN for an invalid member; per prompt: EGGROLL's members x prompts matrix (Sarkar
 et al. 2025, arXiv 2511.16652) with GRPO's group baseline (Shao et al. 2024, arXiv 2402.03300, Eq. 3) per column.
+
+Fitness shaping (:func:`shape_fitness`): the raw fitness to the coefficients ``z_i`` of the ES update. Before any
+shaping, non-finite members are ranked worst (warned) and values within ``TIE_ULPS`` float64 ulps are merged
+(:func:`merge_ties`); a population in one tie group gets exactly zero coefficients.
+
+Population success diversity (:func:`success_diversity`, JS_succ, arXiv 2608.27351): how differently the members
+succeed, logged each iteration and read by the diagnostics (:mod:`trl_es.analysis`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..rewards import RolloutResult
-from .shaping import shape_fitness
+from .perturbation import zscore
 
 
-__all__ = ["LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "MemberScores", "PopulationScores"]
+if TYPE_CHECKING:  # annotations only: the rollout sits above es/ (it imports generation, which imports es/)
+    from ..rollout import RolloutResult
+
+
+__all__ = ["FITNESS_SHAPINGS", "LENGTH_EXTREMES", "PER_PROMPT_SHAPINGS", "TIE_ULPS", "MemberScores",
+           "PopulationScores", "binary_entropy", "centered_ranks", "merge_ties", "shape_fitness", "success_diversity",
+           "success_diversity_from_matrix"]
+
+logger = logging.getLogger(__name__)
 
 #: The values of ``ESConfig.per_prompt_shaping`` (see :meth:`PopulationScores.per_prompt_fitness`).
 PER_PROMPT_SHAPINGS = ("none", "center", "zscore", "centered_rank")
@@ -325,3 +342,139 @@ def _collect_stats(scores: Mapping[int, MemberScores], population_size: int, num
                member.min_terminated_length, member.max_terminated_length]
         table["length_extremes"][index, share_index] = torch.tensor([float(v or 0) for v in row], dtype=torch.float64)
     return table
+
+
+# ----------------------------------------------------------------------------------------------------- fitness shaping
+FITNESS_SHAPINGS = ("zscore", "centered_rank", "none")
+
+# relative, unlike the reference code's (F - mean) / (std + 1e-8): its absolute epsilon turns ulp-level noise into a
+# full step and damps real signal below ~1e-8
+TIE_ULPS = 64
+"""Fitness values closer than this many float64 ulps of the larger magnitude are equal."""
+
+
+def _fill_invalid_as_worst(fitness: torch.Tensor, valid_values: torch.Tensor) -> torch.Tensor:
+    """Set every non-finite entry of ``fitness`` strictly below the smallest of ``valid_values`` (with a warning)."""
+    invalid = ~torch.isfinite(fitness)
+    if not invalid.any():
+        return fitness
+    logger.warning(
+        "%d of %d population members have no finite fitness (NaN, or a non-finite reward); they are ranked worst.",
+        int(invalid.sum()), fitness.numel(),
+    )
+    if valid_values.numel() == 0:
+        return torch.zeros_like(fitness)
+    worst = valid_values.min()
+    # Strictly below every finite member, by a margin no rounding can close: at least the population's spread,
+    # the magnitude of the worst value, and 1.
+    gap = max(float(valid_values.max() - worst), float(worst.abs()), 1.0)
+    return torch.where(invalid, worst - gap, fitness)
+
+
+def merge_ties(fitness: torch.Tensor, ulps: int = TIE_ULPS) -> torch.Tensor:
+    """Merge fitness values equal up to rounding into their tie group's mean: sorted neighbours ``a <= b`` join when
+    ``b - a <= ulps * 2**-52 * max(|a|, |b|)``. ``fitness``: ``(N,)`` finite; returns ``(N,)`` float64.
+    """
+    f = fitness.to(torch.float64)
+    if f.numel() < 2:
+        return f.clone()
+    values, order = torch.sort(f)
+    scale = torch.maximum(values[1:].abs(), values[:-1].abs())
+    new_group = torch.ones_like(values, dtype=torch.bool)
+    # relative to the two neighbours: a large value elsewhere never merges small, real differences
+    new_group[1:] = (values[1:] - values[:-1]) > ulps * torch.finfo(torch.float64).eps * scale
+    group = torch.cumsum(new_group.long(), 0) - 1
+    count = torch.zeros(int(group[-1]) + 1, dtype=torch.float64).index_add_(0, group, torch.ones_like(values))
+    total = torch.zeros_like(count).index_add_(0, group, values)
+    merged = torch.empty_like(f)
+    merged[order] = (total / count)[group]
+    return merged
+
+
+def centered_ranks(fitness: torch.Tensor) -> torch.Tensor:
+    """Centered ranks ``rank / (N - 1) - 0.5`` in ``[-0.5, 0.5]``, ties averaged (Salimans et al. 2017, arXiv
+    1703.03864, Sec. 3.1). ``fitness``: ``(N,)``, no NaN; returns ``(N,)`` float64.
+    """
+    f = fitness.to(torch.float64)
+    n = f.numel()
+    less = (f[None, :] < f[:, None]).sum(dim=1).to(torch.float64)
+    equal = (f[None, :] == f[:, None]).sum(dim=1).to(torch.float64)
+    ranks = less + (equal - 1) / 2  # ties share their average rank: equal fitness, equal coefficients
+    return ranks / (n - 1) - 0.5
+
+
+def shape_fitness(fitness: torch.Tensor, method: str = "zscore") -> torch.Tensor:
+    """Turn raw fitness ``(N,)`` into the coefficients ``z_i``, ``(N,)`` float64 finite: ``"zscore"`` (ddof 0; Qiu
+    et al. 2025, arXiv 2509.24372, Algorithm 1), ``"centered_rank"`` (:func:`centered_ranks`) or ``"none"``.
+
+    Raises:
+        ValueError: for an unknown ``method`` or a fitness that is not 1-D with at least 2 entries.
+    """
+    if method not in FITNESS_SHAPINGS:
+        raise ValueError(f"fitness_shaping must be one of {FITNESS_SHAPINGS}, got {method!r}.")
+    if fitness.dim() != 1 or fitness.numel() < 2:
+        raise ValueError(f"fitness must be 1-D with at least 2 members, got shape {tuple(fitness.shape)}.")
+    f = fitness.to(torch.float64)
+    valid = torch.isfinite(f)
+    if method == "none":  # equal fitness: alpha * F * mean(eps), a random step, hence the warning
+        f = _fill_invalid_as_worst(f, f[valid])
+        merged = merge_ties(f)
+        if bool((merged == merged[0]).all()) and bool(f.abs().max() > 0):
+            warnings.warn(
+                "fitness_shaping='none' with equal fitness across the population: the ES step is alpha * F * "
+                "mean(eps), a random step carrying no signal. Use 'zscore' or 'centered_rank' for a zero step.",
+                stacklevel=2,
+            )
+        return f
+    merged = f.clone()
+    merged[valid] = merge_ties(f[valid])  # ties among the valid members first, then the invalid ones below them
+    merged = _fill_invalid_as_worst(merged, merged[valid])
+    if bool((merged == merged[0]).all()):  # one tie group: no signal, an exactly zero step
+        return torch.zeros_like(f)
+    if method == "centered_rank":
+        return centered_ranks(merged)
+    return zscore(merged)  # exactly rounded mean and variance: the same coefficients on every CPU
+
+
+# ------------------------------------------------ population success diversity JS_succ: how differently members succeed
+def binary_entropy(p: torch.Tensor) -> torch.Tensor:
+    r"""Binary entropy in nats, :math:`h(p) = -p \ln p - (1-p) \ln(1-p)`, :math:`h(0) = h(1) = 0`, elementwise."""
+    return torch.special.entr(p) + torch.special.entr(1 - p)  # entr(0) = 0
+
+
+def success_diversity(success_rates: Sequence[float] | torch.Tensor) -> float:
+    r"""Population success diversity :math:`\mathrm{JS}_{\text{succ}}` (arXiv 2608.27351), in nats, in [0, ln 2].
+
+    .. math::
+        \mathrm{JS}_{\text{succ}} = h\Big(\frac{1}{N}\sum_{i=1}^{N} p_i\Big) - \frac{1}{N}\sum_{i=1}^{N} h(p_i)
+
+    with :math:`p_i` member :math:`i`'s success rate (``success_rates``, 1-D, N >= 1) and :math:`h` the
+    :func:`binary_entropy`. Raises ``ValueError`` for another shape, no member, or a rate outside [0, 1] (or NaN).
+    """
+    p = torch.as_tensor(success_rates, dtype=torch.float64)  # float64
+    if p.dim() != 1:
+        raise ValueError(f"`success_rates` must be 1-D (one rate per population member), got shape {tuple(p.shape)}.")
+    if p.numel() == 0:
+        raise ValueError("`success_rates` must hold at least one member's rate.")
+    if torch.isnan(p).any() or (p < 0).any() or (p > 1).any():
+        raise ValueError(f"`success_rates` must lie in [0, 1], got min {p.min().item()} and max {p.max().item()}.")
+    # 0: all succeed equally often; ln 2: half always, half never
+    js = binary_entropy(p.mean()) - binary_entropy(p).mean()
+    return max(0.0, float(js))  # rounding may dip below 0
+
+
+def success_diversity_from_matrix(successes: Sequence[Sequence[float]] | torch.Tensor) -> float:
+    r""":func:`success_diversity` of the rates :math:`p_i = \frac{1}{P}\sum_{j} s_{ij}` of a 0/1 matrix ``(N, P)``.
+
+    Raises:
+        ValueError: if the input is not 2-D, has no member or no prompt, or holds values other than 0 and 1.
+    """
+    s = torch.as_tensor(successes)
+    if s.dim() != 2:
+        raise ValueError(f"`successes` must be 2-D (N members x P prompts), got shape {tuple(s.shape)}.")
+    if s.shape[0] == 0 or s.shape[1] == 0:
+        raise ValueError(f"`successes` needs at least one member and one prompt, got shape {tuple(s.shape)}.")
+    s = s.to(torch.float64)  # bool, int or float 0/1
+    if not ((s == 0) | (s == 1)).all():
+        raise ValueError("`successes` must hold only 0/1 (or False/True) values.")
+    return success_diversity(s.mean(dim=1))  # p_i: member i's rate over the P prompts

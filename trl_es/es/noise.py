@@ -94,7 +94,7 @@ class NoiseSource:
 
     @property
     def portable(self) -> bool:
-        """Whether runs use the portable arithmetic of :mod:`trl_es.es.arithmetic` (all but the legacy one)."""
+        """Whether runs use the portable arithmetic of :mod:`trl_es.es.perturbation` (all but the legacy one)."""
         return getattr(self, "generator", PORTABLE_GENERATOR) != LEGACY_GENERATOR
 
     def pieces(

@@ -1,26 +1,247 @@
-"""What a perturbation ``eps_i`` is: full-rank Gaussian noise, or a rank-``r`` product (EGGROLL).
+"""How noise touches the weights: the trained parameters with their fp32 master, the perturbations ``eps_i``, the ES
+step, and the bitwise-exact arithmetic they share.
 
-:class:`GaussianPerturbation` writes ``theta + sign sigma eps`` into the weights in place; :class:`LowRankPerturbation`
-adds ``E_i = sign_i (sigma / sqrt(r)) A_i B_i^T`` (``A_i``: ``(out, r)``, ``B_i``: ``(in, r)``, N(0, 1) entries;
-Sarkar et al. 2025, arXiv 2511.16652) to member ``i``'s rows through :class:`LowRankAdapters`. Both give the fp32
-update direction ``sum_i c_i sign_i eps_i`` (:meth:`Perturbation.direction_sums`), bitwise the same everywhere.
+- Trained parameters (:class:`TrainedParameters`): the model's parameters hold ``cast(master)``; entries may be ZeRO-3
+  partitions ``[start, start + local numel)`` of their flattened tensor; Anchored Weight Decay steps the master.
+- Perturbations: :class:`GaussianPerturbation` writes ``theta + sign sigma eps`` into the weights in place;
+  :class:`LowRankPerturbation` adds ``E_i = sign_i (sigma / sqrt(r)) A_i B_i^T`` (``A_i``: ``(out, r)``, ``B_i``:
+  ``(in, r)``, N(0, 1) entries; Sarkar et al. 2025, arXiv 2511.16652) to member ``i``'s rows through
+  :class:`LowRankAdapters`. Both give the fp32 update direction ``sum_i c_i sign_i eps_i``
+  (:meth:`Perturbation.direction_sums`), bitwise the same everywhere.
+- The update: :func:`es_update_` (the ES step into the master) and :func:`es_gradient_` (the same direction as a
+  gradient for a torch optimizer).
+- Bitwise-exact arithmetic: torch's CPU kernels fuse ``y + alpha * x`` into one rounding where the CPU has FMA and
+  reduce in an order set by the SIMD width; here each step is one correctly rounded IEEE operation per element and
+  small sums are exactly rounded (:func:`math.fsum`), so a seed log replays to the same weights on any CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .arithmetic import add_scaled_, added_scaled
 from .noise import NOISE_BLOCK_SIZE, NoiseSource, full_noise
-from .update import Member, TrainedParameters, _Entry
 
 
+# -------------------------------------------------------------------------------------------- bitwise-exact arithmetic
+def add_scaled_(y: torch.Tensor, x: torch.Tensor, alpha: float, portable: bool = True) -> torch.Tensor:
+    """``y += alpha * x`` in place, returns ``y``; ``portable=False``: torch's fused one-pass add (legacy seed logs)."""
+    if portable:  # a multiply, then an add: two IEEE roundings, the same bits on every CPU
+        return y.add_(x * alpha)
+    return y.add_(x, alpha=alpha)  # fused into one rounding on FMA CPUs: kept for version-1 logs
+
+
+def added_scaled(y: torch.Tensor, x: torch.Tensor, alpha: float, portable: bool = True,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y + alpha * x`` as a new tensor (or into ``out``) of ``torch.add``'s dtype, rounded as :func:`add_scaled_`."""
+    if portable:
+        return torch.add(y, x * alpha, out=out) if out is not None else torch.add(y, x * alpha)
+    return torch.add(y, x, alpha=alpha, out=out) if out is not None else torch.add(y, x, alpha=alpha)
+
+
+def exact_sum(values: Iterable[float]) -> float:
+    """The exactly rounded float64 sum (:func:`math.fsum`): independent of order and CPU. NaN in, NaN out."""
+    return math.fsum(float(v) for v in values)
+
+
+def exact_mean(values: torch.Tensor) -> float:
+    """Mean of a 1-D tensor: the exactly rounded float64 sum over the count; ``ValueError`` when empty."""
+    if values.numel() == 0:
+        raise ValueError("exact_mean of an empty tensor.")
+    return exact_sum(values.reshape(-1).tolist()) / values.numel()
+
+
+def zscore(values: torch.Tensor) -> torch.Tensor:
+    """``(v - mean(v)) / std(v)``, ddof 0, the same bits on every CPU: ``(N,)`` finite, not all equal, to float64."""
+    v = values.to(torch.float64)
+    centered = v - exact_mean(v)  # torch's mean/std reduce in an order set by the SIMD width
+    std = math.sqrt(exact_sum((centered * centered).tolist()) / v.numel())
+    return centered / std
+
+
+# -------------------------------------------------------------------------------------------------- trained parameters
+AWD_PENALTIES = ("l2", "l1")
+
+
+@dataclass
+class Member:
+    """One population member: the noise ``sign * eps(seed)`` (antithetic pairs share a seed, signs ``+1, -1``)."""
+
+    seed: int  # keys the noise eps (trl_es.es.noise)
+    sign: int = 1
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: torch.Tensor  # the model's tensor (or local partition), any float dtype
+    master: torch.Tensor  # same shape, fp32 by default; may be ``param`` itself (see master_is_param)
+    numel: int  # elements of the whole (unpartitioned) tensor
+    start: int = 0  # flat index of param's first element in the whole tensor
+
+    @property
+    def master_is_param(self) -> bool:
+        """Whether the master and the model's tensor are one tensor (no copy)."""
+        return self.master.data_ptr() == self.param.data_ptr() and self.master.dtype == self.param.dtype
+
+
+def select_parameters(
+    model: nn.Module, include: str | None = None, exclude: str | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ES trains (``requires_grad``, floating point), kept by ``include`` and dropped by ``exclude``
+    (``re.search``), in ``named_parameters()`` order; ``ValueError`` for a bad pattern or an empty selection.
+    """
+    try:
+        include_re = re.compile(include) if include else None
+        exclude_re = re.compile(exclude) if exclude else None
+    except re.error as error:
+        raise ValueError(f"Invalid regular expression in include_parameters/exclude_parameters: {error}") from error
+    selected = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad  # with PEFT, only the adapter
+        and p.is_floating_point()
+        and (include_re is None or include_re.search(name))
+        and not (exclude_re is not None and exclude_re.search(name))
+    ]
+    if not selected:
+        raise ValueError(
+            "No parameter selected for ES: check include_parameters/exclude_parameters and that the model has "
+            "trainable (requires_grad) floating-point parameters."
+        )
+    return selected
+
+
+class TrainedParameters:
+    """The trained parameters of a model and their master copy (one :class:`_Entry` each).
+
+    Raises:
+        ValueError: for a non-contiguous tensor.
+    """
+
+    def __init__(self, named_params: Iterable, master_dtype: torch.dtype | None = torch.float32,
+                 share_params: bool = False):
+        # named_params: (name, tensor) pairs, or (name, local, numel, start) for a ZeRO-3 partition
+        self.entries: list[_Entry] = []
+        self.master_dtype = master_dtype  # None: each parameter's own dtype
+        # a parameter already in the master dtype is its own master (no copy): only for perturbations that never
+        # write into the weights (low-rank adapters); an in-place perturbation refuses such entries
+        self.share_params = bool(share_params)
+        for item in named_params:
+            name, param = item[0], item[1]
+            numel = item[2] if len(item) > 2 else param.numel()
+            start = item[3] if len(item) > 3 else 0
+            data = param.data if isinstance(param, nn.Parameter) else param
+            if not data.is_contiguous():  # perturbations write flattened views in place
+                raise ValueError(f"Parameter {name!r} is not contiguous; ES perturbs flattened views in place.")
+            dtype = master_dtype or data.dtype  # None saves memory; the update is still summed in fp32
+            if self.share_params and dtype == data.dtype:
+                master = data.detach()
+            else:
+                master = data.detach().to(dtype=dtype, copy=True)
+            self.entries.append(_Entry(name, data, master, int(numel), int(start)))
+        self.perturbed = False  # True between an in-place perturbation and the next write_master_to_model_
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def numel(self) -> int:
+        """Number of locally held trained elements."""
+        return sum(e.param.numel() for e in self.entries)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes held by master copies distinct from the model's tensors (0 when every master is its parameter)."""
+        return sum(e.master.numel() * e.master.element_size() for e in self.entries if not e.master_is_param)
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The master tensors by name (views, not copies)."""
+        return {e.name: e.master for e in self.entries}
+
+    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy master values from ``state`` and write them into the model; a missing name raises ``KeyError``."""
+        for e in self.entries:
+            if e.name not in state:
+                raise KeyError(f"Master state has no tensor for parameter {e.name!r}.")
+            e.master.copy_(state[e.name].view_as(e.master))
+        self.write_master_to_model_()
+
+    def refresh_master_from_model_(self) -> None:
+        """Set the master to the model's current values (after the model was loaded from a checkpoint)."""
+        for e in self.entries:
+            if not e.master_is_param:
+                e.master.copy_(e.param)
+
+    def rebind_(self, name: str, tensor: torch.Tensor) -> None:
+        """Point entry ``name`` at the model's new storage ``tensor``, keeping its master; ``RuntimeError`` if the shape
+        changed (or the dtype of a parameter that is its own master), ``KeyError`` for an unknown ``name``.
+        """
+        for e in self.entries:
+            if e.name != name:
+                continue
+            if tensor.shape != e.param.shape:
+                raise RuntimeError(f"Parameter {name!r} changed shape while the model was prepared.")
+            if e.master_is_param and tensor.dtype != e.param.dtype:
+                raise RuntimeError(f"Parameter {name!r} changed dtype ({e.param.dtype} -> {tensor.dtype}) while the "
+                                   "model was prepared; it was its own master, which would lose its precision.")
+            shared = e.master_is_param
+            e.param = tensor
+            if shared:  # a master that was its parameter follows the new storage
+                e.master = tensor.detach()
+            return
+        raise KeyError(name)
+
+    # ------------------------------------------------------------------ write / restore
+    def write_master_to_model_(self) -> None:
+        """Write ``cast(master)`` into the model's tensors (rounded to their dtype): after an update, and as the
+        exact restore after a member.
+        """
+        with torch.no_grad():
+            for e in self.entries:
+                if not e.master_is_param:  # exact, unlike subtracting the noise again as the reference code does
+                    e.param.copy_(e.master)
+        self.perturbed = False
+
+    def master_parameters(self) -> list[torch.Tensor]:
+        """The master tensors as leaf tensors an optimizer can own (``requires_grad`` is not needed)."""
+        return [e.master for e in self.entries]
+
+    # ------------------------------------------------------------------ AWD
+    def anchored_weight_decay_(self, anchor, shrink: float, penalty: str = "l2") -> None:
+        """Anchored Weight Decay (arXiv 2605.30148, Algorithm 1) toward ``anchor`` (``theta_0`` by name, the local
+        partition, any device and float dtype) on the master in fp32, then write the model; ``shrink = alpha * lambda``.
+
+        Raises:
+            ValueError: for an unknown penalty or ``shrink`` outside ``[0, 1)`` with ``"l2"``.
+        """
+        if penalty not in AWD_PENALTIES:
+            raise ValueError(f"awd_penalty must be one of {AWD_PENALTIES}, got {penalty!r}.")
+        if penalty == "l2" and not 0 <= shrink < 1:
+            raise ValueError(f"AWD with the l2 penalty needs 0 <= learning_rate * awd_lambda < 1, got {shrink}.")
+        with torch.no_grad():
+            for e in self.entries:
+                # one anchor tensor at a time: a lazily loading mapping (FileAnchor) works
+                theta0 = anchor[e.name].to(device=e.master.device, dtype=torch.float32).view_as(e.master)
+                delta = e.master.float() - theta0
+                if penalty == "l2":
+                    delta.mul_(1.0 - shrink)  # delta <- (1 - shrink) delta
+                else:
+                    delta = torch.sign(delta) * torch.clamp(delta.abs() - shrink, min=0.0)  # soft threshold
+                e.master.copy_(theta0 + delta)  # theta = theta_0 + delta
+        self.write_master_to_model_()
+
+
+# ------------------------------------------------------------------------------------------------------- perturbations
 LOWRANK_A_SUFFIX = ".lowrank_A"
 LOWRANK_B_SUFFIX = ".lowrank_B"
 
@@ -377,3 +598,47 @@ def perturbation_from_description(description: dict) -> Perturbation:
     if kind not in PERTURBATIONS:
         raise ValueError(f"Unknown perturbation type {kind!r}: expected one of {tuple(PERTURBATIONS)}.")
     return PERTURBATIONS[kind](**facts)
+
+
+# ---------------------------------------------------------------------------------------------------------- the update
+def es_update_(
+    params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
+    coefficients: Sequence[float], learning_rate: float,
+) -> None:
+    """The ES step ``theta <- theta + alpha / N * sum_i z_i * eps_i`` in fp32 into the master, then write the model
+    (Qiu et al. 2025, arXiv 2509.24372, Algorithm 1, sigma folded into ``alpha``).
+
+    Raises:
+        ValueError: if the perturbation cannot apply to a trained tensor (nothing is changed then).
+    """
+    perturbation.check(params)
+    step = float(learning_rate) / len(members)
+    with torch.no_grad():  # streamed: the extra memory is one noise block or one weight matrix
+        for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
+            flat = e.master.view(-1)[lo:hi]
+            if flat.dtype == torch.float32:  # steps below a 16-bit ulp accumulate in the fp32 master
+                add_scaled_(flat, total, step, noise.portable)
+            else:  # master_dtype=None: summed in fp32, rounded once per step
+                flat.copy_(add_scaled_(flat.float(), total, step, noise.portable))
+    params.write_master_to_model_()
+
+
+def es_gradient_(
+    params: TrainedParameters, perturbation, noise: NoiseSource, members: Sequence[Member],
+    coefficients: Sequence[float],
+) -> None:
+    """Store ``-(1 / N) * sum_i z_i * eps_i`` in ``master.grad`` (fp32) for a torch optimizer (Salimans et al. 2017,
+    arXiv 1703.03864, Eq. 2); SGD with ``lr = alpha`` reproduces :func:`es_update_`.
+
+    Raises:
+        ValueError: if a master is not fp32 (``es_optimizer='torch'`` needs ``fp32_master_weights=True``).
+    """
+    perturbation.check(params)
+    scale = -1.0 / len(members)  # negated: torch optimizers minimize
+    for e in params.entries:
+        if e.master.dtype != torch.float32:
+            raise ValueError("es_optimizer='torch' needs an fp32 master copy (fp32_master_weights=True).")
+    for e in params.entries:
+        e.master.grad = torch.zeros_like(e.master)
+    for e, lo, hi, total in perturbation.direction_sums(params, noise, members, coefficients):
+        add_scaled_(e.master.grad.view(-1)[lo:hi], total, scale, noise.portable)

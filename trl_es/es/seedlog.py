@@ -13,8 +13,15 @@ from torch import nn
 
 from ..quantized import HEADER_KEY, check_same_quantization
 from .noise import PORTABLE_GENERATOR, NoiseSource, noise_source_from_description
-from .perturbation import GaussianPerturbation, LowRankPerturbation, Perturbation, perturbation_from_description
-from .update import Member, TrainedParameters, es_update_
+from .perturbation import (
+    GaussianPerturbation,
+    LowRankPerturbation,
+    Member,
+    Perturbation,
+    TrainedParameters,
+    es_update_,
+    perturbation_from_description,
+)
 
 
 SEED_LOG_NAME = "es_seed_log.jsonl"
@@ -22,8 +29,8 @@ FORMAT = "trl_es.seedlog"
 #: The versions of the format ``load`` reads, and the generator and arithmetic each says the run was trained with.
 VERSIONS = {
     1: "the noise description's 'generator' says: 'numpy-pcg64' (NumPy PCG64 noise, the portable arithmetic of "
-       "trl_es.es.arithmetic) or, where the key is absent, 'torch' (torch.randn noise, torch's fused kernels)",
-    2: "NumPy PCG64 noise ('numpy-pcg64') and the portable arithmetic of trl_es.es.arithmetic",
+       "trl_es.es.perturbation) or, where the key is absent, 'torch' (torch.randn noise, torch's fused kernels)",
+    2: "NumPy PCG64 noise ('numpy-pcg64') and the portable arithmetic of trl_es.es.perturbation",
 }
 VERSION = 2  # what a new log is written as
 

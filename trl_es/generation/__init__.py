@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..es.population import AdapterHost, WeightsHost
+from ..es.strategy import AdapterHost, WeightsHost
 from .base import (
     Completions,
     EngineContext,
@@ -28,7 +28,7 @@ from .base import (
 )
 from .compiled import CompiledEngine, supports_static_cache
 from .continuous_batching import ContinuousBatchingEngine, check_continuous_batching_config
-from .eager import EagerEngine, common_prefix_length
+from .eager import EagerEngine, common_prefix_length, generate_completions
 
 
 GENERATION_ENGINES = ("auto", "eager", "compiled", "continuous_batching")
@@ -123,26 +123,6 @@ def make_engine(config="auto", model: nn.Module | None = None, context: EngineCo
         return VLLMEngine.from_config(config, model, context)
     # "auto" resolved against the model
     return ENGINES[resolve_engine_name(config.generation_engine, model, context.sharded)](config, model, context)
-
-
-@torch.no_grad()
-def generate_completions(
-    model: nn.Module,
-    processing_class,
-    prompts,
-    generation_config,
-    num_generations: int = 1,
-    engine: GenerationEngine | None = None,
-    num_row_groups: int = 1,
-    **generate_kwargs,
-) -> Completions:
-    """Generate ``num_generations`` completions per prompt with ``engine`` (default: the plain eager engine).
-
-    See :meth:`GenerationEngine.generate`. Returns :class:`Completions` (unpacks as ``texts, ids``).
-    """
-    engine = engine or EagerEngine()
-    return engine.generate(model, processing_class, prompts, generation_config, num_generations, num_row_groups,
-                           **generate_kwargs)
 
 
 __all__ = [

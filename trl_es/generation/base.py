@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ..es.population import WeightsHost
+from ..es.strategy import WeightsHost
 
 
 @dataclass

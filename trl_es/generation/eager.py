@@ -1,13 +1,15 @@
-"""The eager engine: ``model.generate`` as transformers runs it, optionally with a shared prompt prefix."""
+"""The eager engine: ``model.generate`` as transformers runs it, optionally with a shared prompt prefix; the default
+engine of :func:`generate_completions`."""
 
 from __future__ import annotations
 
 import inspect
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
-from .base import GenerationEngine, encode_prompts, model_device, tokenize_left_padded
+from .base import Completions, GenerationEngine, encode_prompts, model_device, tokenize_left_padded
 from .sampling import use_candidate_sampler
 from .top_p import use_candidate_top_p
 
@@ -102,8 +104,8 @@ class EagerEngine(GenerationEngine):
         self.last_shared_prefix = 0
         if self.candidate_sampling:
             generation_config, generate_kwargs = use_candidate_sampler(generation_config, generate_kwargs, model=model)
-        # top-p without sorting the vocabulary (the same tokens)
-        generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
+        if generation_config.do_sample:  # top-p without sorting the vocabulary (the same tokens); greedy has no top-p
+            generation_config, generate_kwargs = use_candidate_top_p(generation_config, generate_kwargs, model=model)
         device = model_device(model)
         if self.can_share(model, generation_config, generate_kwargs):
             encoded = encode_prompts(processing_class, texts, add_special_tokens)
@@ -138,3 +140,23 @@ class EagerEngine(GenerationEngine):
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
                                 **{key: cache}, **generate_kwargs)
         return output[:, input_ids.shape[1] :].tolist()
+
+
+@torch.no_grad()
+def generate_completions(
+    model: nn.Module,
+    processing_class,
+    prompts,
+    generation_config,
+    num_generations: int = 1,
+    engine: GenerationEngine | None = None,
+    num_row_groups: int = 1,
+    **generate_kwargs,
+) -> Completions:
+    """Generate ``num_generations`` completions per prompt with ``engine`` (default: the plain eager engine).
+
+    See :meth:`GenerationEngine.generate`. Returns :class:`Completions` (unpacks as ``texts, ids``).
+    """
+    engine = engine or EagerEngine()
+    return engine.generate(model, processing_class, prompts, generation_config, num_generations, num_row_groups,
+                           **generate_kwargs)

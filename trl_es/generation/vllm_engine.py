@@ -24,7 +24,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ..es.perturbation import LowRankPerturbation
-from ..es.population import AdapterHost, member_indices
+from ..es.strategy import AdapterHost, member_indices
 from .base import EngineContext, OwnWeightsEngine, encode_prompts
 
 

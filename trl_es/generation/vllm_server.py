@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..es.update import Member
+from ..es.perturbation import Member
 from .base import EngineContext, OwnWeightsEngine, encode_prompts
 from .vllm_engine import VLLMEngine, sampling_kwargs, with_model_defaults
 from .vllm_server_worker import API_KEY_ENV, server_checksum

@@ -26,9 +26,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..es.noise import noise_source_from_description
-from ..es.perturbation import GaussianPerturbation
+from ..es.perturbation import AWD_PENALTIES, GaussianPerturbation, Member, TrainedParameters
 from ..es.seedlog import apply_record, header_perturbation
-from ..es.update import AWD_PENALTIES, Member, TrainedParameters
 from ..fingerprint import tensors_fingerprint
 from .vllm_worker import ESWorkerExtension
 

@@ -13,8 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..es.perturbation import GaussianPerturbation
-from ..es.update import Member
+from ..es.perturbation import GaussianPerturbation, Member
 
 
 class ESWorkerExtension:

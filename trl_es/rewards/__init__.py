@@ -1,14 +1,13 @@
-"""Rewards in one place: the verifiable reward pieces, reward-function names, scoring and the scored rollout result.
+"""The pieces reward functions are written with, and their names.
 
 - :mod:`.verifiable`: completion text, answer extraction, number parsing and comparison, the format reward.
 - :mod:`.names`: distinct, readable names for reward functions (the keys of every per-function metric).
-- :mod:`.scoring`: :class:`RewardScorer` (reward functions and models, sync and async, their outputs checked).
-- :mod:`.result`: :class:`RolloutResult`, a rollout's completions with their rewards.
+
+Calling reward functions on completions (:class:`~trl_es.rollout.RewardScorer`) and the scored result
+(:class:`~trl_es.rollout.RolloutResult`) are part of the rollout (:mod:`trl_es.rollout`).
 """
 
 from .names import base_reward_func_name, reward_func_names
-from .result import RolloutResult
-from .scoring import RewardScorer, async_reward_loop, await_all, is_async_reward_func
 from .verifiable import (
     ABS_TOL,
     MAX_INT_DIGITS,
@@ -32,10 +31,6 @@ __all__ = [
     "ABS_TOL",
     "MAX_INT_DIGITS",
     "REL_TOL",
-    "RewardScorer",
-    "RolloutResult",
-    "async_reward_loop",
-    "await_all",
     "base_reward_func_name",
     "completion_text",
     "dataset_column",
@@ -45,7 +40,6 @@ __all__ = [
     "find_numbers",
     "first_number",
     "format_reward",
-    "is_async_reward_func",
     "last_number",
     "numbers_close",
     "parse_number",

@@ -161,7 +161,7 @@ def zero3_partition(param: torch.Tensor, rank: int | None = None) -> tuple[torch
 
 def es_parameter_entries(selected: Iterable[tuple[str, nn.Parameter]]) -> list[tuple]:
     """``(name, tensor)`` for whole parameters, ``(name, local, numel, start)`` for ZeRO-3 partitioned ones, for
-    :class:`~trl_es.es.update.TrainedParameters` (element ``j``'s noise depends only on ``(seed, name, j)``)."""
+    :class:`~trl_es.es.perturbation.TrainedParameters` (element ``j``'s noise depends only on ``(seed, name, j)``)."""
     entries = []
     for name, param in selected:
         if is_zero3_param(param):

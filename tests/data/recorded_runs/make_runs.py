@@ -4,7 +4,7 @@ reproduce them bitwise, on any x86-64 CPU (the ES runs; the AdamW run's optimize
 
 The base weights are data: written once by ``build_llama`` (commit fef91fa, 2026-12-01; torch's initialisation is
 not the same on every CPU) and read from ``base.safetensors`` ever since. The trained weights and seed logs were
-recorded again on 2026-12-02 with the portable noise and arithmetic (``trl_es.es.arithmetic``; the records of
+recorded again on 2026-12-02 with the portable noise and arithmetic (``trl_es.es.perturbation``; the records of
 fef91fa used ``torch.randn`` noise and fused kernels, which only an AVX2 CPU reproduced).
 
     python tests/data/recorded_runs/make_runs.py      # from the repository root

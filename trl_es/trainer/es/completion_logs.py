@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...rewards import RolloutResult
+from ...rollout import RolloutResult
 
 
 __all__ = ["CompletionLog", "empty_logs"]

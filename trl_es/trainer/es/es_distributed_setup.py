@@ -29,10 +29,13 @@ logger = logging.get_logger(__name__)
 class ESDistributedMixin:
     """Preparing the model and optimizer for one or several processes (see the module docstring)."""
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the trained parameters are DeepSpeed ZeRO-3 partitions (sharded ES, ``docs/scaling.md``)."""
-        return any(is_zero3_param(p) for p in self._es_model_params)
+    sharded = False  # whether the trained parameters are DeepSpeed ZeRO-3 partitions (sharded ES, docs/scaling.md)
+
+    def _set_es_model_params(self, params: list) -> None:
+        """Hold ``params`` (the model's trained parameters) and whether they are ZeRO-3 partitions (:attr:`sharded`):
+        set where they are chosen or rebound, and again after ``deepspeed.initialize`` partitions them."""
+        self._es_model_params = params
+        self.sharded = any(is_zero3_param(p) for p in params)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Prepare the model without gradient machinery (ES has no backward pass); returns ``(model, dataloader)``."""
@@ -79,6 +82,7 @@ class ESDistributedMixin:
         logger.info(ES_DEEPSPEED_NOTE)
         engine = self.accelerator.prepare(self.model)
         self.deepspeed = self.model_wrapped = engine
+        self._set_es_model_params(self._es_model_params)  # ZeRO-3 partitions exist from here on
         if self.sharded:  # rebuild the ES state on this process's partitions (param.ds_tensor)
             self._build_strategy(self.strategy.population, self.strategy.noise)  # the partitions; same noise
             self.accelerator.unwrap_model(engine).register_forward_pre_hook(self._count_forward)
@@ -98,7 +102,7 @@ class ESDistributedMixin:
             if current.data_ptr() != entry.param.data_ptr():
                 self.es_params.rebind_(entry.name, current)
                 moved = True
-        self._es_model_params = [named[entry.name] for entry in self.es_params.entries]
+        self._set_es_model_params([named[entry.name] for entry in self.es_params.entries])
         if moved and self.optimizer is not None:
             # A master that is its parameter (low-rank backend, fp32) followed the new storage: the optimizer must
             # own the new tensors, or its steps would move tensors nothing reads.
@@ -141,15 +145,11 @@ class ESDistributedMixin:
         if self.sharded:
             release_gathered_(self._es_model_params)
 
-    def _record_comm(self, forward_calls: int) -> None:
-        """Log ``comm/bytes``: the bytes moved into this process by collectives during the iteration, and under ZeRO-3
-        ``comm/param_gather_bytes`` (an upper bound)."""
-        nbytes = self._comm_bytes  # counted exactly: rows gathered, statistics all-reduced, fingerprint checks
-        if self.sharded and self.accelerator.num_processes > 1:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
-            gathered = float(forward_calls * full)  # one full gather per forward (persistent ones: once per member)
-            self._metrics["comm/param_gather_bytes"].append(gathered)
-            nbytes += 4 * forward_calls + gathered  # generate(synced_gpus=True): one float32 all-reduce per step
-        self._metrics["comm/bytes"].append(float(nbytes))
-        self._comm_bytes = 0.0
+    def _record_param_gathers(self, forward_calls: int) -> None:
+        """Under ZeRO-3 on several processes: log ``comm/param_gather_bytes`` (an upper bound) of the iteration's
+        ``forward_calls`` and count them, with the ``synced_gpus`` all-reduces, into the iteration's ``comm/bytes``."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        full = sum(int(p.ds_numel) * p.element_size() for p in unwrapped.parameters() if is_zero3_param(p))
+        gathered = float(forward_calls * full)  # one full gather per forward (persistent ones: once per member)
+        self._metrics["comm/param_gather_bytes"].append(gathered)
+        self._comm_bytes += 4 * forward_calls + gathered  # generate(synced_gpus=True): one float32 all-reduce per step

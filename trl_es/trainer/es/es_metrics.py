@@ -13,9 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ...analysis.diversity import success_diversity
 from ...analysis.drift import group_name
-from ...es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores
+from ...es.fitness import LENGTH_EXTREMES, MemberScores, PopulationScores, success_diversity
 from ...es.noise import NOISE_BLOCK_SIZE
 
 

@@ -19,12 +19,10 @@ import torch
 from transformers.utils import logging
 
 from ...es.autosigma import PROBE_MEMBERS, SIGMA_AUTO, SigmaSearch, differing_completions
-from ...es.fitness import PopulationScores
+from ...es.fitness import PopulationScores, shape_fitness
 from ...es.guard import CollapseGuard, mean_and_se
-from ...es.population import member_indices
-from ...es.shaping import shape_fitness
-from ...es.strategy import TellResult
-from ...es.update import Member, es_update_
+from ...es.perturbation import Member, es_update_
+from ...es.strategy import TellResult, member_indices
 from ...rollout import Rollout
 
 

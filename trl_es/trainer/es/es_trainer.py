@@ -21,19 +21,17 @@ from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ...agents import Agents, MemberVLLMGeneration, tool_counts, tool_metrics
+from ...es import EvolutionStrategy, PopulationBackend, TellResult, make_population_backend, member_indices, member_seed
 from ...es.anchor import checkpoint_files
 from ...es.fitness import MemberScores, PopulationScores
-from ...es.perturbation import LowRankPerturbation, linear_weight_names
-from ...es.population import PopulationBackend, make_population_backend, member_indices, member_seed, on_engine
+from ...es.perturbation import LowRankPerturbation, Member, TrainedParameters, linear_weight_names, select_parameters
 from ...es.seedlog import SeedLog
-from ...es.strategy import EvolutionStrategy, TellResult
-from ...es.update import Member, TrainedParameters, select_parameters
+from ...es.strategy import on_engine
 from ...generation import EngineContext, OwnWeightsEngine, generate_completions, make_engine, prompt_add_special_tokens
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...quantized import prepare_quantized_training, quantization_header
-from ...rewards import RewardScorer
-from ...rollout import Rollout, build_generation_config, prompt_texts, validate_dataset
-from ..distributed import all_gather_objects, es_parameter_entries, is_zero3_param, tensor_bytes
+from ...rollout import RewardScorer, Rollout, build_generation_config, prompt_texts, validate_dataset
+from ..distributed import all_gather_objects, es_parameter_entries, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
@@ -287,12 +285,12 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             logger.info("population_backend='batched_lowrank' trains the %d nn.Linear weights (set include_parameters "
                         "to choose others).", len(names))
         selected = select_parameters(unwrapped, include, args.exclude_parameters)
-        self._es_model_params = [p for _, p in selected]
+        self._set_es_model_params([p for _, p in selected])
         params = TrainedParameters(
             es_parameter_entries(selected), torch.float32 if args.fp32_master_weights else None,
             share_params=lowrank or args.use_vllm,  # these never write members into the model's weights
         )
-        if not any(is_zero3_param(p) for p in self._es_model_params):
+        if not self.sharded:
             population.check(params, unwrapped)
         anchored = args.awd_lambda > 0 or args.log_parameter_drift  # theta_0 (under ZeRO-3 the local partition)
         files = checkpoint_files(unwrapped) if anchored and args.anchor_storage != "memory" else ()
@@ -443,7 +441,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             told = self._tell(members, scores.per_prompt_fitness(args.per_prompt_shaping),
                               self._current_learning_rate())
             recorded, guard_keys, shaped = members, {}, told.coefficients
-        self._sync_model_view()  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
+        if self.sharded:  # ZeRO-3: after the whole tell (a subclass's _tell may move the weights again)
+            self._sync_model_view()
         self.seed_log.append(step + 1, recorded, told.coefficients, told.learning_rate, told.shrink,
                              extra | guard_keys)
         self._sync_engine_weights()  # use_vllm: the new weights (a server: the new record) go to the engine
@@ -452,7 +451,10 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             self.completion_log.finish_iteration(step + 1, shaped, self._gather_objects,
                                                  self.accelerator.is_main_process)
 
-        self._record_comm(self._forward_calls - forward_calls)
+        if self.sharded and self.accelerator.num_processes > 1:
+            self._record_param_gathers(self._forward_calls - forward_calls)
+        self._metrics["comm/bytes"].append(float(self._comm_bytes))  # collectives: rows, statistics, fingerprints
+        self._comm_bytes = 0.0
         metrics = iteration_metrics(scores, member_scores, self.reward_func_names, self.population.timings,
                                     evaluate_seconds, update_seconds)
         if self.tools:
@@ -481,21 +483,21 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         per_prompt = args.num_generations if args.per_prompt_shaping != "none" else None
         reward_kwargs = {"trainer_state": self.state, "log_extra": lambda *a, **k: None, "log_metric": self._log_metric}
         self.population.reset_timings()
-        scores, log = {}, self.completion_log
-        self.agents.start_iteration()  # tool counts, and rollout_func's completions (do they depend on the member?)
+        scores, log, outs = {}, self.completion_log, []
 
         def roll(chunk):  # one chunk's rollout, its stacked members applied (a server's, with vllm_mode="server")
             kwargs = {**reward_kwargs, "log_extra": log.log_extra_for_call()} if log is not None else reward_kwargs
             with self.strategy.apply([members[i] for i in chunk], model):
                 self._seed_sampling(step, chunk)
-                self._sync_model_view()  # ZeRO-3: the forward must gather the freshly perturbed partitions
+                if self.sharded:  # ZeRO-3: the forward must gather the freshly perturbed partitions
+                    self._sync_model_view()
                 out = self.rollout(model, rows * len(chunk), num_members=len(chunk), reward_kwargs=kwargs)
             return out, kwargs.get("log_extra")
 
         chunks = list(self.strategy.chunks(indices))
         for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_chunks(roll, chunks), strict=True):
             warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
-            self.agents.record(out)
+            outs.append(out)  # with agents: tool counts, and rollout_func's completions (do they depend on the member?)
             if args.mask_truncated_completions:
                 out = out.mask_truncated()
             if log is not None:
@@ -503,7 +505,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
             for index, member_rows in zip(chunk, out.split_member_rows(len(chunk)), strict=True):
                 scores[index] = MemberScores.from_rollout(member_rows, args.success_threshold, per_prompt,
                                                           group_size=args.num_generations)
-        self.agents.finish_iteration(len(indices))
+        if self.agents.active:
+            self.agents.finish_iteration(outs, len(indices))
         return scores
 
     def _tool_metrics(self) -> dict[str, float]:

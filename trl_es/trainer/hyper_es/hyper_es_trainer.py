@@ -22,14 +22,13 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 # CMASearch is also imported: checkpoints pickled as trl_es.trainer.hyper_es.hyper_es_trainer.CMASearch still load
 from ...es.cma_search import CMASearch, stand_in_fitness
-from ...es.population import member_indices, member_seed
+from ...es.strategy import member_indices, member_seed
 from ...files import SAVED_MODEL_FILES, require_files
 from ...merging.dare_ties import MergeApplier
 from ...merging.genome import Genome, GenomeSpace
 from ...merging.lora_delta import LoraDeltaSet, save_deltas_as_lora
 from ...models import load_policy
-from ...rewards import RewardScorer
-from ...rollout import build_generation_config, score_model, validate_dataset
+from ...rollout import RewardScorer, build_generation_config, score_model, validate_dataset
 from .hyper_es_checkpoint import GENOME_NAME, HyperESCheckpointMixin
 from .hyper_es_config import HyperESConfig
 from .hyper_es_final import choose_final_genome, resolve_genome
