@@ -1,5 +1,5 @@
 """Multi-process ES without the trainer: the launcher's world, ZeRO-3 partition bookkeeping, the DeepSpeed config for
-ES, replica fingerprints and byte-counted collectives.
+ES, replica fingerprints, byte-counted collectives and the streaming dataset every process reads whole.
 
 Population parallelism (members ``i % W == rank``, no weights travel) or sharded ES under ZeRO-3 (each process
 perturbs and updates its own partition); see ``docs/scaling.md``.
@@ -7,6 +7,7 @@ perturbs and updates its own partition); see ``docs/scaling.md``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import re
@@ -310,3 +311,34 @@ def read_flat_ranges(folder: str, base: str, layout: dict[str, tuple[int, int]])
     if missing:
         raise ValueError(f"{folder!r}: the {stem} shards do not hold all of {missing[:3]}.")
     return out
+
+
+# ------------------------------------------------------------------------- a streaming dataset every process reads
+class SharedStream(torch.utils.data.IterableDataset):
+    """A streaming dataset that every process reads whole, in the same order (the passes chained into one stream).
+
+    Args:
+        dataset (`Iterable[dict]`): The stream of rows.
+    """
+    # accelerate splits a datasets.IterableDataset with >= num_processes shards *by shard* (each process would read
+    # other files); behind a plain torch iterable it slices every batch instead (IterableDatasetShard).
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.epoch = 0  # set by Trainer, 0 at the start
+
+    def __iter__(self):
+        # One endless sequence over the passes (a batch may span two), so Trainer sees one epoch ending at max_steps
+        # and a resume skips exactly the batches of the uninterrupted run, in every pass.
+        for passes in itertools.count():
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(self.epoch + passes)  # datasets reshuffles a shuffled stream per epoch
+            empty = True
+            for row in self.dataset:
+                empty = False
+                yield row
+            if empty:  # a pass with no row ends the stream
+                return
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch

@@ -7,7 +7,6 @@ Setup, then one ES iteration (:meth:`ESTrainer.training_step`), then the Trainer
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
 import textwrap
@@ -31,7 +30,7 @@ from ...generation import EngineContext, OwnWeightsEngine, generate_completions,
 from ...models import load_policy, warn_unused_init_kwargs, wrap_peft
 from ...quantized import prepare_quantized_training, quantization_header
 from ...rollout import RewardScorer, Rollout, build_generation_config, prompt_texts, validate_dataset
-from ..distributed import all_gather_objects, es_parameter_entries, tensor_bytes
+from ..distributed import SharedStream, all_gather_objects, es_parameter_entries, tensor_bytes
 from .completion_logs import CompletionLog, empty_logs
 from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
@@ -46,36 +45,6 @@ logger = logging.get_logger(__name__)
 def identity(features):
     """Data collator that keeps the rows as they are (a list of dicts)."""
     return features
-
-
-class SharedStream(torch.utils.data.IterableDataset):
-    """A streaming dataset that every process reads whole, in the same order (the passes chained into one stream).
-
-    Args:
-        dataset (`Iterable[dict]`): The stream of rows.
-    """
-    # accelerate splits a datasets.IterableDataset with >= num_processes shards *by shard* (each process would read
-    # other files); behind a plain torch iterable it slices every batch instead (IterableDatasetShard).
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-        self.epoch = 0  # set by Trainer, 0 at the start
-
-    def __iter__(self):
-        # One endless sequence over the passes (a batch may span two), so Trainer sees one epoch ending at max_steps
-        # and a resume skips exactly the batches of the uninterrupted run, in every pass.
-        for passes in itertools.count():
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(self.epoch + passes)  # datasets reshuffles a shuffled stream per epoch
-            empty = True
-            for row in self.dataset:
-                empty = False
-                yield row
-            if empty:  # a pass with no row ends the stream
-                return
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
 
 class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
