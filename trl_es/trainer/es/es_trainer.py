@@ -466,7 +466,8 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         chunks = list(self.strategy.chunks(indices))
         for chunk, (out, log_extra) in zip(chunks, self.generation_engine.map_chunks(roll, chunks), strict=True):
             warn_invalid_rewards(out.invalid, self.reward_func_names, self._warned_invalid)
-            outs.append(out)  # with agents: tool counts, and rollout_func's completions (do they depend on the member?)
+            if self.agents.active:  # tool counts, and rollout_func's completions (do they depend on the member?)
+                outs.append(out)
             if args.mask_truncated_completions:
                 out = out.mask_truncated()
             if log is not None:
