@@ -1,10 +1,14 @@
 """examples/studies/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
 import pytest
+from warm_python import WarmPython
 
 
 STUDY = "compare_es_grpo"
@@ -103,7 +107,33 @@ def test_arms_and_summary(study, tmp_path):
     assert "| GRPO (TRL GRPOTrainer) | 8 | 0.450, 0.550 | 0.500 | 0.071 | - |" in table
 
 
-def test_race_on_tiny_model(run_study):
+@pytest.fixture
+def warm_arms(monkeypatch):
+    """Each arm's ``python compare_es_grpo.py --worker SPEC`` (:func:`trl_es.launch.run_worker`, one process per arm
+    here) as a child of one warm interpreter (tests/warm_python.py: the libraries imported once, not once per arm),
+    started with the environment the arms get (one thread)."""
+    import trl_es.launch
+
+    commands = []
+
+    class Subprocess:  # trl_es.launch's ``subprocess.run(cmd, env=env, check=True)``
+        CalledProcessError = subprocess.CalledProcessError
+
+        @staticmethod
+        def run(cmd, env=None, check=False):
+            commands.append(cmd)
+            assert cmd[0] == sys.executable, cmd  # a plain process, no launcher
+            proc = warm.run(cmd[1:], cwd=os.getcwd(), env=env)
+            if check and proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+            return proc
+
+    with WarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")) as warm:
+        monkeypatch.setattr(trl_es.launch, "subprocess", Subprocess)
+        yield commands
+
+
+def test_race_on_tiny_model(run_study, warm_arms):
     out = run_study.output_dir
     results = run_study(
         "--task_seeds", "0",
@@ -119,6 +149,7 @@ def test_race_on_tiny_model(run_study):
     assert [(r["method"], r["budget_minutes"]) for r in saved["table"]] == [
         ("es", 0.02), ("es", 0.04), ("grpo", 0.02), ("grpo", 0.04)]
     assert len(saved["runs"]) == 3  # ES: one run per budget; GRPO: one run scored at the 0.02 mark
+    assert [cmd[2] for cmd in warm_arms] == ["--worker"] * 3  # one process per arm
     for run in saved["runs"]:
         assert run["split"] == "test" and run["processes"] == 1 and run["max_new_tokens"] == 6
         assert run["steps"] >= 1 and run["training_minutes"] >= run["budget_minutes"]
