@@ -11,6 +11,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 from example_script import StudyRun, example_script  # noqa: E402
 from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
+from warm_python import WarmPython  # noqa: E402
 
 # Tests run their jobs on tiny local models: trl_es.launch must not build the embedded model's cache in the user's
 # cache folder before each multi-process worker (the tests of that step clear this variable).
@@ -74,6 +75,14 @@ def run_study(study, tiny_model_dir, tmp_path):
     """The study's ``main`` run in-process on the tiny model: ``run_study(*argv)`` writes into ``run_study.output_dir``
     (``tmp_path / "run"``)."""
     return StudyRun(study, tiny_model_dir, tmp_path / "run")
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """One warm interpreter per pytest worker (tests/warm_python.py), started on first use, for the scripts that the
+    studies run as ``python script.py`` per arm: the environment the arms get here, one thread per process."""
+    with WarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")) as warm:
+        yield warm
 
 
 @pytest.fixture

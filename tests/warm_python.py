@@ -91,3 +91,24 @@ class WarmPython:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class WarmSubprocess:
+    """A stand-in for the ``subprocess`` module of code that runs ``subprocess.run([sys.executable, script, ...],
+    env=..., check=...)`` (monkeypatched over that module's ``subprocess``): each such command runs as a child of
+    ``warm`` in the current working directory, with ``env`` (default: this process's environment) applied; the
+    commands run are kept in ``commands``. Any other command is refused (AssertionError)."""
+
+    CalledProcessError = subprocess.CalledProcessError
+
+    def __init__(self, warm: WarmPython):
+        self.warm, self.commands = warm, []
+
+    def run(self, cmd, env=None, check=False, timeout: float = 600):
+        cmd = [str(c) for c in cmd]
+        self.commands.append(cmd)
+        assert cmd[0] == sys.executable, f"not a plain python command: {cmd}"
+        proc = self.warm.run(cmd[1:], cwd=os.getcwd(), env=dict(os.environ if env is None else env), timeout=timeout)
+        if check and proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc

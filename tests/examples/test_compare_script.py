@@ -1,14 +1,11 @@
 """examples/studies/compare_es_grpo.py: the ES-vs-GRPO race, run in-process on the tiny model with a tiny budget."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
-from warm_python import WarmPython
+from warm_python import WarmSubprocess
 
 
 STUDY = "compare_es_grpo"
@@ -108,29 +105,15 @@ def test_arms_and_summary(study, tmp_path):
 
 
 @pytest.fixture
-def warm_arms(monkeypatch):
-    """Each arm's ``python compare_es_grpo.py --worker SPEC`` (:func:`trl_es.launch.run_worker`, one process per arm
-    here) as a child of one warm interpreter (tests/warm_python.py: the libraries imported once, not once per arm),
-    started with the environment the arms get (one thread)."""
+def warm_arms(warm_python, monkeypatch):
+    """Each arm's ``python compare_es_grpo.py --worker SPEC`` (:func:`trl_es.launch.run_worker`, one plain process
+    per arm here) as a child of the worker's warm interpreter (tests/warm_python.py: the libraries imported once, not
+    once per arm); the commands run."""
     import trl_es.launch
 
-    commands = []
-
-    class Subprocess:  # trl_es.launch's ``subprocess.run(cmd, env=env, check=True)``
-        CalledProcessError = subprocess.CalledProcessError
-
-        @staticmethod
-        def run(cmd, env=None, check=False):
-            commands.append(cmd)
-            assert cmd[0] == sys.executable, cmd  # a plain process, no launcher
-            proc = warm.run(cmd[1:], cwd=os.getcwd(), env=env)
-            if check and proc.returncode:
-                raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
-            return proc
-
-    with WarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")) as warm:
-        monkeypatch.setattr(trl_es.launch, "subprocess", Subprocess)
-        yield commands
+    shim = WarmSubprocess(warm_python)
+    monkeypatch.setattr(trl_es.launch, "subprocess", shim)
+    return shim.commands
 
 
 def test_race_on_tiny_model(run_study, warm_arms):
