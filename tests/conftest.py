@@ -77,12 +77,32 @@ def run_study(study, tiny_model_dir, tmp_path):
     return StudyRun(study, tiny_model_dir, tmp_path / "run")
 
 
+class _SessionWarmPython:
+    """:class:`WarmPython`'s ``run``, its server started on first use and started again after one was stopped (a
+    timed-out script stops it)."""
+
+    def __init__(self, env: dict):
+        self.env, self.warm = env, None
+
+    def run(self, *args, **kwargs):
+        if self.warm is None or self.warm.server.poll() is not None:
+            self.warm = WarmPython(self.env)
+        return self.warm.run(*args, **kwargs)
+
+    def close(self):
+        if self.warm is not None:
+            self.warm.close()
+
+
 @pytest.fixture(scope="session")
 def warm_python():
-    """One warm interpreter per pytest worker (tests/warm_python.py), started on first use, for the scripts that the
-    studies run as ``python script.py`` per arm: the environment the arms get here, one thread per process."""
-    with WarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")) as warm:
-        yield warm
+    """One warm interpreter per pytest worker (tests/warm_python.py) for the tests that run ``python script.py`` or
+    ``python -m module`` (the study arms, example and benchmark scripts, the CLI): started on first use, with this
+    process's environment, one thread per process (``OMP_NUM_THREADS=1``); a test passes any other variables as
+    ``env``."""
+    warm = _SessionWarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    yield warm
+    warm.close()
 
 
 @pytest.fixture

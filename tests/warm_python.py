@@ -2,7 +2,8 @@
 
 Every such subprocess spends ~6 CPU-s importing torch, transformers, TRL and trl_es before the script's first line.
 :class:`WarmPython` starts one interpreter with the environment the scripts share, imports those libraries once, then
-forks a child per script: the child runs it as ``python script.py`` would (``__main__``, ``sys.argv``, its folder first
+forks a child per script: the child runs it as ``python script.py`` (or ``python -m module``) would (``__main__``,
+``sys.argv``, its folder first
 on ``sys.path``, the working directory, stdout and stderr to their own files, the exit code), so a test reads the same
 ``returncode``, ``stdout`` and ``stderr``. What an interpreter reads at start-up (``sitecustomize``, the Hugging Face
 cache variables) is the server's: scripts that need other start-up environments need another server.
@@ -31,9 +32,14 @@ for line in sys.stdin:
             for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
             os.environ.update(job["env"])
-            sys.argv = list(job["argv"])
-            sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` sets it
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            if job["argv"][0] == "-m":  # `python -m module ...`: the working directory first on sys.path
+                sys.argv = list(job["argv"][1:])
+                sys.path[0] = os.getcwd()
+                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)  # argv[0]: the module's file
+            else:
+                sys.argv = list(job["argv"])
+                sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` sets it
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as stop:  # sys.exit(n) / sys.exit("message"), as the interpreter reports them
             if isinstance(stop.code, int) or stop.code is None:
