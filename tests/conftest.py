@@ -11,6 +11,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 from example_script import StudyRun, example_script  # noqa: E402
 from tiny import build_llama, build_qwen2, build_tokenizer  # noqa: E402
+from warm_python import WarmPython  # noqa: E402
 
 # Tests run their jobs on tiny local models: trl_es.launch must not build the embedded model's cache in the user's
 # cache folder before each multi-process worker (the tests of that step clear this variable).
@@ -23,7 +24,8 @@ HEAVY_FIRST = (
     "tests/trainer/test_distributed.py", "tests/trainer/test_es_trainer.py", "tests/examples/test_grpo_scripts.py",
     "tests/examples/test_trl_docs_scripts.py", "tests/generation/test_continuous_batching.py",
     "tests/trainer/test_preemption.py", "tests/test_models.py", "tests/trainer/test_launch_world.py",
-    "tests/trainer/test_multinode.py", "tests/benchmarks/test_gpu_acceptance.py", "tests/es/test_portability.py",
+    "tests/trainer/test_multinode.py", "tests/trainer/test_stability.py", "tests/benchmarks/test_gpu_acceptance.py",
+    "tests/es/test_portability.py",
     "tests/trainer/test_awd.py", "tests/examples/test_hyper_es_script.py", "tests/trainer/test_resume_trust.py",
     "tests/trainer/test_trl_conformance.py", "tests/generation/test_vllm_server_worker.py",
     "tests/benchmarks/test_benchmarks.py", "tests/examples/test_compare_script.py",
@@ -73,6 +75,34 @@ def run_study(study, tiny_model_dir, tmp_path):
     """The study's ``main`` run in-process on the tiny model: ``run_study(*argv)`` writes into ``run_study.output_dir``
     (``tmp_path / "run"``)."""
     return StudyRun(study, tiny_model_dir, tmp_path / "run")
+
+
+class _SessionWarmPython:
+    """:class:`WarmPython`'s ``run``, its server started on first use and started again after one was stopped (a
+    timed-out script stops it)."""
+
+    def __init__(self, env: dict):
+        self.env, self.warm = env, None
+
+    def run(self, *args, **kwargs):
+        if self.warm is None or self.warm.server.poll() is not None:
+            self.warm = WarmPython(self.env)
+        return self.warm.run(*args, **kwargs)
+
+    def close(self):
+        if self.warm is not None:
+            self.warm.close()
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """One warm interpreter per pytest worker (tests/warm_python.py) for the tests that run ``python script.py`` or
+    ``python -m module`` (the study arms, example and benchmark scripts, the CLI): started on first use, with this
+    process's environment, one thread per process (``OMP_NUM_THREADS=1``); a test passes any other variables as
+    ``env``."""
+    warm = _SessionWarmPython(dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    yield warm
+    warm.close()
 
 
 @pytest.fixture

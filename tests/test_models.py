@@ -200,29 +200,37 @@ def test_real_model_greedy_chat_generation(real_model):
 # ----------------------------------------------------------------------------- multi-process builds, poisoned caches
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("builder", [1, 0])
-def test_cache_built_by_any_rank_under_torch_distributed(builder, tmp_path):
-    """transformers 5 ``save_pretrained`` writes nothing on a torch.distributed rank != 0: the cache writer must not
-    depend on it. The builder rank builds while the process group is up; every rank then loads the same weights."""
+@pytest.fixture(scope="module")
+def builds_under_torch_distributed(tmp_path_factory):
+    """One ``torchrun --nproc_per_node 2`` of tests/distributed/build_embedded_cache.py with builder rank 1, then 0
+    (each a fresh cache under ``cache/builder<rank>``): ``(folder, {builder: rank 0's gathered reports})``."""
     import json
     import subprocess
     import sys
 
+    folder = tmp_path_factory.mktemp("distributed-cache")
     script = os.path.join(TESTS, "distributed", "build_embedded_cache.py")
-    env = dict(os.environ, TRL_ES_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TRL_ES_CACHE=str(folder / "cache"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29300 + os.getpid() % 200 + builder), script, "--builder", str(builder),
-           "--out", str(tmp_path)]
+           "--master_port", str(29300 + os.getpid() % 200), script, "--builder", "1", "0", "--out", str(folder)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    reports = json.loads((tmp_path / "result.json").read_text())
+    return folder, {b: json.loads((folder / f"builder{b}.json").read_text()) for b in (1, 0)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("builder", [1, 0])
+def test_cache_built_by_any_rank_under_torch_distributed(builder, builds_under_torch_distributed):
+    """transformers 5 ``save_pretrained`` writes nothing on a torch.distributed rank != 0: the cache writer must not
+    depend on it. The builder rank builds while the process group is up; every rank then loads the same weights."""
+    folder, reports = builds_under_torch_distributed
+    reports = reports[builder]
     assert [r["builds"] for r in reports] == [int(builder == 0), int(builder == 1)]  # built once, by the builder
     assert all(r["equal"] for r in reports)
     files = set(reports[0]["files"])
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "trl_es_embedded.json"} <= files
-    assert all(r["path"] == str(tmp_path / "cache" / "SmolLM2-135M-Instruct") for r in reports)
+    assert all(r["path"] == str(folder / "cache" / f"builder{builder}" / "SmolLM2-135M-Instruct") for r in reports)
 
 
 def _poison(cache: Path, how: str) -> None:

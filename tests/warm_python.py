@@ -2,7 +2,8 @@
 
 Every such subprocess spends ~6 CPU-s importing torch, transformers, TRL and trl_es before the script's first line.
 :class:`WarmPython` starts one interpreter with the environment the scripts share, imports those libraries once, then
-forks a child per script: the child runs it as ``python script.py`` would (``__main__``, ``sys.argv``, its folder first
+forks a child per script: the child runs it as ``python script.py`` (or ``python -m module``) would (``__main__``,
+``sys.argv``, its folder first
 on ``sys.path``, the working directory, stdout and stderr to their own files, the exit code), so a test reads the same
 ``returncode``, ``stdout`` and ``stderr``. What an interpreter reads at start-up (``sitecustomize``, the Hugging Face
 cache variables) is the server's: scripts that need other start-up environments need another server.
@@ -31,9 +32,14 @@ for line in sys.stdin:
             for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
             os.environ.update(job["env"])
-            sys.argv = list(job["argv"])
-            sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` sets it
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            if job["argv"][0] == "-m":  # `python -m module ...`: the working directory first on sys.path
+                sys.argv = list(job["argv"][1:])
+                sys.path[0] = os.getcwd()
+                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)  # argv[0]: the module's file
+            else:
+                sys.argv = list(job["argv"])
+                sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` sets it
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as stop:  # sys.exit(n) / sys.exit("message"), as the interpreter reports them
             if isinstance(stop.code, int) or stop.code is None:
@@ -91,3 +97,24 @@ class WarmPython:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class WarmSubprocess:
+    """A stand-in for the ``subprocess`` module of code that runs ``subprocess.run([sys.executable, script, ...],
+    env=..., check=...)`` (monkeypatched over that module's ``subprocess``): each such command runs as a child of
+    ``warm`` in the current working directory, with ``env`` (default: this process's environment) applied; the
+    commands run are kept in ``commands``. Any other command is refused (AssertionError)."""
+
+    CalledProcessError = subprocess.CalledProcessError
+
+    def __init__(self, warm: WarmPython):
+        self.warm, self.commands = warm, []
+
+    def run(self, cmd, env=None, check=False, timeout: float = 600):
+        cmd = [str(c) for c in cmd]
+        self.commands.append(cmd)
+        assert cmd[0] == sys.executable, f"not a plain python command: {cmd}"
+        proc = self.warm.run(cmd[1:], cwd=os.getcwd(), env=dict(os.environ if env is None else env), timeout=timeout)
+        if check and proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc

@@ -2,20 +2,19 @@
 
 import json
 import os
-import subprocess
 import sys
 from paths import REPO
 
 ROOT = REPO
 
 
-def test_population_throughput_random_init_runs_on_cpu(tmp_path):
+def test_population_throughput_random_init_runs_on_cpu(tmp_path, warm_python):
     out = tmp_path / "throughput.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "population_throughput.py"), "--random_init",
            "--population", "2", "--prompts", "2", "--new_tokens", "2", "--prompt_tokens", "12",
            "--shared_prefix_tokens", "8", "--share_prompt_prefix", "--threads", "1", "--device", "cpu",
            "--output_json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    proc = warm_python.run(cmd[1:], cwd=os.getcwd(), timeout=600)  # `python script.py`, libraries already imported
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     rates = figures["completions_per_second"]
@@ -25,11 +24,11 @@ def test_population_throughput_random_init_runs_on_cpu(tmp_path):
     assert "(c)/(a)" in proc.stdout and "[eager]" in proc.stdout
 
 
-def test_top_p_speed_reports_each_variant_and_equal_kept_sets(tmp_path):
+def test_top_p_speed_reports_each_variant_and_equal_kept_sets(tmp_path, warm_python):
     out = tmp_path / "top_p.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "top_p_speed.py"), "--rows", "6", "--vocab", "2000",
            "--candidates", "64", "--repeats", "1", "--threads", "1", "--output_file", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    proc = warm_python.run(cmd[1:], cwd=os.getcwd(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert set(figures["seconds_per_step"]) == {"torch_sort", "torch_topk", "transformers_top_p", "candidate_top_p",

@@ -2,8 +2,7 @@
 
 import json
 import re
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
@@ -353,8 +352,8 @@ def test_task_arguments_validation():
         TaskArguments(time_budget_minutes=-1.0)
 
 
-def test_console_script_help():
-    result = subprocess.run([sys.executable, "-m", "trl_es.cli", "--help"], capture_output=True, text=True)
+def test_console_script_help(warm_python):
+    result = warm_python.run(["-m", "trl_es.cli", "--help"], cwd=os.getcwd())  # `python -m`, libraries imported
     assert result.returncode == 0 and "trl-es" in result.stdout and "train" in result.stdout
 
 

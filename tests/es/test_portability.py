@@ -96,29 +96,44 @@ sys.path.insert(0, {tests!r})
 sys.path.insert(0, {data!r})
 torch.set_num_threads(1)
 import make_runs
-_, trained = make_runs.train(sys.argv[1], sys.argv[2])
-digest = hashlib.sha256(b"".join(trained[k].numpy().tobytes() for k in sorted(trained))).hexdigest()
-log = open(os.path.join(sys.argv[2], "es_seed_log.jsonl")).read().splitlines()[1:]
-print("RESULT", torch.backends.cpu.get_cpu_capability(), digest, hashlib.sha256("\n".join(log).encode()).hexdigest())
+for name in sys.argv[2:]:
+    out = os.path.join(sys.argv[1], name)
+    _, trained = make_runs.train(name, out)
+    digest = hashlib.sha256(b"".join(trained[k].numpy().tobytes() for k in sorted(trained))).hexdigest()
+    log = open(os.path.join(out, "es_seed_log.jsonl")).read().splitlines()[1:]
+    print("RESULT", name, torch.backends.cpu.get_cpu_capability(), digest,
+          hashlib.sha256("\n".join(log).encode()).hexdigest())
 """
+RUNS = ["sequential_awd_antithetic", "lowrank_rank2"]
 
 
-@pytest.mark.parametrize("name", ["sequential_awd_antithetic", "lowrank_rank2"])
-def test_es_runs_are_bitwise_equal_under_every_cpu_dispatch(name, tmp_path):
+@pytest.fixture(scope="module")
+def dispatch_results(tmp_path_factory):
+    """``{capability: {name: (dispatch, weights sha256, seed log sha256)}}``: every run of ``RUNS`` trained in one
+    subprocess per forced CPU dispatch (one interpreter start per dispatch, not per run)."""
+    script = RUN_AND_HASH.format(tests=HERE, data=os.path.join(HERE, "data", "recorded_runs"))
+    results = {}
+    for capability in ("default", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+        out = tmp_path_factory.mktemp(capability)
+        done = subprocess.run([sys.executable, "-c", script, str(out), *RUNS], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT")]
+        results[capability] = {name: tuple(rest) for name, *rest in lines}
+    return results
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_es_runs_are_bitwise_equal_under_every_cpu_dispatch(name, dispatch_results):
     """The recorded ES runs trained in subprocesses with torch's CPU dispatch forced to ``default`` (no AVX2, no FMA:
     what the oldest x86-64 CPUs run) and to ``avx2``: the same weights and seed logs, and the recorded weights (this
     CPU's own dispatch trains them in-process in test_training_matches_recorded_runs.py)."""
     from safetensors.torch import load_file
 
-    script = RUN_AND_HASH.format(tests=HERE, data=os.path.join(HERE, "data", "recorded_runs"))
     results = {}
     for capability in ("default", "avx2"):
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-        done = subprocess.run([sys.executable, "-c", script, name, str(tmp_path / str(capability))], env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-        _, dispatch, weights, log = line.split()
+        dispatch, weights, log = dispatch_results[capability][name]
         results[capability] = (weights, log)
         assert dispatch == capability.upper()
     assert results["default"] == results["avx2"]

@@ -5,6 +5,7 @@ import json
 import os
 
 from tiny_tools import tool_model, tool_tokenizer
+from warm_python import WarmSubprocess
 
 
 STUDY = "agents_es_vs_grpo"
@@ -46,7 +47,9 @@ def test_splits_are_disjoint_and_sized(study):
     assert rows["test"] == study.splits(study.parse_args(["--output_dir", "x", "--num_test", "10"]))["test"]
 
 
-def test_study_end_to_end_on_the_tiny_model(study, tmp_path):
+def test_study_end_to_end_on_the_tiny_model(study, tmp_path, warm_python, monkeypatch):
+    arms = WarmSubprocess(warm_python)  # each arm's `python agents_es_vs_grpo.py ... --arm`: a warm child
+    monkeypatch.setattr(study, "subprocess", arms)
     tok = tool_tokenizer()
     model_dir = str(tmp_path / "tiny")
     tool_model(tok).save_pretrained(model_dir)
@@ -57,6 +60,7 @@ def test_study_end_to_end_on_the_tiny_model(study, tmp_path):
                          "--max_completion_length", "8", "--completions_budget", "8", "--es_population_size", "2",
                          "--es_prompt_batch_size", "2", "--grpo_prompts_per_step", "1", "--grpo_num_generations", "4",
                          "--eval_batch_size", "4"])
+    assert [cmd[-4:-2] for cmd in arms.commands] == [["--arm", "grpo"], ["--arm", "es"]]  # a process per arm
     assert os.path.exists(os.path.join(out, "warmup", "config.json"))
     assert result["warmup"]["num_rollouts"] == 4 and 0.0 <= result["warmup"]["accuracy"] <= 1.0
     grpo, es = result["arms"]

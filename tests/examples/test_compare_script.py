@@ -5,6 +5,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from warm_python import WarmSubprocess
 
 
 STUDY = "compare_es_grpo"
@@ -103,7 +104,19 @@ def test_arms_and_summary(study, tmp_path):
     assert "| GRPO (TRL GRPOTrainer) | 8 | 0.450, 0.550 | 0.500 | 0.071 | - |" in table
 
 
-def test_race_on_tiny_model(run_study):
+@pytest.fixture
+def warm_arms(warm_python, monkeypatch):
+    """Each arm's ``python compare_es_grpo.py --worker SPEC`` (:func:`trl_es.launch.run_worker`, one plain process
+    per arm here) as a child of the worker's warm interpreter (tests/warm_python.py: the libraries imported once, not
+    once per arm); the commands run."""
+    import trl_es.launch
+
+    shim = WarmSubprocess(warm_python)
+    monkeypatch.setattr(trl_es.launch, "subprocess", shim)
+    return shim.commands
+
+
+def test_race_on_tiny_model(run_study, warm_arms):
     out = run_study.output_dir
     results = run_study(
         "--task_seeds", "0",
@@ -119,6 +132,7 @@ def test_race_on_tiny_model(run_study):
     assert [(r["method"], r["budget_minutes"]) for r in saved["table"]] == [
         ("es", 0.02), ("es", 0.04), ("grpo", 0.02), ("grpo", 0.04)]
     assert len(saved["runs"]) == 3  # ES: one run per budget; GRPO: one run scored at the 0.02 mark
+    assert [cmd[2] for cmd in warm_arms] == ["--worker"] * 3  # one process per arm
     for run in saved["runs"]:
         assert run["split"] == "test" and run["processes"] == 1 and run["max_new_tokens"] == 6
         assert run["steps"] >= 1 and run["training_minutes"] >= run["budget_minutes"]

@@ -1,8 +1,6 @@
-"""examples/scripts/es.py: the copyable ESTrainer script, end to end in a subprocess on a tiny local model."""
+"""examples/scripts/es.py: the copyable ESTrainer script, end to end as `python es.py` on a tiny local model."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,17 +21,19 @@ def length_reward(completions, **kwargs):
 '''
 
 
-def test_es_script_trains_saves_and_logs_one_iteration(tmp_path, tiny_model_dir):
+def test_es_script_trains_saves_and_logs_one_iteration(tmp_path, tiny_model_dir, warm_python):
+    """``python es.py ...`` as a child of the worker's warm interpreter (tests/warm_python.py: ``__main__``, argv,
+    working directory, environment and exit code as a fresh ``python``; the libraries already imported)."""
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
+    proc = warm_python.run(
+        [SCRIPT, "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
          "--reward_funcs", "arithmetic_reward", "my_rewards.length_reward", "--max_steps", "1",
          "--population_size", "4", "--prompt_batch_size", "2", "--max_completion_length", "4",
          "--num_train_prompts", "8", "--num_test_prompts", "4", "--noise_table_size", str(1 << 20),
          "--sigma", "0.1", "--learning_rate", "0.05", "--report_to", "none", "--save_strategy", "no"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"Model saved to {out}." in proc.stdout
     for name in ("config.json", "model.safetensors", "tokenizer.json", "es_seed_log.jsonl"):

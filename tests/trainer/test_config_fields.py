@@ -5,8 +5,6 @@ argument, command-line flag (argparse's "invalid choice"), YAML recipe, field se
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 import typing
 from dataclasses import dataclass, field
 
@@ -179,10 +177,9 @@ def test_the_train_commands_help_shows_the_choices():
         assert f"--{name} {{{','.join(choices)}}}" in hyper_help, name
 
 
-def test_trl_es_train_help_on_the_command_line_shows_the_choices():
+def test_trl_es_train_help_on_the_command_line_shows_the_choices(warm_python):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "trl_es.cli", "train", "--help"], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    proc = warm_python.run(["-m", "trl_es.cli", "train", "--help"], timeout=300, env=env, cwd=ROOT)  # `python -m`
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--fitness_shaping {zscore,centered_rank,none}" in proc.stdout
     assert "--task {countdown,arithmetic,gsm}" in proc.stdout

@@ -8,7 +8,9 @@ failed on ``checkpoint-1``). ``ESConfig`` now runs such a launch as ``use_cpu=Tr
 without a pre-built state, a GPU-only ``ddp_backend``), naming ``use_cpu``.
 
 The launched tests run ``tests/distributed/run_es.py --plain_config`` (no ``use_cpu`` in its config) and compare with
-the one-process run of ``tests/trainer/test_distributed.py`` (the ``reference`` fixture).
+the one-process run of ``tests/trainer/test_distributed.py`` (the ``reference`` fixture). docs/scaling.md's
+preemption recipe (torchrun --standalone --max-restarts, save_steps=1, resume_from_checkpoint="latest") with a plain
+config runs in ``tests/trainer/test_preemption.py::test_killed_worker_restarts_and_ends_bitwise_as_uninterrupted``.
 """
 
 import logging
@@ -18,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 from test_distributed import assert_bitwise, launch, reference, seed_log, weights  # noqa: F401
-from test_preemption import assert_complete_checkpoints, elastic
+from test_preemption import assert_complete_checkpoints
 
 from trl_es import ESConfig
 from trl_es.trainer import distributed
@@ -48,20 +50,6 @@ def test_torchrun_with_a_plain_config_runs_as_two_processes(reference, tmp_path,
     assert_two_processes_like_one(result, tmp_path, ref_out, ref)
     assert result["replicas_identical"] == [True, True]
     assert result["prompt_batches_identical"] is True
-    assert_complete_checkpoints(tmp_path, ref_out)
-
-
-@no_accelerator
-@pytest.mark.distributed
-def test_preemption_recipe_with_a_plain_config(reference, tmp_path, tiny_model_dir):
-    """docs/scaling.md's recipe (torchrun --standalone --max-restarts, save_steps=1, resume_from_checkpoint="latest")
-    with a plain config on CPU: process 1 is SIGKILLed in iteration 2, the restarted pair resumes from checkpoint-1
-    and ends as one uninterrupted process."""
-    ref_out, ref = reference
-    result = elastic(tmp_path, tiny_model_dir, "--plain_config", "--kill_at_step", "2", "--kill_rank", "1")
-    assert result["restart_count"] == 1 and sorted(result["checkpoints_at_start"]) == ["checkpoint-1"]
-    assert result["steps_run"] == [2]
-    assert_two_processes_like_one(result, tmp_path, ref_out, ref)
     assert_complete_checkpoints(tmp_path, ref_out)
 
 

@@ -1,10 +1,11 @@
 """Several "nodes" on one host: two ``torchrun --nnodes 2 --nproc_per_node 2`` launchers (node ranks 0 and 1) meet at a
 static rendezvous on 127.0.0.1 and run ``tests/distributed/run_es.py`` as one job of W = 4 CPU processes (gloo).
 
-Population parallelism (8 members: 2 per process) ends bitwise where 1 and 2 processes end (weights, seed log,
-rewards), and the bytes each process receives per iteration are counted exactly and compared with what a GRPO step
-all-reduces for the same model (``bytes_table``; ``python tests/trainer/test_multinode.py`` prints the table). ZeRO-3 over the
-2 nodes (a bf16 model partitioned over the 4 processes) ends bitwise where one process ends.
+Population parallelism (8 members: 2 per process) ends bitwise where 1 process ends (weights, seed log, rewards; 2
+processes on one node against 1: tests/trainer/test_distributed.py), and the bytes each process receives per iteration
+are counted exactly and compared with what a GRPO step all-reduces for the same model (``bytes_table``; ``python
+tests/trainer/test_multinode.py`` prints the table for W = 1, 2 and 4). ZeRO-3 over the 2 nodes (a bf16 model
+partitioned over the 4 processes) ends bitwise where one process ends.
 """
 
 import json
@@ -131,33 +132,30 @@ def trainable_parameters(model_dir) -> int:
 
 
 @pytest.mark.distributed
-def test_two_nodes_of_two_processes_match_one_and_two_processes(tmp_path, tiny_model_dir):
-    """W = 4 over 2 nodes, W = 2 on one node and W = 1: bitwise the same weights, seed log and rewards."""
+def test_two_nodes_of_two_processes_match_one_process(tmp_path, tiny_model_dir):
+    """W = 4 over 2 nodes and W = 1: bitwise the same weights, seed log and rewards. (W = 2 on one node against W = 1,
+    weights, seed log, rewards and the exact bytes per iteration: tests/trainer/test_distributed.py's
+    ``test_population_parallelism_matches_one_process``; ``python tests/trainer/test_multinode.py`` runs all three.)"""
     args = ("--population", str(POPULATION))
     one_out, one = run_here(tmp_path / "w1", tiny_model_dir, population=POPULATION)
-    two = torchrun(tmp_path / "w2", tiny_model_dir, *args)
     four = two_nodes(tmp_path / "w4", tiny_model_dir, *args)
-    assert (one["world_size"], two["world_size"], four["world_size"]) == (1, 2, 4)
+    assert (one["world_size"], four["world_size"]) == (1, 4)
     assert not four["sharded"] and four["model_wrapped"] == "LlamaForCausalLM"
     assert four["replicas_identical"] == [True, True]
     assert [p["node"] for p in four["comm_bytes_per_process"]] == [0, 0, 1, 1]
-    reference = weights(one_out / "model")
-    for out in (tmp_path / "w2", tmp_path / "w4"):
-        assert_bitwise(weights(out / "model"), reference)
-        assert seed_log(out) == seed_log(one_out)
-    for result in (two, four):
-        assert result["eval"]["eval_reward"] == one["eval"]["eval_reward"]
-        for key in ("reward", "reward_std", "reward_min", "reward_max", "rewards/mean_code/mean", "completion_tokens"):
-            assert [h[key] for h in result["log_history"] if "reward" in h] == \
-                   [h[key] for h in one["log_history"] if "reward" in h], key
+    assert_bitwise(weights(tmp_path / "w4" / "model"), weights(one_out / "model"))
+    assert seed_log(tmp_path / "w4") == seed_log(one_out)
+    assert four["eval"]["eval_reward"] == one["eval"]["eval_reward"]
+    for key in ("reward", "reward_std", "reward_min", "reward_max", "rewards/mean_code/mean", "completion_tokens"):
+        assert [h[key] for h in four["log_history"] if "reward" in h] == \
+               [h[key] for h in one["log_history"] if "reward" in h], key
     # Bytes into each process, per iteration: every process the same; iteration 1 adds the 16-byte fingerprints.
-    for world, result in ((2, two), (4, four)):
-        per_iteration = es_bytes_per_iteration(world)
-        for proc in result["comm_bytes_per_process"]:
-            assert proc["comm_bytes"] == [per_iteration + 16 * world, per_iteration], (world, proc)
+    per_iteration = es_bytes_per_iteration(4)
+    for proc in four["comm_bytes_per_process"]:
+        assert proc["comm_bytes"] == [per_iteration + 16 * 4, per_iteration], proc
     params = trainable_parameters(tiny_model_dir)
     assert es_bytes_per_iteration(4) < grpo_bytes(params, 4)["ring_received_per_process"] / 50
-    print("\n" + format_table(bytes_table({1: one, 2: two, 4: four}, params), params))
+    print("\n" + format_table(bytes_table({1: one, 4: four}, params), params))
 
 
 @pytest.mark.distributed

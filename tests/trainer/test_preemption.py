@@ -61,10 +61,12 @@ def assert_complete_checkpoints(out, ref_out, steps=(1, 2), sharded=False):
 def test_killed_worker_restarts_and_ends_bitwise_as_uninterrupted(reference, tmp_path, tiny_model_dir):
     """Population parallelism, 2 processes: process 1 is SIGKILLed in the middle of iteration 2 (one of its members
     scored); torch elastic restarts both, which resume from checkpoint-1 and end with the uninterrupted weights and
-    seed log."""
+    seed log. The config is docs/scaling.md's recipe with a plain config (no ``use_cpu``: the launcher's world is the
+    trainer's, tests/trainer/test_launch_world.py); the other kill tests set ``use_cpu`` as the other launched tests."""
     ref_out, ref = reference
-    result = elastic(tmp_path, tiny_model_dir, "--kill_at_step", "2", "--kill_rank", "1")
+    result = elastic(tmp_path, tiny_model_dir, "--plain_config", "--kill_at_step", "2", "--kill_rank", "1")
     assert result["restart_count"] == 1  # the second attempt wrote the result: the kill happened
+    assert result["world_size"] == 2 and result["args_world_size"] == 2 and result["use_cpu"] is True
     assert sorted(result["checkpoints_at_start"]) == ["checkpoint-1"]
     assert result["steps_run"] == [2]  # only the iteration in flight was run again
     assert result["replicas_identical"] == [True]

@@ -323,17 +323,19 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
 @pytest.mark.distributed
 def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model_dir):
     """DeepSpeed ZeRO-3 on 2 processes (bf16 model, fp32 master partitions, each process on its own prompts): the
-    probe counts and the fitness are summed over processes, and the rollback steps each master partition."""
+    probe counts and the fitness are summed over processes, and the rollback steps each master partition. Launched
+    by torchrun, as the other ZeRO tests (the deepspeed launcher's own run: tests/trainer/test_distributed.py's
+    ``zero3_run``)."""
     import sys
 
     from paths import TESTS
     sys.path.insert(0, os.path.join(TESTS, "distributed"))
     sys.path.insert(0, os.path.join(TESTS, "trainer"))
-    from test_distributed import deepspeed, run_here, weights
+    from test_distributed import run_here, torchrun, weights
 
     ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True, dtype="bfloat16")
-    result = deepspeed(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--steps", "4",
-                       "--stability")
+    result = torchrun(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--steps", "4",
+                      "--stability")
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
