@@ -1,5 +1,6 @@
 """trl_es has no import cycle: the module graph of every ``import`` and ``from ... import`` (relative ones, and the
-lazy ones inside functions, included) has no strongly connected component of more than one module, and no module
+lazy ones inside functions, included; those under ``if TYPE_CHECKING:``, which never run, left out) has no strongly
+connected component of more than one module, and no module
 imports itself. The checker is tried on a small package with a cycle first, so the main test can fail."""
 
 import ast
@@ -13,7 +14,8 @@ def module_graph(root: str, package: str) -> dict[str, set[str]]:
     """The import graph of ``package`` (a folder under ``root``): module -> the modules of the package it imports.
 
     ``from pkg import name`` points at the submodule ``pkg.name`` when there is one, else at ``pkg``; ``import a.b``
-    at ``a.b``. Imports anywhere in a file count (module level, functions, classes); other packages are left out.
+    at ``a.b``. Imports anywhere in a file count (module level, functions, classes) except under
+    ``if TYPE_CHECKING:`` (annotations only); other packages are left out.
     """
     files = {}
     for folder, _, names in os.walk(os.path.join(root, package)):
@@ -27,7 +29,12 @@ def module_graph(root: str, package: str) -> dict[str, set[str]]:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         here = module if is_package else module.rpartition(".")[0]  # the package relative imports start from
+        type_only = {n for node in ast.walk(tree) if isinstance(node, ast.If)
+                     and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                     for stmt in node.body for n in ast.walk(stmt)}
         for node in ast.walk(tree):
+            if node in type_only:
+                continue
             if isinstance(node, ast.Import):
                 graph[module] |= {alias.name for alias in node.names if alias.name in files}
             elif isinstance(node, ast.ImportFrom):
@@ -84,6 +91,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
+TYPE_ONLY = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"  # the block below it never runs
+
+
 def write_package(root, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name
@@ -101,9 +111,15 @@ def test_the_checker_finds_the_cycles_of_a_small_package(tmp_path):
         "pkg/sub/b.py": "from pkg.sub import a\n",  # b -> a: a second cycle, absolute and via `from pkg import name`
         "pkg/own.py": "from . import own\n",  # a module that imports itself
         "pkg/leaf.py": "import os\nfrom .config import Config\n",  # no cycle through leaf
+        "pkg/typed.py": f"{TYPE_ONLY}    from .leaf import x\nimport pkg.leaf\n",
     })
     graph = module_graph(str(tmp_path), "pkg")
     assert graph["pkg.fields"] == {"pkg.config"} and graph["pkg.sub.a"] == {"pkg.sub", "pkg.sub.b"}
+    assert graph["pkg.typed"] == {"pkg.leaf"}  # the plain import counts, the TYPE_CHECKING one does not
+    write_package(tmp_path, {"pkg/leaf.py": f"{TYPE_ONLY}    from . import typed\n"})  # leaf <-> typed, for types
+    cycles = [["pkg.config", "pkg.fields"], ["pkg.own"], ["pkg.sub.a", "pkg.sub.b"]]  # none through leaf and typed
+    assert import_cycles(module_graph(str(tmp_path), "pkg")) == cycles
+    write_package(tmp_path, {"pkg/leaf.py": "import os\nfrom .config import Config\n"})
     assert import_cycles(graph) == [["pkg.config", "pkg.fields"], ["pkg.own"], ["pkg.sub.a", "pkg.sub.b"]]
     write_package(tmp_path, {"pkg/fields.py": "def docs():\n    return None\n", "pkg/sub/b.py": "", "pkg/own.py": ""})
     assert import_cycles(module_graph(str(tmp_path), "pkg")) == []
