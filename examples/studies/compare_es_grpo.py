@@ -195,7 +195,7 @@ class HeldOutEntropy:
     arXiv 2608.27351)."""
 
     def __init__(self, tokenizer, rows: list[dict], max_new_tokens: int, samples: int = 2):
-        from trl_es.rewards import RewardScorer
+        from trl_es.rollout import RewardScorer
         from trl_es.tasks.arithmetic import arithmetic_reward
 
         self.tokenizer, self.rows, self.samples = tokenizer, rows, samples
