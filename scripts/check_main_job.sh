@@ -4,7 +4,7 @@
 # a one-core machine), the real entry point (scripts/run_main_job.sh). Then checks that the trained model, the seed
 # log and results.json are there and complete. Then the same from the broken cache that a two-process build left
 # before cache format 2 (a marker without config or weights): it must be rebuilt, not trusted. Then the tests that
-# load the real model (pytest -m slow). Run by .ci/run; about 4 minutes on 2 CPU cores.
+# load the real model or run the GPU acceptance driver on CPU (pytest -m slow). Run by .ci/run; about 4 minutes on 2 CPU cores.
 #   bash scripts/check_main_job.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,7 +58,8 @@ rm -f "$cached/config.json" "$cached/model.safetensors" "$cached/generation_conf
 echo '{"format": 1, "source": "SmolLM2-135M-Instruct.Q4_1.gguf"}' > "$cached/trl_es_embedded.json"
 run_and_check "$work/rebuilt"
 
-# The tests that load the real embedded model (pytest marker "slow": the GGUF de-quantized into a fresh cache,
-# bitwise equal to the GGUF model, greedy chat generation); the suite (scripts/run_tests.sh) runs on tiny models.
-echo "[check_main_job] the real-model tests (pytest -m slow)"
+# The tests marked "slow": those that load the real embedded model (the GGUF de-quantized into a fresh cache, bitwise
+# equal to the GGUF model, greedy chat generation) and benchmarks/gpu_acceptance.sh end to end on CPU (six
+# interpreters); the suite (scripts/run_tests.sh) runs on tiny models.
+echo "[check_main_job] the real-model tests and the GPU acceptance driver on CPU (pytest -m slow)"
 .venv/bin/python -m pytest tests -q -p no:cacheprovider -m slow

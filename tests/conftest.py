@@ -24,7 +24,7 @@ HEAVY_FIRST = (
     "tests/trainer/test_distributed.py", "tests/trainer/test_es_trainer.py", "tests/examples/test_grpo_scripts.py",
     "tests/examples/test_trl_docs_scripts.py", "tests/generation/test_continuous_batching.py",
     "tests/trainer/test_preemption.py", "tests/test_models.py", "tests/trainer/test_launch_world.py",
-    "tests/trainer/test_multinode.py", "tests/trainer/test_stability.py", "tests/benchmarks/test_gpu_acceptance.py",
+    "tests/trainer/test_multinode.py", "tests/trainer/test_stability.py",
     "tests/es/test_portability.py",
     "tests/trainer/test_awd.py", "tests/examples/test_hyper_es_script.py", "tests/trainer/test_resume_trust.py",
     "tests/trainer/test_trl_conformance.py", "tests/generation/test_vllm_server_worker.py",

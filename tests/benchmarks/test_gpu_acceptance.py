@@ -1,10 +1,14 @@
 """``benchmarks/gpu_acceptance.sh`` runs end to end on CPU (``--device cpu --quick``: tiny models, the eager engine,
-one repeat) and writes every JSON file the GPU run writes, so that on the GPU it fails only for real reasons."""
+one repeat) and writes every JSON file the GPU run writes, so that on the GPU it fails only for real reasons. Six
+interpreters end to end (about 80 CPU-s): marked ``slow``, it runs in ``scripts/check_main_job.sh`` (CI), not in the
+suite."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 from paths import REPO
 
 ROOT = REPO
@@ -13,6 +17,7 @@ FILES = ("summary.json", "tests.json", "throughput_smollm2_135m.json", "throughp
          "memory_smollm2_135m.json")
 
 
+@pytest.mark.slow
 def test_gpu_acceptance_cpu_quick_writes_every_result(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, WHEELS=str(tmp_path / "no-wheels"), SCRATCH=str(tmp_path),
