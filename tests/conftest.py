@@ -78,16 +78,22 @@ def run_study(study, tiny_model_dir, tmp_path):
 
 
 class _SessionWarmPython:
-    """:class:`WarmPython`'s ``run``, its server started on first use and started again after one was stopped (a
+    """:class:`WarmPython`'s ``run`` and ``run_ranks``, its server started on first use and started again after one was stopped (a
     timed-out script stops it)."""
 
     def __init__(self, env: dict):
         self.env, self.warm = env, None
 
-    def run(self, *args, **kwargs):
+    def _server(self) -> WarmPython:
         if self.warm is None or self.warm.server.poll() is not None:
             self.warm = WarmPython(self.env)
-        return self.warm.run(*args, **kwargs)
+        return self.warm
+
+    def run(self, *args, **kwargs):
+        return self._server().run(*args, **kwargs)
+
+    def run_ranks(self, *args, **kwargs):
+        return self._server().run_ranks(*args, **kwargs)
 
     def close(self):
         if self.warm is not None:

@@ -11,9 +11,11 @@ cache variables) is the server's: scripts that need other start-up environments 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +26,18 @@ import datasets, transformers, trl, trl_es  # what every script imports: once, b
 for line in sys.stdin:
     job = json.loads(line)
     sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
+    pids = []
+    for copy in job["copies"]:  # one child per copy (the processes of one world run at once)
+        pid = os.fork()
+        if pid:
+            pids.append(pid)
+            continue
         code = 1
         try:
             os.chdir(job["cwd"])
-            for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+            for fd, path in ((1, copy["stdout"]), (2, copy["stderr"])):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-            os.environ.update(job["env"])
+            os.environ.update(copy["env"])
             if job["argv"][0] == "-m":  # `python -m module ...`: the working directory first on sys.path
                 sys.argv = list(job["argv"][1:])
                 sys.path[0] = os.getcwd()
@@ -51,9 +57,15 @@ for line in sys.stdin:
         finally:
             sys.stdout.flush(); sys.stderr.flush()
             os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    print(json.dumps({"pids": pids}), flush=True)
+    codes = {}
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid]:  # as torchrun: a failed process stops the others (which would wait in a collective)
+            for other in set(pids) - set(codes):
+                os.kill(other, 15)
+    print(json.dumps({"returncodes": [codes[pid] for pid in pids]}), flush=True)
 """
 
 
@@ -68,24 +80,50 @@ class WarmPython:
 
     def run(self, argv: list[str], cwd, env: dict[str, str] | None = None, timeout: float = 600):
         """Raises ``TimeoutError`` (the server is stopped) after ``timeout`` seconds."""
+        return self.run_copies(argv, cwd, [env or {}], timeout)[0]
+
+    def run_ranks(self, argv: list[str], cwd, world: int, env: dict[str, str] | None = None, timeout: float = 600):
+        """``python *argv`` as ``world`` processes at once, each with the variables ``torchrun --nproc_per_node
+        world`` gives its workers (rank, world, one node, a free ``MASTER_PORT`` on 127.0.0.1): a list of
+        :class:`subprocess.CompletedProcess`, rank order. Raises ``TimeoutError`` as :meth:`run`."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                  "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                  "TORCHELASTIC_RUN_ID": "none"}
+        envs = [{**(env or {}), **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+                for r in range(world)]
+        return self.run_copies(argv, cwd, envs, timeout)
+
+    def run_copies(self, argv: list[str], cwd, envs: list[dict[str, str]], timeout: float = 600):
+        """``python *argv`` once per entry of ``envs`` (its variables set), all at once; their
+        :class:`subprocess.CompletedProcess` in that order."""
         with tempfile.TemporaryDirectory() as folder:
-            out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-            job = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": out, "stderr": err, "env": env or {}}
+            copies = [{"env": env, "stdout": os.path.join(folder, f"stdout{i}"),
+                       "stderr": os.path.join(folder, f"stderr{i}")} for i, env in enumerate(envs)]
+            job = {"argv": [str(a) for a in argv], "cwd": str(cwd), "copies": copies}
             self.server.stdin.write(json.dumps(job) + "\n")
             self.server.stdin.flush()
-            started = self.server.stdout.readline()  # the child's pid, at once
+            started = self.server.stdout.readline()  # the children's pids, at once
             if not started:
                 raise RuntimeError(f"the warm interpreter died before {argv} (exit code {self.server.poll()})")
             ready, _, _ = select.select([self.server.stdout], [], [], timeout)
             if not ready:
-                os.kill(json.loads(started)["pid"], 9)
+                for pid in json.loads(started)["pids"]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 9)
                 self.close()
                 raise TimeoutError(f"{argv} did not finish in {timeout} s")
             reply = self.server.stdout.readline()
             if not reply:
                 raise RuntimeError(f"the warm interpreter died running {argv} (exit code {self.server.poll()})")
-            with open(out) as f_out, open(err) as f_err:
-                return subprocess.CompletedProcess(argv, json.loads(reply)["returncode"], f_out.read(), f_err.read())
+            results = []
+            for copy, code in zip(copies, json.loads(reply)["returncodes"], strict=True):
+                with open(copy["stdout"]) as f_out, open(copy["stderr"]) as f_err:
+                    results.append(subprocess.CompletedProcess(argv, code, f_out.read(), f_err.read()))
+            return results
 
     def close(self):
         if self.server.poll() is None:

@@ -2,7 +2,8 @@
 
 Every test launches ``tests/distributed/run_es.py`` (2 iterations of a tiny Llama, population 4, 4 prompts, greedy
 decoding) with two processes and compares with the same job run in this process (one process, one thread):
-population parallelism (``torchrun``) and ZeRO-2 in fp32, ZeRO-3 with a bf16 model and fp32 master shards.
+population parallelism (``torchrun``'s two processes, forked from the warm interpreter: :func:`torchrun`) and ZeRO-2
+in fp32, ZeRO-3 with a bf16 model and fp32 master shards (the ``deepspeed`` launcher, and torchrun's processes).
 """
 
 import json
@@ -42,12 +43,42 @@ def launch(launcher: list[str], out, model_dir, *extra, timeout=600):
         return json.load(f)
 
 
-def torchrun(out, model_dir, *extra):
-    return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(29600 + os.getpid() % 300)], out, model_dir, *extra)
+WARM = None  # the worker's warm interpreter (conftest.warm_python) while a module that uses warm_ranks runs
 
 
-# the deepspeed launcher (docs/scaling.md), for the ZeRO-3 run the other ZeRO tests compare with; they use torchrun
+@pytest.fixture(scope="module")
+def warm_ranks(warm_python):
+    """For a module's tests (``pytestmark = pytest.mark.usefixtures("warm_ranks")``): :func:`torchrun` forks its two
+    processes from the warm interpreter."""
+    global WARM
+    WARM = warm_python
+    yield
+    WARM = None
+
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")
+
+
+def torchrun(out, model_dir, *extra, timeout=600, warm=None):
+    """The job as ``torchrun --nproc_per_node 2`` runs it. With a warm interpreter (``warm``, or this module's
+    :func:`warm_ranks`): two processes with the variables torchrun gives its workers (rank, world, master address
+    and port), forked from it (~13 CPU-s of imports less per run; the launchers themselves run in
+    test_launch_world.py, test_preemption.py and test_multinode.py); without one (the vLLM lane) torchrun itself."""
+    warm = warm or WARM
+    if warm is None:
+        return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                       "--master_port", str(29600 + os.getpid() % 300)], out, model_dir, *extra, timeout=timeout)
+    argv = [SCRIPT, "--model", model_dir, "--out", str(out), *extra]
+    procs = warm.run_ranks(argv, os.getcwd(), 2, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+                           timeout=timeout)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} of {argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)
+
+
+# the deepspeed launcher (docs/scaling.md), for the ZeRO-3 run the other ZeRO tests compare with; they use torchrun's
+# variables
 def deepspeed(out, model_dir, *extra):
     return launch(["deepspeed", "--num_gpus", "2", "--master_port", str(29900 + os.getpid() % 300)],
                   out, model_dir, *extra)

@@ -299,7 +299,7 @@ def test_guard_does_not_fire_on_a_flat_run(tmp_path, tokenizer):
 
 # ---------------------------------------------------------------------------------------------- two processes
 @pytest.mark.distributed
-def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_dir):
+def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_dir, warm_python):
     """torchrun, population parallelism: the probes' counts and the guard's fitness are all-reduced, so both
     processes pick one sigma and one rollback, and the weights and seed log end as in one process."""
     import sys
@@ -310,7 +310,7 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
     from test_distributed import run_here, torchrun, weights
 
     ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True)
-    torchrun(tmp_path / "two", tiny_model_dir, "--steps", "4", "--stability")
+    torchrun(tmp_path / "two", tiny_model_dir, "--steps", "4", "--stability", warm=warm_python)
     one, two = records(ref_out), records(tmp_path / "two")
     assert one == two
     assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
@@ -321,10 +321,10 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
 
 
 @pytest.mark.distributed
-def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model_dir):
+def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model_dir, warm_python):
     """DeepSpeed ZeRO-3 on 2 processes (bf16 model, fp32 master partitions, each process on its own prompts): the
-    probe counts and the fitness are summed over processes, and the rollback steps each master partition. Launched
-    by torchrun, as the other ZeRO tests (the deepspeed launcher's own run: tests/trainer/test_distributed.py's
+    probe counts and the fitness are summed over processes, and the rollback steps each master partition. Run as
+    torchrun's two processes, as the other ZeRO tests (the deepspeed launcher's own run: tests/trainer/test_distributed.py's
     ``zero3_run``)."""
     import sys
 
@@ -335,7 +335,7 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
 
     ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True, dtype="bfloat16")
     result = torchrun(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--steps", "4",
-                      "--stability")
+                      "--stability", warm=warm_python)
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
