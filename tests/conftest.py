@@ -78,8 +78,8 @@ def run_study(study, tiny_model_dir, tmp_path):
 
 
 class _SessionWarmPython:
-    """:class:`WarmPython`'s ``run`` and ``run_ranks``, its server started on first use and started again after one was stopped (a
-    timed-out script stops it)."""
+    """:class:`WarmPython`'s ``run`` and ``run_ranks``, its server started on first use and started again after one
+    was stopped (a timed-out script stops it)."""
 
     def __init__(self, env: dict):
         self.env, self.warm = env, None
