@@ -214,6 +214,25 @@ def test_logs_and_eval(tmp_path, tokenizer):
     assert any("eval_reward" in h for h in trainer.state.log_history)
 
 
+@pytest.mark.parametrize("sampling", [{}, {"num_generations": 2, "temperature": 1.0}], ids=["greedy", "sampled"])
+def test_evaluation_during_training_leaves_the_trajectory_bitwise(tmp_path, tokenizer, sampling):
+    """evaluate() before train and an evaluation every iteration (TRL's workflow) change neither the weights nor the
+    seed log: the studies that skip evaluations compare with runs that make them."""
+    runs = {}
+    for name, extra in (("plain", {}), ("evaluated", {"eval_strategy": "steps", "eval_steps": 1})):
+        trainer = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / name, max_steps=3, **sampling,
+                            **extra), train_dataset=prompts(), eval_dataset=prompts(3, offset=9),
+                            processing_class=tokenizer)
+        if extra:
+            trainer.evaluate()
+        trainer.train()
+        runs[name] = trainer
+    assert sum("eval_reward" in h for h in runs["evaluated"].state.log_history) == 3  # train() starts a new history
+    assert_changed(snapshot(runs["plain"].model), snapshot(build_llama(tokenizer)))
+    assert_bitwise(snapshot(runs["evaluated"].model), snapshot(runs["plain"].model))
+    assert runs["evaluated"].seed_log.records == runs["plain"].seed_log.records
+
+
 def test_checkpoint_loads_and_resume_matches_uninterrupted(tmp_path, tokenizer):
     data = prompts(8, conversational=True)
     full = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "full", max_steps=4),
