@@ -6,6 +6,7 @@ imports itself. The checker is tried on a small package with a cycle first, so t
 import ast
 import os
 from paths import REPO
+from test_architecture import _type_checking_only
 
 ROOT = REPO
 
@@ -29,9 +30,7 @@ def module_graph(root: str, package: str) -> dict[str, set[str]]:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         here = module if is_package else module.rpartition(".")[0]  # the package relative imports start from
-        type_only = {n for node in ast.walk(tree) if isinstance(node, ast.If)
-                     and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                     for stmt in node.body for n in ast.walk(stmt)}
+        type_only = _type_checking_only(tree)
         for node in ast.walk(tree):
             if node in type_only:
                 continue

@@ -751,6 +751,6 @@ class Agents:
         self.counts = torch.zeros(3, dtype=torch.float64)
         for out in rollouts:
             self.counts += tool_counts(out)
-        seen = {repr(out.completion_ids) for out in rollouts}  # hashable: one entry per distinct rollout
-        if self.rollout_func is not None and num_members > 1 and len(seen) == 1:
-            warn_member_independent_rollouts()
+        if self.rollout_func is not None and num_members > 1:
+            if len({repr(out.completion_ids) for out in rollouts}) == 1:  # hashable: one entry per distinct rollout
+                warn_member_independent_rollouts()
