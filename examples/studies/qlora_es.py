@@ -68,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--num_samples", type=int, default=4, help="Sampled completions per test prompt (pass@k).")
     parser.add_argument("--pass_k", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--dry_run", action="store_true", help="Print the commands only.")
+    parser.add_argument("--report", action="store_true",
+                        help="Run nothing: write and print the table over --seeds from the finished runs.")
     return parser.parse_args(argv)
 
 
@@ -211,9 +213,11 @@ def test_eval(args, out: str, quantized: bool) -> None:
 
 
 def table(args) -> str:
-    """Mean ± std over seeds per arm: test greedy accuracy before/after, pass@k, iterations, training minutes."""
-    rows = ["| arm | seeds | test greedy accuracy (after) | " + " | ".join(f"pass@{k}" for k in args.pass_k)
-            + " | iterations | training minutes |", "|---|---|---|" + "---|" * len(args.pass_k) + "---|---|"]
+    """Mean ± std over seeds per arm: validation and test greedy accuracy after training, test pass@k, iterations,
+    training minutes (GRPO has no validation figure: ``-``)."""
+    rows = ["| arm | seeds | validation greedy accuracy (after) | test greedy accuracy (after) | "
+            + " | ".join(f"pass@{k}" for k in args.pass_k) + " | iterations | training minutes |",
+            "|---|---|---|---|" + "---|" * len(args.pass_k) + "---|---|"]
     names = sorted(d for d in os.listdir(args.output_dir) if os.path.isdir(os.path.join(args.output_dir, d)))
     for name in names:
         runs = [os.path.join(args.output_dir, name, f"seed{s}") for s in args.seeds]
@@ -225,7 +229,9 @@ def table(args) -> str:
         passes = [mean_and_std([ev[f"pass@{k}"] for _, _, ev in done]) for k in args.pass_k]
         steps = [res.get("iterations", res.get("steps")) for _, res, _ in done]
         minutes = mean_and_std([(res.get("train_seconds") or 0.0) / 60 for _, res, _ in done])
+        validation = [res["accuracy_after"] for _, res, _ in done if "accuracy_after" in res]
         cells = [f"{m:.3f} ± {s:.3f}" for m, s in [acc, *passes]]
+        cells.insert(0, "-" if len(validation) < len(done) else "{:.3f} ± {:.3f}".format(*mean_and_std(validation)))
         rows.append(f"| {name} | {len(done)} | " + " | ".join(cells) + f" | {steps} | {minutes[0]:.1f} |")
     return "\n".join(rows) + "\n"
 
@@ -236,6 +242,12 @@ def main(argv=None) -> None:
         return
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
+    if args.report:
+        report = table(args)
+        with open(os.path.join(args.output_dir, "results.md"), "w") as f:
+            f.write(report)
+        print(report, end="")
+        return
     start = time.time()
     for seed in args.seeds:  # one seed at a time: every arm of seed 0 first
         for arm in args.arms:

@@ -47,10 +47,19 @@ def test_table_is_mean_and_spread_over_the_finished_seeds(study, tmp_path):
     for seed, (accuracy, pass4) in enumerate([(0.2, 0.5), (0.4, 0.7)]):
         run = tmp_path / "full" / f"seed{seed}"
         run.mkdir(parents=True)
-        (run / "results.json").write_text(json.dumps({"iterations": 6, "train_seconds": 120.0}))
+        (run / "results.json").write_text(json.dumps({"iterations": 6, "train_seconds": 120.0,
+                                                      "accuracy_after": 0.5 + seed / 10}))
         (run / "test_eval.json").write_text(json.dumps({"accuracy_greedy": accuracy, "pass@1": 0.3, "pass@4": pass4}))
     (tmp_path / "lora4bit_sigma0.02" / "seed0").mkdir(parents=True)  # unfinished: not in the table
     args = study.parse_args(["--output_dir", str(tmp_path), "--seeds", "0", "1", "2"])
     rows = study.table(args).splitlines()
-    assert len(rows) == 3 and rows[2].startswith("| full | 2 | 0.300 ± ")
+    assert len(rows) == 3 and rows[2].startswith("| full | 2 | 0.550 ± 0.071 | 0.300 ± 0.141 | ")
     assert "0.600 ± " in rows[2] and rows[2].endswith("| [6, 6] | 2.0 |")
+    (tmp_path / "grpo_qlora" / "seed0").mkdir(parents=True)  # GRPO: no validation accuracy
+    (tmp_path / "grpo_qlora" / "seed0" / "results.json").write_text(json.dumps({"steps": 9, "train_seconds": 60.0}))
+    (tmp_path / "grpo_qlora" / "seed0" / "test_eval.json").write_text(
+        json.dumps({"accuracy_greedy": 0.25, "pass@1": 0.2, "pass@4": 0.4}))
+    study.main(["--output_dir", str(tmp_path), "--seeds", "0", "1", "--report"])  # runs nothing, writes the table
+    rows = (tmp_path / "results.md").read_text().splitlines()
+    assert rows[2].startswith("| full | 2 |")
+    assert rows[3] == "| grpo_qlora | 1 | - | 0.250 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | [9] | 1.0 |"
