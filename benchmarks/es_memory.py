@@ -16,6 +16,9 @@ set size, ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (``tracemalloc`` does no
   fp32 adapter, and TRL's ``GRPOTrainer`` (QLoRA: its adapter cast to bf16, AdamW over it). They load a 4-bit
   checkpoint (the model quantized and saved once, in a process of its own, as the hub's ``*-bnb-4bit`` checkpoints
   are): quantizing at load time would read the whole 16/32-bit checkpoint into the process first.
+  ``grpo_qlora_rowmajor`` is ``grpo_qlora`` with the ``lm_head`` reading a row-major input for the whole run, as
+  ESTrainer's generation gives it (``trl_es.generation.standard_strided_head_input``): PyTorch's CPU ``linear``
+  copies a 16-bit head once per row for the prefill's last-position slice, in GRPO's generation as in any other.
 
 Every trainer makes the same number of completions per step (``--completions``, each ``--new_tokens`` tokens): ES
 scores ``--population_size`` members, each on ``--completions`` prompts; GRPO generates ``--num_generations``
@@ -49,6 +52,7 @@ For ES the time split of every iteration (``time/perturb``, ``time/generation_an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -57,8 +61,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("load", "es_default", "es_lean", "grpo", "load_4bit", "es_4bit", "grpo_qlora")
-QUANTIZED = ("load_4bit", "es_4bit", "grpo_qlora")
+VARIANTS = ("load", "es_default", "es_lean", "grpo", "load_4bit", "es_4bit", "grpo_qlora", "grpo_qlora_rowmajor")
+QUANTIZED = ("load_4bit", "es_4bit", "grpo_qlora", "grpo_qlora_rowmajor")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Qwen2.5 base models' shapes (their config.json: Qwen2 architecture, q/k/v biases, tied embeddings). Token ids are the
 # SmolLM2 tokenizer's (bos 1, eos/pad 2), which every random model here is saved with.
@@ -253,15 +257,20 @@ def worker(cli) -> dict:
     elif cli.worker.startswith("grpo"):
         from trl import GRPOConfig, GRPOTrainer
 
+        from trl_es.generation import standard_strided_head_input
+
         args = GRPOConfig(per_device_train_batch_size=cli.completions, num_generations=cli.num_generations,
                           temperature=1.0, **common)
         trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=dataset,
                               processing_class=tokenizer, peft_config=peft_config)
+        rowmajor = cli.worker == "grpo_qlora_rowmajor"  # ESTrainer's generation hook on the head, for the whole run
         start = time.perf_counter()
-        trainer.train()
+        with standard_strided_head_input(model) if rowmajor else contextlib.nullcontext():
+            trainer.train()
         info["train_seconds"] = time.perf_counter() - start
         info["setup"] = (f"{cli.completions // cli.num_generations} prompts x {cli.num_generations} generations x "
-                         f"{cli.new_tokens} tokens, optim {args.optim}, beta {args.beta}")
+                         f"{cli.new_tokens} tokens, optim {args.optim}, beta {args.beta}"
+                         + (", row-major head input" if rowmajor else ""))
     else:
         with torch.no_grad():
             for param in model.parameters():  # make the memory-mapped weights resident, as training does
@@ -367,9 +376,11 @@ def main():
             if es and grpo:
                 above = f"; above the loaded model: {(es - load) / (grpo - load):.3f}" if load else ""
                 print(f"{dtype}: {variant} / grpo peak = {es / grpo:.3f} (goal <= {goal}){above}")
-        es4, qlora = (results.get((v, dtype), {}).get("peak_mib") for v in ("es_4bit", "grpo_qlora"))
-        if es4 and qlora:
-            print(f"{dtype}: es_4bit / grpo_qlora peak = {es4 / qlora:.3f} (goal <= 0.5 at 1.5B)")
+        es4 = results.get(("es_4bit", dtype), {}).get("peak_mib")
+        for variant in ("grpo_qlora", "grpo_qlora_rowmajor"):
+            qlora = results.get((variant, dtype), {}).get("peak_mib")
+            if es4 and qlora:
+                print(f"{dtype}: es_4bit / {variant} peak = {es4 / qlora:.3f} (goal <= 0.5 at 1.5B)")
         for variant in ("es_4bit", "es_default", "es_lean"):
             es = results.get((variant, dtype), {}).get("peak_mib")
             if es and es4 and variant != "es_4bit":

@@ -21,7 +21,9 @@ from trl_es.generation import (
     generate_completions,
     make_engine,
     resolve_engine_name,
+    standard_strided_head_input,
 )
+from trl_es.generation.base import tokenize_left_padded
 from trl_es.rollout import build_generation_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -85,6 +87,44 @@ def test_stacked_members_with_a_shared_prefix_equal_materialized_members(tokeniz
         expected = EagerEngine().generate(materialized(model, noise, member, sigma, rank), tokenizer, prompts, config)
         assert stacked[3 * k : 3 * k + 3] == expected.ids, k
     assert len({str(stacked[3 * k : 3 * k + 3]) for k in range(3)}) == 3
+
+
+def row_major(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16bit_cpu_head_reads_row_major_inputs_in_generation(tokenizer, dtype):
+    """transformers' prefill passes the head the last-position slice ``hidden[:, -1:, :]`` (not row-major), which
+    PyTorch's CPU linear answers with one copy of a 16-bit weight per row (1.7 GiB for 4 rows of Qwen2.5-1.5B's
+    head); the engines give the head a row-major copy of the slice: the logits of those values, as a decoding step
+    computes them, and the hook is gone after the call."""
+    prompts = chat_prompts(tokenizer, 3)
+    config = build_generation_config(tokenizer, 6)
+    for model in (build_llama(tokenizer, dtype=dtype).eval(), build_qwen2(tokenizer, dtype=dtype).eval()):
+        head = model.get_output_embeddings()
+        seen = []  # (shape, strides) of the head's input after its pre-hooks
+        handle = head.register_forward_hook(
+            lambda m, args, out, seen=seen: seen.append((args[0].shape, args[0].stride())))
+        inputs = tokenize_left_padded(tokenizer, prompts, "cpu")
+        plain = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:].tolist()
+        assert seen[0][0] == (3, 1, 32) and seen[0][1] != row_major((3, 1, 32))  # the slice, unhooked
+        seen.clear()
+        ids = EagerEngine().generate(model, tokenizer, prompts, config).ids
+        assert len(seen) == 6 and all(stride == row_major(shape) for shape, stride in seen)
+        assert [row[: len(mine)] for row, mine in zip(plain, ids, strict=True)] == ids
+        assert not head._forward_pre_hooks  # removed after the call
+        with torch.no_grad():
+            last = model(**inputs, output_hidden_states=True).hidden_states[-1][:, -1:, :]
+            with standard_strided_head_input(model):
+                assert len(head._forward_pre_hooks) == 1
+                hooked = model(**inputs, logits_to_keep=1).logits
+            row_major_logits = head(last.clone(memory_format=torch.contiguous_format))
+        assert torch.equal(hooked, row_major_logits) and hooked.dtype == dtype
+        handle.remove()
+    model = build_llama(tokenizer).eval()  # fp32: PyTorch copies nothing, nothing is hooked
+    with standard_strided_head_input(model):
+        assert not model.get_output_embeddings()._forward_pre_hooks
 
 
 def test_static_cache_engine_equals_eager_and_buckets_the_batch(tokenizer):

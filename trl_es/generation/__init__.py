@@ -24,6 +24,7 @@ from .base import (
     model_device,
     prompt_add_special_tokens,
     resolve_pad_to_multiple_of,
+    standard_strided_head_input,
     stop_token_ids,
 )
 from .compiled import CompiledEngine, supports_static_cache
