@@ -215,9 +215,9 @@ def test_eval(args, out: str, quantized: bool) -> None:
 def table(args) -> str:
     """Mean ± std over seeds per arm: validation and test greedy accuracy after training, test pass@k, iterations,
     training minutes (GRPO has no validation figure: ``-``)."""
-    rows = ["| arm | seeds | validation greedy accuracy (after) | test greedy accuracy (after) | "
+    rows = ["| arm | seeds | validation greedy accuracy (after) | test greedy accuracy (after) | test, per seed | "
             + " | ".join(f"pass@{k}" for k in args.pass_k) + " | iterations | training minutes |",
-            "|---|---|---|---|" + "---|" * len(args.pass_k) + "---|---|"]
+            "|---|---|---|---|---|" + "---|" * len(args.pass_k) + "---|---|"]
     names = sorted(d for d in os.listdir(args.output_dir) if os.path.isdir(os.path.join(args.output_dir, d)))
     for name in names:
         runs = [os.path.join(args.output_dir, name, f"seed{s}") for s in args.seeds]
@@ -232,6 +232,7 @@ def table(args) -> str:
         validation = [res["accuracy_after"] for _, res, _ in done if "accuracy_after" in res]
         cells = [f"{m:.3f} ± {s:.3f}" for m, s in [acc, *passes]]
         cells.insert(0, "-" if len(validation) < len(done) else "{:.3f} ± {:.3f}".format(*mean_and_std(validation)))
+        cells.insert(2, ", ".join(f"{ev['accuracy_greedy']:.3f}" for _, _, ev in done))
         rows.append(f"| {name} | {len(done)} | " + " | ".join(cells) + f" | {steps} | {minutes[0]:.1f} |")
     return "\n".join(rows) + "\n"
 

@@ -53,7 +53,7 @@ def test_table_is_mean_and_spread_over_the_finished_seeds(study, tmp_path):
     (tmp_path / "lora4bit_sigma0.02" / "seed0").mkdir(parents=True)  # unfinished: not in the table
     args = study.parse_args(["--output_dir", str(tmp_path), "--seeds", "0", "1", "2"])
     rows = study.table(args).splitlines()
-    assert len(rows) == 3 and rows[2].startswith("| full | 2 | 0.550 ± 0.071 | 0.300 ± 0.141 | ")
+    assert len(rows) == 3 and rows[2].startswith("| full | 2 | 0.550 ± 0.071 | 0.300 ± 0.141 | 0.200, 0.400 | ")
     assert "0.600 ± " in rows[2] and rows[2].endswith("| [6, 6] | 2.0 |")
     (tmp_path / "grpo_qlora" / "seed0").mkdir(parents=True)  # GRPO: no validation accuracy
     (tmp_path / "grpo_qlora" / "seed0" / "results.json").write_text(json.dumps({"steps": 9, "train_seconds": 60.0}))
@@ -62,4 +62,4 @@ def test_table_is_mean_and_spread_over_the_finished_seeds(study, tmp_path):
     study.main(["--output_dir", str(tmp_path), "--seeds", "0", "1", "--report"])  # runs nothing, writes the table
     rows = (tmp_path / "results.md").read_text().splitlines()
     assert rows[2].startswith("| full | 2 |")
-    assert rows[3] == "| grpo_qlora | 1 | - | 0.250 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | [9] | 1.0 |"
+    assert rows[3] == "| grpo_qlora | 1 | - | 0.250 ± 0.000 | 0.250 | 0.200 ± 0.000 | 0.400 ± 0.000 | [9] | 1.0 |"
