@@ -114,6 +114,13 @@ def prepare_quantized_training(model, args) -> None:
                          "frozen quantized weights too, which bitsandbytes layers cannot compute with on their own. "
                          "Use population parallelism (no DeepSpeed, or ZeRO stage 0-2): a quantized base fits one "
                          "process's memory.")
+    keep_cpu_4bit_layout(model)
+
+
+def keep_cpu_4bit_layout(model) -> None:
+    """Turn off bitsandbytes' CPU repacking of ``model``'s 4-bit layers (absmax to bf16 at the first forward in eval
+    mode), unpacking a layer already repacked: the base then dequantizes with its fp32 absmax, as on a GPU, in
+    training, in every save and in ``trl-es eval`` alike. Any other model is left as it is."""
     for module in model.modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False

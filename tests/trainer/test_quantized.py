@@ -333,7 +333,8 @@ def test_zero3_is_refused_by_name_on_a_quantized_base(base_dir, tokenizer, quant
 @pytest.mark.parametrize(("flag", "layer"), [("load_in_4bit", "Linear4bit"), ("load_in_8bit", "Linear8bitLt")])
 def test_cli_loads_a_quantized_base_for_use_peft_and_for_eval(base_dir, flag, layer):
     """``trl-es train --load_in_4bit --use_peft`` (TRL's get_quantization_config: compute dtype = --dtype, float32);
-    ``trl-es eval --load_in_4bit`` scores the quantized model as it is."""
+    ``trl-es eval --load_in_4bit`` scores the quantized model as it is, its 4-bit layers computing as in training
+    (bitsandbytes' CPU repacking off)."""
     from trl import ModelConfig
 
     from trl_es.cli.loading import load_model_and_tokenizer
@@ -345,3 +346,11 @@ def test_cli_loads_a_quantized_base_for_use_peft_and_for_eval(base_dir, flag, la
         if flag == "load_in_4bit":
             assert model.config.quantization_config.bnb_4bit_compute_dtype == torch.float32
             assert model.config.quantization_config.bnb_4bit_quant_type == "nf4"  # ModelConfig's default
+            layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            assert len(layers) == 14 and not any(m.support_avx512bf16_for_cpu for m in layers)  # as in training
+            model.eval()
+            inputs = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]])}
+            with torch.no_grad():
+                before = model(**inputs).logits
+                model.state_dict()  # a repacked layer would compute otherwise after this
+                assert torch.equal(model(**inputs).logits, before)

@@ -20,7 +20,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..models import resolve_model_path
-    from ..quantized import refuse_full_parameter_quantization
+    from ..quantized import keep_cpu_4bit_layout, refuse_full_parameter_quantization
 
     quantization_config = get_quantization_config(model_args)  # --load_in_4bit / --load_in_8bit
     if training and not model_args.use_peft:
@@ -37,4 +37,5 @@ def load_model_and_tokenizer(model_args: ModelConfig, dtype=None, trust_remote_c
         dtype="float32" if dtype is None else dtype,  # "auto": the checkpoint's dtype, as TRL's grpo.py loads it
         attn_implementation=model_args.attn_implementation, quantization_config=quantization_config,
     )
+    keep_cpu_4bit_layout(model)  # a 4-bit base computes in `trl-es eval` as it did in training
     return model, tokenizer
