@@ -237,6 +237,14 @@ def table(args) -> str:
     return "\n".join(rows) + "\n"
 
 
+def write_table(args) -> str:
+    """Write :func:`table` to ``<output_dir>/results.md`` and return it."""
+    report = table(args)
+    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
+        f.write(report)
+    return report
+
+
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--grpo_worker":
         grpo_worker(json.loads(sys.argv[2]))
@@ -244,10 +252,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     if args.report:
-        report = table(args)
-        with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-            f.write(report)
-        print(report, end="")
+        print(write_table(args), end="")
         return
     start = time.time()
     for seed in args.seeds:  # one seed at a time: every arm of seed 0 first
@@ -262,8 +267,7 @@ def main(argv=None) -> None:
             else:
                 test_eval(args, es_run(args, "full", seed), quantized=False)
             if not args.dry_run:
-                with open(os.path.join(args.output_dir, "results.md"), "w") as f:
-                    f.write(table(args))
+                write_table(args)
     print(f"done in {(time.time() - start) / 60:.1f} min", flush=True)
 
 

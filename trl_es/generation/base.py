@@ -110,6 +110,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 def _standard_strided_input(module, args):
     """Forward pre-hook: the first argument with row-major strides (a copy only when its strides are others)."""
+    # strides, not is_contiguous(): that ignores size-1 dims, and hidden[:, -1:, :] passes it yet takes the copying path
     if args and isinstance(args[0], torch.Tensor) and args[0].stride() != _contiguous_strides(args[0].shape):
         return (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
     return None
