@@ -14,12 +14,20 @@ Three subcommands, each resumable (a finished arm's ``results.json`` is kept, re
 ``table`` gathers every arm under ``--output_dir`` (finished or not) into ``<output_dir>/auto_sigma.md``;
 ``guard_rates`` runs the collapse guard on made-up runs (false alarms on flat runs, collapses caught).
 Settings: ``rank1`` is the main job's (rank-1 batched members); ``fullrank`` the same recipe with full-rank members
-written in place (``population_backend=sequential``).
+written in place (``population_backend=sequential``); ``llama`` and ``llama_fullrank`` the same recipe's ES keys on
+the small Llama of ``pretrain_from_scratch.py`` (``--llama_dir``, checkpoint ``--llama_step``), rank-1 and full-rank
+members, trained in this process on its pre-training run's problem split (plain-text prompts; training prompts seen in
+pre-training, validation and test held out of it). ``--alphas`` adds alpha to the grid (the arms ``sigma_<s>_lr<a>``);
+``auto`` keeps the recipe's alpha. ``summary`` picks each grid sigma's alpha on validation (mean over the seeds run
+at every alpha) and reports test accuracy, mean +- std over seeds.
 
     python examples/studies/auto_sigma.py effect --setting rank1 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py transfer --setting rank1 --seeds 0 --max_steps 8 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py collapse --seeds 0 --max_steps 12 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py table --output_dir runs/auto_sigma
+    python examples/studies/pretrain_from_scratch.py --output_dir runs/pretrain_from_scratch
+    python examples/studies/auto_sigma.py transfer --setting llama --seeds 0 --alphas 0.005 0.01 0.02 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py summary --setting llama --output_dir runs/auto_sigma
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE = os.path.normpath(os.path.join(HERE, "..", "recipes", "arithmetic_smollm2.yaml"))
-SETTINGS = {"rank1": [], "fullrank": ["--population_backend", "sequential"]}
-GRID = {"rank1": [0.00125, 0.0025, 0.005, 0.01, 0.02], "fullrank": [0.00125, 0.0025, 0.005, 0.01, 0.02]}
+SETTINGS = {"rank1": [], "fullrank": ["--population_backend", "sequential"], "llama": [],
+            "llama_fullrank": ["--population_backend", "sequential"]}
+GRID = dict.fromkeys(SETTINGS, [0.00125, 0.0025, 0.005, 0.01, 0.02])
 #: Reduced evaluation: no evaluation during training; accuracy after training only. The splits stay the recipe's (the
 #: train split starts after test and validation, so a smaller validation split would change the training prompts).
 REDUCED = ["--eval_strategy", "no", "--eval_before_training", "false", "--plot", "false", "--save_strategy", "no",
@@ -68,11 +77,15 @@ def effect(args) -> dict:
 
 
 def run_arm(out: str, extra: list[str], args) -> None:
-    """One ``trl-es train`` run into ``out`` unless its ``results.json`` exists."""
+    """One ``trl-es train`` run (a llama setting: :func:`run_llama_arm`) into ``out`` unless its ``results.json``
+    exists."""
     if os.path.exists(os.path.join(out, "results.json")):
         print(f"[auto_sigma] kept {out}", flush=True)
         return
     os.makedirs(out, exist_ok=True)
+    if args.setting.startswith("llama"):
+        run_llama_arm(out, [*extra, *args.extra.split()], args)
+        return
     command = [sys.executable, "-m", "trl_es.cli", "train", "--config", args.recipe, *REDUCED,
                "--num_eval_prompts", str(args.num_test), "--max_steps", str(args.max_steps), "--logging_steps", "1",
                "--output_dir", out, *extra, *args.extra.split()]
@@ -83,9 +96,68 @@ def run_arm(out: str, extra: list[str], args) -> None:
     print(f"[auto_sigma] done {out}: exit {code}", flush=True)
 
 
+def run_llama_arm(out: str, flags: list[str], args) -> None:
+    """ES on the small Llama's checkpoint with the recipe's ES keys and ``flags`` (``--key value`` pairs of
+    ``ESConfig`` fields), then greedy accuracy on its validation and test problems; writes ``out/results.json``
+    (accuracies before and after, the picked sigma, the trainer's log history)."""
+    import time
+
+    from trl_es import ESConfig, ESTrainer
+    from trl_es.analysis import greedy_accuracy
+    from trl_es.cli import es_config_kwargs, load_recipe
+    from trl_es.files import write_json
+    from trl_es.models import load_model_and_tokenizer
+    from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
+
+    with open(os.path.join(args.llama_dir, "pretraining.json")) as f:
+        pretraining = json.load(f)
+    checkpoint = next((c for c in pretraining["checkpoints"] if c["step"] == args.llama_step), None)
+    if checkpoint is None:
+        raise ValueError(f"--llama_step {args.llama_step} is not a checkpoint of {args.llama_dir} "
+                         f"({[c['step'] for c in pretraining['checkpoints']]}).")
+    split = pretraining["arithmetic_splits"]["kwargs"]
+    splits = make_arithmetic_dataset_dict(args.llama_train_prompts, split["num_validation"], split["num_test"], seed=split["seed"],
+                                          low=split["low"], high=split["high"], ops=split["ops"], conversational=False)
+    overrides = [f"{key[2:]}={value}" for key, value in zip(flags[::2], flags[1::2])]
+    kwargs = es_config_kwargs(load_recipe(args.recipe), overrides)
+    kwargs.update(output_dir=out, max_steps=args.max_steps, eval_strategy="no", save_strategy="no", report_to="none",
+                  logging_steps=1, disable_tqdm=True, reward_weights=[1.0])
+    model, tokenizer = load_model_and_tokenizer(checkpoint["path"])
+    tokens = kwargs["max_completion_length"]
+
+    def accuracy(name):
+        rows = [splits[name][i] for i in range(len(splits[name]))]
+        return greedy_accuracy(model, tokenizer, rows, [arithmetic_reward], tokens, progress=False)
+
+    result = {"setting": args.setting, "checkpoint": checkpoint["path"], "flags": flags,
+              "validation_accuracy_before": accuracy("validation"), "test_accuracy_before": accuracy("test")}
+    print(f"[auto_sigma] start {out}: {' '.join(overrides)}", flush=True)
+    start = time.monotonic()
+    trainer = ESTrainer(model, [arithmetic_reward], args=ESConfig(**kwargs), train_dataset=splits["train"],
+                        processing_class=tokenizer)
+    trainer.train()
+    history = trainer.state.log_history
+    result.update(train_seconds=time.monotonic() - start, log_history=history,
+                  sigma=next((h["sigma"] for h in history if "sigma" in h), kwargs.get("sigma")),
+                  validation_accuracy_after=accuracy("validation"), test_accuracy_after=accuracy("test"))
+    write_json(os.path.join(out, "results.json"), result)
+    print(f"[auto_sigma] done {out}: validation {result['validation_accuracy_after']:.3f}, "
+          f"test {result['test_accuracy_after']:.3f}", flush=True)
+
+
+def grid_arms(args) -> dict[str, list[str]]:
+    """The transfer arms: ``auto`` (the recipe's alpha) and every grid sigma, at every ``--alphas`` value if given."""
+    arms = {"auto": ["--sigma", "auto"]}
+    for s in GRID[args.setting]:
+        for a in args.alphas or [None]:
+            arms[f"sigma_{s:g}" + ("" if a is None else f"_lr{a:g}")] = \
+                ["--sigma", str(s)] + ([] if a is None else ["--learning_rate", str(a)])
+    return arms
+
+
 def transfer(args) -> None:
     for seed in args.seeds:
-        arms = {"auto": ["--sigma", "auto"], **{f"sigma_{s:g}": ["--sigma", str(s)] for s in GRID[args.setting]}}
+        arms = grid_arms(args)
         for name, extra in arms.items():
             if args.only and name not in args.only:
                 continue
@@ -98,12 +170,12 @@ def collapse(args) -> None:
     arms = {"alpha_x10": ["--learning_rate", alpha], "alpha_x10_guard": ["--learning_rate", alpha,
                                                                            "--collapse_guard", "true"],
             "recipe_guard": ["--collapse_guard", "true"]}
+    study = "collapse" if args.setting == "rank1" else f"collapse_{args.setting}"
     for seed in args.seeds:
         for name, extra in arms.items():
             if args.only and name not in args.only:
                 continue
-            run_arm(os.path.join(args.output_dir, "collapse", f"seed{seed}", name), ["--seed", str(seed), *extra],
-                    args)
+            run_arm(os.path.join(args.output_dir, study, f"seed{seed}", name), ["--seed", str(seed), *extra], args)
 
 
 def printed_logs(path: str) -> list[dict]:
@@ -112,18 +184,35 @@ def printed_logs(path: str) -> list[dict]:
         return [ast.literal_eval(line[line.index("{'loss'"):].split("}")[0] + "}") for line in f if "{'loss'" in line]
 
 
+def arm_logs(folder: str) -> tuple[list[dict], float] | None:
+    """(per-iteration logs, sigma) of one arm: a llama arm's ``results.json``, else the ``log.txt`` of ``trl-es
+    train`` (None when neither exists yet)."""
+    results = os.path.join(folder, "results.json")
+    if os.path.exists(results):
+        with open(results) as f:
+            result = json.load(f)
+        if "log_history" in result:
+            return [h for h in result["log_history"] if "reward" in h], float(result["sigma"])
+    path = os.path.join(folder, "log.txt")
+    if not os.path.exists(path):
+        return None
+    logs = printed_logs(path)
+    with open(path) as f:  # the ES plan's "Sigma = ..." line: a number, or auto (then the logged sigma)
+        planned = next((line.split("=")[1].strip() for line in f if line.strip().startswith("Sigma =")), "nan")
+    return logs, next((float(h["sigma"]) for h in logs if "sigma" in h),
+                      float("nan") if planned == "auto" else float(planned))
+
+
 def table(args) -> str:
     """Markdown rows of every arm (finished or not): sigma, the mean reward per iteration, rollbacks, test accuracy."""
     lines = ["| study | seed | arm | sigma | mean reward per iteration | rollbacks (iterations) | test accuracy |",
              "|---|---|---|---|---|---|---|"]
-    for path in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*", "log.txt"))):
-        folder = os.path.dirname(path)
+    for folder in sorted(glob.glob(os.path.join(args.output_dir, "*", "seed*", "*"))):
         study, seed, arm = folder.split(os.sep)[-3:]
-        logs = printed_logs(path)
-        with open(path) as f:  # the ES plan's "Sigma = ..." line: a number, or auto (then the logged sigma)
-            planned = next((line.split("=")[1].strip() for line in f if line.strip().startswith("Sigma =")), "nan")
-        sigma = next((float(h["sigma"]) for h in logs if "sigma" in h), float("nan") if planned == "auto"
-                     else float(planned))
+        found = arm_logs(folder)
+        if found is None:
+            continue
+        logs, sigma = found
         rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
         counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
         rolled = [k + 1 for k in range(len(counts)) if counts[k] > (counts[k - 1] if k else 0)]
@@ -135,6 +224,52 @@ def table(args) -> str:
                      f"{'-' if not counts else (rolled or 'none')} | {accuracy} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.output_dir, "auto_sigma.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return text
+
+
+def summary(args) -> str:
+    """The transfer table of ``--setting``: per grid sigma, the alpha with the best mean validation accuracy over the
+    seeds that ran every alpha, then test (and validation) accuracy at that alpha, mean +- std over seeds; ``auto``
+    beside it. Writes ``<output_dir>/<setting>/summary.md``."""
+    import statistics
+
+    def scores(arm):
+        found = {}
+        for path in glob.glob(os.path.join(args.output_dir, args.setting, "seed*", arm, "results.json")):
+            with open(path) as f:
+                result = json.load(f)
+            found[int(path.split(os.sep)[-3][4:])] = result
+        return found
+
+    def spread(values):
+        return (f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1
+                else f"{values[0]:.3f}") if values else "-"
+
+    lines = ["| sigma | alpha (picked on validation) | seeds | validation accuracy | test accuracy | test, per seed "
+             "| sigma used |", "|---|---|---|---|---|---|---|"]
+    arms = grid_arms(args)
+    by_sigma: dict[str, list[str]] = {}
+    for name in arms:
+        by_sigma.setdefault(name.split("_lr")[0], []).append(name)
+    for sigma, names in by_sigma.items():
+        found = {name: scores(name) for name in names}
+        common = set.intersection(*(set(f) for f in found.values())) if found else set()
+        if not common:
+            continue
+        best = max(names, key=lambda n: statistics.mean(found[n][k]["validation_accuracy_after"] for k in common))
+        runs = [found[best][k] for k in sorted(found[best])]
+        used = sorted({f"{r['sigma']:.3g}" for r in runs})
+        alpha = best.split("_lr")[1] if "_lr" in best else "recipe's"
+        per_seed = ", ".join(f"{r['test_accuracy_after']:.3f}" for r in runs)
+        lines.append(f"| {sigma} | {alpha} | {len(runs)} | "
+                     f"{spread([r['validation_accuracy_after'] for r in runs])} | "
+                     f"{spread([r['test_accuracy_after'] for r in runs])} | "
+                     f"{per_seed} | {', '.join(used)} |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.join(args.output_dir, args.setting), exist_ok=True)
+    with open(os.path.join(args.output_dir, args.setting, "summary.md"), "w") as f:
         f.write(text)
     print(text)
     return text
@@ -178,7 +313,7 @@ def guard_rates(args) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "guard_rates"))
+    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "summary", "guard_rates"))
     parser.add_argument("--setting", choices=tuple(SETTINGS), default="rank1")
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--output_dir", default="runs/auto_sigma")
@@ -193,11 +328,18 @@ def main(argv=None):
                         "'--population_size 8' for a reduced run.")
     parser.add_argument("--runs", type=int, default=1000, help="guard_rates: made-up runs per case.")
     parser.add_argument("--prompts", type=int, default=12, help="guard_rates: rewards per iteration.")
+    parser.add_argument("--alphas", type=float, nargs="*", default=None,
+                        help="transfer: alpha values of the grid arms (default: the recipe's only).")
+    parser.add_argument("--llama_dir", default="runs/pretrain_from_scratch",
+                        help="llama settings: pretrain_from_scratch.py's output folder.")
+    parser.add_argument("--llama_step", type=int, default=2000, help="llama settings: the checkpoint's step.")
+    parser.add_argument("--llama_train_prompts", type=int, default=400,
+                        help="llama settings: training problems (seen in pre-training), as pretraining_excursions.py.")
     parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
     args = parser.parse_args(argv)
     parser_commands = {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table,
-                       "guard_rates": guard_rates}
-    parser_commands[args.command](args)
+                       "summary": summary, "guard_rates": guard_rates}
+    return parser_commands[args.command](args)
 
 
 if __name__ == "__main__":

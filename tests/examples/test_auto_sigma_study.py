@@ -1,0 +1,67 @@
+"""examples/studies/auto_sigma.py on the small Llama of pretrain_from_scratch.py: the transfer arms, the alpha picked
+on validation, the collapse arms' folders."""
+
+import json
+import os
+
+import pytest
+from example_script import example_script
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama") / "run"
+    with example_script("studies/pretrain_from_scratch.py", "pretrain_from_scratch") as script:
+        script.main([
+            "--output_dir", str(out), "--high", "6", "--num_validation_problems", "6", "--num_test_problems", "8",
+            "--num_documents", "200", "--num_general_eval", "4", "--vocab_size", "300", "--hidden_size", "32",
+            "--intermediate_size", "64", "--num_hidden_layers", "2", "--max_steps", "4", "--save_steps", "4",
+            "--per_device_train_batch_size", "8", "--num_seen_problems", "4", "--eval_max_new_tokens", "4",
+        ])
+    return str(out)
+
+
+def test_llama_transfer_arms_and_the_alpha_picked_on_validation(tiny_llama, tmp_path):
+    out = str(tmp_path / "study")
+    common = ["--setting", "llama", "--llama_dir", tiny_llama, "--llama_step", "4", "--llama_train_prompts", "20",
+              "--max_steps", "2", "--output_dir", out,
+              "--extra", "--population_size 4 --prompt_batch_size 2 --max_completion_length 4"]
+    arms = ["auto", "sigma_0.005_lr0.01", "sigma_0.005_lr0.02"]
+    with example_script("studies/auto_sigma.py", "auto_sigma") as script:
+        script.main(["transfer", *common, "--seeds", "0", "--alphas", "0.01", "0.02", "--only", *arms])
+        results = {}
+        for arm in arms:
+            with open(os.path.join(out, "llama", "seed0", arm, "results.json")) as f:
+                results[arm] = json.load(f)
+        for arm, result in results.items():
+            iterations = [h for h in result["log_history"] if "reward" in h]
+            assert len(iterations) == 2
+            assert all(0.0 <= result[k] <= 1.0 for k in ("validation_accuracy_after", "test_accuracy_after"))
+        # the grid arms ran at their sigma and alpha; auto picked and logged its own sigma
+        assert results["sigma_0.005_lr0.02"]["sigma"] == 0.005
+        assert [h["learning_rate"] for h in results["sigma_0.005_lr0.02"]["log_history"] if "reward" in h][0] == \
+            pytest.approx(2 * [h["learning_rate"] for h in results["sigma_0.005_lr0.01"]["log_history"]
+                               if "reward" in h][0])
+        auto_sigma = results["auto"]["sigma"]
+        assert auto_sigma > 0 and auto_sigma == [h["sigma"] for h in results["auto"]["log_history"] if "sigma" in h][0]
+        # a rerun keeps finished arms
+        mtime = os.path.getmtime(os.path.join(out, "llama", "seed0", "auto", "results.json"))
+        script.main(["transfer", *common, "--seeds", "0", "--only", "auto"])
+        assert os.path.getmtime(os.path.join(out, "llama", "seed0", "auto", "results.json")) == mtime
+        text = script.main(["summary", *common, "--alphas", "0.01", "0.02"])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:]}
+    assert set(rows) == {"auto", "sigma_0.005"}
+    picked = max(["sigma_0.005_lr0.01", "sigma_0.005_lr0.02"],
+                 key=lambda a: results[a]["validation_accuracy_after"])  # max keeps the first of a tie, as summary
+    assert rows["sigma_0.005"][1] == picked.split("_lr")[1]
+    assert rows["sigma_0.005"][4] == f"{results[picked]['test_accuracy_after']:.3f}"
+    assert rows["auto"][1] == "recipe's" and rows["auto"][6].strip(" |") == f"{auto_sigma:.3g}"
+
+
+def test_llama_step_that_is_not_a_checkpoint_is_refused(tiny_llama, tmp_path):
+    with example_script("studies/auto_sigma.py", "auto_sigma") as script, \
+            pytest.raises(ValueError, match="--llama_step 5 is not a checkpoint"):
+        script.main(["transfer", "--setting", "llama", "--llama_dir", tiny_llama, "--llama_step", "5",
+                     "--output_dir", str(tmp_path), "--only", "auto"])
