@@ -276,6 +276,11 @@ def test_guard_resume_across_a_rollback_is_bitwise(tmp_path, tokenizer, backend,
     full.train()
     rolled = [r["step"] for r in full.seed_log.records if "rollback_to" in r]
     assert rolled[0] == 3  # checkpoint-3 ends with the rollback: the resumed run continues after it
+    if sigma == "auto":  # sigma re-adapts on the batch after each rollback, and only there
+        logged = full.seed_log.records
+        calibrated = [r["step"] for r in logged if "sigma_probes" in r]
+        assert calibrated == [1] + [r["step"] + 1 for r in logged[:-1] if "rollback_to" in r]
+        assert all(0 <= r["sigma_effect"] <= 1 for r in logged if "sigma_probes" in r)
     args = es_args(tmp_path / "resumed", save_strategy="steps", save_steps=3, **common)
     ESTrainer(build_llama(tokenizer), reward, args=args, train_dataset=prompts(), processing_class=tokenizer).train()
     resumed = ESTrainer(build_llama(tokenizer), reward, args=args, train_dataset=prompts(),

@@ -3,9 +3,10 @@
 bitwise.
 
 - ``sigma="auto"``: before the first iteration, probes on the first batch (greedy rollouts of the center and of the
-  first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``; every
-  record holds the sigma its members were scored at (``sigma``), record 1 also the probes (``sigma_probes``) and the
-  effect measured at the chosen sigma (``sigma_effect``). A resumed run reads sigma from the log.
+  first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
+  again on the batch after a rollback; every record holds the sigma its members were scored at (``sigma``), a
+  calibrating record also the probes (``sigma_probes``) and the effect measured at the chosen sigma
+  (``sigma_effect``). A resumed run reads sigma from the log.
 - ``collapse_guard=True``: every record holds the iteration's ``fitness_mean`` and ``fitness_se``; a collapse makes the
   iteration's record a rollback (``rollback_to``, ``undone``). The guard's state is rebuilt from the records.
 """
@@ -54,17 +55,19 @@ class ESStability:
         """Set ``strategy.sigma`` for this iteration; returns the record's sigma keys (none with a fixed sigma)."""
         if self.trainer.args.sigma != SIGMA_AUTO:
             return {}
-        logged = [r["sigma"] for r in self.trainer.seed_log.records if "sigma" in r]
-        if logged:  # calibrated earlier in this run (or in the run a checkpoint continues)
+        records = self.trainer.seed_log.records
+        logged = [r["sigma"] for r in records if "sigma" in r]
+        rolled_back = bool(records) and "rollback_to" in records[-1]  # the weights moved: sigma re-adapts to them
+        if logged and not rolled_back:  # calibrated earlier in this run (or in the run a checkpoint continues)
             self.trainer.strategy.sigma = float(logged[-1])
             self.trainer._metrics["sigma"].append(self.trainer.strategy.sigma)
             return {"sigma": self.trainer.strategy.sigma}
         members = self._probe_members(step)
         search, sigma, effect = self._search(members, rows, step, self._greedy_completions(None, rows, step))
         self.trainer.strategy.sigma = sigma
-        logger.warning("sigma='auto': sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
-                       "center's; target %.3f; probes %s).", sigma, effect, self.trainer.args.sigma_target,
-                       ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
+        logger.warning("sigma='auto'%s: sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
+                       "center's; target %.3f; probes %s).", " after the rollback" if rolled_back else "", sigma,
+                       effect, self.trainer.args.sigma_target, ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
         self.trainer._metrics["sigma"].append(sigma)
         self.trainer._metrics["sigma/effect"].append(effect)
         return {"sigma": sigma, "sigma_effect": effect, "sigma_probes": [list(p) for p in search.probes]}
