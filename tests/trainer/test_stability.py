@@ -329,8 +329,8 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
 def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model_dir, warm_python):
     """DeepSpeed ZeRO-3 on 2 processes (bf16 model, fp32 master partitions, each process on its own prompts): the
     probe counts and the fitness are summed over processes, and the rollback steps each master partition. Run as
-    torchrun's two processes, as the other ZeRO tests (the deepspeed launcher's own run: tests/trainer/test_distributed.py's
-    ``zero3_run``)."""
+    torchrun's two processes, as the other ZeRO tests (the deepspeed launcher's own run:
+    tests/trainer/test_distributed.py's ``zero3_run``)."""
     import sys
 
     from paths import TESTS
