@@ -320,6 +320,7 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
     assert one == two
     assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
     assert [r["step"] for r in one[1] if "rollback_to" in r] == [3]  # at 4 the weights are the best state's
+    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 4]  # sigma chosen again after the rollback
     assert_bitwise(weights(tmp_path / "two" / "model"), weights(ref_out / "model"))
     rebuilt = replay(build_llama_from(tiny_model_dir), str(tmp_path / "two"))
     assert_bitwise(dict(rebuilt.state_dict()), weights(tmp_path / "two" / "model"))
@@ -344,6 +345,7 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
+    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 4]  # sigma chosen again after the rollback
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(ref_out / "model"))
 
 
