@@ -11,7 +11,8 @@ Three subcommands, each resumable (a finished arm's ``results.json`` is kept, re
 - ``collapse``: alpha at ``--alpha_factor`` x the recipe's, with and without ``collapse_guard``, and the recipe itself
   with the guard (it must not fire). Writes ``<output_dir>/collapse/seed<k>/<arm>/``.
 
-``table`` gathers every arm under ``--output_dir`` (finished or not) into ``<output_dir>/auto_sigma.md``;
+``table`` gathers every arm under ``--output_dir`` (finished or not) into ``<output_dir>/auto_sigma.md``, ``curves``
+plots the collapse arms (``<output_dir>/collapse_curves.png``);
 ``guard_rates`` runs the collapse guard on made-up runs (false alarms on flat runs, collapses caught).
 Settings: ``rank1`` is the main job's (rank-1 batched members); ``fullrank`` the same recipe with full-rank members
 written in place (``population_backend=sequential``); ``llama`` and ``llama_fullrank`` the same recipe's ES keys on
@@ -25,8 +26,10 @@ at every alpha) and reports test accuracy, mean +- std over seeds.
     python examples/studies/auto_sigma.py transfer --setting rank1 --seeds 0 --max_steps 8 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py collapse --seeds 0 --max_steps 12 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py table --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py curves --output_dir runs/auto_sigma
     python examples/studies/pretrain_from_scratch.py --output_dir runs/pretrain_from_scratch
-    python examples/studies/auto_sigma.py transfer --setting llama --seeds 0 --alphas 0.005 0.01 0.02 --output_dir runs/auto_sigma
+    python examples/studies/auto_sigma.py transfer --setting llama --seeds 0 --alphas 0.005 0.01 0.02 \
+        --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py summary --setting llama --output_dir runs/auto_sigma
 """
 
@@ -116,9 +119,10 @@ def run_llama_arm(out: str, flags: list[str], args) -> None:
         raise ValueError(f"--llama_step {args.llama_step} is not a checkpoint of {args.llama_dir} "
                          f"({[c['step'] for c in pretraining['checkpoints']]}).")
     split = pretraining["arithmetic_splits"]["kwargs"]
-    splits = make_arithmetic_dataset_dict(args.llama_train_prompts, split["num_validation"], split["num_test"], seed=split["seed"],
-                                          low=split["low"], high=split["high"], ops=split["ops"], conversational=False)
-    overrides = [f"{key[2:]}={value}" for key, value in zip(flags[::2], flags[1::2])]
+    splits = make_arithmetic_dataset_dict(args.llama_train_prompts, split["num_validation"], split["num_test"],
+                                          seed=split["seed"], low=split["low"], high=split["high"], ops=split["ops"],
+                                          conversational=False)
+    overrides = [f"{key[2:]}={value}" for key, value in zip(flags[::2], flags[1::2], strict=True)]
     kwargs = es_config_kwargs(load_recipe(args.recipe), overrides)
     kwargs.update(output_dir=out, max_steps=args.max_steps, eval_strategy="no", save_strategy="no", report_to="none",
                   logging_steps=1, disable_tqdm=True, reward_weights=[1.0])
@@ -203,6 +207,49 @@ def arm_logs(folder: str) -> tuple[list[dict], float] | None:
                       float("nan") if planned == "auto" else float(planned))
 
 
+def rollback_iterations(logs: list[dict]) -> list[int]:
+    """The iterations (1-based) whose ``es/rollbacks`` count rose: the rollbacks of a guarded run."""
+    counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
+    return [k + 1 for k in range(len(counts)) if counts[k] > (counts[k - 1] if k else 0)]
+
+
+def curves(args) -> dict:
+    """The collapse arms' curves: the members' mean reward per iteration, one panel per seed, each arm a line, the
+    guarded arm's rollbacks as dotted verticals. Writes ``<output_dir>/<study>_curves.png``; returns
+    ``{seed: {arm: {"reward": [...], "rollbacks": [...]}}}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trl_es.files import save_figure
+
+    study = "collapse" if args.setting == "rank1" else f"collapse_{args.setting}"
+    found: dict[str, dict] = {}
+    for folder in sorted(glob.glob(os.path.join(args.output_dir, study, "seed*", "*"))):
+        logs = arm_logs(folder)
+        if logs is not None:
+            seed, arm = folder.split(os.sep)[-2:]
+            found.setdefault(seed, {})[arm] = {"reward": [float(h["reward"]) for h in logs[0] if "reward" in h],
+                                               "rollbacks": rollback_iterations(logs[0])}
+    if not found:
+        raise FileNotFoundError(f"no collapse arm under {os.path.join(args.output_dir, study)}")
+    fig, axes = plt.subplots(1, len(found), figsize=(4.5 * len(found), 3.4), sharey=True, squeeze=False)
+    for ax, (seed, arms) in zip(axes[0], found.items(), strict=True):
+        for arm, curve in arms.items():
+            line, = ax.plot(range(1, len(curve["reward"]) + 1), curve["reward"], marker=".", label=arm)
+            for k in curve["rollbacks"]:
+                ax.axvline(k, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.set_title(f"{seed}, alpha x{args.alpha_factor:g}")
+        ax.set_xlabel("iteration (dotted: rollback)")
+    axes[0][0].set_ylabel("members' mean reward")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, os.path.join(args.output_dir, f"{study}_curves.png"), dpi=110)
+    plt.close(fig)
+    return found
+
+
 def table(args) -> str:
     """Markdown rows of every arm (finished or not): sigma, the mean reward per iteration, rollbacks, test accuracy."""
     lines = ["| study | seed | arm | sigma | mean reward per iteration | rollbacks (iterations) | test accuracy |",
@@ -215,7 +262,7 @@ def table(args) -> str:
         logs, sigma = found
         rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
         counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
-        rolled = [k + 1 for k in range(len(counts)) if counts[k] > (counts[k - 1] if k else 0)]
+        rolled = rollback_iterations(logs)
         accuracy = "not finished"
         if os.path.exists(os.path.join(folder, "results.json")):
             with open(os.path.join(folder, "results.json")) as f:
@@ -313,7 +360,8 @@ def guard_rates(args) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "summary", "guard_rates"))
+    parser.add_argument("command", choices=("effect", "transfer", "collapse", "table", "curves", "summary",
+                                            "guard_rates"))
     parser.add_argument("--setting", choices=tuple(SETTINGS), default="rank1")
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--output_dir", default="runs/auto_sigma")
@@ -338,7 +386,7 @@ def main(argv=None):
     parser.add_argument("--alpha_factor", type=float, default=10.0, help="collapse: alpha = this x the recipe's.")
     args = parser.parse_args(argv)
     parser_commands = {"effect": effect, "transfer": transfer, "collapse": collapse, "table": table,
-                       "summary": summary, "guard_rates": guard_rates}
+                       "curves": curves, "summary": summary, "guard_rates": guard_rates}
     return parser_commands[args.command](args)
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 from example_script import example_script
 
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -35,7 +36,7 @@ def test_llama_transfer_arms_and_the_alpha_picked_on_validation(tiny_llama, tmp_
         for arm in arms:
             with open(os.path.join(out, "llama", "seed0", arm, "results.json")) as f:
                 results[arm] = json.load(f)
-        for arm, result in results.items():
+        for result in results.values():
             iterations = [h for h in result["log_history"] if "reward" in h]
             assert len(iterations) == 2
             assert all(0.0 <= result[k] <= 1.0 for k in ("validation_accuracy_after", "test_accuracy_after"))
@@ -65,3 +66,24 @@ def test_llama_step_that_is_not_a_checkpoint_is_refused(tiny_llama, tmp_path):
             pytest.raises(ValueError, match="--llama_step 5 is not a checkpoint"):
         script.main(["transfer", "--setting", "llama", "--llama_dir", tiny_llama, "--llama_step", "5",
                      "--output_dir", str(tmp_path), "--only", "auto"])
+
+
+def test_collapse_curves_mark_the_rollbacks(tmp_path):
+    def write_log(arm, seed, rewards, rollbacks=None):
+        folder = tmp_path / "collapse" / f"seed{seed}" / arm
+        folder.mkdir(parents=True)
+        lines = ["Sigma = 0.005"]
+        for k, reward in enumerate(rewards):  # as trl-es train prints them, after tqdm's bar
+            guard = f", 'es/rollbacks': '{rollbacks[k]}'" if rollbacks else ""
+            lines.append(f" 4%|| 1/26 {{'loss': '{-reward}', 'reward': '{reward}'{guard}, 'epoch': '0.1'}}")
+        (folder / "log.txt").write_text("\n".join(lines) + "\n")
+
+    write_log("alpha_x10", 0, [0.31, 0.0, 0.0, 0.0, 0.0])
+    write_log("alpha_x10_guard", 0, [0.31, 0.0, 0.0, 0.0, 0.5], rollbacks=[0, 0, 0, 1, 1])
+    write_log("alpha_x10_guard", 1, [0.4, 0.1, 0.0, 0.0, 0.0, 0.6, 0.0], rollbacks=[0, 0, 0, 1, 1, 1, 2])
+    with example_script("studies/auto_sigma.py", "auto_sigma") as script:
+        found = script.main(["curves", "--output_dir", str(tmp_path)])
+    assert found["seed0"]["alpha_x10"] == {"reward": [0.31, 0.0, 0.0, 0.0, 0.0], "rollbacks": []}
+    assert found["seed0"]["alpha_x10_guard"]["rollbacks"] == [4]
+    assert found["seed1"]["alpha_x10_guard"] == {"reward": [0.4, 0.1, 0.0, 0.0, 0.0, 0.6, 0.0], "rollbacks": [4, 7]}
+    assert (tmp_path / "collapse_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
