@@ -20,7 +20,7 @@ the small Llama of ``pretrain_from_scratch.py`` (``--llama_dir``, checkpoint ``-
 members, trained in this process on its pre-training run's problem split (plain-text prompts; training prompts seen in
 pre-training, validation and test held out of it). ``--alphas`` adds alpha to the grid (the arms ``sigma_<s>_lr<a>``);
 ``auto`` keeps the recipe's alpha. ``summary`` picks each grid sigma's alpha on validation (mean over the seeds run
-at every alpha) and reports test accuracy, mean +- std over seeds.
+at every alpha; the arms found under ``--output_dir``) and reports test accuracy, mean +- std over seeds.
 
     python examples/studies/auto_sigma.py effect --setting rank1 --output_dir runs/auto_sigma
     python examples/studies/auto_sigma.py transfer --setting rank1 --seeds 0 --max_steps 8 --output_dir runs/auto_sigma
@@ -296,7 +296,9 @@ def summary(args) -> str:
 
     lines = ["| sigma | alpha (picked on validation) | seeds | validation accuracy | test accuracy | test, per seed "
              "| sigma used |", "|---|---|---|---|---|---|---|"]
-    arms = grid_arms(args)
+    ran = {path.split(os.sep)[-2] for path in glob.glob(os.path.join(args.output_dir, args.setting, "seed*", "*",
+                                                                       "results.json"))}  # the arms run, any alpha
+    arms = sorted(ran, key=lambda n: (n != "auto", float(n.split("_")[1]) if n != "auto" else 0.0, n))
     by_sigma: dict[str, list[str]] = {}
     for name in arms:
         by_sigma.setdefault(name.split("_lr")[0], []).append(name)
