@@ -300,6 +300,13 @@ def test_guard_does_not_fire_on_a_flat_run(tmp_path, tokenizer):
     means = [r["fitness_mean"] for r in logged]
     assert len(set(means)) > 3 and max(means) - min(means) > 0.1  # the batches differ: the noise is real
     assert [h["es/rollbacks"] for h in trainer.state.log_history if "es/rollbacks" in h] == [0] * 8
+    # a guard that never fires changes nothing: the weights and the seed log's steps are the unguarded run's
+    plain = ESTrainer(build_llama(tokenizer), prompt_number, args=es_args(tmp_path / "plain", sigma=0.02, max_steps=8),
+                      train_dataset=prompts(64), processing_class=tokenizer)
+    plain.train()
+    assert_bitwise(snapshot(trainer.model), snapshot(plain.model))
+    guard_keys = {"fitness_mean", "fitness_se"}
+    assert [{k: v for k, v in r.items() if k not in guard_keys} for r in logged] == plain.seed_log.records
 
 
 # ---------------------------------------------------------------------------------------------- two processes
