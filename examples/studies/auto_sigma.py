@@ -234,16 +234,17 @@ def curves(args) -> dict:
                                                "rollbacks": rollback_iterations(logs[0])}
     if not found:
         raise FileNotFoundError(f"no collapse arm under {os.path.join(args.output_dir, study)}")
+    colors = {arm: f"C{k}" for k, arm in enumerate(sorted({a for arms in found.values() for a in arms}))}
     fig, axes = plt.subplots(1, len(found), figsize=(4.5 * len(found), 3.4), sharey=True, squeeze=False)
     for ax, (seed, arms) in zip(axes[0], found.items(), strict=True):
         for arm, curve in arms.items():
-            line, = ax.plot(range(1, len(curve["reward"]) + 1), curve["reward"], marker=".", label=arm)
+            ax.plot(range(1, len(curve["reward"]) + 1), curve["reward"], marker=".", label=arm, color=colors[arm])
             for k in curve["rollbacks"]:
-                ax.axvline(k, color=line.get_color(), linestyle=":", linewidth=1)
+                ax.axvline(k, color=colors[arm], linestyle=":", linewidth=1)
         ax.set_title(f"{seed}, alpha x{args.alpha_factor:g}")
         ax.set_xlabel("iteration (dotted: rollback)")
+        ax.legend(fontsize=8)
     axes[0][0].set_ylabel("members' mean reward")
-    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, os.path.join(args.output_dir, f"{study}_curves.png"), dpi=110)
     plt.close(fig)
