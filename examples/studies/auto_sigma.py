@@ -262,14 +262,14 @@ def table(args) -> str:
             continue
         logs, sigma = found
         rewards = " ".join(f"{float(h['reward']):.2f}" for h in logs if "reward" in h)
-        counts = [float(h["es/rollbacks"]) for h in logs if "es/rollbacks" in h]
+        guarded = any("es/rollbacks" in h for h in logs)
         rolled = rollback_iterations(logs)
         accuracy = "not finished"
         if os.path.exists(os.path.join(folder, "results.json")):
             with open(os.path.join(folder, "results.json")) as f:
                 accuracy = f"{json.load(f)['test_accuracy_after']:.3f}"
         lines.append(f"| {study} | {seed} | {arm} | {sigma:.4g} | {rewards} | "
-                     f"{'-' if not counts else (rolled or 'none')} | {accuracy} |")
+                     f"{(rolled or 'none') if guarded else '-'} | {accuracy} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.output_dir, "auto_sigma.md"), "w") as f:
         f.write(text)
