@@ -5,9 +5,12 @@ Three subcommands, each resumable (a finished arm's ``results.json`` is kept, re
 
 - ``effect``: the effect of sigma on the first batch, before any step: for each sigma, the fraction of (member,
   prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's, and the
-  sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``.
+  sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``; with ``--model <a trained arm's
+  folder>``, the same measure on that arm's final weights (the same first batch and probe members), written to
+  ``<folder>/effect.json``: whether the effect of a sigma drifts as the run trains.
 - ``transfer``: ``sigma="auto"`` against a sigma grid, nothing else changed (alpha is the recipe's), one ``trl-es
-  train`` per arm, test accuracy after ``--max_steps`` iterations. Writes ``<output_dir>/<setting>/seed<k>/<arm>/``.
+  train`` per arm, test accuracy after ``--max_steps`` iterations; ``--adapt_steps k`` adds the arm ``auto_adapt<k>``
+  (auto, chosen again every k iterations). Writes ``<output_dir>/<setting>/seed<k>/<arm>/``.
 - ``collapse``: alpha at ``--alpha_factor`` x the recipe's, with and without ``collapse_guard``, and the recipe itself
   with the guard (it must not fire). Writes ``<output_dir>/collapse/seed<k>/<arm>/``.
 
@@ -64,16 +67,18 @@ def effect(args) -> dict:
 
     argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
             "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no",
-            "--sigma_target", str(args.sigma_target)]
+            "--sigma_target", str(args.sigma_target), *(["--model_name_or_path", args.model] if args.model else [])]
     task_args, es_args, model_args = parse_train_arguments(argv)
     task, splits = task_splits(task_args)
     model, tokenizer = load_model_and_tokenizer(model_args)
     es_args.reward_weights = task.reward_weights
     trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
                         processing_class=tokenizer)
-    result = {"setting": args.setting, **trainer.measure_sigma_effect(args.sigmas)}
+    result = {"setting": args.setting, "model": model_args.model_name_or_path, **trainer.measure_sigma_effect(args.sigmas)}
     os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, f"effect_{args.setting}.json"), "w") as f:
+    path = os.path.join(args.model, "effect.json") if args.model else \
+        os.path.join(args.output_dir, f"effect_{args.setting}.json")
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
     return result
@@ -152,6 +157,8 @@ def run_llama_arm(out: str, flags: list[str], args) -> None:
 def grid_arms(args) -> dict[str, list[str]]:
     """The transfer arms: ``auto`` (the recipe's alpha) and every grid sigma, at every ``--alphas`` value if given."""
     arms = {"auto": ["--sigma", "auto"]}
+    for k in args.adapt_steps:  # auto, chosen again every k iterations
+        arms[f"auto_adapt{k}"] = ["--sigma", "auto", "--sigma_adapt_steps", str(k)]
     for s in GRID[args.setting]:
         for a in args.alphas or [None]:
             arms[f"sigma_{s:g}" + ("" if a is None else f"_lr{a:g}")] = \
@@ -288,6 +295,9 @@ def summary(args) -> str:
         for path in glob.glob(os.path.join(args.output_dir, args.setting, "seed*", arm, "results.json")):
             with open(path) as f:
                 result = json.load(f)
+            if "validation_accuracy_after" not in result:  # a `trl-es train` arm: its eval split is validation
+                result.update(validation_accuracy_after=result["accuracy_after"],
+                              sigma=arm_logs(os.path.dirname(path))[1])
             found[int(path.split(os.sep)[-3][4:])] = result
         return found
 
@@ -299,7 +309,8 @@ def summary(args) -> str:
              "| sigma used |", "|---|---|---|---|---|---|---|"]
     ran = {path.split(os.sep)[-2] for path in glob.glob(os.path.join(args.output_dir, args.setting, "seed*", "*",
                                                                        "results.json"))}  # the arms run, any alpha
-    arms = sorted(ran, key=lambda n: (n != "auto", float(n.split("_")[1]) if n != "auto" else 0.0, n))
+    auto = [n for n in ran if n.startswith("auto")]  # auto, auto_adapt<k>: first, then the grid by sigma
+    arms = sorted(auto) + sorted(set(ran) - set(auto), key=lambda n: (float(n.split("_")[1]), n))
     by_sigma: dict[str, list[str]] = {}
     for name in arms:
         by_sigma.setdefault(name.split("_lr")[0], []).append(name)
@@ -370,6 +381,8 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="runs/auto_sigma")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--seed", type=int, default=0, help="effect: the task seed of the first batch.")
+    parser.add_argument("--model", default=None,
+                        help="effect: measure on these weights (a trained arm's folder) instead of the recipe's model.")
     parser.add_argument("--sigma_target", type=float, default=0.3, help="effect: the target of the auto search.")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
     parser.add_argument("--max_steps", type=int, default=26)
@@ -379,6 +392,8 @@ def main(argv=None):
                         "'--population_size 8' for a reduced run.")
     parser.add_argument("--runs", type=int, default=1000, help="guard_rates: made-up runs per case.")
     parser.add_argument("--prompts", type=int, default=12, help="guard_rates: rewards per iteration.")
+    parser.add_argument("--adapt_steps", type=int, nargs="*", default=[],
+                        help="transfer: add an arm auto_adapt<k> (sigma='auto', sigma_adapt_steps=k) per value.")
     parser.add_argument("--alphas", type=float, nargs="*", default=None,
                         help="transfer: alpha values of the grid arms (default: the recipe's only).")
     parser.add_argument("--llama_dir", default="runs/pretrain_from_scratch",

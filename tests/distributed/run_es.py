@@ -229,7 +229,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra["resume_from_checkpoint"] = "latest"
     COLLAPSE_AT["step"] = 3 if stability else 0
     if stability:
-        extra.update(collapse_guard=True, collapse_guard_patience=1)
+        extra.update(collapse_guard=True, collapse_guard_patience=1, sigma_adapt_steps=2)
     config = ESConfig(
         output_dir=out,
         max_steps=steps,

@@ -173,6 +173,8 @@ def test_mean_and_se():
     ({"sigma": -0.01}, r"sigma must be > 0 \(a number\) or 'auto', got -0.01"),
     ({"sigma": None}, r"sigma must be > 0 \(a number\) or 'auto', got None"),
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
+    ({"sigma_adapt_steps": -1}, "sigma_adapt_steps must be an integer >= 0"),
+    ({"sigma_adapt_steps": 2, "sigma": 0.01}, "sigma_adapt_steps=2 needs sigma='auto'"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
     ({"collapse_guard_patience": 0}, "collapse_guard_patience must be an integer >= 1"),
     ({"collapse_guard_alpha_factor": 0.0}, r"collapse_guard_alpha_factor must be in \(0, 1\]"),
@@ -227,6 +229,33 @@ def test_auto_sigma_resume_reads_sigma_from_the_log(tmp_path, tokenizer):
     assert resumed.seed_log.records == full.seed_log.records
     after = [h for h in resumed.state.log_history if h.get("step", 0) > 2 and "sigma" in h]
     assert len(after) == 2 and not any("sigma/effect" in h for h in after)  # not calibrated again
+
+
+@pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
+def test_sigma_adapt_steps_recalibrates_from_the_sigma_in_use_and_resumes_bitwise(tmp_path, tokenizer, backend):
+    common = dict(max_steps=5, sigma_adapt_steps=2, population_backend=backend)
+    full = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "full", **common),
+                     train_dataset=prompts(), processing_class=tokenizer)
+    full.train()
+    header, logged = records(full.args.output_dir)
+    assert header["run_settings"]["sigma_adapt_steps"] == 2
+    assert [r["step"] for r in logged if "sigma_probes" in r] == [1, 3, 5]  # iterations 1, 3, 5
+    assert logged[0]["sigma_probes"][0][0] == 1e-3  # the first search starts at the paper's sigma,
+    for k in (2, 4):  # a re-calibration at the sigma the previous iterations used
+        assert logged[k]["sigma_probes"][0][0] == logged[k - 1]["sigma"]
+    assert logged[1]["sigma"] == logged[0]["sigma"] and logged[3]["sigma"] == logged[2]["sigma"]
+    effects = [h["sigma/effect"] for h in full.state.log_history if "sigma/effect" in h]
+    assert effects == [r["sigma_effect"] for r in logged if "sigma_probes" in r]
+    rebuilt = replay(build_llama(tokenizer), full.args.output_dir)
+    assert_bitwise(snapshot(rebuilt), snapshot(full.model))
+    # resumed from checkpoint-2, the run re-calibrates at iteration 3 as the uninterrupted one did
+    args = es_args(tmp_path / "resumed", save_strategy="steps", save_steps=2, **common)
+    ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(), processing_class=tokenizer).train()
+    resumed = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(),
+                        processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    assert resumed.seed_log.records == full.seed_log.records
+    assert_bitwise(snapshot(resumed.model), snapshot(full.model))
 
 
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
@@ -327,7 +356,8 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
     assert one == two
     assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
     assert [r["step"] for r in one[1] if "rollback_to" in r] == [3]  # at 4 the weights are the best state's
-    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 4]  # sigma chosen again after the rollback
+    # sigma chosen again every 2 iterations (sigma_adapt_steps) and after the rollback
+    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]
     assert_bitwise(weights(tmp_path / "two" / "model"), weights(ref_out / "model"))
     rebuilt = replay(build_llama_from(tiny_model_dir), str(tmp_path / "two"))
     assert_bitwise(dict(rebuilt.state_dict()), weights(tmp_path / "two" / "model"))
@@ -352,7 +382,7 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
-    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 4]  # sigma chosen again after the rollback
+    assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]  # every 2 iterations, after the rollback
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(ref_out / "model"))
 
 

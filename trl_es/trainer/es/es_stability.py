@@ -4,9 +4,10 @@ bitwise.
 
 - ``sigma="auto"``: before the first iteration, probes on the first batch (greedy rollouts of the center and of the
   first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
-  again on the batch after a rollback; every record holds the sigma its members were scored at (``sigma``), a
-  calibrating record also the probes (``sigma_probes``) and the effect measured at the chosen sigma
-  (``sigma_effect``). A resumed run reads sigma from the log.
+  again (from the sigma in use) on the batch after a rollback and every ``sigma_adapt_steps`` iterations; every
+  record holds the sigma its members were scored at (``sigma``), a calibrating record also the probes
+  (``sigma_probes``) and the effect measured at the chosen sigma (``sigma_effect``). A resumed run reads sigma from
+  the log.
 - ``collapse_guard=True``: every record holds the iteration's ``fitness_mean`` and ``fitness_se``; a collapse makes the
   iteration's record a rollback (``rollback_to``, ``undone``). The guard's state is rebuilt from the records.
 """
@@ -19,7 +20,7 @@ import dataclasses
 import torch
 from transformers.utils import logging
 
-from ...es.autosigma import PROBE_MEMBERS, SIGMA_AUTO, SigmaSearch, differing_completions
+from ...es.autosigma import PROBE_MEMBERS, SIGMA_AUTO, START_SIGMA, SigmaSearch, differing_completions
 from ...es.fitness import PopulationScores, shape_fitness
 from ...es.guard import CollapseGuard, mean_and_se
 from ...es.perturbation import Member, es_update_
@@ -47,6 +48,8 @@ class ESStability:
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
             settings["sigma_target"] = args.sigma_target
+            if args.sigma_adapt_steps:  # absent at 0, so the headers of earlier runs still match
+                settings["sigma_adapt_steps"] = args.sigma_adapt_steps
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
@@ -55,19 +58,22 @@ class ESStability:
         """Set ``strategy.sigma`` for this iteration; returns the record's sigma keys (none with a fixed sigma)."""
         if self.trainer.args.sigma != SIGMA_AUTO:
             return {}
-        records = self.trainer.seed_log.records
+        records, every = self.trainer.seed_log.records, self.trainer.args.sigma_adapt_steps
         logged = [r["sigma"] for r in records if "sigma" in r]
         rolled_back = bool(records) and "rollback_to" in records[-1]  # the weights moved: sigma re-adapts to them
-        if logged and not rolled_back:  # calibrated earlier in this run (or in the run a checkpoint continues)
+        adapt = every > 0 and step % every == 0  # a function of the step only: resume and replay agree
+        if logged and not rolled_back and not adapt:  # calibrated earlier in this run (or the one it continues)
             self.trainer.strategy.sigma = float(logged[-1])
             self.trainer._metrics["sigma"].append(self.trainer.strategy.sigma)
             return {"sigma": self.trainer.strategy.sigma}
         members = self._probe_members(step)
-        search, sigma, effect = self._search(members, rows, step, self._greedy_completions(None, rows, step))
+        start = float(logged[-1]) if logged else START_SIGMA  # a re-calibration starts from the sigma in use
+        search, sigma, effect = self._search(members, rows, step, self._greedy_completions(None, rows, step), start)
         self.trainer.strategy.sigma = sigma
+        when = " after the rollback" if rolled_back else f" at iteration {step + 1}" if logged else ""
         logger.warning("sigma='auto'%s: sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
-                       "center's; target %.3f; probes %s).", " after the rollback" if rolled_back else "", sigma,
-                       effect, self.trainer.args.sigma_target, ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
+                       "center's; target %.3f; probes %s).", when, sigma, effect, self.trainer.args.sigma_target,
+                       ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
         self.trainer._metrics["sigma"].append(sigma)
         self.trainer._metrics["sigma/effect"].append(effect)
         return {"sigma": sigma, "sigma_effect": effect, "sigma_probes": [list(p) for p in search.probes]}
@@ -97,11 +103,11 @@ class ESStability:
         """The first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members of iteration ``step``."""
         return self.trainer.strategy.ask(step)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
 
-    def _search(self, members: list[Member], rows: list[dict], step: int, center: list):
-        """Run :class:`~trl_es.es.autosigma.SigmaSearch` to ``sigma_target``; returns ``(search, sigma, effect)``:
-        the search with its probes, the sigma it picks and the effect measured there (``strategy.sigma`` is left at
-        that sigma)."""
-        search = SigmaSearch(self.trainer.args.sigma_target)
+    def _search(self, members: list[Member], rows: list[dict], step: int, center: list, start: float = START_SIGMA):
+        """Run :class:`~trl_es.es.autosigma.SigmaSearch` to ``sigma_target`` from the probe ``start``; returns
+        ``(search, sigma, effect)``: the search with its probes, the sigma it picks and the effect measured there
+        (``strategy.sigma`` is left at that sigma)."""
+        search = SigmaSearch(self.trainer.args.sigma_target, start=start)
         while (sigma := search.next_sigma()) is not None:
             search.tell(sigma, self._effect(members, rows, step, sigma, center))
         sigma = search.choice()
@@ -218,6 +224,13 @@ def stability_field_errors(args) -> list[str]:
         errors.append(f"sigma must be > 0 (a number) or {SIGMA_AUTO!r}, got {sigma!r}.")
     if not isinstance(args.sigma_target, (int, float)) or not 0 < args.sigma_target < 1:
         errors.append(f"sigma_target must be in (0, 1) (a fraction of completions), got {args.sigma_target!r}.")
+    every = args.sigma_adapt_steps
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        errors.append(f"sigma_adapt_steps must be an integer >= 0 (iterations; 0: no periodic re-calibration), got "
+                      f"{every!r}.")
+    elif every > 0 and sigma != SIGMA_AUTO:
+        errors.append(f"sigma_adapt_steps={every} needs sigma='auto' (a fixed sigma is not re-calibrated), got "
+                      f"sigma={sigma!r}.")
     if not isinstance(args.collapse_guard_threshold, (int, float)) or not args.collapse_guard_threshold > 0:
         errors.append(f"collapse_guard_threshold must be > 0 (standard errors), got {args.collapse_guard_threshold!r}.")
     patience = args.collapse_guard_patience
