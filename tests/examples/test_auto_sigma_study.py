@@ -87,3 +87,42 @@ def test_collapse_curves_mark_the_rollbacks(tmp_path):
     assert found["seed0"]["alpha_x10_guard"]["rollbacks"] == [4]
     assert found["seed1"]["alpha_x10_guard"] == {"reward": [0.4, 0.1, 0.0, 0.0, 0.0, 0.6, 0.0], "rollbacks": [4, 7]}
     assert (tmp_path / "collapse_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_effect_on_a_trained_arms_weights(tiny_model_dir, tmp_path):
+    """``effect --model``: the effect measured on another folder's weights (the same recipe, batch and probe members),
+    written into that folder; without it, on the recipe's model, into the output folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es import ESConfig, ESTrainer
+    from trl_es.tasks.arithmetic import arithmetic_reward, make_arithmetic_dataset_dict
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ntask: arithmetic\nnum_train_prompts: 8\n"
+                      "num_validation_prompts: 4\nnum_eval_prompts: 4\npopulation_size: 4\nprompt_batch_size: 4\n"
+                      "max_completion_length: 4\nnoise_table_size: 1048576\n")
+    trained = str(tmp_path / "trained")  # a made-up trained arm: the tiny model, weights moved
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.save_pretrained(trained)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(trained)
+    common = ["effect", "--recipe", str(recipe), "--sigmas", "0.01", "0.1", "--output_dir", str(tmp_path / "out")]
+    with example_script("studies/auto_sigma.py", "auto_sigma") as script:
+        base = script.main(common)
+        moved = script.main([*common, "--model", trained])
+    with open(os.path.join(trained, "effect.json")) as f:
+        assert json.load(f) == moved
+    with open(tmp_path / "out" / "effect_rank1.json") as f:
+        assert json.load(f) == base
+    assert base["model"] == tiny_model_dir and moved["model"] == trained
+    # the same measure, made here on the trained weights and the run's first batch
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    splits = make_arithmetic_dataset_dict(8, 4, 4, seed=0, conversational=tokenizer.chat_template is not None)
+    args = ESConfig(output_dir=str(tmp_path / "direct"), population_size=4, prompt_batch_size=4,
+                    max_completion_length=4, noise_table_size=1 << 20, sigma="auto", report_to="none")
+    trainer = ESTrainer(AutoModelForCausalLM.from_pretrained(trained), [arithmetic_reward], args=args,
+                        train_dataset=splits["train"], processing_class=tokenizer)
+    assert trainer.measure_sigma_effect([0.01, 0.1])["effects"] == moved["effects"]
