@@ -256,6 +256,12 @@ def test_sigma_adapt_steps_recalibrates_from_the_sigma_in_use_and_resumes_bitwis
     resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     assert resumed.seed_log.records == full.seed_log.records
     assert_bitwise(snapshot(resumed.model), snapshot(full.model))
+    # another period would not continue this run: refused, naming the field
+    other = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "resumed", **{
+        **common, "sigma_adapt_steps": 3, "save_strategy": "steps", "save_steps": 2}), train_dataset=prompts(),
+        processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"sigma_adapt_steps \(checkpoint: 2, this run: 3\)"):
+        other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
 
 
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])

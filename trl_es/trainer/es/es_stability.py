@@ -43,13 +43,11 @@ class ESStability:
         self.trainer = trainer
 
     def add_settings(self, header: dict) -> None:
-        """Add ``sigma_target`` (with ``sigma="auto"``) and the guard's settings (with ``collapse_guard``) to the
-        seed-log header's ``run_settings``, which a resume compares."""
+        """Add ``sigma_target`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's settings (with
+        ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
-            settings["sigma_target"] = args.sigma_target
-            if args.sigma_adapt_steps:  # absent at 0, so the headers of earlier runs still match
-                settings["sigma_adapt_steps"] = args.sigma_adapt_steps
+            settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps)
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
