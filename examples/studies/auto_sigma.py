@@ -4,8 +4,9 @@ guard").
 Three subcommands, each resumable (a finished arm's ``results.json`` is kept, rerunning the command continues):
 
 - ``effect``: the effect of sigma on the first batch, before any step: for each sigma, the fraction of (member,
-  prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's, and the
-  sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``; with ``--model <a trained arm's
+  prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's (and of
+  their rewards that differ), and the sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``
+  (training seed 0; ``effect_<setting>_seed<k>.json`` for the others of ``--seeds``); with ``--model <a trained arm's
   folder>``, the same measure on that arm's final weights (the same first batch and probe members), written to
   ``<folder>/effect.json``: whether the effect of a sigma drifts as the run trains.
 - ``transfer``: ``sigma="auto"`` against a sigma grid, nothing else changed (alpha is the recipe's), one ``trl-es
@@ -59,28 +60,32 @@ REDUCED = ["--eval_strategy", "no", "--eval_before_training", "false", "--plot",
 
 
 def effect(args) -> dict:
-    """The effect table of one setting on the first batch (see the module docstring)."""
+    """The effect table of one setting on the first batch of each training seed of ``--seeds`` (see the module
+    docstring); returns the last seed's."""
     from trl_es.cli.loading import load_model_and_tokenizer
     from trl_es.cli.splits import task_splits
     from trl_es.cli.train_command import parse_train_arguments
     from trl_es.trainer.es.es_trainer import ESTrainer
 
-    argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
-            "--sigma", "auto", "--task_seed", str(args.seed), "--report_to", "none", "--eval_strategy", "no",
-            "--sigma_target", str(args.sigma_target), *(["--model_name_or_path", args.model] if args.model else [])]
-    task_args, es_args, model_args = parse_train_arguments(argv)
-    task, splits = task_splits(task_args)
-    model, tokenizer = load_model_and_tokenizer(model_args)
-    es_args.reward_weights = task.reward_weights
-    trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
-                        processing_class=tokenizer)
-    result = {"setting": args.setting, "model": model_args.model_name_or_path, **trainer.measure_sigma_effect(args.sigmas)}
-    os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.model, "effect.json") if args.model else \
-        os.path.join(args.output_dir, f"effect_{args.setting}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
+    for seed in args.seeds:  # the training seed: the first batch and the probe members
+        argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
+                "--sigma", "auto", "--task_seed", str(args.seed), "--seed", str(seed), "--report_to", "none",
+                "--eval_strategy", "no", "--sigma_target", str(args.sigma_target),
+                *(["--model_name_or_path", args.model] if args.model else []), *args.extra.split()]
+        task_args, es_args, model_args = parse_train_arguments(argv)
+        task, splits = task_splits(task_args)
+        model, tokenizer = load_model_and_tokenizer(model_args)
+        es_args.reward_weights = task.reward_weights
+        trainer = ESTrainer(model, task.reward_funcs, args=es_args, train_dataset=splits["train"],
+                            processing_class=tokenizer)
+        result = {"setting": args.setting, "model": model_args.model_name_or_path, "seed": seed,
+                  **trainer.measure_sigma_effect(args.sigmas)}
+        os.makedirs(args.output_dir, exist_ok=True)
+        name = f"effect_{args.setting}.json" if seed == 0 else f"effect_{args.setting}_seed{seed}.json"
+        path = os.path.join(args.model, "effect.json") if args.model else os.path.join(args.output_dir, name)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps(result, indent=1))
     return result
 
 

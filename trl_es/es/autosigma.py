@@ -23,6 +23,9 @@ SIGMA_RANGE = (1e-6, 1.0)  # the search never probes outside it
 MAX_PROBES = 8  # bracketing and bisection probes, at most
 BISECTIONS = 2  # geometric halvings of the bracket once it is found
 PROBE_MEMBERS = 8  # members of the first iteration that a probe rolls out (fewer if the population is smaller)
+#: What a member's effect counts, per (member, prompt): a greedy completion whose token ids differ from the center's,
+#: or whose reward differs from the center's reward (``ESConfig.sigma_effect``).
+SIGMA_EFFECTS = ("completions", "rewards")
 
 
 def differing_completions(center: Sequence[Sequence[int]],
@@ -39,6 +42,23 @@ def differing_completions(center: Sequence[Sequence[int]],
             raise ValueError(f"a member has {len(completions)} completions, the center {len(center)}: the effect "
                              "compares the same rows.")
         differ += sum(list(a) != list(b) for a, b in zip(completions, center, strict=True))
+        total += len(center)
+    return differ, total
+
+
+def differing_rewards(center: Sequence[float], members: Sequence[Sequence[float]]) -> tuple[int, int]:
+    """``(differ, total)``: of every member's rewards (in the center's row order), how many differ from the center's
+    reward of the same row (two NaNs, no reward on either, are equal).
+
+    Raises:
+        ValueError: if a member has not as many rewards as the center.
+    """
+    differ = total = 0
+    for rewards in members:
+        if len(rewards) != len(center):
+            raise ValueError(f"a member has {len(rewards)} rewards, the center {len(center)}: the effect compares the "
+                             "same rows.")
+        differ += sum(a != b and not (math.isnan(a) and math.isnan(b)) for a, b in zip(rewards, center, strict=True))
         total += len(center)
     return differ, total
 

@@ -20,12 +20,20 @@ import dataclasses
 import torch
 from transformers.utils import logging
 
-from ...es.autosigma import PROBE_MEMBERS, SIGMA_AUTO, START_SIGMA, SigmaSearch, differing_completions
+from ...es.autosigma import (
+    PROBE_MEMBERS,
+    SIGMA_AUTO,
+    SIGMA_EFFECTS,
+    START_SIGMA,
+    SigmaSearch,
+    differing_completions,
+    differing_rewards,
+)
 from ...es.fitness import PopulationScores, shape_fitness
 from ...es.guard import CollapseGuard, mean_and_se
 from ...es.perturbation import Member, es_update_
 from ...es.strategy import TellResult, member_indices
-from ...rollout import Rollout
+from ...rollout import Rollout, RolloutResult
 
 
 logger = logging.get_logger(__name__)
@@ -43,11 +51,12 @@ class ESStability:
         self.trainer = trainer
 
     def add_settings(self, header: dict) -> None:
-        """Add ``sigma_target`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's settings (with
-        ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
+        """Add ``sigma_target``, ``sigma_effect`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's
+        settings (with ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
-            settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps)
+            settings.update(sigma_target=args.sigma_target, sigma_effect=args.sigma_effect,
+                            sigma_adapt_steps=args.sigma_adapt_steps)
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
@@ -81,21 +90,27 @@ class ESStability:
         batch), with the first iteration's probe members; and the sigma the search picks there.
 
         Returns:
-            `dict`: ``{"effects": [[sigma, effect], ...], "auto": {"sigma", "effect", "probes"}, "prompts",
-            "members"}``. The model's weights are unchanged.
+            `dict`: ``{"effects": [[sigma, effect], ...] (the measure ``sigma_effect`` names), "effects_by_measure":
+            {measure: [[sigma, effect], ...]} (every measure of :data:`~trl_es.es.autosigma.SIGMA_EFFECTS`), "auto":
+            {"sigma", "effect", "probes", "target", "measure"}, "prompts", "members"}``. The model's weights are
+            unchanged.
         """
         if rows is None:
             rows = self.trainer._gather_prompt_rows(next(iter(self.trainer.get_train_dataloader())))
         members = self._probe_members(0)
         center, saved = self._greedy_completions(None, rows, 0), self.trainer.strategy.sigma
         try:
-            effects = [[float(s), self._effect(members, rows, 0, float(s), center)] for s in sigmas]
+            measured = [self._effects(members, rows, 0, float(s), center) for s in sigmas]
             search, choice, effect = self._search(members, rows, 0, center)
             auto = {"sigma": choice, "effect": effect, "probes": [list(p) for p in search.probes],
-                    "target": self.trainer.args.sigma_target}
+                    "target": self.trainer.args.sigma_target, "measure": self.trainer.args.sigma_effect}
         finally:
             self.trainer.strategy.sigma = saved
-        return {"effects": effects, "auto": auto, "prompts": len(rows), "members": len(members)}
+        measure = self.trainer.args.sigma_effect
+        return {"effects": [[float(s), m[measure]] for s, m in zip(sigmas, measured, strict=True)],
+                "effects_by_measure": {name: [[float(s), m[name]] for s, m in zip(sigmas, measured, strict=True)]
+                                       for name in SIGMA_EFFECTS},
+                "auto": auto, "prompts": len(rows), "members": len(members)}
 
     def _probe_members(self, step: int) -> list[Member]:
         """The first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members of iteration ``step``."""
@@ -120,9 +135,9 @@ class ESStability:
         config.do_sample = False
         return dataclasses.replace(rollout, generation_config=config, num_generations=1)
 
-    def _greedy_completions(self, chunk_members: list[Member] | None, rows: list[dict], step: int) -> list:
-        """Greedy completion ids of ``rows`` with the center (``None``) or with stacked ``chunk_members`` applied,
-        member after member."""
+    def _greedy_completions(self, chunk_members: list[Member] | None, rows: list[dict], step: int) -> RolloutResult:
+        """The greedy rollout of ``rows`` (completion ids and rewards) with the center (``None``) or with stacked
+        ``chunk_members`` applied, member after member."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         self.trainer._prepare_forward_precision()
         kwargs = {"trainer_state": self.trainer.state, "log_extra": lambda *a, **k: None,
@@ -130,34 +145,47 @@ class ESStability:
         rollout = self._greedy_rollout()
         if chunk_members is None:
             self.trainer._sync_model_view()
-            return rollout(model, rows, reward_kwargs=kwargs).completion_ids
+            return rollout(model, rows, reward_kwargs=kwargs)
         with self.trainer.strategy.apply(chunk_members, model):
             self.trainer._sync_model_view()
-            return rollout(model, rows * len(chunk_members), num_members=len(chunk_members),
-                           reward_kwargs=kwargs).completion_ids
+            return rollout(model, rows * len(chunk_members), num_members=len(chunk_members), reward_kwargs=kwargs)
 
-    def _effect(self, members: list[Member], rows: list[dict], step: int, sigma: float, center: list) -> float:
-        """The fraction of the probe members' greedy completions that differ from the center's at ``sigma``,
-        counted over all processes (each rolls out its members, or under ZeRO-3 its prompts)."""
+    def _effect(self, members: list[Member], rows: list[dict], step: int, sigma: float,
+                center: RolloutResult) -> float:
+        """The effect ``sigma_effect`` names (:meth:`_effects`)."""
+        return self._effects(members, rows, step, sigma, center)[self.trainer.args.sigma_effect]
+
+    def _effects(self, members: list[Member], rows: list[dict], step: int, sigma: float,
+                 center: RolloutResult) -> dict[str, float]:
+        """``{"completions", "rewards"}``: the fractions of the probe members' greedy completions at ``sigma`` whose
+        token ids, and whose reward, differ from the center's on the same prompt, counted over all processes (each
+        rolls out its members, or under ZeRO-3 its prompts)."""
         self.trainer.strategy.sigma = sigma
         if self.trainer.sharded:
             indices = list(range(len(members)))
         else:
             accelerator = self.trainer.accelerator
             indices = member_indices(len(members), accelerator.process_index, accelerator.num_processes)
-        counts = torch.zeros(2, dtype=torch.float64)
+        counts = torch.zeros(3, dtype=torch.float64)  # completions that differ, rewards that differ, completions
         chunks = list(self.trainer.strategy.chunks(indices))
         # several vLLM servers: chunks on each, as the members' rollouts
         rolled = self.trainer.generation_engine.map_chunks(
             lambda chunk: self._greedy_completions([members[i] for i in chunk], rows, step), chunks)
-        for chunk, ids in zip(chunks, rolled, strict=True):
-            width = len(center)
-            differ, total = differing_completions(center, [ids[k * width : (k + 1) * width] for k in range(len(chunk))])
-            counts += torch.tensor([differ, total], dtype=torch.float64)
+        width = len(center.completion_ids)
+        for chunk, result in zip(chunks, rolled, strict=True):
+            blocks = range(len(chunk))
+            ids, rewards = result.completion_ids, result.rewards.tolist()
+            differ, total = differing_completions(center.completion_ids, [ids[k * width : (k + 1) * width]
+                                                                          for k in blocks])
+            flipped, _ = differing_rewards(center.rewards.tolist(), [rewards[k * width : (k + 1) * width]
+                                                                     for k in blocks])
+            counts += torch.tensor([differ, flipped, total], dtype=torch.float64)
         if self.trainer.accelerator.num_processes > 1:
             counts = self.trainer.accelerator.reduce(counts.to(self.trainer.accelerator.device), reduction="sum").cpu()
             self.trainer._comm_bytes += counts.numel() * 8
-        return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+        total = float(counts[2])
+        return {"completions": float(counts[0]) / total if total else 0.0,
+                "rewards": float(counts[1]) / total if total else 0.0}
 
     # ------------------------------------------------------------------ the collapse guard
     def _guard(self) -> CollapseGuard:
@@ -220,6 +248,8 @@ def stability_field_errors(args) -> list[str]:
     number = not isinstance(sigma, (bool, str)) and isinstance(sigma, (int, float)) and 0 < sigma < float("inf")
     if sigma != SIGMA_AUTO and not number:
         errors.append(f"sigma must be > 0 (a number) or {SIGMA_AUTO!r}, got {sigma!r}.")
+    if args.sigma_effect not in SIGMA_EFFECTS:
+        errors.append(f"sigma_effect must be one of {', '.join(map(repr, SIGMA_EFFECTS))}, got {args.sigma_effect!r}.")
     if not isinstance(args.sigma_target, (int, float)) or not 0 < args.sigma_target < 1:
         errors.append(f"sigma_target must be in (0, 1) (a fraction of completions), got {args.sigma_target!r}.")
     every = args.sigma_adapt_steps
