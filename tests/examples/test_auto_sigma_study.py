@@ -122,7 +122,7 @@ def test_effect_on_a_trained_arms_weights(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(trained)
     splits = make_arithmetic_dataset_dict(8, 4, 4, seed=0, conversational=tokenizer.chat_template is not None)
     args = ESConfig(output_dir=str(tmp_path / "direct"), population_size=4, prompt_batch_size=4,
-                    max_completion_length=4, noise_table_size=1 << 20, sigma="auto", report_to="none")
+                    max_completion_length=4, noise_table_size=1 << 20, sigma="auto", report_to="none", seed=0)
     trainer = ESTrainer(AutoModelForCausalLM.from_pretrained(trained), [arithmetic_reward], args=args,
                         train_dataset=splits["train"], processing_class=tokenizer)
     assert trainer.measure_sigma_effect([0.01, 0.1])["effects"] == moved["effects"]

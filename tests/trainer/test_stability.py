@@ -12,7 +12,7 @@ from tiny import build_llama
 
 from trl_es import ESConfig, ESTrainer, replay
 from trl_es.es import SEED_LOG_NAME
-from trl_es.es.autosigma import SigmaSearch, differing_completions
+from trl_es.es.autosigma import SigmaSearch, differing_completions, differing_rewards
 from trl_es.es.guard import CollapseGuard, mean_and_se
 
 
@@ -82,6 +82,13 @@ def test_search_without_a_bracket_takes_the_nearest_probe():
         search.tell(sigma, 0.0)  # nothing ever changes: sigma rises until SIGMA_RANGE's end
     assert search.choice() == max(s for s, _ in search.probes)
     assert search.choice() <= 1.0
+
+
+def test_differing_rewards_counts_rows_and_nan_is_equal_to_nan():
+    nan = float("nan")
+    assert differing_rewards([1.0, 0.0, nan], [[1.0, 1.0, nan], [0.0, 0.0, 0.5]]) == (3, 6)
+    with pytest.raises(ValueError, match="a member has 1 rewards, the center 2"):
+        differing_rewards([1.0, 0.0], [[1.0]])
 
 
 def test_differing_completions_counts_rows():
@@ -173,6 +180,7 @@ def test_mean_and_se():
     ({"sigma": -0.01}, r"sigma must be > 0 \(a number\) or 'auto', got -0.01"),
     ({"sigma": None}, r"sigma must be > 0 \(a number\) or 'auto', got None"),
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
+    ({"sigma_effect": "tokens"}, "sigma_effect must be one of 'completions', 'rewards'"),
     ({"sigma_adapt_steps": -1}, "sigma_adapt_steps must be an integer >= 0"),
     ({"sigma_adapt_steps": 2, "sigma": 0.01}, "sigma_adapt_steps=2 needs sigma='auto'"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
@@ -408,3 +416,24 @@ def test_measure_sigma_effect_leaves_the_model_and_sigma_as_they_were(tmp_path, 
     assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.3
     assert trainer.strategy.sigma == 0.02
     assert_bitwise(snapshot(trainer.model), base)
+    # a reward differs only where the completion does (the reward is a function of the completion)
+    grid = [0.005, 0.02, 0.08]
+    by_measure = trainer.measure_sigma_effect(grid)["effects_by_measure"]
+    assert [s for s, _ in by_measure["rewards"]] == grid
+    assert all(r <= c for (_, r), (_, c) in zip(by_measure["rewards"], by_measure["completions"], strict=True))
+    assert by_measure["rewards"][-1][1] > 0
+
+
+def test_auto_sigma_on_the_rewards_effect_is_logged_and_replays_bitwise(tmp_path, tokenizer):
+    args = es_args(tmp_path, sigma_effect="rewards")
+    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(),
+                        processing_class=tokenizer)
+    measured = trainer.measure_sigma_effect([0.01])
+    assert measured["auto"]["measure"] == "rewards" and measured["effects"] == measured["effects_by_measure"]["rewards"]
+    trainer.train()
+    header, logged = records(args.output_dir)
+    assert header["run_settings"]["sigma_effect"] == "rewards"
+    assert logged[0]["sigma"] == measured["auto"]["sigma"]  # the same search on the same batch and members
+    assert logged[0]["sigma_effect"] == measured["auto"]["effect"]
+    rebuilt = replay(build_llama(tokenizer), args.output_dir)
+    assert_bitwise(snapshot(rebuilt), snapshot(trainer.model))
