@@ -180,7 +180,6 @@ def test_mean_and_se():
     ({"sigma": -0.01}, r"sigma must be > 0 \(a number\) or 'auto', got -0.01"),
     ({"sigma": None}, r"sigma must be > 0 \(a number\) or 'auto', got None"),
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
-    ({"sigma_effect": "tokens"}, "sigma_effect must be one of 'completions', 'rewards'"),
     ({"sigma_adapt_steps": -1}, "sigma_adapt_steps must be an integer >= 0"),
     ({"sigma_adapt_steps": 2, "sigma": 0.01}, "sigma_adapt_steps=2 needs sigma='auto'"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
@@ -422,18 +421,4 @@ def test_measure_sigma_effect_leaves_the_model_and_sigma_as_they_were(tmp_path, 
     assert [s for s, _ in by_measure["rewards"]] == grid
     assert all(r <= c for (_, r), (_, c) in zip(by_measure["rewards"], by_measure["completions"], strict=True))
     assert by_measure["rewards"][-1][1] > 0
-
-
-def test_auto_sigma_on_the_rewards_effect_is_logged_and_replays_bitwise(tmp_path, tokenizer):
-    args = es_args(tmp_path, sigma_effect="rewards")
-    trainer = ESTrainer(build_llama(tokenizer), mean_code, args=args, train_dataset=prompts(),
-                        processing_class=tokenizer)
-    measured = trainer.measure_sigma_effect([0.01])
-    assert measured["auto"]["measure"] == "rewards" and measured["effects"] == measured["effects_by_measure"]["rewards"]
-    trainer.train()
-    header, logged = records(args.output_dir)
-    assert header["run_settings"]["sigma_effect"] == "rewards"
-    assert logged[0]["sigma"] == measured["auto"]["sigma"]  # the same search on the same batch and members
-    assert logged[0]["sigma_effect"] == measured["auto"]["effect"]
-    rebuilt = replay(build_llama(tokenizer), args.output_dir)
-    assert_bitwise(snapshot(rebuilt), snapshot(trainer.model))
+    assert all(0 <= e <= 1 for _, e in by_measure["ended_completions"])

@@ -23,9 +23,6 @@ SIGMA_RANGE = (1e-6, 1.0)  # the search never probes outside it
 MAX_PROBES = 8  # bracketing and bisection probes, at most
 BISECTIONS = 2  # geometric halvings of the bracket once it is found
 PROBE_MEMBERS = 8  # members of the first iteration that a probe rolls out (fewer if the population is smaller)
-#: What a member's effect counts, per (member, prompt): a greedy completion whose token ids differ from the center's,
-#: or whose reward differs from the center's reward (``ESConfig.sigma_effect``).
-SIGMA_EFFECTS = ("completions", "rewards")
 
 
 def differing_completions(center: Sequence[Sequence[int]],

@@ -66,7 +66,7 @@ def check_fp16_device(config) -> None:
         "noise_table_size", "population_backend", "noise_rank", "member_chunk_size", "generation_engine",
         "share_prompt_prefix", "anchor_storage", "lean_memory"),
     "Parameters of sigma='auto' and the collapse guard": (
-        "sigma_target", "sigma_effect", "sigma_adapt_steps", "collapse_guard", "collapse_guard_threshold",
+        "sigma_target", "sigma_adapt_steps", "collapse_guard", "collapse_guard_threshold",
         "collapse_guard_patience", "collapse_guard_alpha_factor"),
     "Parameters that control generation acceleration powered by vLLM": (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
@@ -209,11 +209,6 @@ class ESConfig(_BaseConfig):
         metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the first batch that "
                   "differ from the unperturbed model's, in (0, 1). 0.3 reproduces the main job's tuned sigma (5e-3 "
                   "with rank-1 members on SmolLM2-135M)."},
-    )
-    sigma_effect: Literal["completions", "rewards"] = field(
-        default="completions",
-        metadata={"help": "sigma='auto': what the effect counts per (member, prompt): 'completions' (the greedy "
-                  "completion's token ids differ from the unperturbed model's) or 'rewards' (its reward differs)."},
     )
     sigma_adapt_steps: int = field(
         default=0,

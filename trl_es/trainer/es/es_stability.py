@@ -23,7 +23,6 @@ from transformers.utils import logging
 from ...es.autosigma import (
     PROBE_MEMBERS,
     SIGMA_AUTO,
-    SIGMA_EFFECTS,
     START_SIGMA,
     SigmaSearch,
     differing_completions,
@@ -51,12 +50,11 @@ class ESStability:
         self.trainer = trainer
 
     def add_settings(self, header: dict) -> None:
-        """Add ``sigma_target``, ``sigma_effect`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's
-        settings (with ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
+        """Add ``sigma_target`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's settings (with
+        ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
-            settings.update(sigma_target=args.sigma_target, sigma_effect=args.sigma_effect,
-                            sigma_adapt_steps=args.sigma_adapt_steps)
+            settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps)
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
@@ -90,10 +88,9 @@ class ESStability:
         batch), with the first iteration's probe members; and the sigma the search picks there.
 
         Returns:
-            `dict`: ``{"effects": [[sigma, effect], ...] (the measure ``sigma_effect`` names), "effects_by_measure":
-            {measure: [[sigma, effect], ...]} (every measure of :data:`~trl_es.es.autosigma.SIGMA_EFFECTS`), "auto":
-            {"sigma", "effect", "probes", "target", "measure"}, "prompts", "members"}``. The model's weights are
-            unchanged.
+            `dict`: ``{"effects": [[sigma, effect], ...], "effects_by_measure": {measure: [[sigma, effect], ...]}
+            (the effect and two other counts, :meth:`_effects`), "auto": {"sigma", "effect", "probes", "target"},
+            "prompts", "members"}``. The model's weights are unchanged.
         """
         if rows is None:
             rows = self.trainer._gather_prompt_rows(next(iter(self.trainer.get_train_dataloader())))
@@ -103,13 +100,12 @@ class ESStability:
             measured = [self._effects(members, rows, 0, float(s), center) for s in sigmas]
             search, choice, effect = self._search(members, rows, 0, center)
             auto = {"sigma": choice, "effect": effect, "probes": [list(p) for p in search.probes],
-                    "target": self.trainer.args.sigma_target, "measure": self.trainer.args.sigma_effect}
+                    "target": self.trainer.args.sigma_target}
         finally:
             self.trainer.strategy.sigma = saved
-        measure = self.trainer.args.sigma_effect
-        return {"effects": [[float(s), m[measure]] for s, m in zip(sigmas, measured, strict=True)],
+        return {"effects": [[float(s), m["completions"]] for s, m in zip(sigmas, measured, strict=True)],
                 "effects_by_measure": {name: [[float(s), m[name]] for s, m in zip(sigmas, measured, strict=True)]
-                                       for name in SIGMA_EFFECTS},
+                                       for name in measured[0]} if measured else {},
                 "auto": auto, "prompts": len(rows), "members": len(members)}
 
     def _probe_members(self, step: int) -> list[Member]:
@@ -152,21 +148,25 @@ class ESStability:
 
     def _effect(self, members: list[Member], rows: list[dict], step: int, sigma: float,
                 center: RolloutResult) -> float:
-        """The effect ``sigma_effect`` names (:meth:`_effects`)."""
-        return self._effects(members, rows, step, sigma, center)[self.trainer.args.sigma_effect]
+        """The effect: the fraction of the probe members' greedy completions that differ from the center's."""
+        return self._effects(members, rows, step, sigma, center)["completions"]
 
     def _effects(self, members: list[Member], rows: list[dict], step: int, sigma: float,
                  center: RolloutResult) -> dict[str, float]:
-        """``{"completions", "rewards"}``: the fractions of the probe members' greedy completions at ``sigma`` whose
-        token ids, and whose reward, differ from the center's on the same prompt, counted over all processes (each
-        rolls out its members, or under ZeRO-3 its prompts)."""
+        """At ``sigma``, the fractions of the probe members' greedy completions that differ from the center's on the
+        same prompt (``"completions"``, the effect), whose reward differs (``"rewards"``), and that differ among the
+        prompts whose center completion ended before the token limit (``"ended_completions"``), counted over all
+        processes (each rolls out its members, or under ZeRO-3 its prompts). The last two are diagnostics
+        (:meth:`measure_sigma_effect`)."""
         self.trainer.strategy.sigma = sigma
         if self.trainer.sharded:
             indices = list(range(len(members)))
         else:
             accelerator = self.trainer.accelerator
             indices = member_indices(len(members), accelerator.process_index, accelerator.num_processes)
-        counts = torch.zeros(3, dtype=torch.float64)  # completions that differ, rewards that differ, completions
+        # completions that differ, rewards that differ, completions; of the rows the center ended: differ, completions
+        counts = torch.zeros(5, dtype=torch.float64)
+        ended = [k for k, t in enumerate(center.terminated) if t]
         chunks = list(self.trainer.strategy.chunks(indices))
         # several vLLM servers: chunks on each, as the members' rollouts
         rolled = self.trainer.generation_engine.map_chunks(
@@ -179,13 +179,16 @@ class ESStability:
                                                                           for k in blocks])
             flipped, _ = differing_rewards(center.rewards.tolist(), [rewards[k * width : (k + 1) * width]
                                                                      for k in blocks])
-            counts += torch.tensor([differ, flipped, total], dtype=torch.float64)
+            kept, kept_total = differing_completions([center.completion_ids[r] for r in ended],
+                                                     [[ids[k * width + r] for r in ended] for k in blocks])
+            counts += torch.tensor([differ, flipped, total, kept, kept_total], dtype=torch.float64)
         if self.trainer.accelerator.num_processes > 1:
             counts = self.trainer.accelerator.reduce(counts.to(self.trainer.accelerator.device), reduction="sum").cpu()
             self.trainer._comm_bytes += counts.numel() * 8
-        total = float(counts[2])
+        total, total_ended = float(counts[2]), float(counts[4])
         return {"completions": float(counts[0]) / total if total else 0.0,
-                "rewards": float(counts[1]) / total if total else 0.0}
+                "rewards": float(counts[1]) / total if total else 0.0,
+                "ended_completions": float(counts[3]) / total_ended if total_ended else 0.0}
 
     # ------------------------------------------------------------------ the collapse guard
     def _guard(self) -> CollapseGuard:
@@ -248,8 +251,6 @@ def stability_field_errors(args) -> list[str]:
     number = not isinstance(sigma, (bool, str)) and isinstance(sigma, (int, float)) and 0 < sigma < float("inf")
     if sigma != SIGMA_AUTO and not number:
         errors.append(f"sigma must be > 0 (a number) or {SIGMA_AUTO!r}, got {sigma!r}.")
-    if args.sigma_effect not in SIGMA_EFFECTS:
-        errors.append(f"sigma_effect must be one of {', '.join(map(repr, SIGMA_EFFECTS))}, got {args.sigma_effect!r}.")
     if not isinstance(args.sigma_target, (int, float)) or not 0 < args.sigma_target < 1:
         errors.append(f"sigma_target must be in (0, 1) (a fraction of completions), got {args.sigma_target!r}.")
     every = args.sigma_adapt_steps
