@@ -8,7 +8,7 @@ Three subcommands, each resumable (a finished arm's ``results.json`` is kept, re
   their rewards that differ), and the sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``
   (training seed 0; ``effect_<setting>_seed<k>.json`` for the others of ``--seeds``); with ``--model <a trained arm's
   folder>``, the same measure on that arm's final weights (the same first batch and probe members), written to
-  ``<folder>/effect.json``: whether the effect of a sigma drifts as the run trains.
+  ``<folder>/effect.json`` (``effect_seed<k>.json``): whether the effect of a sigma drifts as the run trains.
 - ``transfer``: ``sigma="auto"`` against a sigma grid, nothing else changed (alpha is the recipe's), one ``trl-es
   train`` per arm, test accuracy after ``--max_steps`` iterations; ``--adapt_steps k`` adds the arm ``auto_adapt<k>``
   (auto, chosen again every k iterations). Writes ``<output_dir>/<setting>/seed<k>/<arm>/``.
@@ -81,8 +81,9 @@ def effect(args) -> dict:
         result = {"setting": args.setting, "model": model_args.model_name_or_path, "seed": seed,
                   **trainer.measure_sigma_effect(args.sigmas)}
         os.makedirs(args.output_dir, exist_ok=True)
-        name = f"effect_{args.setting}.json" if seed == 0 else f"effect_{args.setting}_seed{seed}.json"
-        path = os.path.join(args.model, "effect.json") if args.model else os.path.join(args.output_dir, name)
+        suffix = "" if seed == 0 else f"_seed{seed}"
+        path = os.path.join(args.model, f"effect{suffix}.json") if args.model else \
+            os.path.join(args.output_dir, f"effect_{args.setting}{suffix}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(json.dumps(result, indent=1))

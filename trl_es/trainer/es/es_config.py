@@ -200,15 +200,16 @@ class ESConfig(_BaseConfig):
     sigma: float | str | None = field(
         default=1e-3,
         metadata={"help": "Noise scale sigma: member i is scored at theta + sigma * eps_i (default 1e-3, Qiu et al.); "
-                  "a number > 0, or 'auto': chosen before the first iteration so that a fraction sigma_target of the "
-                  "members' greedy completions differ from the unperturbed model's (docs/es_trainer.md, 'sigma=auto'). "
-                  "Every seed-log record then holds the sigma it used."},
+                  "a number > 0, or 'auto': chosen before the first iteration (again after a rollback and every "
+                  "sigma_adapt_steps iterations) so that a fraction sigma_target of the members' greedy completions "
+                  "differ from the unperturbed model's (docs/es_trainer.md, 'sigma=auto'). Every seed-log record then "
+                  "holds the sigma it used."},
     )
     sigma_target: float = field(
         default=0.3,
-        metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the first batch that "
-                  "differ from the unperturbed model's, in (0, 1). 0.3 reproduces the main job's tuned sigma (5e-3 "
-                  "with rank-1 members on SmolLM2-135M)."},
+        metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the calibrating "
+                  "batch that differ from the unperturbed model's, in (0, 1). 0.3 reproduces the main job's tuned "
+                  "sigma (5e-3 with rank-1 members on SmolLM2-135M)."},
     )
     sigma_adapt_steps: int = field(
         default=0,

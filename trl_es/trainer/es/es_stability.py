@@ -155,7 +155,8 @@ class ESStability:
                  center: RolloutResult) -> dict[str, float]:
         """At ``sigma``, the fractions of the probe members' greedy completions that differ from the center's on the
         same prompt (``"completions"``, the effect), whose reward differs (``"rewards"``), and that differ among the
-        prompts whose center completion ended before the token limit (``"ended_completions"``), counted over all
+        prompts whose center completion ended before the token limit (``"ended_completions"``, NaN if none did),
+        counted over all
         processes (each rolls out its members, or under ZeRO-3 its prompts). The last two are diagnostics
         (:meth:`measure_sigma_effect`)."""
         self.trainer.strategy.sigma = sigma
@@ -188,7 +189,7 @@ class ESStability:
         total, total_ended = float(counts[2]), float(counts[4])
         return {"completions": float(counts[0]) / total if total else 0.0,
                 "rewards": float(counts[1]) / total if total else 0.0,
-                "ended_completions": float(counts[3]) / total_ended if total_ended else 0.0}
+                "ended_completions": float(counts[3]) / total_ended if total_ended else float("nan")}  # none ended
 
     # ------------------------------------------------------------------ the collapse guard
     def _guard(self) -> CollapseGuard:
