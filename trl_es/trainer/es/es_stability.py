@@ -112,7 +112,8 @@ class ESStability:
         """The first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members of iteration ``step``."""
         return self.trainer.strategy.ask(step)[: min(PROBE_MEMBERS, self.trainer.args.population_size)]
 
-    def _search(self, members: list[Member], rows: list[dict], step: int, center: list, start: float = START_SIGMA):
+    def _search(self, members: list[Member], rows: list[dict], step: int, center: RolloutResult,
+                start: float = START_SIGMA):
         """Run :class:`~trl_es.es.autosigma.SigmaSearch` to ``sigma_target`` from the probe ``start``; returns
         ``(search, sigma, effect)``: the search with its probes, the sigma it picks and the effect measured there
         (``strategy.sigma`` is left at that sigma)."""
