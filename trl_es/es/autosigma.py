@@ -25,6 +25,18 @@ BISECTIONS = 2  # geometric halvings of the bracket once it is found
 PROBE_MEMBERS = 8  # members of the first iteration that a probe rolls out (fewer if the population is smaller)
 
 
+def _count_differing(center: Sequence, members: Sequence[Sequence], what: str, same) -> tuple[int, int]:
+    """``(differ, total)`` of every member's values against the center's of the same row, ``same(a, b)`` comparing."""
+    differ = total = 0
+    for values in members:
+        if len(values) != len(center):
+            raise ValueError(f"a member has {len(values)} {what}, the center {len(center)}: the effect compares the "
+                             "same rows.")
+        differ += sum(not same(a, b) for a, b in zip(values, center, strict=True))
+        total += len(center)
+    return differ, total
+
+
 def differing_completions(center: Sequence[Sequence[int]],
                           members: Sequence[Sequence[Sequence[int]]]) -> tuple[int, int]:
     """``(differ, total)``: of every member's completions (token ids, in the center's row order), how many differ from
@@ -33,14 +45,7 @@ def differing_completions(center: Sequence[Sequence[int]],
     Raises:
         ValueError: if a member has not as many completions as the center.
     """
-    differ = total = 0
-    for completions in members:
-        if len(completions) != len(center):
-            raise ValueError(f"a member has {len(completions)} completions, the center {len(center)}: the effect "
-                             "compares the same rows.")
-        differ += sum(list(a) != list(b) for a, b in zip(completions, center, strict=True))
-        total += len(center)
-    return differ, total
+    return _count_differing(center, members, "completions", lambda a, b: list(a) == list(b))
 
 
 def differing_rewards(center: Sequence[float], members: Sequence[Sequence[float]]) -> tuple[int, int]:
@@ -50,14 +55,7 @@ def differing_rewards(center: Sequence[float], members: Sequence[Sequence[float]
     Raises:
         ValueError: if a member has not as many rewards as the center.
     """
-    differ = total = 0
-    for rewards in members:
-        if len(rewards) != len(center):
-            raise ValueError(f"a member has {len(rewards)} rewards, the center {len(center)}: the effect compares the "
-                             "same rows.")
-        differ += sum(a != b and not (math.isnan(a) and math.isnan(b)) for a, b in zip(rewards, center, strict=True))
-        total += len(center)
-    return differ, total
+    return _count_differing(center, members, "rewards", lambda a, b: a == b or (math.isnan(a) and math.isnan(b)))
 
 
 class SigmaSearch:
