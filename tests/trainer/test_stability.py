@@ -182,6 +182,8 @@ def test_mean_and_se():
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
     ({"sigma_adapt_steps": -1}, "sigma_adapt_steps must be an integer >= 0"),
     ({"sigma_adapt_steps": 2, "sigma": 0.01}, "sigma_adapt_steps=2 needs sigma='auto'"),
+    ({"sigma_calibration_batches": 0}, "sigma_calibration_batches must be an integer >= 1"),
+    ({"sigma_calibration_batches": 2, "sigma": 0.01}, "sigma_calibration_batches=2 needs sigma='auto'"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
     ({"collapse_guard_patience": 0}, "collapse_guard_patience must be an integer >= 1"),
     ({"collapse_guard_alpha_factor": 0.0}, r"collapse_guard_alpha_factor must be in \(0, 1\]"),
@@ -269,6 +271,66 @@ def test_sigma_adapt_steps_recalibrates_from_the_sigma_in_use_and_resumes_bitwis
         processing_class=tokenizer)
     with pytest.raises(ValueError, match=r"sigma_adapt_steps \(checkpoint: 2, this run: 3\)"):
         other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+
+
+def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_path, tokenizer, caplog):
+    """sigma_calibration_batches=3: each calibration rolls out its batch and 2 x 4 prompts drawn by
+    default_rng([seed, step]); the same on resume, and another value is refused there."""
+    import numpy as np
+
+    dataset = prompts()
+    seen = []  # the prompts of every reward call in the first iteration (the calibration's and the members')
+
+    def recorded(completions, prompts, trainer_state=None, **kwargs):
+        if trainer_state.global_step == 0:
+            seen.extend(prompts)
+        return mean_code(completions)
+
+    common = dict(max_steps=4, sigma_adapt_steps=2, sigma_calibration_batches=3, save_strategy="steps",
+                  save_steps=2)
+    args = es_args(tmp_path / "full", **common)
+    full = ESTrainer(build_llama(tokenizer), recorded, args=args, train_dataset=dataset, processing_class=tokenizer)
+    with caplog.at_level("WARNING"):
+        full.train()
+    assert "greedy completions on 12 prompts" in caplog.text
+    drawn = {dataset[int(i)]["prompt"] for i in np.random.default_rng([0, 0]).choice(16, size=8, replace=False)}
+    batch = set(seen) - drawn  # the first batch (4 prompts) may share prompts with the drawn 8
+    assert drawn <= set(seen) and len(set(seen)) <= 12 and len(batch) <= 4
+    header, logged = records(args.output_dir)
+    assert header["run_settings"]["sigma_calibration_batches"] == 3
+    assert [r["step"] for r in logged if "sigma_probes" in r] == [1, 3]
+    # the calibration at iteration 3 draws its own prompts: default_rng([seed, 2])
+    assert full.stability.calibration_rows([], 2) == [dataset[int(i)] for i in
+                                                      np.random.default_rng([0, 2]).choice(16, 8, replace=False)]
+    one = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path / "one", max_steps=1),
+                    train_dataset=dataset, processing_class=tokenizer)
+    assert one.measure_sigma_effect([0.01])["prompts"] == 4
+    assert full.measure_sigma_effect([0.01])["prompts"] == 12
+    rebuilt = replay(build_llama(tokenizer), args.output_dir)
+    assert_bitwise(snapshot(rebuilt), snapshot(full.model))
+    resumed = ESTrainer(build_llama(tokenizer), recorded, args=es_args(tmp_path / "full", **common),
+                        train_dataset=dataset, processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    assert resumed.seed_log.records == logged
+    assert_bitwise(snapshot(resumed.model), snapshot(full.model))
+    other = ESTrainer(build_llama(tokenizer), recorded, args=es_args(tmp_path / "full", **{
+        **common, "sigma_calibration_batches": 2}), train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"sigma_calibration_batches \(checkpoint: 3, this run: 2\)"):
+        other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+
+
+def test_sigma_calibration_batches_needs_the_prompts_it_draws(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"sigma_calibration_batches=6 draws 20 prompts \(5 x prompt_batch_size 4\) "
+                                         r"from train_dataset, which has 16: use at most 5"):
+        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=6),
+                  train_dataset=prompts(), processing_class=tokenizer)
+    stream = prompts().to_iterable_dataset()
+    with pytest.raises(ValueError, match="sigma_calibration_batches=2 draws prompts from train_dataset, which needs a "
+                                         "length"):
+        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=2),
+                  train_dataset=stream, processing_class=tokenizer)
+    ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=5),
+              train_dataset=prompts(), processing_class=tokenizer)  # 16 prompts: 4 x 4 drawn
 
 
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
@@ -368,6 +430,7 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
     one, two = records(ref_out), records(tmp_path / "two")
     assert one == two
     assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
+    assert one[0]["run_settings"]["sigma_calibration_batches"] == 2  # the batch and 4 drawn prompts, as one process
     assert [r["step"] for r in one[1] if "rollback_to" in r] == [3]  # at 4 the weights are the best state's
     # sigma chosen again every 2 iterations (sigma_adapt_steps) and after the rollback
     assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]
@@ -395,6 +458,7 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
+    assert one[0]["run_settings"]["sigma_calibration_batches"] == 2  # each process rolls out its half of the drawn
     assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]  # every 2 iterations, after the rollback
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(ref_out / "model"))
 

@@ -66,7 +66,7 @@ def check_fp16_device(config) -> None:
         "noise_table_size", "population_backend", "noise_rank", "member_chunk_size", "generation_engine",
         "share_prompt_prefix", "anchor_storage", "lean_memory"),
     "Parameters of sigma='auto' and the collapse guard": (
-        "sigma_target", "sigma_adapt_steps", "collapse_guard", "collapse_guard_threshold",
+        "sigma_target", "sigma_adapt_steps", "sigma_calibration_batches", "collapse_guard", "collapse_guard_threshold",
         "collapse_guard_patience", "collapse_guard_alpha_factor"),
     "Parameters that control generation acceleration powered by vLLM": (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
@@ -216,6 +216,13 @@ class ESConfig(_BaseConfig):
         metadata={"help": "sigma='auto': choose sigma again every this many iterations, with the same probes around "
                   "the current weights, starting from the sigma in use (0: at the first iteration and after a "
                   "rollback only). >= 0."},
+    )
+    sigma_calibration_batches: int = field(
+        default=1,
+        metadata={"help": "sigma='auto': prompt batches a calibration pools, the iteration's batch and this many - 1 "
+                  "drawn from train_dataset (seeded by seed and the step, the same on every process and on resume). "
+                  "One batch of 12 prompts makes the chosen sigma vary ~2.7x between training seeds "
+                  "(docs/es_trainer.md). An integer >= 1; > 1 needs a train_dataset with a length."},
     )
     collapse_guard: bool = field(
         default=False,

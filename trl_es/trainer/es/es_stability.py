@@ -2,8 +2,9 @@
 (:mod:`trl_es.es.guard`), both kept in the seed log so that replay, resume, W processes and the vLLM engines agree
 bitwise.
 
-- ``sigma="auto"``: before the first iteration, probes on the first batch (greedy rollouts of the center and of the
-  first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
+- ``sigma="auto"``: before the first iteration, probes on the first batch (with ``sigma_calibration_batches > 1``
+  and more drawn batches; greedy rollouts of the center and of the first
+  :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
   again (from the sigma in use) on the batch after a rollback and every ``sigma_adapt_steps`` iterations; every
   record holds the sigma its members were scored at (``sigma``), a calibrating record also the probes
   (``sigma_probes``) and the effect measured at the chosen sigma (``sigma_effect``). A resumed run reads sigma from
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import torch
 from transformers.utils import logging
 
@@ -50,11 +52,13 @@ class ESStability:
         self.trainer = trainer
 
     def add_settings(self, header: dict) -> None:
-        """Add ``sigma_target`` and ``sigma_adapt_steps`` (with ``sigma="auto"``) and the guard's settings (with
-        ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume compares."""
+        """Add ``sigma_target``, ``sigma_adapt_steps`` and ``sigma_calibration_batches`` (with ``sigma="auto"``) and
+        the guard's settings (with ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume
+        compares."""
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
-            settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps)
+            settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps,
+                            sigma_calibration_batches=args.sigma_calibration_batches)
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
@@ -71,21 +75,23 @@ class ESStability:
             self.trainer.strategy.sigma = float(logged[-1])
             self.trainer._metrics["sigma"].append(self.trainer.strategy.sigma)
             return {"sigma": self.trainer.strategy.sigma}
-        members = self._probe_members(step)
+        members, rows = self._probe_members(step), self.calibration_rows(rows, step)
         start = float(logged[-1]) if logged else START_SIGMA  # a re-calibration starts from the sigma in use
         search, sigma, effect = self._search(members, rows, step, self._greedy_completions(None, rows, step), start)
         self.trainer.strategy.sigma = sigma
         when = " after the rollback" if rolled_back else f" at iteration {step + 1}" if logged else ""
-        logger.warning("sigma='auto'%s: sigma = %.6g (%.3f of the probe members' greedy completions differ from the "
-                       "center's; target %.3f; probes %s).", when, sigma, effect, self.trainer.args.sigma_target,
+        logger.warning("sigma='auto'%s: sigma = %.6g (%.3f of the probe members' greedy completions on %d prompts "
+                       "differ from the center's; target %.3f; probes %s).", when, sigma, effect,
+                       self._prompt_count(rows), self.trainer.args.sigma_target,
                        ", ".join(f"{s:.3g}: {e:.3f}" for s, e in search.probes))
         self.trainer._metrics["sigma"].append(sigma)
         self.trainer._metrics["sigma/effect"].append(effect)
         return {"sigma": sigma, "sigma_effect": effect, "sigma_probes": [list(p) for p in search.probes]}
 
     def measure_sigma_effect(self, sigmas, rows: list[dict] | None = None) -> dict:
-        """The effect ``sigma="auto"`` measures, at each of ``sigmas``, on ``rows`` (default: the first training
-        batch), with the first iteration's probe members; and the sigma the search picks there.
+        """The effect ``sigma="auto"`` measures, at each of ``sigmas``, on ``rows`` (default: the prompts of the first
+        iteration's calibration, :meth:`calibration_rows` of the first training batch), with the first iteration's
+        probe members; and the sigma the search picks there.
 
         Returns:
             `dict`: ``{"effects": [[sigma, effect], ...], "effects_by_measure": {measure: [[sigma, effect], ...]}
@@ -93,7 +99,8 @@ class ESStability:
             "prompts", "members"}``. The model's weights are unchanged.
         """
         if rows is None:
-            rows = self.trainer._gather_prompt_rows(next(iter(self.trainer.get_train_dataloader())))
+            rows = self.calibration_rows(self.trainer._gather_prompt_rows(
+                next(iter(self.trainer.get_train_dataloader()))), 0)
         members = self._probe_members(0)
         center, saved = self._greedy_completions(None, rows, 0), self.trainer.strategy.sigma
         try:
@@ -106,7 +113,27 @@ class ESStability:
         return {"effects": [[float(s), m["completions"]] for s, m in zip(sigmas, measured, strict=True)],
                 "effects_by_measure": {name: [[float(s), m[name]] for s, m in zip(sigmas, measured, strict=True)]
                                        for name in measured[0]} if measured else {},
-                "auto": auto, "prompts": len(rows), "members": len(members)}
+                "auto": auto, "prompts": self._prompt_count(rows), "members": len(members)}
+
+    def calibration_rows(self, rows: list[dict], step: int) -> list[dict]:
+        """The prompt rows a calibration at iteration ``step`` rolls out: ``rows`` (the iteration's) and
+        ``(sigma_calibration_batches - 1) x prompt_batch_size`` rows of ``train_dataset``, drawn without replacement
+        by ``numpy.random.default_rng([seed, step])``, so every process, a replay and a resume draw the same ones.
+        Under ZeRO-3 each process keeps its contiguous share of the drawn rows, as of a batch."""
+        args = self.trainer.args
+        count = (args.sigma_calibration_batches - 1) * args.prompt_batch_size
+        if count == 0:
+            return list(rows)
+        dataset = self.trainer.train_dataset
+        drawn = np.random.default_rng([args.seed, step]).choice(len(dataset), size=count, replace=False)
+        if self.trainer.sharded:
+            share = count // self.trainer.accelerator.num_processes
+            drawn = drawn[self.trainer.accelerator.process_index * share:][:share]
+        return list(rows) + [dataset[int(i)] for i in drawn]
+
+    def _prompt_count(self, rows: list[dict]) -> int:
+        """The prompts ``rows`` make over all processes (under ZeRO-3 each holds its share)."""
+        return len(rows) * (self.trainer.accelerator.num_processes if self.trainer.sharded else 1)
 
     def _probe_members(self, step: int) -> list[Member]:
         """The first :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members of iteration ``step``."""
@@ -238,9 +265,31 @@ class ESStability:
         return told, members, extra, told.coefficients
 
 
+def check_calibration_dataset(train_dataset, args) -> None:
+    """Check that ``train_dataset`` holds the prompts that ``sigma_calibration_batches > 1`` draws
+    (:meth:`ESStability.calibration_rows`).
+
+    Raises:
+        ValueError: if it has no length (an iterable dataset), or fewer rows than the
+            ``(sigma_calibration_batches - 1) x prompt_batch_size`` drawn.
+    """
+    if args.sigma != SIGMA_AUTO or args.sigma_calibration_batches == 1:
+        return
+    batches = args.sigma_calibration_batches
+    if train_dataset is None or not hasattr(train_dataset, "__len__"):
+        raise ValueError(f"sigma_calibration_batches={batches} draws prompts from train_dataset, which needs a length "
+                         "(a map-style dataset); with an iterable dataset use sigma_calibration_batches=1.")
+    needed = (batches - 1) * args.prompt_batch_size
+    if needed > len(train_dataset):
+        raise ValueError(f"sigma_calibration_batches={batches} draws {needed} prompts ({batches - 1} x "
+                         f"prompt_batch_size {args.prompt_batch_size}) from train_dataset, which has "
+                         f"{len(train_dataset)}: use at most {len(train_dataset) // args.prompt_batch_size + 1}.")
+
+
 def stability_field_errors(args) -> list[str]:
     """The errors of ``sigma`` (a number > 0 or ``"auto"``; a numeric string, as a command line gives it, becomes a
-    float) and of ``sigma_target`` and the ``collapse_guard*`` fields, each naming the field and its allowed values."""
+    float) and of ``sigma_target``, ``sigma_adapt_steps``, ``sigma_calibration_batches`` and the ``collapse_guard*``
+    fields, each naming the field and its allowed values."""
     errors = []
     sigma = args.sigma
     if isinstance(sigma, str) and sigma != SIGMA_AUTO:
@@ -261,6 +310,12 @@ def stability_field_errors(args) -> list[str]:
                       f"{every!r}.")
     elif every > 0 and sigma != SIGMA_AUTO:
         errors.append(f"sigma_adapt_steps={every} needs sigma='auto' (a fixed sigma is not re-calibrated), got "
+                      f"sigma={sigma!r}.")
+    batches = args.sigma_calibration_batches
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        errors.append(f"sigma_calibration_batches must be an integer >= 1 (prompt batches), got {batches!r}.")
+    elif batches > 1 and sigma != SIGMA_AUTO:
+        errors.append(f"sigma_calibration_batches={batches} needs sigma='auto' (a fixed sigma is not calibrated), got "
                       f"sigma={sigma!r}.")
     if not isinstance(args.collapse_guard_threshold, (int, float)) or not args.collapse_guard_threshold > 0:
         errors.append(f"collapse_guard_threshold must be > 0 (standard errors), got {args.collapse_guard_threshold!r}.")
