@@ -317,6 +317,19 @@ def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_p
         **common, "sigma_calibration_batches": 2}), train_dataset=dataset, processing_class=tokenizer)
     with pytest.raises(ValueError, match=r"sigma_calibration_batches \(checkpoint: 3, this run: 2\)"):
         other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    # a header written before the setting was logged: its run calibrated on one batch, once
+    path = os.path.join(args.output_dir, "checkpoint-2", SEED_LOG_NAME)
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    for name in ("sigma_calibration_batches", "sigma_adapt_steps"):
+        del lines[0]["run_settings"][name]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    again = ESTrainer(build_llama(tokenizer), recorded, args=es_args(tmp_path / "full", **common),
+                      train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"sigma_adapt_steps \(checkpoint: 0, this run: 2\); "
+                                         r"sigma_calibration_batches \(checkpoint: 1, this run: 3\)"):
+        again.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
 
 
 def test_sigma_calibration_batches_needs_the_prompts_it_draws(tmp_path, tokenizer):

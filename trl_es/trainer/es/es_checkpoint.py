@@ -327,6 +327,7 @@ class ESCheckpointMixin:
         differences = [(field, saved[key], current.get(key)) for key, field in RESUME_HEADER_FIELDS.items()
                        if key in saved and saved[key] != current.get(key)]
         settings, now = saved.get("run_settings", {}), current.get("run_settings", {})
+        settings = {**self.stability.settings_before_they_were_logged(settings), **settings}
         differences += [(name, settings[name], now.get(name)) for name in settings
                         if name in now and settings[name] != now[name]]
         if saved.get(HEADER_KEY) != current.get(HEADER_KEY):  # the base: a header without the key is unquantized

@@ -62,6 +62,14 @@ class ESStability:
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
+    @staticmethod
+    def settings_before_they_were_logged(settings: dict) -> dict:
+        """The values a checkpoint's ``sigma="auto"`` run used for the settings its header's ``run_settings`` does
+        not hold (written by a version without them): the defaults of that version, so a resume compares them too."""
+        if "sigma_target" not in settings:  # a fixed sigma, or no sigma="auto" settings logged at all
+            return {}
+        return {"sigma_adapt_steps": 0, "sigma_calibration_batches": 1}
+
     # ------------------------------------------------------------------ sigma="auto"
     def prepare_sigma(self, rows: list[dict], step: int) -> dict:
         """Set ``strategy.sigma`` for this iteration; returns the record's sigma keys (none with a fixed sigma)."""
