@@ -332,18 +332,26 @@ def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_p
         again.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
 
 
-def test_sigma_calibration_batches_needs_the_prompts_it_draws(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match=r"sigma_calibration_batches=6 draws 20 prompts \(5 x prompt_batch_size 4\) "
-                                         r"from train_dataset, which has 16: use at most 5"):
-        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=6),
-                  train_dataset=prompts(), processing_class=tokenizer)
-    stream = prompts().to_iterable_dataset()
-    with pytest.raises(ValueError, match="sigma_calibration_batches=2 draws prompts from train_dataset, which needs a "
-                                         "length"):
-        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=2),
-                  train_dataset=stream, processing_class=tokenizer)
-    ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=5),
-              train_dataset=prompts(), processing_class=tokenizer)  # 16 prompts: 4 x 4 drawn
+def test_sigma_calibration_batches_draws_at_most_the_dataset(tmp_path, tokenizer, caplog):
+    """More prompts than train_dataset holds: all of its rows, with one warning; an iterable dataset: none."""
+    with caplog.at_level("WARNING"):
+        small = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=6),
+                          train_dataset=prompts(), processing_class=tokenizer)
+    assert ("sigma_calibration_batches=6 asks sigma='auto' to calibrate on 20 prompts of train_dataset besides the "
+            "iteration's batch, but it has 16 rows: it calibrates on 16 drawn prompts.") in caplog.text
+    assert len(small.stability.calibration_rows([], 0)) == 16
+    assert small.measure_sigma_effect([0.01])["prompts"] == 20  # the first batch and all 16 rows
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        stream = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=2),
+                           train_dataset=prompts().to_iterable_dataset(), processing_class=tokenizer)
+    assert "but it is iterable (no length): it calibrates on 0 drawn prompts" in caplog.text
+    assert stream.stability.calibration_rows([{"prompt": "x"}], 0) == [{"prompt": "x"}]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=5),
+                  train_dataset=prompts(), processing_class=tokenizer)  # 16 prompts: 4 x 4 drawn
+    assert "sigma_calibration_batches" not in caplog.text
 
 
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])

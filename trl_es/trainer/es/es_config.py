@@ -222,7 +222,8 @@ class ESConfig(_BaseConfig):
         metadata={"help": "sigma='auto': prompt batches a calibration pools, the iteration's batch and this many - 1 "
                   "drawn from train_dataset (seeded by seed and the step, the same on every process and on resume). "
                   "One batch of 12 prompts makes the chosen sigma vary ~2.7x between training seeds "
-                  "(docs/es_trainer.md). An integer >= 1; > 1 needs a train_dataset with a length."},
+                  "(docs/es_trainer.md). An integer >= 1; a smaller train_dataset gives all its rows, an iterable "
+                  "one none."},
     )
     collapse_guard: bool = field(
         default=False,

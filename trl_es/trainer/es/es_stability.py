@@ -125,16 +125,16 @@ class ESStability:
 
     def calibration_rows(self, rows: list[dict], step: int) -> list[dict]:
         """The prompt rows a calibration at iteration ``step`` rolls out: ``rows`` (the iteration's) and
-        ``(sigma_calibration_batches - 1) x prompt_batch_size`` rows of ``train_dataset``, drawn without replacement
-        by ``numpy.random.default_rng([seed, step])``, so every process, a replay and a resume draw the same ones.
-        Under ZeRO-3 each process keeps its contiguous share of the drawn rows, as of a batch."""
-        args = self.trainer.args
-        count = (args.sigma_calibration_batches - 1) * args.prompt_batch_size
+        ``(sigma_calibration_batches - 1) x prompt_batch_size`` rows of ``train_dataset`` (at most all of them,
+        :func:`calibration_draws`), drawn without replacement by ``numpy.random.default_rng([seed, step])``, so every
+        process, a replay and a resume draw the same ones. Under ZeRO-3 each process keeps its contiguous share of
+        the drawn rows, as of a batch."""
+        args, dataset = self.trainer.args, self.trainer.train_dataset
+        count = calibration_draws(dataset, args)  # fewer than asked from a small dataset, none from an iterable one
         if count == 0:
             return list(rows)
-        dataset = self.trainer.train_dataset
         drawn = np.random.default_rng([args.seed, step]).choice(len(dataset), size=count, replace=False)
-        if self.trainer.sharded:
+        if self.trainer.sharded:  # equal shares (a remainder of a small dataset is left out)
             share = count // self.trainer.accelerator.num_processes
             drawn = drawn[self.trainer.accelerator.process_index * share:][:share]
         return list(rows) + [dataset[int(i)] for i in drawn]
@@ -273,25 +273,25 @@ class ESStability:
         return told, members, extra, told.coefficients
 
 
-def check_calibration_dataset(train_dataset, args) -> None:
-    """Check that ``train_dataset`` holds the prompts that ``sigma_calibration_batches > 1`` draws
-    (:meth:`ESStability.calibration_rows`).
+def calibration_draws(train_dataset, args) -> int:
+    """The prompts a ``sigma="auto"`` calibration draws from ``train_dataset`` besides its batch
+    (:meth:`ESStability.calibration_rows`): ``(sigma_calibration_batches - 1) x prompt_batch_size``, at most the
+    dataset's length; 0 with a fixed sigma or a dataset without a length (an iterable one)."""
+    if args.sigma != SIGMA_AUTO or train_dataset is None or not hasattr(train_dataset, "__len__"):
+        return 0
+    return min((args.sigma_calibration_batches - 1) * args.prompt_batch_size, len(train_dataset))
 
-    Raises:
-        ValueError: if it has no length (an iterable dataset), or fewer rows than the
-            ``(sigma_calibration_batches - 1) x prompt_batch_size`` drawn.
-    """
-    if args.sigma != SIGMA_AUTO or args.sigma_calibration_batches == 1:
+
+def check_calibration_dataset(train_dataset, args) -> None:
+    """Warn once where ``train_dataset`` holds fewer prompts than ``sigma_calibration_batches`` asks to draw: the
+    calibration then draws all of its rows (none from an iterable dataset)."""
+    asked = (args.sigma_calibration_batches - 1) * args.prompt_batch_size
+    if args.sigma != SIGMA_AUTO or asked == 0 or (drawn := calibration_draws(train_dataset, args)) == asked:
         return
-    batches = args.sigma_calibration_batches
-    if train_dataset is None or not hasattr(train_dataset, "__len__"):
-        raise ValueError(f"sigma_calibration_batches={batches} draws prompts from train_dataset, which needs a length "
-                         "(a map-style dataset); with an iterable dataset use sigma_calibration_batches=1.")
-    needed = (batches - 1) * args.prompt_batch_size
-    if needed > len(train_dataset):
-        raise ValueError(f"sigma_calibration_batches={batches} draws {needed} prompts ({batches - 1} x "
-                         f"prompt_batch_size {args.prompt_batch_size}) from train_dataset, which has "
-                         f"{len(train_dataset)}: use at most {len(train_dataset) // args.prompt_batch_size + 1}.")
+    where = "it is iterable (no length)" if drawn == 0 else f"it has {drawn} rows"
+    logger.warning(f"sigma_calibration_batches={args.sigma_calibration_batches} asks sigma='auto' to calibrate on "
+                   f"{asked} prompts of train_dataset besides the iteration's batch, but {where}: it calibrates on "
+                   f"{drawn} drawn prompts.")
 
 
 def stability_field_errors(args) -> list[str]:
