@@ -80,7 +80,7 @@ def parse_args():
                         help="Several processes without use_cpu=True: ESConfig must find the launcher's world itself "
                              "(tests/trainer/test_launch_world.py).")
     parser.add_argument("--stability", action="store_true",
-                        help="sigma='auto' (sigma_adapt_steps 2, sigma_calibration_batches 2) and collapse_guard=True "
+                        help="sigma='auto' (sigma_adapt_steps 2, sigma_calibration_prompts 8) and collapse_guard=True "
                              "(patience 1), with a made-up collapse: the reward drops by 1 from iteration 3 on "
                              "(tests/trainer/test_stability.py).")
     parser.add_argument("--qlora", action="store_true",
@@ -230,7 +230,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra["resume_from_checkpoint"] = "latest"
     COLLAPSE_AT["step"] = 3 if stability else 0
     if stability:
-        extra.update(collapse_guard=True, collapse_guard_patience=1, sigma_adapt_steps=2, sigma_calibration_batches=2)
+        extra.update(collapse_guard=True, collapse_guard_patience=1, sigma_adapt_steps=2, sigma_calibration_prompts=8)
     config = ESConfig(
         output_dir=out,
         max_steps=steps,

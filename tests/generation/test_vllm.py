@@ -556,7 +556,7 @@ def test_auto_sigma_and_a_rollback_with_vllm_end_bitwise_as_without(tokenizer, t
                         prompt_batch_size=4, max_completion_length=8, sigma="auto", learning_rate=0.05, report_to=[],
                         save_strategy="no", noise_table_size=1 << 20, disable_tqdm=True, seed=0, use_vllm=use_vllm,
                         vllm_kv_cache_memory_bytes=KV, collapse_guard=True, collapse_guard_patience=1,
-                        sigma_adapt_steps=2, sigma_calibration_batches=2, **backend)
+                        sigma_adapt_steps=2, sigma_calibration_prompts=8, **backend)
         trainer = ESTrainer(build_vllm_llama(tokenizer), collapsing_code, args=args, train_dataset=prompt_rows(),
                             processing_class=tokenizer)
         trainer.train()

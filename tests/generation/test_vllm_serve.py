@@ -240,7 +240,7 @@ def test_auto_sigma_and_a_rollback_on_a_vllm_server_end_bitwise_as_the_hf_run(to
         args = ESConfig(output_dir=str(tmp_path / name), max_steps=4, population_size=4, prompt_batch_size=4,
                         max_completion_length=8, sigma="auto", learning_rate=0.05, report_to=[], save_strategy="no",
                         noise_table_size=1 << 20, disable_tqdm=True, seed=0, collapse_guard=True,
-                        collapse_guard_patience=1, sigma_adapt_steps=2, sigma_calibration_batches=2, **kwargs)
+                        collapse_guard_patience=1, sigma_adapt_steps=2, sigma_calibration_prompts=8, **kwargs)
         return ESTrainer(build_vllm_llama(tokenizer), collapsing, args=args, train_dataset=prompt_rows(),
                          processing_class=tokenizer)
 

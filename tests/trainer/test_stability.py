@@ -16,12 +16,16 @@ from trl_es.es.autosigma import SigmaSearch, differing_completions, differing_re
 from trl_es.es.guard import CollapseGuard, mean_and_se
 
 
+DEFAULT = object()  # es_args(field=DEFAULT): ESConfig's default
+
+
 def es_args(tmp_path, **kwargs):
+    # sigma_calibration_prompts=0: calibrations on the iteration's batch only (fast); its default (48) in its own tests
     defaults = dict(output_dir=str(tmp_path / "out"), max_steps=3, population_size=4, prompt_batch_size=4,
                     max_completion_length=6, sigma="auto", learning_rate=0.02, report_to=[], save_strategy="no",
-                    noise_table_size=1 << 20, disable_tqdm=True, seed=0, logging_steps=1)
+                    noise_table_size=1 << 20, disable_tqdm=True, seed=0, logging_steps=1, sigma_calibration_prompts=0)
     defaults.update(kwargs)
-    return ESConfig(**defaults)
+    return ESConfig(**{name: value for name, value in defaults.items() if value is not DEFAULT})
 
 
 def prompts(n=16):
@@ -182,8 +186,7 @@ def test_mean_and_se():
     ({"sigma_target": 1.0}, r"sigma_target must be in \(0, 1\)"),
     ({"sigma_adapt_steps": -1}, "sigma_adapt_steps must be an integer >= 0"),
     ({"sigma_adapt_steps": 2, "sigma": 0.01}, "sigma_adapt_steps=2 needs sigma='auto'"),
-    ({"sigma_calibration_batches": 0}, "sigma_calibration_batches must be an integer >= 1"),
-    ({"sigma_calibration_batches": 2, "sigma": 0.01}, "sigma_calibration_batches=2 needs sigma='auto'"),
+    ({"sigma_calibration_prompts": -1}, "sigma_calibration_prompts must be an integer >= 0"),
     ({"collapse_guard_threshold": -1.0}, "collapse_guard_threshold must be > 0"),
     ({"collapse_guard_patience": 0}, "collapse_guard_patience must be an integer >= 1"),
     ({"collapse_guard_alpha_factor": 0.0}, r"collapse_guard_alpha_factor must be in \(0, 1\]"),
@@ -205,11 +208,12 @@ def test_numeric_sigma_string_is_a_number(tmp_path):
 def test_auto_sigma_is_logged_and_replays_bitwise(tmp_path, tokenizer, backend):
     model = build_llama(tokenizer)
     base = snapshot(model)
-    args = es_args(tmp_path, population_backend=backend)
+    args = es_args(tmp_path, population_backend=backend, sigma_calibration_prompts=DEFAULT)
     trainer = ESTrainer(model, mean_code, args=args, train_dataset=prompts(), processing_class=tokenizer)
     trainer.train()
     header, logged = records(args.output_dir)
-    assert header["sigma"] == "auto" and header["run_settings"]["sigma_target"] == 0.3
+    assert header["sigma"] == "auto" and header["run_settings"]["sigma_target"] == 0.48
+    assert header["run_settings"]["sigma_calibration_prompts"] == 48  # the batch and all 16 prompts (a warning)
     sigmas = {r["sigma"] for r in logged}
     assert len(sigmas) == 1 and trainer.strategy.sigma == sigmas.pop()
     first = logged[0]
@@ -273,8 +277,8 @@ def test_sigma_adapt_steps_recalibrates_from_the_sigma_in_use_and_resumes_bitwis
         other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
 
 
-def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_path, tokenizer, caplog):
-    """sigma_calibration_batches=3: each calibration rolls out its batch and 2 x 4 prompts drawn by
+def test_sigma_calibration_prompts_pools_drawn_prompts_and_resumes_bitwise(tmp_path, tokenizer, caplog):
+    """sigma_calibration_prompts=12: each calibration rolls out its batch (4) and 8 prompts drawn by
     default_rng([seed, step]); the same on resume, and another value is refused there."""
     import numpy as np
 
@@ -286,7 +290,7 @@ def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_p
             seen.extend(prompts)
         return mean_code(completions)
 
-    common = dict(max_steps=4, sigma_adapt_steps=2, sigma_calibration_batches=3, save_strategy="steps",
+    common = dict(max_steps=4, sigma_adapt_steps=2, sigma_calibration_prompts=12, save_strategy="steps",
                   save_steps=2)
     args = es_args(tmp_path / "full", **common)
     full = ESTrainer(build_llama(tokenizer), recorded, args=args, train_dataset=dataset, processing_class=tokenizer)
@@ -297,7 +301,7 @@ def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_p
     batch = set(seen) - drawn  # the first batch (4 prompts) may share prompts with the drawn 8
     assert drawn <= set(seen) and len(set(seen)) <= 12 and len(batch) <= 4
     header, logged = records(args.output_dir)
-    assert header["run_settings"]["sigma_calibration_batches"] == 3
+    assert header["run_settings"]["sigma_calibration_prompts"] == 12
     assert [r["step"] for r in logged if "sigma_probes" in r] == [1, 3]
     # the calibration at iteration 3 draws its own prompts: default_rng([seed, 2])
     assert full.stability.calibration_rows([], 2) == [dataset[int(i)] for i in
@@ -314,44 +318,47 @@ def test_sigma_calibration_batches_pools_drawn_prompts_and_resumes_bitwise(tmp_p
     assert resumed.seed_log.records == logged
     assert_bitwise(snapshot(resumed.model), snapshot(full.model))
     other = ESTrainer(build_llama(tokenizer), recorded, args=es_args(tmp_path / "full", **{
-        **common, "sigma_calibration_batches": 2}), train_dataset=dataset, processing_class=tokenizer)
-    with pytest.raises(ValueError, match=r"sigma_calibration_batches \(checkpoint: 3, this run: 2\)"):
+        **common, "sigma_calibration_prompts": 8}), train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"sigma_calibration_prompts \(checkpoint: 12, this run: 8\)"):
         other.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     # a header written before the setting was logged: its run calibrated on one batch, once
     path = os.path.join(args.output_dir, "checkpoint-2", SEED_LOG_NAME)
     with open(path) as f:
         lines = [json.loads(line) for line in f]
-    for name in ("sigma_calibration_batches", "sigma_adapt_steps"):
+    for name in ("sigma_calibration_prompts", "sigma_adapt_steps"):
         del lines[0]["run_settings"][name]
     with open(path, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
     again = ESTrainer(build_llama(tokenizer), recorded, args=es_args(tmp_path / "full", **common),
                       train_dataset=dataset, processing_class=tokenizer)
     with pytest.raises(ValueError, match=r"sigma_adapt_steps \(checkpoint: 0, this run: 2\); "
-                                         r"sigma_calibration_batches \(checkpoint: 1, this run: 3\)"):
+                                         r"sigma_calibration_prompts \(checkpoint: 0, this run: 12\)"):
         again.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
 
 
-def test_sigma_calibration_batches_draws_at_most_the_dataset(tmp_path, tokenizer, caplog):
+def test_sigma_calibration_prompts_draws_at_most_the_dataset(tmp_path, tokenizer, caplog):
     """More prompts than train_dataset holds: all of its rows, with one warning; an iterable dataset: none."""
     with caplog.at_level("WARNING"):
-        small = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=6),
+        small = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=24),
                           train_dataset=prompts(), processing_class=tokenizer)
-    assert ("sigma_calibration_batches=6 asks sigma='auto' to calibrate on 20 prompts of train_dataset besides the "
+    assert ("sigma_calibration_prompts=24 asks sigma='auto' to calibrate on 20 prompts of train_dataset besides the "
             "iteration's batch, but it has 16 rows: it calibrates on 16 drawn prompts.") in caplog.text
     assert len(small.stability.calibration_rows([], 0)) == 16
     assert small.measure_sigma_effect([0.01])["prompts"] == 20  # the first batch and all 16 rows
     caplog.clear()
     with caplog.at_level("WARNING"):
-        stream = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=2),
+        stream = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=8),
                            train_dataset=prompts().to_iterable_dataset(), processing_class=tokenizer)
     assert "but it is iterable (no length): it calibrates on 0 drawn prompts" in caplog.text
     assert stream.stability.calibration_rows([{"prompt": "x"}], 0) == [{"prompt": "x"}]
     caplog.clear()
     with caplog.at_level("WARNING"):
-        ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_batches=5),
-                  train_dataset=prompts(), processing_class=tokenizer)  # 16 prompts: 4 x 4 drawn
-    assert "sigma_calibration_batches" not in caplog.text
+        exact = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=20),
+                          train_dataset=prompts(), processing_class=tokenizer)  # the batch (4) and all 16 drawn
+        batch_only = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=3),
+                               train_dataset=prompts(), processing_class=tokenizer)  # fewer than the batch
+    assert "sigma_calibration_prompts" not in caplog.text
+    assert len(exact.stability.calibration_rows([], 0)) == 16 and batch_only.stability.calibration_rows([], 0) == []
 
 
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
@@ -451,7 +458,7 @@ def test_auto_sigma_and_guard_on_two_processes_match_one(tmp_path, tiny_model_di
     one, two = records(ref_out), records(tmp_path / "two")
     assert one == two
     assert one[0]["sigma"] == "auto" and "sigma_probes" in one[1][0]
-    assert one[0]["run_settings"]["sigma_calibration_batches"] == 2  # the batch and 4 drawn prompts, as one process
+    assert one[0]["run_settings"]["sigma_calibration_prompts"] == 8  # the batch and 4 drawn prompts, as one process
     assert [r["step"] for r in one[1] if "rollback_to" in r] == [3]  # at 4 the weights are the best state's
     # sigma chosen again every 2 iterations (sigma_adapt_steps) and after the rollback
     assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]
@@ -479,7 +486,7 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
-    assert one[0]["run_settings"]["sigma_calibration_batches"] == 2  # each process rolls out its half of the drawn
+    assert one[0]["run_settings"]["sigma_calibration_prompts"] == 8  # each process rolls out its half of the drawn
     assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]  # every 2 iterations, after the rollback
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(ref_out / "model"))
 
@@ -497,7 +504,7 @@ def test_measure_sigma_effect_leaves_the_model_and_sigma_as_they_were(tmp_path, 
     measured = trainer.measure_sigma_effect([1e-5, 1.0])
     assert measured["effects"][0] == [1e-5, 0.0] and measured["effects"][1][1] == 1.0  # no change, all changed
     assert measured["prompts"] == 4 and measured["members"] == 4
-    assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.3
+    assert 0 < measured["auto"]["sigma"] < 1 and measured["auto"]["target"] == 0.48
     assert trainer.strategy.sigma == 0.02
     assert_bitwise(snapshot(trainer.model), base)
     # a reward differs only where the completion does (the reward is a function of the completion)

@@ -66,7 +66,7 @@ def check_fp16_device(config) -> None:
         "noise_table_size", "population_backend", "noise_rank", "member_chunk_size", "generation_engine",
         "share_prompt_prefix", "anchor_storage", "lean_memory"),
     "Parameters of sigma='auto' and the collapse guard": (
-        "sigma_target", "sigma_adapt_steps", "sigma_calibration_batches", "collapse_guard", "collapse_guard_threshold",
+        "sigma_target", "sigma_adapt_steps", "sigma_calibration_prompts", "collapse_guard", "collapse_guard_threshold",
         "collapse_guard_patience", "collapse_guard_alpha_factor"),
     "Parameters that control generation acceleration powered by vLLM": (
         "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
@@ -206,10 +206,10 @@ class ESConfig(_BaseConfig):
                   "holds the sigma it used."},
     )
     sigma_target: float = field(
-        default=0.3,
-        metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the calibrating "
-                  "batch that differ from the unperturbed model's, in (0, 1). 0.3 reproduces the main job's tuned "
-                  "sigma (5e-3 with rank-1 members on SmolLM2-135M)."},
+        default=0.48,
+        metadata={"help": "sigma='auto': the fraction of (member, prompt) greedy completions on the calibration's "
+                  "prompts that differ from the unperturbed model's, in (0, 1). 0.48: the effect of the main job's "
+                  "tuned sigma (5e-3, rank-1 members, SmolLM2-135M) over the first batches of 3 training seeds."},
     )
     sigma_adapt_steps: int = field(
         default=0,
@@ -217,13 +217,13 @@ class ESConfig(_BaseConfig):
                   "the current weights, starting from the sigma in use (0: at the first iteration and after a "
                   "rollback only). >= 0."},
     )
-    sigma_calibration_batches: int = field(
-        default=1,
-        metadata={"help": "sigma='auto': prompt batches a calibration pools, the iteration's batch and this many - 1 "
-                  "drawn from train_dataset (seeded by seed and the step, the same on every process and on resume). "
-                  "One batch of 12 prompts makes the chosen sigma vary ~2.7x between training seeds "
-                  "(docs/es_trainer.md). An integer >= 1; a smaller train_dataset gives all its rows, an iterable "
-                  "one none."},
+    sigma_calibration_prompts: int = field(
+        default=48,
+        metadata={"help": "sigma='auto': prompts a calibration rolls out, the iteration's batch and the rest drawn "
+                  "from train_dataset (seeded by seed and the step: the same on every process and on resume; a "
+                  "smaller train_dataset gives all its rows, an iterable one none; at most the batch: none drawn). 48 "
+                  "narrows the chosen sigma's spread between training seeds from 2.7x (12 prompts) to 1.3x "
+                  "(docs/es_trainer.md). An integer >= 0."},
     )
     collapse_guard: bool = field(
         default=False,

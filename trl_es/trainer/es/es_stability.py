@@ -2,8 +2,8 @@
 (:mod:`trl_es.es.guard`), both kept in the seed log so that replay, resume, W processes and the vLLM engines agree
 bitwise.
 
-- ``sigma="auto"``: before the first iteration, probes on the first batch (with ``sigma_calibration_batches > 1``
-  and more drawn batches; greedy rollouts of the center and of the first
+- ``sigma="auto"``: before the first iteration, probes on the first batch and prompts drawn from the training set up
+  to ``sigma_calibration_prompts`` (greedy rollouts of the center and of the first
   :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
   again (from the sigma in use) on the batch after a rollback and every ``sigma_adapt_steps`` iterations; every
   record holds the sigma its members were scored at (``sigma``), a calibrating record also the probes
@@ -52,13 +52,13 @@ class ESStability:
         self.trainer = trainer
 
     def add_settings(self, header: dict) -> None:
-        """Add ``sigma_target``, ``sigma_adapt_steps`` and ``sigma_calibration_batches`` (with ``sigma="auto"``) and
+        """Add ``sigma_target``, ``sigma_adapt_steps`` and ``sigma_calibration_prompts`` (with ``sigma="auto"``) and
         the guard's settings (with ``collapse_guard``) to the seed-log header's ``run_settings``, which a resume
         compares."""
         args, settings = self.trainer.args, header["run_settings"]
         if args.sigma == SIGMA_AUTO:  # the header's sigma is "auto"; each record holds the sigma it used
             settings.update(sigma_target=args.sigma_target, sigma_adapt_steps=args.sigma_adapt_steps,
-                            sigma_calibration_batches=args.sigma_calibration_batches)
+                            sigma_calibration_prompts=args.sigma_calibration_prompts)
         if args.collapse_guard:
             settings.update({name: getattr(args, name) for name in GUARD_SETTINGS})
 
@@ -68,7 +68,7 @@ class ESStability:
         not hold (written by a version without them): the defaults of that version, so a resume compares them too."""
         if "sigma_target" not in settings:  # a fixed sigma, or no sigma="auto" settings logged at all
             return {}
-        return {"sigma_adapt_steps": 0, "sigma_calibration_batches": 1}
+        return {"sigma_adapt_steps": 0, "sigma_calibration_prompts": 0}  # 0: the batch only
 
     # ------------------------------------------------------------------ sigma="auto"
     def prepare_sigma(self, rows: list[dict], step: int) -> dict:
@@ -125,10 +125,10 @@ class ESStability:
 
     def calibration_rows(self, rows: list[dict], step: int) -> list[dict]:
         """The prompt rows a calibration at iteration ``step`` rolls out: ``rows`` (the iteration's) and
-        ``(sigma_calibration_batches - 1) x prompt_batch_size`` rows of ``train_dataset`` (at most all of them,
-        :func:`calibration_draws`), drawn without replacement by ``numpy.random.default_rng([seed, step])``, so every
-        process, a replay and a resume draw the same ones. Under ZeRO-3 each process keeps its contiguous share of
-        the drawn rows, as of a batch."""
+        ``sigma_calibration_prompts - prompt_batch_size`` rows of ``train_dataset`` (none below 0, at most all of
+        them: :func:`calibration_draws`), drawn without replacement by ``numpy.random.default_rng([seed, step])``,
+        so every process, a replay and a resume draw the same ones. Under ZeRO-3 each process keeps its contiguous
+        share of the drawn rows, as of a batch."""
         args, dataset = self.trainer.args, self.trainer.train_dataset
         count = calibration_draws(dataset, args)  # fewer than asked from a small dataset, none from an iterable one
         if count == 0:
@@ -275,28 +275,33 @@ class ESStability:
 
 def calibration_draws(train_dataset, args) -> int:
     """The prompts a ``sigma="auto"`` calibration draws from ``train_dataset`` besides its batch
-    (:meth:`ESStability.calibration_rows`): ``(sigma_calibration_batches - 1) x prompt_batch_size``, at most the
+    (:meth:`ESStability.calibration_rows`): ``sigma_calibration_prompts - prompt_batch_size``, at least 0, at most the
     dataset's length; 0 with a fixed sigma or a dataset without a length (an iterable one)."""
     if args.sigma != SIGMA_AUTO or train_dataset is None or not hasattr(train_dataset, "__len__"):
         return 0
-    return min((args.sigma_calibration_batches - 1) * args.prompt_batch_size, len(train_dataset))
+    return min(_asked(args), len(train_dataset))
+
+
+def _asked(args) -> int:
+    """The prompts ``sigma_calibration_prompts`` asks a calibration to draw besides its batch."""
+    return max(0, args.sigma_calibration_prompts - args.prompt_batch_size)
 
 
 def check_calibration_dataset(train_dataset, args) -> None:
-    """Warn once where ``train_dataset`` holds fewer prompts than ``sigma_calibration_batches`` asks to draw: the
+    """Warn once where ``train_dataset`` holds fewer prompts than ``sigma_calibration_prompts`` asks to draw: the
     calibration then draws all of its rows (none from an iterable dataset)."""
-    asked = (args.sigma_calibration_batches - 1) * args.prompt_batch_size
+    asked = _asked(args)
     if args.sigma != SIGMA_AUTO or asked == 0 or (drawn := calibration_draws(train_dataset, args)) == asked:
         return
     where = "it is iterable (no length)" if drawn == 0 else f"it has {drawn} rows"
-    logger.warning(f"sigma_calibration_batches={args.sigma_calibration_batches} asks sigma='auto' to calibrate on "
+    logger.warning(f"sigma_calibration_prompts={args.sigma_calibration_prompts} asks sigma='auto' to calibrate on "
                    f"{asked} prompts of train_dataset besides the iteration's batch, but {where}: it calibrates on "
                    f"{drawn} drawn prompts.")
 
 
 def stability_field_errors(args) -> list[str]:
     """The errors of ``sigma`` (a number > 0 or ``"auto"``; a numeric string, as a command line gives it, becomes a
-    float) and of ``sigma_target``, ``sigma_adapt_steps``, ``sigma_calibration_batches`` and the ``collapse_guard*``
+    float) and of ``sigma_target``, ``sigma_adapt_steps``, ``sigma_calibration_prompts`` and the ``collapse_guard*``
     fields, each naming the field and its allowed values."""
     errors = []
     sigma = args.sigma
@@ -319,12 +324,10 @@ def stability_field_errors(args) -> list[str]:
     elif every > 0 and sigma != SIGMA_AUTO:
         errors.append(f"sigma_adapt_steps={every} needs sigma='auto' (a fixed sigma is not re-calibrated), got "
                       f"sigma={sigma!r}.")
-    batches = args.sigma_calibration_batches
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-        errors.append(f"sigma_calibration_batches must be an integer >= 1 (prompt batches), got {batches!r}.")
-    elif batches > 1 and sigma != SIGMA_AUTO:
-        errors.append(f"sigma_calibration_batches={batches} needs sigma='auto' (a fixed sigma is not calibrated), got "
-                      f"sigma={sigma!r}.")
+    count = args.sigma_calibration_prompts
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        errors.append(f"sigma_calibration_prompts must be an integer >= 0 (prompts; at most the batch: none drawn), "
+                      f"got {count!r}.")
     if not isinstance(args.collapse_guard_threshold, (int, float)) or not args.collapse_guard_threshold > 0:
         errors.append(f"collapse_guard_threshold must be > 0 (standard errors), got {args.collapse_guard_threshold!r}.")
     patience = args.collapse_guard_patience

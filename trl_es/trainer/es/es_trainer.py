@@ -162,7 +162,7 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
         train_dataset = self.agents.train_dataset(train_dataset, args)
         validate_dataset(train_dataset, "train_dataset", prompt_required=self.agents.prompt_required)
-        check_calibration_dataset(train_dataset, args)  # sigma_calibration_batches > 1 draws prompts from it
+        check_calibration_dataset(train_dataset, args)  # sigma_calibration_prompts draws prompts from it
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
             train_dataset = SharedStream(train_dataset)
