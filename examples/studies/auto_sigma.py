@@ -3,9 +3,10 @@ guard").
 
 Three subcommands, each resumable (a finished arm's ``results.json`` is kept, rerunning the command continues):
 
-- ``effect``: the effect of sigma on the first batch, before any step: for each sigma, the fraction of (member,
-  prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ from the unperturbed model's (and of
-  their rewards that differ), and the sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``
+- ``effect``: the effect of sigma on the first calibration's prompts (the first batch and the prompts drawn up to
+  ``sigma_calibration_prompts``; ``--extra "--sigma_calibration_prompts 0"``: the batch alone), before any step: for
+  each sigma, the fraction of (member, prompt) greedy completions of the first ``PROBE_MEMBERS`` members that differ
+  from the unperturbed model's (and of their rewards that differ), and the sigma that ``sigma="auto"`` picks. Writes ``<output_dir>/effect_<setting>.json``
   (training seed 0; ``effect_<setting>_seed<k>.json`` for the others of ``--seeds``); with ``--model <a trained arm's
   folder>``, the same measure on that arm's final weights (the same first batch and probe members), written to
   ``<folder>/effect.json`` (``effect_seed<k>.json``): whether the effect of a sigma drifts as the run trains.
@@ -70,7 +71,7 @@ def effect(args) -> dict:
     for seed in args.seeds:  # the training seed: the first batch and the probe members
         argv = ["--config", args.recipe, *SETTINGS[args.setting], "--output_dir", os.path.join(args.output_dir, "tmp"),
                 "--sigma", "auto", "--task_seed", str(args.seed), "--seed", str(seed), "--report_to", "none",
-                "--eval_strategy", "no", "--sigma_target", str(args.sigma_target),
+                "--eval_strategy", "no", *(["--sigma_target", str(args.sigma_target)] if args.sigma_target else []),
                 *(["--model_name_or_path", args.model] if args.model else []), *args.extra.split()]
         task_args, es_args, model_args = parse_train_arguments(argv)
         task, splits = task_splits(task_args)
@@ -389,7 +390,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="effect: the task seed of the first batch.")
     parser.add_argument("--model", default=None,
                         help="effect: measure on these weights (a trained arm's folder) instead of the recipe's model.")
-    parser.add_argument("--sigma_target", type=float, default=0.3, help="effect: the target of the auto search.")
+    parser.add_argument("--sigma_target", type=float, default=None,
+                        help="effect: the target of the auto search (default: ESConfig's).")
     parser.add_argument("--sigmas", type=float, nargs="+", default=[0.00125, 0.0025, 0.005, 0.01, 0.02])
     parser.add_argument("--max_steps", type=int, default=26)
     parser.add_argument("--num_test", type=int, default=200, help="Test prompts scored after training.")
