@@ -660,6 +660,7 @@ class Agents:
     chat_template: str | None = None  # from prepare_tool_calling
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # tool_counts so far
     active: bool = field(init=False)  # any agent feature given: rollouts go through AgentRollout
+    owns_data: bool = False  # an environment owns the data: the train dataset is placeholder rows (train_dataset)
 
     def __post_init__(self):
         self.active = bool(self.tools) or self.environments is not None or self.rollout_func is not None
@@ -715,7 +716,8 @@ class Agents:
     def train_dataset(self, train_dataset, args):
         """``train_dataset``, or GRPO's placeholder rows when an environment owns the data
         (:func:`environment_placeholder_dataset`)."""
-        if train_dataset is None and self.environments is not None:  # the environment owns the data
+        self.owns_data = train_dataset is None and self.environments is not None
+        if self.owns_data:
             return environment_placeholder_dataset(self.environments, args)
         return train_dataset
 

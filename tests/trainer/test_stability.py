@@ -361,6 +361,35 @@ def test_sigma_calibration_prompts_draws_at_most_the_dataset(tmp_path, tokenizer
     assert len(exact.stability.calibration_rows([], 0)) == 16 and batch_only.stability.calibration_rows([], 0) == []
 
 
+def test_calibration_draws_under_zero3_and_for_an_environment(tmp_path, caplog):
+    """ZeRO-3: the draws are a multiple of the process count (equal shares, together the W=1 draws' first ones); an
+    environment that owns the data: as many placeholder rows as asked, no warning."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from trl_es.trainer.es.es_stability import ESStability
+
+    def stand_in(rank, owns_data=False, rows=20, sharded=True):
+        args = SimpleNamespace(sigma="auto", sigma_calibration_prompts=14, prompt_batch_size=3, seed=0)
+        return SimpleNamespace(args=args, sharded=sharded, train_dataset=[{"prompt": str(i)} for i in range(rows)],
+                               accelerator=SimpleNamespace(num_processes=3, process_index=rank),
+                               agents=SimpleNamespace(owns_data=owns_data))
+
+    with caplog.at_level("WARNING"):
+        shares = [ESStability(stand_in(rank)) for rank in range(3)]
+    assert [s.draws for s in shares] == [9, 9, 9]
+    assert ("asks sigma='auto' to calibrate on 11 prompts of train_dataset besides the iteration's batch, but its 3 "
+            "ZeRO-3 processes roll out equal shares: it calibrates on 9 drawn prompts.") in caplog.text
+    drawn = [row["prompt"] for s in shares for row in s.calibration_rows([], 0)]
+    assert drawn == [str(i) for i in np.random.default_rng([0, 0]).choice(20, size=9, replace=False)]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        environment = ESStability(stand_in(0, owns_data=True, rows=3, sharded=False))  # (agents refuse ZeRO-3)
+    assert environment.draws == 11 and not caplog.text  # 11 asked from 3 placeholder rows
+    assert environment.calibration_rows([{"prompt": "b"}], 0) == [{"prompt": "b"}] + [{"prompt": "0"}] * 11
+
+
 @pytest.mark.parametrize("backend", ["sequential", "batched_lowrank"])
 def test_guard_rolls_back_a_made_up_collapse_and_replays_bitwise(tmp_path, tokenizer, caplog, backend):
     model = build_llama(tokenizer)

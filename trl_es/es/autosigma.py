@@ -4,10 +4,11 @@ The effect of a sigma is the fraction of (member, completion) pairs whose greedy
 center's (the unperturbed model's) on the same prompts: 0 when the members decode as the center does, 1 when every
 completion changed. It means the same on every backend and model, where the number sigma does not (full-rank noise
 in place moves a model more than rank-1 members at the same sigma). :class:`SigmaSearch` finds the sigma whose effect
-is ``target`` from a few probes on the first batch: it brackets the target by factors of :data:`BRACKET_FACTOR` from
-:data:`START_SIGMA` (a re-calibration: from the sigma in use), halves the bracket geometrically, and interpolates
-``log sigma`` linearly between the bracket's ends. Every step is a function of the measured counts only, so every
-process that sees the same counts (all-reduced) picks the same sigma. Nothing here imports TRL.
+is ``target`` from a few probes on the calibration's prompts (the first batch and drawn ones): it brackets the target
+by factors of :data:`BRACKET_FACTOR` from :data:`START_SIGMA` (a re-calibration: from the sigma in use), halves the
+bracket geometrically, and interpolates ``log sigma`` linearly between the bracket's ends. Every step is a function
+of the measured counts only, so every process that sees the same counts (all-reduced) picks the same sigma. Nothing
+here imports TRL.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ bitwise.
 - ``sigma="auto"``: before the first iteration, probes on the first batch and prompts drawn from the training set up
   to ``sigma_calibration_prompts`` (greedy rollouts of the center and of the first
   :data:`~trl_es.es.autosigma.PROBE_MEMBERS` members) pick the sigma whose effect is ``sigma_target``, and
-  again (from the sigma in use) on the batch after a rollback and every ``sigma_adapt_steps`` iterations; every
+  again (from the sigma in use; that iteration's batch and its own draws) after a rollback and every
+  ``sigma_adapt_steps`` iterations; every
   record holds the sigma its members were scored at (``sigma``), a calibrating record also the probes
   (``sigma_probes``) and the effect measured at the chosen sigma (``sigma_effect``). A resumed run reads sigma from
   the log.
@@ -50,6 +51,28 @@ class ESStability:
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.draws = self._calibration_draws()  # prompts a calibration draws besides its batch (all processes)
+
+    def _calibration_draws(self) -> int:
+        """``sigma_calibration_prompts - prompt_batch_size`` (at least 0), and with one warning fewer: at most
+        ``train_dataset``'s rows (none from an iterable dataset), under ZeRO-3 a multiple of the process count (each
+        process rolls out an equal share). Placeholder rows of an environment that owns the data are not capped."""
+        args, trainer = self.trainer.args, self.trainer
+        asked = max(0, args.sigma_calibration_prompts - args.prompt_batch_size) if args.sigma == SIGMA_AUTO else 0
+        processes = trainer.accelerator.num_processes if trainer.sharded else 1
+        dataset = trainer.train_dataset
+        available = asked if trainer.agents.owns_data else len(dataset) if hasattr(dataset, "__len__") else 0
+        capped = min(asked, available)
+        draws = capped - capped % processes
+        why = ["it is iterable (no length)" if not hasattr(dataset, "__len__") else f"it has {available} rows"
+               ] if capped < asked else []
+        if draws < capped:
+            why.append(f"its {processes} ZeRO-3 processes roll out equal shares")
+        if why:
+            logger.warning(f"sigma_calibration_prompts={args.sigma_calibration_prompts} asks sigma='auto' to calibrate "
+                           f"on {asked} prompts of train_dataset besides the iteration's batch, but {' and '.join(why)}"
+                           f": it calibrates on {draws} drawn prompts.")
+        return draws
 
     def add_settings(self, header: dict) -> None:
         """Add ``sigma_target``, ``sigma_adapt_steps`` and ``sigma_calibration_prompts`` (with ``sigma="auto"``) and
@@ -125,16 +148,16 @@ class ESStability:
 
     def calibration_rows(self, rows: list[dict], step: int) -> list[dict]:
         """The prompt rows a calibration at iteration ``step`` rolls out: ``rows`` (the iteration's) and
-        ``sigma_calibration_prompts - prompt_batch_size`` rows of ``train_dataset`` (none below 0, at most all of
-        them: :func:`calibration_draws`), drawn without replacement by ``numpy.random.default_rng([seed, step])``,
-        so every process, a replay and a resume draw the same ones. Under ZeRO-3 each process keeps its contiguous
-        share of the drawn rows, as of a batch."""
-        args, dataset = self.trainer.args, self.trainer.train_dataset
-        count = calibration_draws(dataset, args)  # fewer than asked from a small dataset, none from an iterable one
+        :attr:`draws` rows of ``train_dataset`` (the batch may hold some of them too), drawn without replacement by
+        ``numpy.random.default_rng([seed, step])``, so every process, a replay and a resume draw the same ones.
+        Under ZeRO-3 each process keeps its contiguous share of the drawn rows, as of a batch."""
+        args, dataset, count = self.trainer.args, self.trainer.train_dataset, self.draws
         if count == 0:
             return list(rows)
+        if self.trainer.agents.owns_data:  # the environment gives each row's task: more placeholder rows
+            return list(rows) + [dataset[0]] * count
         drawn = np.random.default_rng([args.seed, step]).choice(len(dataset), size=count, replace=False)
-        if self.trainer.sharded:  # equal shares (a remainder of a small dataset is left out)
+        if self.trainer.sharded:  # equal shares (self.draws is a multiple of the process count)
             share = count // self.trainer.accelerator.num_processes
             drawn = drawn[self.trainer.accelerator.process_index * share:][:share]
         return list(rows) + [dataset[int(i)] for i in drawn]
@@ -271,32 +294,6 @@ class ESStability:
         self.trainer._metrics["es/rollbacks"].append(float(guard.rollbacks))
         told = self.trainer._tell(members, fitness, learning_rate * guard.alpha_scale)
         return told, members, extra, told.coefficients
-
-
-def calibration_draws(train_dataset, args) -> int:
-    """The prompts a ``sigma="auto"`` calibration draws from ``train_dataset`` besides its batch
-    (:meth:`ESStability.calibration_rows`): ``sigma_calibration_prompts - prompt_batch_size``, at least 0, at most the
-    dataset's length; 0 with a fixed sigma or a dataset without a length (an iterable one)."""
-    if args.sigma != SIGMA_AUTO or train_dataset is None or not hasattr(train_dataset, "__len__"):
-        return 0
-    return min(_asked(args), len(train_dataset))
-
-
-def _asked(args) -> int:
-    """The prompts ``sigma_calibration_prompts`` asks a calibration to draw besides its batch."""
-    return max(0, args.sigma_calibration_prompts - args.prompt_batch_size)
-
-
-def check_calibration_dataset(train_dataset, args) -> None:
-    """Warn once where ``train_dataset`` holds fewer prompts than ``sigma_calibration_prompts`` asks to draw: the
-    calibration then draws all of its rows (none from an iterable dataset)."""
-    asked = _asked(args)
-    if args.sigma != SIGMA_AUTO or asked == 0 or (drawn := calibration_draws(train_dataset, args)) == asked:
-        return
-    where = "it is iterable (no length)" if drawn == 0 else f"it has {drawn} rows"
-    logger.warning(f"sigma_calibration_prompts={args.sigma_calibration_prompts} asks sigma='auto' to calibrate on "
-                   f"{asked} prompts of train_dataset besides the iteration's batch, but {where}: it calibrates on "
-                   f"{drawn} drawn prompts.")
 
 
 def stability_field_errors(args) -> list[str]:

@@ -36,7 +36,7 @@ from .es_checkpoint import ESCheckpointMixin, run_settings
 from .es_config import ESConfig
 from .es_distributed_setup import ESDistributedMixin
 from .es_metrics import drift_metrics, drift_sums, iteration_metrics, warn_invalid_rewards
-from .es_stability import ESStability, check_calibration_dataset
+from .es_stability import ESStability
 
 
 logger = logging.get_logger(__name__)
@@ -162,7 +162,6 @@ class ESTrainer(ESCheckpointMixin, ESDistributedMixin, _BaseTrainer):
         # Data (an environment may own it: empty prompts, max_steps sets the length, as in GRPO)
         train_dataset = self.agents.train_dataset(train_dataset, args)
         validate_dataset(train_dataset, "train_dataset", prompt_required=self.agents.prompt_required)
-        check_calibration_dataset(train_dataset, args)  # sigma_calibration_prompts draws prompts from it
         if train_dataset is not None and not hasattr(train_dataset, "__len__"):
             self._check_iterable_train_dataset(args)
             train_dataset = SharedStream(train_dataset)
