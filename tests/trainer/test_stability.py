@@ -357,7 +357,10 @@ def test_sigma_calibration_prompts_draws_at_most_the_dataset(tmp_path, tokenizer
                           train_dataset=prompts(), processing_class=tokenizer)  # the batch (4) and all 16 drawn
         batch_only = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=3),
                                train_dataset=prompts(), processing_class=tokenizer)  # fewer than the batch
-    assert "sigma_calibration_prompts" not in caplog.text
+    with caplog.at_level("WARNING"):
+        evaluate_only = ESTrainer(build_llama(tokenizer), mean_code, args=es_args(tmp_path, sigma_calibration_prompts=8),
+                                  processing_class=tokenizer)  # no train_dataset: nothing to draw, nothing to warn
+    assert "sigma_calibration_prompts" not in caplog.text and evaluate_only.stability.draws == 0
     assert len(exact.stability.calibration_rows([], 0)) == 16 and batch_only.stability.calibration_rows([], 0) == []
 
 

@@ -61,6 +61,8 @@ class ESStability:
         asked = max(0, args.sigma_calibration_prompts - args.prompt_batch_size) if args.sigma == SIGMA_AUTO else 0
         processes = trainer.accelerator.num_processes if trainer.sharded else 1
         dataset = trainer.train_dataset
+        if dataset is None:  # nothing to train on (evaluate only): no calibration runs
+            return 0
         available = asked if trainer.agents.owns_data else len(dataset) if hasattr(dataset, "__len__") else 0
         capped = min(asked, available)
         draws = capped - capped % processes
@@ -323,8 +325,8 @@ def stability_field_errors(args) -> list[str]:
                       f"sigma={sigma!r}.")
     count = args.sigma_calibration_prompts
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        errors.append(f"sigma_calibration_prompts must be an integer >= 0 (prompts; at most the batch: none drawn), "
-                      f"got {count!r}.")
+        errors.append(f"sigma_calibration_prompts must be an integer >= 0 (the prompts a sigma='auto' calibration "
+                      f"rolls out; at most prompt_batch_size: the batch alone), got {count!r}.")
     if not isinstance(args.collapse_guard_threshold, (int, float)) or not args.collapse_guard_threshold > 0:
         errors.append(f"collapse_guard_threshold must be > 0 (standard errors), got {args.collapse_guard_threshold!r}.")
     patience = args.collapse_guard_patience
