@@ -83,6 +83,8 @@ def parse_args():
                         help="sigma='auto' (sigma_adapt_steps 2, sigma_calibration_prompts 8) and collapse_guard=True "
                              "(patience 1), with a made-up collapse: the reward drops by 1 from iteration 3 on "
                              "(tests/trainer/test_stability.py).")
+    parser.add_argument("--calibration_prompts", type=int, default=8,
+                        help="--stability: sigma_calibration_prompts (the batch of 4 and 4 drawn; 0: the batch alone).")
     parser.add_argument("--qlora", action="store_true",
                         help="A 4-bit NF4 base (bitsandbytes) with a LoRA adapter on q_proj/v_proj (issue 60).")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
@@ -182,7 +184,7 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         lean: bool = False, backend: str = "sequential", iterable: bool = False, iterable_shards: int = 1,
         vllm: bool = False, sigma: float = 0.02, log_completions: bool = False, plain_config: bool = False,
         environment: bool = False, vllm_servers: list[str] | None = None, stability: bool = False,
-        qlora: bool = False) -> dict:
+        qlora: bool = False, calibration_prompts: int = 8) -> dict:
     """Train, evaluate and save; returns (and writes, on process 0) the ``result.json`` content."""
     extra = {}
     if mode in ("zero2", "zero3"):
@@ -230,7 +232,8 @@ def run(mode: str, model: str, out: str, steps: int = 2, population: int = 4, sa
         extra["resume_from_checkpoint"] = "latest"
     COLLAPSE_AT["step"] = 3 if stability else 0
     if stability:
-        extra.update(collapse_guard=True, collapse_guard_patience=1, sigma_adapt_steps=2, sigma_calibration_prompts=8)
+        extra.update(collapse_guard=True, collapse_guard_patience=1, sigma_adapt_steps=2,
+                     sigma_calibration_prompts=calibration_prompts)
     config = ESConfig(
         output_dir=out,
         max_steps=steps,
@@ -344,7 +347,7 @@ def main():
     run(args.mode, args.model, args.out, args.steps, args.population, args.save_steps, args.eval_size,
         args.skew_rank, args.dtype, args.resume_from, args.lean, args.backend, args.iterable, args.iterable_shards,
         args.vllm, args.sigma, args.log_completions, args.plain_config, args.environment, args.vllm_servers,
-        args.stability, args.qlora)
+        args.stability, args.qlora, args.calibration_prompts)
     # Leave together, then skip the interpreter's teardown: on a loaded machine the C++ destructors of the gloo /
     # DeepSpeed threads sometimes abort at exit ("terminate called without an active exception", SIGABRT) after all
     # the work is done and written, which would fail the launch.

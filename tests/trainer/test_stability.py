@@ -507,13 +507,15 @@ def test_auto_sigma_and_guard_under_zero3_match_one_process(tmp_path, tiny_model
     sys.path.insert(0, os.path.join(TESTS, "trainer"))
     from test_distributed import run_here, torchrun, weights
 
-    ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True, dtype="bfloat16")
+    # the batch alone: the shares of drawn prompts are tested in test_calibration_draws_under_zero3_and_for_an_environment
+    ref_out, _ = run_here(tmp_path / "one", tiny_model_dir, steps=4, stability=True, dtype="bfloat16",
+                          calibration_prompts=0)
     result = torchrun(tmp_path / "zero3", tiny_model_dir, "--mode", "zero3", "--dtype", "bfloat16", "--steps", "4",
-                      "--stability", warm=warm_python)
+                      "--stability", "--calibration_prompts", "0", warm=warm_python)
     assert result["sharded"]
     one, three = records(ref_out), records(tmp_path / "zero3")
     assert one == three and any("rollback_to" in r for r in one[1])
-    assert one[0]["run_settings"]["sigma_calibration_prompts"] == 8  # each process rolls out its half of the drawn
+    assert one[0]["run_settings"]["sigma_calibration_prompts"] == 0
     assert [r["step"] for r in one[1] if "sigma_probes" in r] == [1, 3, 4]  # every 2 iterations, after the rollback
     assert_bitwise(weights(tmp_path / "zero3" / "model"), weights(ref_out / "model"))
 
